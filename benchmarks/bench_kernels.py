@@ -1,0 +1,88 @@
+"""Kernel benchmarks: every fused op beside its plain PyTorch equivalent, in the same run.
+
+    python benchmarks/bench_kernels.py [--quick] [--only PREFIX] [--out DIR]
+
+Each op family has a module in benchmarks/kernels/ with a function `bench(ctx)` that calls
+`ctx.row(...)` once per (op, dtype, shape). Memory-bound rows report GB/s (bytes each input read once
+plus each output written once, over the lsmini time) and the percentage of the device-to-device copy
+bandwidth measured at the start of this run. Results: a table on stdout, kernels.csv and kernels.md
+in --out (default benchmarks/).
+"""
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402
+import kernels  # noqa: E402
+
+COLUMNS = ["row", "dtype", "shape", "lsmini_ms", "torch_ms", "compiled_ms", "speedup", "speedup_compiled",
+           "GB/s", "%copy", "note"]
+
+
+class Context:
+    def __init__(self, quick, only):
+        self.quick = quick
+        self.only = only
+        self.rows = []
+        self.copy_gbs = common.copy_bandwidth_gbs()
+
+    def wanted(self, name):
+        return not self.only or any(name.startswith(p) for p in self.only)
+
+    def row(self, name, dtype, shape, lsmini_fn, torch_fn, nbytes=None, compiled_fn=None, note=""):
+        """Time lsmini_fn beside torch_fn (and compiled_fn if given); nbytes = bytes the op must move."""
+        if not self.wanted(name):
+            return
+        iters = 10 if self.quick else 50
+        ms = common.time_ms(lsmini_fn, warmup=5, iters=iters)
+        t_ms = common.time_ms(torch_fn, warmup=5, iters=iters)
+        c_ms = common.time_ms(compiled_fn, warmup=5, iters=iters) if compiled_fn else None
+        r = {"row": name, "dtype": str(dtype).replace("torch.", ""), "shape": shape, "lsmini_ms": ms,
+             "torch_ms": t_ms, "speedup": t_ms / ms, "note": note}
+        if c_ms is not None:
+            r["compiled_ms"] = c_ms
+            r["speedup_compiled"] = c_ms / ms
+        if nbytes:
+            r["GB/s"] = nbytes / ms / 1e6
+            r["%copy"] = 100.0 * r["GB/s"] / self.copy_gbs
+        self.rows.append(r)
+        print(common.markdown_table([r], COLUMNS).splitlines()[-1], flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (for scripts/check_gpu.sh)")
+    ap.add_argument("--only", nargs="*", default=[], help="row-name prefixes to run")
+    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA device")
+    import lsmini
+
+    if lsmini.backend() != "cuda":
+        sys.exit(f"lsmini backend is {lsmini.backend()!r}: {lsmini.backend().reason}")
+    env = common.environment()
+    ctx = Context(args.quick, args.only)
+    print(f"# {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}; "
+          f"device-to-device copy {ctx.copy_gbs:.0f} GB/s")
+    print("| " + " | ".join(COLUMNS) + " |")
+    for m in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"kernels.{m.name}").bench(ctx)
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    common.write_csv(os.path.join(args.out, "kernels.csv"), ctx.rows, COLUMNS)
+    with open(os.path.join(args.out, "kernels.md"), "w") as f:
+        f.write(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}; "
+                f"copy bandwidth {ctx.copy_gbs:.0f} GB/s\n\n")
+        f.write(common.markdown_table(ctx.rows, COLUMNS) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+/*
+ * common.cuh — device helpers shared by every lsmini kernel.
+ *
+ *   - float conversion for the three element types (float, __half, __nv_bfloat16);
+ *   - 16-byte vector packs (`Pack<T, N>`) for wide, coalesced loads and stores;
+ *   - warp and block reductions in fp32;
+ *   - Philox4x32-10, the counter-based RNG behind every fused dropout.
+ *
+ * Conventions: no torch headers (each kernel file compiles with plain nvcc), launchers return the
+ * cudaError_t of their launch so the binding can raise a Python exception naming the op.
+ */
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+namespace lsmini {
+
+// ---------------------------------------------------------------------------------------------
+// Element conversion. All math happens in fp32; these are the only casts kernels use.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vector packs: N elements of T moved as one aligned load/store (16 bytes when N*sizeof(T) == 16).
+// ---------------------------------------------------------------------------------------------
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// Elements per 16-byte access.
+template <typename T> struct Vec16 { static constexpr int value = 16 / sizeof(T); };
+
+template <typename T, int N>
+__device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
+  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+}
+
+__host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions (fp32). `width` lets a sub-warp group (a power of two ≤ 32) reduce on its own.
+// ---------------------------------------------------------------------------------------------
+template <int WIDTH = 32>
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o, WIDTH);
+  return v;
+}
+
+template <int WIDTH = 32>
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o, WIDTH));
+  return v;
+}
+
+template <int WIDTH = 32>
+__device__ __forceinline__ float2 warp_sum2(float2 v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) {
+    v.x += __shfl_xor_sync(0xffffffffu, v.x, o, WIDTH);
+    v.y += __shfl_xor_sync(0xffffffffu, v.y, o, WIDTH);
+  }
+  return v;
+}
+
+// Sum of a float2 over the threads threadIdx.x ∈ [0, blockDim.x) of row threadIdx.y (blockDim.x a
+// multiple of 32, or ≤ 32). `smem` holds one float2 per warp of the block (≤ 32). Every thread of the
+// block must call it (it syncs when a row spans several warps); the result reaches every thread of the
+// row. Safe to call repeatedly: the first barrier keeps a previous call's readers ahead of the writers.
+__device__ __forceinline__ float2 group_sum2(float2 v, float2* smem) {
+  v = warp_sum2(v);
+  if (blockDim.x <= 32) return v;
+  const int warps_per_row = blockDim.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float2* row_smem = smem + threadIdx.y * warps_per_row;
+  __syncthreads();
+  if (lane == 0) row_smem[warp] = v;
+  __syncthreads();
+  float2 t = make_float2(0.f, 0.f);
+  for (int w = 0; w < warps_per_row; ++w) {
+    t.x += row_smem[w].x;
+    t.y += row_smem[w].y;
+  }
+  return t;
+}
+
+// Block-wide sum / max over all threads of a 1-D block; smem holds ≥ 32 floats. The result is
+// returned to every thread; smem may be reused after the call returns only behind a __syncthreads.
+__device__ __forceinline__ float block_sum(float v, float* smem) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  v = warp_sum(v);
+  if (nwarps == 1) return v;
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? smem[lane] : 0.f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* smem) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = (blockDim.x + 31) / 32;
+  v = warp_max(v);
+  if (nwarps == 1) return v;
+  __syncthreads();
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? smem[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3").
+//
+// Dropout convention shared by every op: element i of a call keyed by (seed, offset) uses word
+// i % 4 of philox(counter = {i/4 lo, i/4 hi, offset lo, offset hi}, key = {seed lo, seed hi}).
+// Forward and backward regenerate the same bits from (seed, offset), so no mask is stored.
+// An element is kept when its 32-bit word is ≥ dropout_threshold(p), i.e. with probability 1 − p.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
+  constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
+  constexpr uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    const uint32_t hi0 = __umulhi(M0, ctr.x), lo0 = M0 * ctr.x;
+    const uint32_t hi1 = __umulhi(M1, ctr.z), lo1 = M1 * ctr.z;
+    ctr = make_uint4(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+    key.x += W0;
+    key.y += W1;
+  }
+  return ctr;
+}
+
+// The four random words for elements [4·group, 4·group + 4).
+__device__ __forceinline__ uint4 dropout_bits(uint64_t seed, uint64_t offset, uint64_t group) {
+  const uint4 ctr = make_uint4(static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32),
+                               static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32));
+  return philox4x32_10(ctr, make_uint2(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)));
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& r, int k) {
+  return k == 0 ? r.x : k == 1 ? r.y : k == 2 ? r.z : r.w;
+}
+
+// keep ⇔ word ≥ threshold. p = 0 gives threshold 0: every element kept, exactly.
+__host__ __device__ __forceinline__ uint32_t dropout_threshold(float p) {
+  const double t = static_cast<double>(p) * 4294967296.0;
+  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
+}
+
+// Keep mask of N consecutive elements starting at `first` (first % 4 == 0 and N % 4 == 0, or N < 4
+// with first + N within one group of four): bit j set ⇔ element first + j is kept.
+template <int N>
+__device__ __forceinline__ uint32_t dropout_keep_bits(uint64_t seed, uint64_t offset, uint64_t first,
+                                                      uint32_t threshold) {
+  uint32_t bits = 0;
+  if (N >= 4) {
+#pragma unroll
+    for (int g = 0; g < N / 4; ++g) {
+      const uint4 r = dropout_bits(seed, offset, first / 4 + g);
+      bits |= (uint32_t(r.x >= threshold) | uint32_t(r.y >= threshold) << 1 |
+               uint32_t(r.z >= threshold) << 2 | uint32_t(r.w >= threshold) << 3)
+              << (4 * g);
+    }
+  } else {
+    const uint4 r = dropout_bits(seed, offset, first / 4);
+#pragma unroll
+    for (int j = 0; j < N; ++j) bits |= uint32_t(word_of(r, int((first + j) % 4)) >= threshold) << j;
+  }
+  return bits;
+}
+
+// Single element (slow paths and tails).
+__device__ __forceinline__ bool dropout_keep(uint64_t seed, uint64_t offset, uint64_t i, uint32_t threshold) {
+  return word_of(dropout_bits(seed, offset, i / 4), int(i % 4)) >= threshold;
+}
+
+// Multiprocessor count of the current device, for sizing persistent grids.
+inline int sm_count() {
+  int dev = 0, n = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  return n > 0 ? n : 1;
+}
+
+}  // namespace lsmini

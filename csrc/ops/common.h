@@ -1,0 +1,81 @@
+// Shared by every binding in csrc/ops: argument checks with readable messages, dtype dispatch to
+// the kernels' element types, the current stream, launch-error reporting, Philox seeds from torch's
+// CUDA generator, and the registration hook that puts each family's functions into lsmini._C.
+#pragma once
+
+#include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <vector>
+
+namespace lsmini {
+
+// ---- registration: each csrc/ops/<family>.cpp adds its functions with LSMINI_REGISTER_OPS ----
+using Registrar = void (*)(pybind11::module_&);
+std::vector<Registrar>& registrars();
+struct RegisterOps {
+  explicit RegisterOps(Registrar r) { registrars().push_back(r); }
+};
+#define LSMINI_REGISTER_OPS(fn) static ::lsmini::RegisterOps lsmini_register_##fn(fn)
+
+// ---- checks ----
+inline void check_cuda(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got a tensor on ", t.device());
+}
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name,
+                              const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+              ref.device());
+}
+
+inline void check_float_dtype(const at::Tensor& t, const char* op, const char* name) {
+  const auto s = t.scalar_type();
+  TORCH_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, op, ": ", name,
+              " must be float32, float16 or bfloat16, got ", s);
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType expected, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == expected, op, ": ", name, " must be ", expected, ", got ", t.scalar_type());
+}
+
+inline void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* op, const char* name) {
+  TORCH_CHECK(t.sizes() == expected, op, ": ", name, " must have shape ", expected, ", got ", t.sizes());
+}
+
+// ---- launch errors ----
+inline void check_launch(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// ---- dtype dispatch: at::ScalarType -> kernel element type ----
+template <typename T> struct KernelType;
+template <> struct KernelType<float> { using type = float; };
+template <> struct KernelType<at::Half> { using type = __half; };
+template <> struct KernelType<at::BFloat16> { using type = __nv_bfloat16; };
+
+template <typename T>
+inline auto kptr(const at::Tensor& t) {
+  using K = typename KernelType<T>::type;
+  return reinterpret_cast<K*>(t.data_ptr<T>());
+}
+
+// Calls f(scalar_t{}) with scalar_t ∈ {float, at::Half, at::BFloat16}.
+template <typename F>
+inline void dispatch_float(at::ScalarType s, const char* op, F&& f) {
+  switch (s) {
+    case at::kFloat: f(float{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", s, " (expected float32, float16 or bfloat16)");
+  }
+}
+
+}  // namespace lsmini

@@ -1,0 +1,147 @@
+// LayerNorm bindings: layernorm_fwd / layernorm_bwd (kernels in csrc/kernels/layernorm.cu).
+#include "common.h"
+#include "layernorm.h"
+
+namespace lsmini {
+namespace {
+
+// weight/bias: float32 or x's dtype, both the same when both are given.
+at::ScalarType param_dtype(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                           const c10::optional<at::Tensor>& bias, const char* op) {
+  const int64_t hidden = x.size(-1);
+  at::ScalarType pt = x.scalar_type();
+  bool seen = false;
+  for (const auto* p : {&weight, &bias}) {
+    if (!p->has_value()) continue;
+    const char* name = p == &weight ? "weight" : "bias";
+    const at::Tensor& t = p->value();
+    check_cuda(t, op, name);
+    check_same_device(t, x, op, name, "x");
+    check_shape(t, {hidden}, op, name);
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == x.scalar_type(), op, ": ", name,
+                " must be float32 or the dtype of x (", x.scalar_type(), "), got ", t.scalar_type());
+    TORCH_CHECK(!seen || t.scalar_type() == pt, op, ": weight and bias must have the same dtype, got ",
+                weight->scalar_type(), " and ", t.scalar_type());
+    pt = t.scalar_type();
+    seen = true;
+  }
+  return pt;
+}
+
+void check_x(const at::Tensor& x, const char* op, const char* name) {
+  check_cuda(x, op, name);
+  check_float_dtype(x, op, name);
+  TORCH_CHECK(x.dim() == 2, op, ": ", name, " must be 2-D [rows, hidden], got ", x.dim(), " dims");
+  TORCH_CHECK(x.size(1) >= 1 && x.size(1) <= kLayerNormMaxHidden, op, ": hidden size must be in [1, ",
+              kLayerNormMaxHidden, "], got ", x.size(1));
+}
+
+template <typename W>
+const W* opt_ptr(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? reinterpret_cast<const W*>(t->data_ptr()) : nullptr;
+}
+
+std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
+                                      const c10::optional<at::Tensor>& bias_in, double eps) {
+  const char* op = "layernorm_fwd";
+  check_x(x_in, op, "x");
+  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  const at::ScalarType pt = param_dtype(x_in, weight_in, bias_in, op);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  c10::optional<at::Tensor> weight, bias;
+  if (weight_in) weight = weight_in->contiguous();
+  if (bias_in) bias = bias_in->contiguous();
+  const int64_t rows = x.size(0);
+  const int hidden = static_cast<int>(x.size(1));
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  dispatch_float(x.scalar_type(), op, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using K = typename KernelType<scalar_t>::type;
+    cudaError_t err;
+    if (pt == at::kFloat) {
+      err = launch_layernorm_fwd<K, float>(kptr<scalar_t>(x), opt_ptr<float>(weight), opt_ptr<float>(bias),
+                                           kptr<scalar_t>(y), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows,
+                                           hidden, static_cast<float>(eps), current_stream());
+    } else {
+      err = launch_layernorm_fwd<K, K>(kptr<scalar_t>(x), opt_ptr<K>(weight), opt_ptr<K>(bias), kptr<scalar_t>(y),
+                                       mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, hidden,
+                                       static_cast<float>(eps), current_stream());
+    }
+    check_launch(err, op);
+  });
+  return {y, mean, rstd};
+}
+
+// Returns (dx, dweight or None, dbias or None). bias is only read for its presence and dtype.
+std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                                     const c10::optional<at::Tensor>& weight_in,
+                                                     const c10::optional<at::Tensor>& bias,
+                                                     const at::Tensor& mean, const at::Tensor& rstd) {
+  const char* op = "layernorm_bwd";
+  check_x(x_in, op, "x");
+  check_cuda(dy_in, op, "dy");
+  check_same_device(dy_in, x_in, op, "dy", "x");
+  check_dtype(dy_in, x_in.scalar_type(), op, "dy");
+  check_shape(dy_in, x_in.sizes(), op, "dy");
+  const int64_t rows = x_in.size(0);
+  for (const auto* p : {&mean, &rstd}) {
+    const char* name = p == &mean ? "mean" : "rstd";
+    check_cuda(*p, op, name);
+    check_same_device(*p, x_in, op, name, "x");
+    check_dtype(*p, at::kFloat, op, name);
+    check_shape(*p, {rows}, op, name);
+  }
+  const at::ScalarType pt = param_dtype(x_in, weight_in, bias, op);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous(), dy = dy_in.contiguous();
+  const at::Tensor m = mean.contiguous(), r = rstd.contiguous();
+  c10::optional<at::Tensor> weight;
+  if (weight_in) weight = weight_in->contiguous();
+  const int hidden = static_cast<int>(x.size(1));
+  const at::TensorOptions popt = x.options().dtype(pt);
+
+  at::Tensor dx = at::empty_like(x);
+  c10::optional<at::Tensor> dweight, dbias;
+  if (weight) dweight = at::empty({hidden}, popt);
+  if (bias) dbias = at::empty({hidden}, popt);
+  at::Tensor partials;
+  if (dweight || dbias)
+    partials = at::empty({2 * layernorm_bwd_partial_rows(rows), hidden}, x.options().dtype(at::kFloat));
+  float* part_ptr = partials.defined() ? partials.data_ptr<float>() : nullptr;
+
+  dispatch_float(x.scalar_type(), op, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using K = typename KernelType<scalar_t>::type;
+    cudaError_t err;
+    if (pt == at::kFloat) {
+      auto out = [](c10::optional<at::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; };
+      err = launch_layernorm_bwd<K, float>(kptr<scalar_t>(dy), kptr<scalar_t>(x), opt_ptr<float>(weight),
+                                           m.data_ptr<float>(), r.data_ptr<float>(), kptr<scalar_t>(dx),
+                                           out(dweight), out(dbias), part_ptr, rows, hidden, current_stream());
+    } else {
+      auto out = [](c10::optional<at::Tensor>& t) { return t ? reinterpret_cast<K*>(t->data_ptr()) : nullptr; };
+      err = launch_layernorm_bwd<K, K>(kptr<scalar_t>(dy), kptr<scalar_t>(x), opt_ptr<K>(weight),
+                                       m.data_ptr<float>(), r.data_ptr<float>(), kptr<scalar_t>(dx), out(dweight),
+                                       out(dbias), part_ptr, rows, hidden, current_stream());
+    }
+    check_launch(err, op);
+  });
+  return {dx, dweight, dbias};
+}
+
+void register_layernorm(pybind11::module_& m) {
+  m.def("layernorm_fwd", &layernorm_fwd, "LayerNorm forward: (y, mean, rstd)", pybind11::arg("x"),
+        pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"));
+  m.def("layernorm_bwd", &layernorm_bwd, "LayerNorm backward: (dx, dweight, dbias)", pybind11::arg("dy"),
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("mean"),
+        pybind11::arg("rstd"));
+}
+
+}  // namespace
+
+LSMINI_REGISTER_OPS(register_layernorm);
+
+}  // namespace lsmini

@@ -1,0 +1,81 @@
+"""Which implementation lsmini's ops run: the compiled CUDA kernels or their PyTorch references.
+
+The extension ``lsmini._C`` is built at install time where a CUDA build of torch and nvcc exist
+(``pip install --no-build-isolation -e .``). Without it every op runs its pure-PyTorch reference, on
+any device. ``LSMINI_FORCE_REFERENCE=1`` forces the reference path even when the kernels are there;
+it is read at every call, so tests and debugging sessions can flip it.
+"""
+import importlib.util
+import os
+import warnings
+
+import torch
+
+if importlib.util.find_spec("lsmini._C") is None:  # the pure-Python install
+    _C, _IMPORT_ERROR = None, "not built: this is the pure-Python install"
+else:
+    try:
+        from lsmini import _C
+        _IMPORT_ERROR = None
+    except ImportError as e:  # built, but does not load (e.g. built against another torch)
+        _C, _IMPORT_ERROR = None, f"it does not load: {e}"
+
+BUILD_HINT = "build it with `pip install --no-build-isolation -e .` on a machine with nvcc and a CUDA build of torch"
+
+
+class Backend(str):
+    """``"cuda"`` or ``"reference"``; ``.reason`` says why."""
+
+    def __new__(cls, name, reason):
+        obj = super().__new__(cls, name)
+        obj.reason = reason
+        return obj
+
+    def __repr__(self):
+        return f"Backend({str(self)!r}, reason={self.reason!r})"
+
+
+def force_reference():
+    return os.environ.get("LSMINI_FORCE_REFERENCE", "0") not in ("", "0")
+
+
+def backend():
+    """Report the active backend and why: ``lsmini.backend() == "cuda"``, ``lsmini.backend().reason``."""
+    if force_reference():
+        return Backend("reference", "LSMINI_FORCE_REFERENCE is set")
+    if _C is None:
+        return Backend("reference", f"the CUDA extension lsmini._C is {_IMPORT_ERROR}; {BUILD_HINT}")
+    if not torch.cuda.is_available():
+        return Backend("reference", "lsmini._C is built but no CUDA device is available")
+    return Backend("cuda", "lsmini._C is built and a CUDA device is available")
+
+
+_warned_missing = False
+
+
+def use_kernels(*tensors):
+    """True when the op should run its CUDA kernel: the extension is there, the reference path is not
+    forced, and every given tensor (None ignored) lives on a CUDA device."""
+    if not all(t is None or t.is_cuda for t in tensors):
+        return False
+    if force_reference():
+        return False
+    if _C is None:
+        global _warned_missing
+        if not _warned_missing:
+            _warned_missing = True
+            warnings.warn(f"lsmini: CUDA tensors but no compiled kernels, using the PyTorch reference path; {BUILD_HINT}")
+        return False
+    return True
+
+
+def ext():
+    """The compiled extension module; raises a clear error when it is missing."""
+    if _C is None:
+        raise RuntimeError(f"lsmini: the CUDA extension lsmini._C is {_IMPORT_ERROR}; {BUILD_HINT}")
+    return _C
+
+
+def philox_seed_offset():
+    """(seed, offset) for one fused dropout call, from torch's CUDA generator of the current device."""
+    return ext().philox_seed_offset()

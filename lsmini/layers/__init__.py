@@ -1,0 +1,2 @@
+"""nn.Modules built from lsmini's fused ops and torch GEMMs."""
+from lsmini.layers.layernorm import LayerNorm

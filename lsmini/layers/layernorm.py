@@ -1,0 +1,47 @@
+import numbers
+
+import torch
+from torch import nn
+
+from lsmini.ops.layernorm import layer_norm
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for ``torch.nn.LayerNorm`` over the last dimension, on lsmini's fused kernel.
+
+    Same constructor, parameter names (``weight``, ``bias``) and state_dict as torch's module.
+    Input [..., hidden] → output of the same shape and dtype. Only the last dimension can be
+    normalized (the fused kernel works on rows).
+    """
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (int(normalized_shape),)
+        normalized_shape = tuple(normalized_shape)
+        if len(normalized_shape) != 1:
+            raise ValueError(f"LayerNorm: lsmini normalizes the last dimension only; normalized_shape must "
+                             f"have one entry, got {normalized_shape}")
+        if normalized_shape[0] <= 0:
+            raise ValueError(f"LayerNorm: normalized_shape must be positive, got {normalized_shape}")
+        self.normalized_shape = normalized_shape
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        kw = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(normalized_shape, **kw))
+        else:
+            self.register_parameter("weight", None)
+        if elementwise_affine and bias:
+            self.bias = nn.Parameter(torch.zeros(normalized_shape, **kw))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):
+        if x.shape[-1:] != self.normalized_shape:
+            raise ValueError(f"LayerNorm: expected input with last dimension {self.normalized_shape[0]}, "
+                             f"got shape {tuple(x.shape)}")
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -1,0 +1,1 @@
+"""Optimizers over a contiguous parameter workspace."""

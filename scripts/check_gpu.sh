@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# On a CUDA machine: build the extension, run the whole test suite (failing if any CUDA test was
+# skipped), then the kernel benchmarks in quick mode.
+#
+#   scripts/check_gpu.sh [--sanitize] [--no-bench] [--bench-only PREFIX...] [-- PYTEST_ARGS...]
+#   (PYTEST_ARGS replace the default target `tests`)
+#
+#   --sanitize   also run the CUDA op tests under compute-sanitizer (memcheck); any error fails
+#   --no-bench   skip the benchmarks
+# Logs go to $LOG_DIR (default: $OUT when set, else ./gpu-logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SANITIZE=0; BENCH=1; BENCH_ONLY=(); PYTEST_ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --sanitize) SANITIZE=1 ;;
+    --no-bench) BENCH=0 ;;
+    --bench-only) shift; while [ $# -gt 0 ] && [ "$1" != "--" ]; do BENCH_ONLY+=("$1"); shift; done; continue ;;
+    --) shift; PYTEST_ARGS=("$@"); break ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+LOG_DIR=${LOG_DIR:-${OUT:-gpu-logs}}
+mkdir -p "$LOG_DIR"
+export MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+fail=0
+
+echo "== build (MAX_JOBS=$MAX_JOBS)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+start=$(date +%s)
+if ! python -m pip install --no-build-isolation --no-deps -e . >"$LOG_DIR/build.log" 2>&1; then
+  tail -50 "$LOG_DIR/build.log"; echo "BUILD FAILED"; exit 1
+fi
+if ! python -c "import lsmini._C" 2>/dev/null; then  # editable installs that do not place the module in-tree
+  python setup.py build_ext --inplace >>"$LOG_DIR/build.log" 2>&1 || { tail -50 "$LOG_DIR/build.log"; echo "BUILD FAILED"; exit 1; }
+fi
+echo "build: $(( $(date +%s) - start )) s"
+python -c "import lsmini, torch; b = lsmini.backend(); print('backend:', repr(b), 'torch', torch.__version__); assert b == 'cuda'" || exit 1
+
+echo "== tests"
+[ ${#PYTEST_ARGS[@]} -gt 0 ] || PYTEST_ARGS=(tests)
+python -m pytest -q -rs "${PYTEST_ARGS[@]}" 2>&1 | tee "$LOG_DIR/tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "TESTS FAILED"; fail=1; }
+skipped=$(grep -c "^SKIPPED" "$LOG_DIR/tests.log" || true)
+if [ "$skipped" -ne 0 ]; then echo "FAIL: $skipped test groups were skipped on a GPU machine"; fail=1; fi
+
+if [ "$SANITIZE" -eq 1 ]; then
+  echo "== compute-sanitizer (memcheck) on the CUDA op tests"
+  compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+    python -m pytest -q -m cuda -x "${PYTEST_ARGS[@]}" 2>&1 | tee "$LOG_DIR/sanitize.log" | tail -30
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SANITIZER FAILED"; fail=1; }
+fi
+
+if [ "$BENCH" -eq 1 ]; then
+  echo "== kernel benchmarks (quick)"
+  python benchmarks/bench_kernels.py --quick --out "$LOG_DIR" ${BENCH_ONLY[@]+--only "${BENCH_ONLY[@]}"} 2>&1 \
+    | tee "$LOG_DIR/bench.log" || fail=1
+fi
+
+[ "$fail" -eq 0 ] && echo "check_gpu: OK" || echo "check_gpu: FAILED"
+exit $fail

@@ -1,0 +1,241 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lsmini
+from lsmini.ops.layernorm import LayerNormFunction, layer_norm, layer_norm_ref
+from util import LOWP, assert_close_fp32, assert_lowp_rule
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _inputs(rows, hidden, dtype, device, mean=0.0, seed=0, param_dtype=None):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=g) + mean).to(device=device, dtype=dtype)
+    pd = param_dtype or dtype
+    w = (1 + 0.5 * torch.randn(hidden, generator=g)).to(device=device, dtype=pd)
+    b = (0.5 * torch.randn(hidden, generator=g)).to(device=device, dtype=pd)
+    dy = torch.randn(rows, hidden, generator=g).to(device=device, dtype=dtype)
+    return x, w, b, dy
+
+
+def _grads(fn, x, w, b, dy):
+    x = x.detach().clone().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True) if w is not None else None
+    b = b.detach().clone().requires_grad_(True) if b is not None else None
+    y = fn(x, w, b)
+    y.backward(dy)
+    return y.detach(), x.grad, (w.grad if w is not None else None), (b.grad if b is not None else None)
+
+
+# ------------------------------------------------------------------------------------ CPU (CI) ---
+
+@pytest.mark.parametrize("shape", [(1, 8), (7, 33), (64, 512), (3, 5, 1032)])
+def test_reference_matches_torch(shape):
+    hidden = shape[-1]
+    x, w, b, dy = _inputs(int(torch.tensor(shape[:-1]).prod()), hidden, torch.float64, "cpu")
+    x, dy = x.view(shape), dy.view(shape)
+    ours = _grads(lambda x, w, b: layer_norm_ref(x, w, b, 1e-5), x, w, b, dy)
+    theirs = _grads(lambda x, w, b: F.layer_norm(x, (hidden,), w, b, 1e-5), x, w, b, dy)
+    for name, a, r in zip(("y", "dx", "dw", "db"), ours, theirs):
+        # the reference computes in fp32 by design; compare at fp32 accuracy
+        assert_close_fp32(a, r, atol=1e-5, rtol=1e-4, name=name)
+
+
+def test_reference_without_affine_and_large_mean():
+    x, _, _, _ = _inputs(16, 256, torch.float64, "cpu", mean=1000.0)
+    ref = F.layer_norm(x, (256,), eps=1e-5)
+    assert_close_fp32(layer_norm_ref(x.float(), None, None), ref.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_functional_on_cpu_uses_reference():
+    x, w, b, _ = _inputs(4, 16, torch.float32, "cpu")
+    torch.testing.assert_close(layer_norm(x, w, b), layer_norm_ref(x, w, b))
+
+
+def test_layer_is_a_drop_in_for_torch():
+    torch.manual_seed(0)
+    theirs = torch.nn.LayerNorm(48)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        theirs.bias.normal_()
+    ours = lsmini.layers.LayerNorm(48)
+    ours.load_state_dict(theirs.state_dict())
+    assert [n for n, _ in ours.named_parameters()] == ["weight", "bias"]
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    x = torch.randn(2, 3, 48)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+    theirs.load_state_dict(ours.state_dict())
+    assert "48" in repr(ours) and "eps=1e-05" in repr(ours)
+
+
+def test_layer_without_affine_or_bias():
+    x = torch.randn(3, 40)
+    ln = lsmini.layers.LayerNorm(40, elementwise_affine=False)
+    assert ln.weight is None and ln.bias is None and len(list(ln.parameters())) == 0
+    torch.testing.assert_close(ln(x), F.layer_norm(x, (40,)), atol=1e-5, rtol=1e-5)
+    ln = lsmini.layers.LayerNorm(40, bias=False)
+    assert ln.bias is None and ln.weight is not None
+    torch.testing.assert_close(ln(x), F.layer_norm(x, (40,), ln.weight), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_errors():
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        layer_norm(x, torch.ones(15), None)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        layer_norm(x, None, torch.ones(4, 4))
+    with pytest.raises(TypeError, match="floating-point"):
+        layer_norm(torch.ones(4, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match="last dimension 32"):
+        lsmini.layers.LayerNorm(32)(x)
+    with pytest.raises(ValueError, match="last dimension only"):
+        lsmini.layers.LayerNorm((4, 16))
+
+
+def test_backend_reports_reason(monkeypatch):
+    b = lsmini.backend()
+    assert b in ("cuda", "reference") and b.reason
+    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    b = lsmini.backend()
+    assert b == "reference" and "LSMINI_FORCE_REFERENCE" in b.reason
+
+
+# ---------------------------------------------------------------------------------------- CUDA ---
+
+def _cuda_case(rows, hidden, dtype, param_dtype=None, mean=0.0, affine=True):
+    x, w, b, dy = _inputs(rows, hidden, dtype, "cuda", mean=mean, param_dtype=param_dtype)
+    if not affine:
+        w = b = None
+    ours = _grads(lambda x, w, b: layer_norm(x, w, b), x, w, b, dy)
+    up = lambda t: t.float() if t is not None else None  # noqa: E731
+    ref = _grads(lambda x, w, b: layer_norm_ref(x, w, b), up(x), up(w), up(b), dy.float())
+    if dtype in LOWP:
+        pt = _grads(lambda x, w, b: F.layer_norm(x, (hidden,), w, b), x,
+                    None if w is None else w.to(dtype), None if b is None else b.to(dtype), dy)
+    for i, name in enumerate(("y", "dx", "dw", "db")):
+        if ours[i] is None:
+            assert ref[i] is None
+            continue
+        assert ours[i].dtype == (x.dtype if i < 2 else (param_dtype or dtype)), name
+        if dtype in LOWP:
+            assert_lowp_rule(ours[i], ref[i], pt[i], atol=2e-3 if i < 2 else 1e-2, name=name)
+        else:
+            # dw/db sum `rows` terms: fp32 summation order differs from torch's
+            tol = 1e-5 if i < 2 else 1e-5 * max(rows, 1) ** 0.5 * 4
+            assert_close_fp32(ours[i], ref[i], atol=tol, rtol=1e-4, name=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (1, 1032), (7, 8), (31, 512), (127, 1024), (129, 4104),
+                                         (257, 768), (3, 16384), (61, 2048), (1000, 8)])
+def test_kernel_matches_reference(rows, hidden, dtype):
+    _cuda_case(rows, hidden, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(5, 8), (67, 1032), (2, 16384)])
+def test_kernel_fp32_params_with_low_precision_input(rows, hidden, dtype):
+    _cuda_case(rows, hidden, dtype, param_dtype=torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(3, 7), (17, 33), (5, 1001), (2, 4097), (9, 12), (2, 20000)])
+def test_kernel_hidden_not_multiple_of_8(rows, hidden, dtype):
+    _cuda_case(rows, hidden, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_without_affine(dtype):
+    _cuda_case(33, 1024, dtype, affine=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_large_mean(dtype):
+    # x = 1000 + N(0, 1): the variance must not cancel away. In fp32 the naive E[x²]−E[x]² loses
+    # ~all digits of the unit variance; the kernel must keep it to fp32 rounding of the inputs.
+    _cuda_case(64, 1024, dtype, mean=1000.0)
+    x = (1000 + torch.randn(64, 1024, device="cuda", dtype=torch.float64)).float()
+    y = layer_norm(x)
+    ref = F.layer_norm(x.double(), (1024,))
+    assert (y.double() - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.cuda
+def test_kernel_non_contiguous_input():
+    x, w, b, dy = _inputs(64, 2 * 1024, torch.float16, "cuda")
+    xs = x[:, ::2]  # [64, 1024], stride 2
+    assert not xs.is_contiguous()
+    torch.testing.assert_close(layer_norm(xs, w[:1024], b[:1024]), layer_norm(xs.contiguous(), w[:1024], b[:1024]))
+    xt = x.view(64, 2, 1024).transpose(0, 1)  # [2, 64, 1024] non-contiguous, 3-D
+    torch.testing.assert_close(layer_norm(xt, w[:1024], b[:1024]).float(),
+                               layer_norm_ref(xt.float(), w[:1024].float(), b[:1024].float()), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_kernel_writes_every_output():
+    # Poisoned outputs: call the binding directly with NaN-filled memory recycled through the allocator.
+    x, w, b, dy = _inputs(257, 1032, torch.float16, "cuda")
+    for _ in range(3):
+        junk = torch.full((257 * 1032 * 4,), float("nan"), device="cuda", dtype=torch.float16)
+        del junk
+        y, mean, rstd = lsmini._backend.ext().layernorm_fwd(x, w, b, 1e-5)
+        assert torch.isfinite(y).all() and torch.isfinite(mean).all() and torch.isfinite(rstd).all()
+        junk = torch.full((257 * 1032 * 4,), float("nan"), device="cuda", dtype=torch.float16)
+        del junk
+        dx, dw, db = lsmini._backend.ext().layernorm_bwd(dy, x, w, b, mean, rstd)
+        assert torch.isfinite(dx).all() and torch.isfinite(dw).all() and torch.isfinite(db).all()
+
+
+@pytest.mark.cuda
+def test_kernel_empty_batch():
+    x = torch.randn(0, 64, device="cuda", requires_grad=True)
+    w = torch.randn(64, device="cuda", requires_grad=True)
+    y = layer_norm(x, w, None)
+    assert y.shape == (0, 64)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.cuda
+def test_layer_on_cuda_matches_torch():
+    torch.manual_seed(0)
+    theirs = torch.nn.LayerNorm(512).cuda()
+    ours = lsmini.layers.LayerNorm(512).cuda()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(8, 16, 512, device="cuda")
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+def test_kernel_bad_input_errors():
+    ext = lsmini._backend.ext()
+    x = torch.randn(4, 16, device="cuda")
+    w = torch.ones(16, device="cuda")
+    with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
+        ext.layernorm_fwd(x.cpu(), None, None, 1e-5)
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        ext.layernorm_fwd(x, torch.ones(8, device="cuda"), None, 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be a CUDA tensor"):
+        ext.layernorm_fwd(x, w.cpu(), None, 1e-5)
+    with pytest.raises(RuntimeError, match="unsupported dtype|must be float32, float16 or bfloat16"):
+        ext.layernorm_fwd(x.double(), None, None, 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be float32 or the dtype of x"):
+        ext.layernorm_fwd(x.half(), w.bfloat16(), None, 1e-5)
+    with pytest.raises(ValueError, match="weight is on cpu"):
+        layer_norm(x, w.cpu(), None)
+
+
+@pytest.mark.cuda
+def test_force_reference_env(monkeypatch):
+    x, w, b, _ = _inputs(8, 64, torch.float32, "cuda")
+    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    assert lsmini.backend() == "reference"
+    y = layer_norm(x.requires_grad_(), w, b)
+    assert y.grad_fn is not None and not isinstance(y.grad_fn, LayerNormFunction._backward_cls)
+    torch.testing.assert_close(y, layer_norm_ref(x, w, b))
