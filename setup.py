@@ -37,8 +37,11 @@ def _extension_or_reason():
         name="lsmini._C",
         sources=sources,
         include_dirs=[os.path.join(root, "csrc", "kernels"), os.path.join(root, "csrc", "ops")],
+        # Kernels are plain CUDA C++17. The bindings include torch headers, so they take the language
+        # standard torch's own build uses (torch.utils.cpp_extension adds it): mixing standards across
+        # torch's inline code is an ODR hazard.
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
+            "cxx": ["-O3"],
             "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"] + gencode,
         },
     )

@@ -3,17 +3,29 @@ copy bandwidth ceiling, and result tables (markdown + CSV) stamped with GPU, ver
 import csv
 import datetime
 import statistics
+import time
 
 import torch
 
 
 def time_ms(fn, warmup=10, iters=50):
-    """Median milliseconds of fn() over `iters` timed calls (CUDA events), after `warmup` calls."""
+    """Median device milliseconds of fn() over `iters` calls (CUDA events), after `warmup` calls.
+
+    The GPU is first held busy long enough for the host to enqueue every timed call, so the events
+    measure device time only — not the Python/launch overhead of small ops, which would otherwise
+    show up as idle gaps inside the timed region for both lsmini and the baseline alike.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    host_s = (time.perf_counter() - t0) / 3  # upper bound on the host cost of one call
+    torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    torch.cuda._sleep(int(min(2e9, 1.5 * iters * host_s * 2e9)))  # ~2 GHz cycles
     for s, e in zip(starts, ends):
         s.record()
         fn()

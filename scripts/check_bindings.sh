@@ -15,7 +15,7 @@ files=("$@")
 [ ${#files[@]} -gt 0 ] || files=(csrc/ops/*.cpp)
 for f in "${files[@]}"; do
   echo "check_bindings: $f"
-  g++ -std=c++17 -fsyntax-only -Wno-c++20-extensions -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+  g++ -std=c++20 -fsyntax-only -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
     -I"$T/include" -I"$SHIM" -I"$T/include/torch/csrc/api/include" -I"$PYINC" -I"$CUDA_INC" \
     -Icsrc/kernels -Icsrc/ops "$f"
 done

@@ -37,10 +37,11 @@ struct LnConfig {
   int G, R, vpt;
 };
 
-// Smallest row group with ~16 elements per thread (enough loads in flight), at most `max_g` threads.
-inline LnConfig ln_config(int hidden, int vec, int max_g) {
+// Smallest row group with about `elems` elements per thread (enough loads in flight), at most `max_g`
+// threads.
+inline LnConfig ln_config(int hidden, int vec, int max_g, int elems) {
   const int nvec = hidden / vec;
-  const int pref = vec >= 16 ? 1 : 16 / vec;
+  const int pref = vec >= elems ? 1 : elems / vec;
   int G = 32;
   while (G < max_g && nvec > G * pref) G *= 2;
   int vpt = 1;
@@ -138,22 +139,43 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = 0.f;
 
   // The loop bound is uniform over the block (group_sum2 has barriers); rows past the end idle.
-  for (int64_t base = int64_t(blockIdx.x) * blockDim.y; base < rows; base += int64_t(gridDim.x) * blockDim.y) {
+  // The next row's x/dy are loaded before this row's reduction so that the loads overlap it (skipped
+  // for long rows, which already keep enough bytes in flight and would run out of registers).
+  constexpr bool kPrefetch = VPT * VEC <= 16;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.y;
+  Pack<T, VEC> xv[VPT], dv[VPT];
+  float mu = 0.f, rs = 0.f;
+  auto load_row = [&](int64_t row, Pack<T, VEC>(&xs)[VPT], Pack<T, VEC>(&ds)[VPT], float& m, float& r) {
+    if (row >= rows) return;
+    m = mean[row];
+    r = rstd[row];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = threadIdx.x + k * blockDim.x;
+      if (c < nvec) {
+        xs[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + row * hidden + c * VEC);
+        ds[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + row * hidden + c * VEC);
+      }
+    }
+  };
+  if (kPrefetch) load_row(int64_t(blockIdx.x) * blockDim.y + threadIdx.y, xv, dv, mu, rs);
+
+  for (int64_t base = int64_t(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t row = base + threadIdx.y;
     const bool valid = row < rows;
-    const float mu = valid ? mean[row] : 0.f;
-    const float rs = valid ? rstd[row] : 0.f;
-    const T* xr = x + (valid ? row : 0) * hidden;
-    const T* dyr = dy + (valid ? row : 0) * hidden;
+    Pack<T, VEC> xn[VPT], dn[VPT];
+    float mu_n = 0.f, rs_n = 0.f;
+    if (kPrefetch) {
+      load_row(row + stride, xn, dn, mu_n, rs_n);
+    } else {
+      load_row(row, xv, dv, mu, rs);
+    }
 
-    Pack<T, VEC> xv[VPT], dv[VPT];
     float2 s = make_float2(0.f, 0.f);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int c = threadIdx.x + k * blockDim.x;
       if (valid && c < nvec) {
-        xv[k] = *reinterpret_cast<const Pack<T, VEC>*>(xr + c * VEC);
-        dv[k] = *reinterpret_cast<const Pack<T, VEC>*>(dyr + c * VEC);
         float xf[VEC], df[VEC], w[VEC];
         unpack(xv[k], xf);
         unpack(dv[k], df);
@@ -186,6 +208,15 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
           store_pack<T, VEC>(dxr + c * VEC, xf);
         }
       }
+    }
+    if (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        xv[k] = xn[k];
+        dv[k] = dn[k];
+      }
+      mu = mu_n;
+      rs = rs_n;
     }
   }
 
@@ -279,7 +310,7 @@ inline cudaError_t with_vpt(int vpt, F&& f) {
 template <typename T, typename W, int VEC>
 cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, float* rstd, int64_t rows,
                          int hidden, float eps, cudaStream_t stream) {
-  const LnConfig cfg = ln_config(hidden, VEC, kFwdMaxThreads);
+  const LnConfig cfg = ln_config(hidden, VEC, kFwdMaxThreads, 32);
   const dim3 block(cfg.G, cfg.R);
   const int64_t grid = (rows + cfg.R - 1) / cfg.R;
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {
@@ -293,7 +324,7 @@ template <typename T, typename W, int VEC>
 cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* mean, const float* rstd, T* dx,
                          float* part_g, float* part_b, int64_t rows, int hidden, int64_t max_parts,
                          int64_t* parts_used, cudaStream_t stream) {
-  const LnConfig cfg = ln_config(hidden, VEC, kBwdMaxThreads);
+  const LnConfig cfg = ln_config(hidden, VEC, kBwdMaxThreads, 16);
   const dim3 block(cfg.G, cfg.R);
   const size_t fold_bytes = (part_g && cfg.R > 1) ? size_t(2) * cfg.R * hidden * sizeof(float) : 0;
   return with_vpt<1, (VEC == 1 ? 64 : 64 / VEC)>(cfg.vpt, [&](auto vpt) {
