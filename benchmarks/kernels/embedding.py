@@ -5,6 +5,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+import lsmini
 from lsmini.ops.embedding import EmbeddingFunction, sinusoidal_positions
 
 
@@ -43,10 +44,15 @@ def bench(ctx):
                     lambda: EmbeddingFunction.apply(tokens, weight, pos, scale, -1, 0, p), torch_fwd,
                     nbytes=fwd_bytes, compiled_fn=None if ctx.quick else _compiled(torch_fwd))
 
-            wr = weight.detach().requires_grad_()
-            y_ours = EmbeddingFunction.apply(tokens, wr, pos, scale, -1, 0, p)
-            y_torch = F.dropout(F.embedding(tokens, wr) * scale + pos, p, True)
+            # backward at the op level on both sides: our binding vs the ops torch's autograd runs for
+            # the baseline (dropout backward with its saved mask, · scale, embedding_dense_backward)
+            ext = lsmini._backend.ext()
+            seed, offset = lsmini._backend.philox_seed_offset()
+            _, mask = torch.ops.aten.native_dropout(F.embedding(tokens, weight) * scale + pos, p, True)
             ctx.row("embedding_bwd", dtype, shape,
-                    lambda: torch.autograd.grad(y_ours, wr, dy, retain_graph=True),
-                    lambda: torch.autograd.grad(y_torch, wr, dy, retain_graph=True), nbytes=bwd_bytes)
-            del tokens, weight, pos, dy, wr, y_ours, y_torch
+                    lambda: ext.embedding_bwd(dy, tokens, vocab, length, True, False, scale, -1, 0, p, seed, offset),
+                    lambda: torch.ops.aten.embedding_dense_backward(
+                        torch.ops.aten.native_dropout_backward(dy, mask, 1.0 / (1.0 - p)) * scale, tokens, vocab,
+                        -1, False),
+                    nbytes=bwd_bytes)
+            del tokens, weight, pos, dy, mask

@@ -16,6 +16,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace lsmini {
 
 // ---------------------------------------------------------------------------------------------
@@ -43,19 +45,57 @@ struct alignas(sizeof(T) * N) Pack {
 // Elements per 16-byte access.
 template <typename T> struct Vec16 { static constexpr int value = 16 / sizeof(T); };
 
+// Two-element conversions: one cvt instruction per pair on sm_80+ instead of one per element.
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+template <typename T> struct Pair;
+template <> struct Pair<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ type make(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <> struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const Pack<T, N>& pk, float (&out)[N]) {
+  if constexpr (N % 2 == 0 && (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>)) {
+    const auto* p2 = reinterpret_cast<const typename Pair<T>::type*>(pk.v);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const float2 f = to_float2(p2[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> pack(const float (&in)[N]) {
+  Pack<T, N> pk;
+  if constexpr (N % 2 == 0 && (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>)) {
+    auto* p2 = reinterpret_cast<typename Pair<T>::type*>(pk.v);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) p2[i] = Pair<T>::make(in[2 * i], in[2 * i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
+  }
+  return pk;
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
-  Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_float(pk.v[i]);
+  unpack(*reinterpret_cast<const Pack<T, N>*>(p), out);
 }
 
 template <typename T, int N>
 __device__ __forceinline__ void store_pack(T* p, const float (&in)[N]) {
-  Pack<T, N> pk;
-#pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
-  *reinterpret_cast<Pack<T, N>*>(p) = pk;
+  *reinterpret_cast<Pack<T, N>*>(p) = pack<T, N>(in);
 }
 
 __host__ __device__ __forceinline__ bool is_aligned(const void* p, int bytes) {

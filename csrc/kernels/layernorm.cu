@@ -49,12 +49,6 @@ inline LnConfig ln_config(int hidden, int vec, int max_g, int elems) {
   return {G, G >= 256 ? 1 : 256 / G, vpt};
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ void unpack(const Pack<T, VEC>& p, float (&out)[VEC]) {
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) out[j] = to_float(p.v[j]);
-}
-
 template <typename W, int VEC>
 __device__ __forceinline__ void load_or(const W* p, int c, float fill, float (&out)[VEC]) {
   if (p) {

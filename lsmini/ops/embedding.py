@@ -1,0 +1,183 @@
+"""Token embedding with scale, positions and dropout in one pass.
+
+    out[b, j] = dropout(scale · weight[tokens[b, j]] + pos_table[step + j])   for non-pad tokens
+    out[b, j] = 0                                                              for tokens == padding_idx
+
+Shapes: tokens [batch, len] (int64 or int32); weight [vocab, hidden]; pos_table [max_positions, hidden]
+(a fixed sinusoidal buffer, see ``sinusoidal_positions``, or a learned parameter); out
+[batch, len, hidden] in weight's dtype. ``scale`` defaults to sqrt(hidden). ``step`` offsets the
+positions (incremental decoding: the token at column j sits at position step + j).
+
+Gradients: weight gets a dense [vocab, hidden] gradient (like nn.Embedding without sparse), summed
+in fp32 without atomics and bitwise reproducible; the padding row gets none. pos_table gets a
+gradient when it requires grad (rows step .. step+len-1; pad tokens contribute nothing).
+Dropout element i is the flat index into the [batch, len, hidden] output; the CUDA backward
+regenerates the mask from (seed, offset), nothing per element is stored.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lsmini import _backend
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def sinusoidal_positions(max_positions, hidden, dtype=torch.float32, device=None):
+    """The fixed positional table [max_positions, hidden]: column i < hidden/2 holds
+    sin(pos / 10000^(2i/hidden)), column hidden/2 + i holds cos(pos / 10000^(2i/hidden)).
+    Computed in float64, then cast to dtype."""
+    if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 0:
+        raise ValueError(f"sinusoidal_positions: max_positions must be an int >= 0, got {max_positions!r}")
+    if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden <= 0 or hidden % 2:
+        raise ValueError(f"sinusoidal_positions: hidden must be a positive even int (half sin, half cos "
+                         f"columns), got {hidden!r}")
+    half = hidden // 2
+    pos = torch.arange(max_positions, dtype=torch.float64, device=device).unsqueeze(1)
+    inv_freq = torch.pow(10000.0, -2.0 * torch.arange(half, dtype=torch.float64, device=device) / hidden)
+    angle = pos * inv_freq
+    return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1).to(dtype)
+
+
+def _normalize_padding_idx(padding_idx, vocab, fn="embedding"):
+    """None → -1 (no padding token); negative indices count from the end, as in nn.Embedding."""
+    if padding_idx is None:
+        return -1
+    if not isinstance(padding_idx, int) or isinstance(padding_idx, bool):
+        raise TypeError(f"{fn}: padding_idx must be an int or None, got {type(padding_idx).__name__}")
+    if not -vocab <= padding_idx < vocab:
+        raise ValueError(f"{fn}: padding_idx must be in [-{vocab}, {vocab}) for a vocabulary of {vocab}, "
+                         f"got {padding_idx}")
+    return padding_idx + vocab if padding_idx < 0 else padding_idx
+
+
+def embedding_ref(tokens, weight, pos_table, scale=None, padding_idx=None, step=0, dropout_p=0.0, training=True):
+    """Pure-PyTorch embedding in fp32 math (the oracle and the CPU path); returns weight's dtype.
+    Pass float64 tensors for a float64 oracle."""
+    hidden = weight.shape[1]
+    scale = math.sqrt(hidden) if scale is None else float(scale)
+    pad = _normalize_padding_idx(padding_idx, weight.shape[0], "embedding_ref")
+    math_dtype = torch.promote_types(weight.dtype, torch.float32)
+    length = tokens.shape[1]
+    x = F.embedding(tokens, weight.to(math_dtype)) * scale + pos_table[step:step + length].to(math_dtype)
+    if pad >= 0:
+        x = x.masked_fill(tokens.eq(pad).unsqueeze(-1), 0.0)
+    x = F.dropout(x, dropout_p, training)
+    return x.to(weight.dtype)
+
+
+class EmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
+        seed = offset = 0
+        if dropout_p > 0:
+            with torch.cuda.device(weight.device):
+                seed, offset = _backend.philox_seed_offset()
+        out = _backend.ext().embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, seed,
+                                           offset)
+        ctx.save_for_backward(tokens)
+        ctx.args = (weight.shape[0], pos_table.shape[0], scale, padding_idx, step, dropout_p, seed, offset)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (tokens,) = ctx.saved_tensors
+        vocab, max_positions, scale, padding_idx, step, dropout_p, seed, offset = ctx.args
+        grad_weight, grad_pos = _backend.ext().embedding_bwd(
+            grad_out, tokens, vocab, max_positions, ctx.needs_input_grad[1], ctx.needs_input_grad[2], scale,
+            padding_idx, step, dropout_p, seed, offset)
+        return None, grad_weight, grad_pos, None, None, None, None
+
+
+def _check_args(tokens, weight, pos_table, step, dropout_p, learned_positions):
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"embedding: tokens must be a Tensor, got {type(tokens).__name__}")
+    if tokens.dtype not in _TOKEN_DTYPES:
+        raise TypeError(f"embedding: tokens must be int64 or int32, got {tokens.dtype}")
+    if tokens.dim() != 2:
+        raise ValueError(f"embedding: tokens must be 2-D [batch, len], got shape {tuple(tokens.shape)}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"embedding: weight must be a Tensor, got {type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"embedding: weight must be a floating-point tensor, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"embedding: weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
+    if tokens.device != weight.device:
+        raise ValueError(f"embedding: tokens are on {tokens.device} but weight is on {weight.device}")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"embedding: step must be an int >= 0, got {step!r}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"embedding: dropout_p must be in [0, 1], got {dropout_p}")
+    if pos_table is None:
+        if learned_positions:
+            raise ValueError("embedding: learned_positions=True needs the learned pos_table, got None")
+        return
+    if not isinstance(pos_table, torch.Tensor):
+        raise TypeError(f"embedding: pos_table must be a Tensor or None, got {type(pos_table).__name__}")
+    if not pos_table.is_floating_point():
+        raise TypeError(f"embedding: pos_table must be a floating-point tensor, got {pos_table.dtype}")
+    if pos_table.dim() != 2 or pos_table.shape[1] != weight.shape[1]:
+        raise ValueError(f"embedding: pos_table must have shape [max_positions, {weight.shape[1]}] to match "
+                         f"weight's hidden size, got {tuple(pos_table.shape)}")
+    if pos_table.device != weight.device:
+        raise ValueError(f"embedding: pos_table is on {pos_table.device} but weight is on {weight.device}")
+    if step + tokens.shape[1] > pos_table.shape[0]:
+        raise ValueError(f"embedding: step + len = {step} + {tokens.shape[1]} = {step + tokens.shape[1]} exceeds "
+                         f"max_positions = {pos_table.shape[0]} (rows of pos_table)")
+    if pos_table.requires_grad and not learned_positions and torch.is_grad_enabled():
+        raise ValueError("embedding: pos_table requires grad but learned_positions=False; pass "
+                         "learned_positions=True to train the positional table, or a buffer / detached table")
+
+
+def check_token_range(tokens, vocab):
+    """Raise ValueError when a token id is outside [0, vocab). Costs one host-device sync."""
+    if tokens.numel() == 0:
+        return
+    lo, hi = (int(v) for v in torch.stack([tokens.min(), tokens.max()]).tolist())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"embedding: token ids must be in [0, {vocab}) (vocab = weight.shape[0]), got ids in "
+                         f"[{lo}, {hi}]")
+
+
+def embedding(tokens, weight, pos_table, scale=None, padding_idx=None, step=0, dropout_p=0.0, training=True,
+              learned_positions=False, check_tokens=True):
+    """Fused ``dropout(scale · weight[tokens] + pos_table[step + j])`` with pad tokens → 0.
+
+    Args:
+        tokens: [batch, len] int64 or int32 token ids in [0, vocab).
+        weight: [vocab, hidden] token table (float32/float16/bfloat16 for the CUDA kernel).
+        pos_table: [max_positions, hidden] positional table, or None for
+            ``sinusoidal_positions(step + len, hidden)`` built on the fly (layers should keep a buffer).
+            Cast to weight's dtype when it differs.
+        scale: multiplies the token rows; default sqrt(hidden).
+        padding_idx: id whose rows are exact zeros and get no gradient (negative counts from the end).
+        step: position of column 0 (incremental decoding); step + len must be <= max_positions.
+        dropout_p, training: dropout on the sum (none when not training).
+        learned_positions: True when pos_table is a trained parameter; it then gets a gradient when it
+            requires grad. With False, a pos_table that requires grad is an error (it would be trained
+            without anyone asking).
+        check_tokens: validate the id range (one host sync); turn off in a hot loop once the data is
+            known to be clean. Unchecked bad ids never touch memory out of bounds: the kernel gives
+            their rows zeros and no gradient.
+
+    Returns: [batch, len, hidden] in weight's dtype.
+    """
+    _check_args(tokens, weight, pos_table, step, float(dropout_p), learned_positions)
+    vocab, hidden = weight.shape
+    pad = _normalize_padding_idx(padding_idx, vocab)
+    scale = math.sqrt(hidden) if scale is None else float(scale)
+    p = float(dropout_p) if training else 0.0
+    if pos_table is None:
+        pos_table = sinusoidal_positions(step + tokens.shape[1], hidden, weight.dtype, weight.device)
+    if check_tokens:
+        check_token_range(tokens, vocab)
+    if weight.dtype in _KERNEL_DTYPES and _backend.use_kernels(tokens, weight, pos_table):
+        if pos_table.dtype != weight.dtype:
+            # The kernel reads one dtype; cast only the rows in use (autograd carries a gradient back).
+            pos_table, step_k = pos_table[step:step + tokens.shape[1]].to(weight.dtype), 0
+        else:
+            step_k = step
+        return EmbeddingFunction.apply(tokens, weight, pos_table, scale, pad, step_k, p)
+    return embedding_ref(tokens, weight, pos_table, scale, pad if pad >= 0 else None, step, p, True)
