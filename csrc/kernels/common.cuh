@@ -90,7 +90,8 @@ __device__ __forceinline__ Pack<T, N> pack(const float (&in)[N]) {
 
 template <typename T, int N>
 __device__ __forceinline__ void load_pack(const T* p, float (&out)[N]) {
-  unpack(*reinterpret_cast<const Pack<T, N>*>(p), out);
+  const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N>*>(p);  // by value: one wide load
+  unpack(pk, out);
 }
 
 template <typename T, int N>

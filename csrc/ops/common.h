@@ -10,6 +10,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <string>
+#include <type_traits>
 #include <vector>
 
 namespace lsmini {
@@ -22,35 +24,66 @@ struct RegisterOps {
 };
 #define LSMINI_REGISTER_OPS(fn) static ::lsmini::RegisterOps lsmini_register_##fn(fn)
 
+// ---- error messages ----
+// Messages are built as std::string by hand instead of streaming numbers into an ostream: extensions
+// built with a newer libstdc++ than torch's can crash formatting integers through the stream facets.
+namespace detail {
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, bool v) { s += v ? "true" : "false"; }
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+inline void append(std::string& s, T v) { s += std::to_string(v); }
+inline void append(std::string& s, at::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+inline void append(std::string& s, at::ScalarType v) { s += c10::toString(v); }
+inline void append(std::string& s, const c10::Device& v) { s += v.str(); }
+}  // namespace detail
+
+template <typename... Args>
+inline std::string msg(const Args&... args) {
+  std::string s;
+  (detail::append(s, args), ...);
+  return s;
+}
+
+// TORCH_CHECK with a message assembled by msg(): use it for every argument check in csrc/ops.
+#define LSMINI_CHECK(cond, ...) TORCH_CHECK((cond), ::lsmini::msg(__VA_ARGS__))
+
 // ---- checks ----
 inline void check_cuda(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got a tensor on ", t.device());
+  LSMINI_CHECK(t.defined(), op, ": ", name, " is undefined");
+  LSMINI_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got a tensor on ", t.device());
 }
 
 inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op, const char* name,
                               const char* ref_name) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
+  LSMINI_CHECK(t.device() == ref.device(), op, ": ", name, " is on ", t.device(), " but ", ref_name, " is on ",
               ref.device());
 }
 
 inline void check_float_dtype(const at::Tensor& t, const char* op, const char* name) {
   const auto s = t.scalar_type();
-  TORCH_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, op, ": ", name,
+  LSMINI_CHECK(s == at::kFloat || s == at::kHalf || s == at::kBFloat16, op, ": ", name,
               " must be float32, float16 or bfloat16, got ", s);
 }
 
 inline void check_dtype(const at::Tensor& t, at::ScalarType expected, const char* op, const char* name) {
-  TORCH_CHECK(t.scalar_type() == expected, op, ": ", name, " must be ", expected, ", got ", t.scalar_type());
+  LSMINI_CHECK(t.scalar_type() == expected, op, ": ", name, " must be ", expected, ", got ", t.scalar_type());
 }
 
 inline void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* op, const char* name) {
-  TORCH_CHECK(t.sizes() == expected, op, ": ", name, " must have shape ", expected, ", got ", t.sizes());
+  LSMINI_CHECK(t.sizes() == expected, op, ": ", name, " must have shape ", expected, ", got ", t.sizes());
 }
 
 // ---- launch errors ----
 inline void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  LSMINI_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
@@ -74,7 +107,7 @@ inline void dispatch_float(at::ScalarType s, const char* op, F&& f) {
     case at::kFloat: f(float{}); break;
     case at::kHalf: f(at::Half{}); break;
     case at::kBFloat16: f(at::BFloat16{}); break;
-    default: TORCH_CHECK(false, op, ": unsupported dtype ", s, " (expected float32, float16 or bfloat16)");
+    default: LSMINI_CHECK(false, op, ": unsupported dtype ", s, " (expected float32, float16 or bfloat16)");
   }
 }
 

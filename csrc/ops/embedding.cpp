@@ -13,19 +13,19 @@ namespace {
 void check_tokens(const at::Tensor& tokens, const char* op) {
   check_cuda(tokens, op, "tokens");
   const auto s = tokens.scalar_type();
-  TORCH_CHECK(s == at::kLong || s == at::kInt, op, ": tokens must be int64 or int32, got ", s);
-  TORCH_CHECK(tokens.dim() == 2, op, ": tokens must be 2-D [batch, len], got shape ", tokens.sizes());
+  LSMINI_CHECK(s == at::kLong || s == at::kInt, op, ": tokens must be int64 or int32, got ", s);
+  LSMINI_CHECK(tokens.dim() == 2, op, ": tokens must be 2-D [batch, len], got shape ", tokens.sizes());
 }
 
 void check_common_params(const char* op, int64_t vocab, int64_t padding_idx, double dropout_p) {
-  TORCH_CHECK(padding_idx >= -1 && padding_idx < vocab, op, ": padding_idx must be -1 (none) or in [0, ", vocab,
+  LSMINI_CHECK(padding_idx >= -1 && padding_idx < vocab, op, ": padding_idx must be -1 (none) or in [0, ", vocab,
               "), got ", padding_idx);
-  TORCH_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": dropout_p must be in [0, 1], got ", dropout_p);
+  LSMINI_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": dropout_p must be in [0, 1], got ", dropout_p);
 }
 
 void check_positions(const char* op, int64_t step, int64_t len, int64_t max_positions) {
-  TORCH_CHECK(step >= 0, op, ": step must be >= 0, got ", step);
-  TORCH_CHECK(step + len <= max_positions, op, ": step + len = ", step, " + ", len, " = ", step + len,
+  LSMINI_CHECK(step >= 0, op, ": step must be >= 0, got ", step);
+  LSMINI_CHECK(step + len <= max_positions, op, ": step + len = ", step, " + ", len, " = ", step + len,
               " exceeds max_positions = ", max_positions, " (rows of pos_table)");
 }
 
@@ -46,10 +46,10 @@ at::Tensor embedding_fwd(const at::Tensor& tokens_in, const at::Tensor& weight_i
   check_tokens(tokens_in, op);
   check_cuda(weight_in, op, "weight");
   check_float_dtype(weight_in, op, "weight");
-  TORCH_CHECK(weight_in.dim() == 2, op, ": weight must be 2-D [vocab, hidden], got shape ", weight_in.sizes());
+  LSMINI_CHECK(weight_in.dim() == 2, op, ": weight must be 2-D [vocab, hidden], got shape ", weight_in.sizes());
   check_cuda(pos_in, op, "pos_table");
   check_dtype(pos_in, weight_in.scalar_type(), op, "pos_table");
-  TORCH_CHECK(pos_in.dim() == 2 && pos_in.size(1) == weight_in.size(1), op,
+  LSMINI_CHECK(pos_in.dim() == 2 && pos_in.size(1) == weight_in.size(1), op,
               ": pos_table must have shape [max_positions, ", weight_in.size(1), "], got ", pos_in.sizes());
   check_same_device(tokens_in, weight_in, op, "tokens", "weight");
   check_same_device(pos_in, weight_in, op, "pos_table", "weight");
@@ -89,9 +89,9 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, cons
   check_float_dtype(grad_in, op, "grad_out");
   check_same_device(grad_in, tokens_in, op, "grad_out", "tokens");
   const int64_t batch = tokens_in.size(0), len = tokens_in.size(1);
-  TORCH_CHECK(grad_in.dim() == 3 && grad_in.size(0) == batch && grad_in.size(1) == len, op,
+  LSMINI_CHECK(grad_in.dim() == 3 && grad_in.size(0) == batch && grad_in.size(1) == len, op,
               ": grad_out must have shape [", batch, ", ", len, ", hidden], got ", grad_in.sizes());
-  TORCH_CHECK(vocab >= 0, op, ": vocab must be >= 0, got ", vocab);
+  LSMINI_CHECK(vocab >= 0, op, ": vocab must be >= 0, got ", vocab);
   check_common_params(op, vocab, padding_idx, dropout_p);
   check_positions(op, step, len, max_positions);
   const int64_t hidden = grad_in.size(2), rows = batch * len;

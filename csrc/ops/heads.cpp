@@ -15,8 +15,8 @@ constexpr int64_t kMaxIndex = std::numeric_limits<int32_t>::max();
 
 // The kernels index token rows and the columns of one row with 32-bit integers.
 void check_index_range(int64_t rows, int64_t row_elems, const char* op) {
-  TORCH_CHECK(rows <= kMaxIndex, op, ": batch·len must be at most ", kMaxIndex, ", got ", rows);
-  TORCH_CHECK(row_elems <= kMaxIndex, op, ": the row width (parts·num_heads·head_dim) must be at most ", kMaxIndex,
+  LSMINI_CHECK(rows <= kMaxIndex, op, ": batch·len must be at most ", kMaxIndex, ", got ", rows);
+  LSMINI_CHECK(row_elems <= kMaxIndex, op, ": the row width (parts·num_heads·head_dim) must be at most ", kMaxIndex,
               ", got ", row_elems);
 }
 
@@ -29,11 +29,11 @@ static at::Tensor split_heads_fwd(const at::Tensor& x, const std::optional<at::T
   const char* op = "split_heads_fwd";
   check_cuda(x, op, "x");
   check_float_dtype(x, op, "x");
-  TORCH_CHECK(x.dim() == 3, op, ": x must be 3-D [batch, len, parts·hidden], got shape ", x.sizes());
-  TORCH_CHECK(num_heads >= 1, op, ": num_heads must be >= 1, got ", num_heads);
-  TORCH_CHECK(parts >= 1, op, ": parts must be >= 1, got ", parts);
+  LSMINI_CHECK(x.dim() == 3, op, ": x must be 3-D [batch, len, parts·hidden], got shape ", x.sizes());
+  LSMINI_CHECK(num_heads >= 1, op, ": num_heads must be >= 1, got ", num_heads);
+  LSMINI_CHECK(parts >= 1, op, ": parts must be >= 1, got ", parts);
   const int64_t batch = x.size(0), len = x.size(1), width = x.size(2);
-  TORCH_CHECK(width % (parts * num_heads) == 0, op, ": the last dimension of x (", width,
+  LSMINI_CHECK(width % (parts * num_heads) == 0, op, ": the last dimension of x (", width,
               ") must be divisible by parts·num_heads = ", parts, "·", num_heads, " = ", parts * num_heads);
   const int64_t head_dim = width / (parts * num_heads);
   check_index_range(batch * len, width, op);
@@ -44,7 +44,7 @@ static at::Tensor split_heads_fwd(const at::Tensor& x, const std::optional<at::T
     b = bias->contiguous();
     check_cuda(b, op, "bias");
     check_same_device(b, x, op, "bias", "x");
-    TORCH_CHECK(b.scalar_type() == at::kFloat || b.scalar_type() == x.scalar_type(), op,
+    LSMINI_CHECK(b.scalar_type() == at::kFloat || b.scalar_type() == x.scalar_type(), op,
                 ": bias must be float32 or x's dtype (", x.scalar_type(), "), got ", b.scalar_type());
     check_shape(b, {width}, op, "bias");
   }
@@ -73,7 +73,7 @@ static std::tuple<at::Tensor, std::optional<at::Tensor>> split_heads_bwd(const a
   const char* op = "split_heads_bwd";
   check_cuda(grad, op, "grad");
   check_float_dtype(grad, op, "grad");
-  TORCH_CHECK(grad.dim() == 5, op, ": grad must be 5-D [parts, batch, num_heads, len, head_dim], got shape ",
+  LSMINI_CHECK(grad.dim() == 5, op, ": grad must be 5-D [parts, batch, num_heads, len, head_dim], got shape ",
               grad.sizes());
   const int64_t parts = grad.size(0), batch = grad.size(1), num_heads = grad.size(2), len = grad.size(3),
                 head_dim = grad.size(4);
@@ -114,7 +114,7 @@ static at::Tensor merge_heads_fwd(const at::Tensor& x) {
   const char* op = "merge_heads_fwd";
   check_cuda(x, op, "x");
   check_float_dtype(x, op, "x");
-  TORCH_CHECK(x.dim() == 4, op, ": x must be 4-D [batch, num_heads, len, head_dim], got shape ", x.sizes());
+  LSMINI_CHECK(x.dim() == 4, op, ": x must be 4-D [batch, num_heads, len, head_dim], got shape ", x.sizes());
   const int64_t batch = x.size(0), num_heads = x.size(1), len = x.size(2), head_dim = x.size(3);
   check_index_range(batch * len, num_heads * head_dim, op);
   c10::cuda::CUDAGuard guard(x.device());
@@ -134,10 +134,10 @@ static at::Tensor merge_heads_bwd(const at::Tensor& grad, int64_t num_heads) {
   const char* op = "merge_heads_bwd";
   check_cuda(grad, op, "grad");
   check_float_dtype(grad, op, "grad");
-  TORCH_CHECK(grad.dim() == 3, op, ": grad must be 3-D [batch, len, num_heads·head_dim], got shape ", grad.sizes());
-  TORCH_CHECK(num_heads >= 1, op, ": num_heads must be >= 1, got ", num_heads);
+  LSMINI_CHECK(grad.dim() == 3, op, ": grad must be 3-D [batch, len, num_heads·head_dim], got shape ", grad.sizes());
+  LSMINI_CHECK(num_heads >= 1, op, ": num_heads must be >= 1, got ", num_heads);
   const int64_t batch = grad.size(0), len = grad.size(1), width = grad.size(2);
-  TORCH_CHECK(width % num_heads == 0, op, ": the last dimension of grad (", width, ") must be divisible by num_heads (",
+  LSMINI_CHECK(width % num_heads == 0, op, ": the last dimension of grad (", width, ") must be divisible by num_heads (",
               num_heads, ")");
   const int64_t head_dim = width / num_heads;
   check_index_range(batch * len, width, op);

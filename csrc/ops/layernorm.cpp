@@ -18,9 +18,9 @@ at::ScalarType param_dtype(const at::Tensor& x, const c10::optional<at::Tensor>&
     check_cuda(t, op, name);
     check_same_device(t, x, op, name, "x");
     check_shape(t, {hidden}, op, name);
-    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == x.scalar_type(), op, ": ", name,
+    LSMINI_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == x.scalar_type(), op, ": ", name,
                 " must be float32 or the dtype of x (", x.scalar_type(), "), got ", t.scalar_type());
-    TORCH_CHECK(!seen || t.scalar_type() == pt, op, ": weight and bias must have the same dtype, got ",
+    LSMINI_CHECK(!seen || t.scalar_type() == pt, op, ": weight and bias must have the same dtype, got ",
                 weight->scalar_type(), " and ", t.scalar_type());
     pt = t.scalar_type();
     seen = true;
@@ -31,8 +31,8 @@ at::ScalarType param_dtype(const at::Tensor& x, const c10::optional<at::Tensor>&
 void check_x(const at::Tensor& x, const char* op, const char* name) {
   check_cuda(x, op, name);
   check_float_dtype(x, op, name);
-  TORCH_CHECK(x.dim() == 2, op, ": ", name, " must be 2-D [rows, hidden], got ", x.dim(), " dims");
-  TORCH_CHECK(x.size(1) >= 1 && x.size(1) <= kLayerNormMaxHidden, op, ": hidden size must be in [1, ",
+  LSMINI_CHECK(x.dim() == 2, op, ": ", name, " must be 2-D [rows, hidden], got ", x.dim(), " dims");
+  LSMINI_CHECK(x.size(1) >= 1 && x.size(1) <= kLayerNormMaxHidden, op, ": hidden size must be in [1, ",
               kLayerNormMaxHidden, "], got ", x.size(1));
 }
 
@@ -45,7 +45,7 @@ std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optiona
                                       const c10::optional<at::Tensor>& bias_in, double eps) {
   const char* op = "layernorm_fwd";
   check_x(x_in, op, "x");
-  TORCH_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
+  LSMINI_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
   const at::ScalarType pt = param_dtype(x_in, weight_in, bias_in, op);
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();

@@ -22,7 +22,7 @@ static std::tuple<uint64_t, uint64_t> philox_seed_offset() {
   // Our counters put the element group in words 0-1 and the offset in words 2-3, so any distinct
   // offset gives an independent stream; advancing by a multiple of 4 keeps torch's own accounting.
   at::PhiloxCudaState state = gen->philox_cuda_state(4);
-  TORCH_CHECK(!state.captured_,
+  LSMINI_CHECK(!state.captured_,
               "lsmini dropout: drawing a dropout seed while capturing a CUDA graph is not supported");
   return {state.seed_.val, state.offset_.val};
 }

@@ -1,0 +1,127 @@
+"""Attention softmax: masked softmax over the keys of attention scores, fused with dropout.
+
+    masked[b, h, i, j] = key_padding_mask[b, j]  or  (causal and j > i + k_len − q_len)
+    y   = softmax(scores.masked_fill(masked, −inf), dim=−1)     (a row with every key masked → 0)
+    out = dropout(y, p)                                         (only when training and p > 0)
+
+Shapes: scores [batch, heads, q_len, k_len], already scaled by 1/sqrt(head_dim) (fold the scale
+into the QKᵀ product); key_padding_mask bool [batch, k_len], True = pad; out like scores.
+
+The causal mask is aligned bottom-right: query i sees key j iff j ≤ i + (k_len − q_len), so the
+last query always sees every key. With q_len == k_len this is the usual lower triangle; with
+q_len < k_len it is a decoding step over cached keys; with q_len > k_len the first q_len − k_len
+queries see nothing and get zeros.
+
+Backward: g = dout · keep / (1 − p),  dscores = y · (g − Σ_j y_j g_j). The kernel saves only y (the
+pre-dropout softmax) and regenerates the dropout mask from its Philox (seed, offset).
+
+The CUDA kernel covers float32/float16/bfloat16 (fp32 math) and k_len ≤ 16384; other dtypes
+(e.g. float64) and non-CUDA tensors run ``attention_softmax_ref``.
+"""
+import torch
+import torch.nn.functional as F
+
+from lsmini import _backend
+
+MAX_K_LEN = 16384  # the kernels keep a row in registers: 32 values × 512 threads
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def attention_mask_ref(batch, q_len, k_len, key_padding_mask=None, causal=False, device=None):
+    """Bool mask (True = masked) broadcastable to [batch, heads, q_len, k_len], or None."""
+    masked = None
+    if key_padding_mask is not None:
+        masked = key_padding_mask.bool().view(batch, 1, 1, k_len)
+    if causal:
+        i = torch.arange(q_len, device=device).view(q_len, 1)
+        j = torch.arange(k_len, device=device).view(1, k_len)
+        above = j > i + (k_len - q_len)
+        masked = above if masked is None else masked | above
+    return masked
+
+
+def attention_softmax_ref(scores, key_padding_mask=None, causal=False, dropout_p=0.0, training=True):
+    """Pure-PyTorch attention softmax in fp32 math (the oracle and the CPU path); returns scores' dtype.
+
+    Rows whose every key is masked give zeros (forward) and zero gradients, never NaN.
+    """
+    b, _, q, k = scores.shape
+    x = scores.float()
+    masked = attention_mask_ref(b, q, k, key_padding_mask, causal, scores.device)
+    if masked is not None:
+        x = x.masked_fill(masked, float("-inf"))
+    # Rows with no finite maximum (all keys masked) would give 0/0: softmax a zero row instead and
+    # zero it afterwards, so neither the output nor the gradient sees a NaN.
+    dead = (x == float("-inf")).all(dim=-1, keepdim=True)
+    y = torch.softmax(x.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    if training and dropout_p > 0:
+        y = F.dropout(y, p=dropout_p, training=True)
+    return y.to(scores.dtype)
+
+
+class AttentionSoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, key_padding_mask, causal, p):
+        seed, offset = 0, 0
+        if p > 0:
+            with torch.cuda.device(scores.device):  # the generator of the scores' device
+                seed, offset = _backend.philox_seed_offset()
+        probs, softmax = _backend.ext().attention_softmax_fwd(scores, key_padding_mask, causal, p, seed, offset)
+        ctx.save_for_backward(softmax)
+        ctx.p, ctx.seed, ctx.offset = p, seed, offset
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad_probs):
+        (softmax,) = ctx.saved_tensors
+        # Not in place: autograd may hand the same gradient buffer to other consumers.
+        grad = _backend.ext().attention_softmax_bwd(grad_probs, softmax, ctx.p, ctx.seed, ctx.offset, False)
+        return grad, None, None, None
+
+
+def _check_args(scores, key_padding_mask, causal, dropout_p):
+    name = "attention_softmax"
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"{name}: scores must be a Tensor, got {type(scores).__name__}")
+    if not scores.is_floating_point():
+        raise TypeError(f"{name}: scores must be a floating-point tensor, got {scores.dtype}")
+    if scores.dim() != 4:
+        raise ValueError(f"{name}: scores must be 4-D [batch, heads, q_len, k_len], got shape {tuple(scores.shape)}")
+    b, _, _, k = scores.shape
+    if k > MAX_K_LEN:
+        raise ValueError(f"{name}: k_len (last dim of scores) must be at most {MAX_K_LEN}, got {k}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(f"{name}: key_padding_mask must be a bool Tensor or None, "
+                            f"got {type(key_padding_mask).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"{name}: key_padding_mask must have dtype torch.bool (True = pad), "
+                            f"got {key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != (b, k):
+            raise ValueError(f"{name}: key_padding_mask must have shape (batch, k_len) = ({b}, {k}), "
+                             f"got {tuple(key_padding_mask.shape)}")
+        if key_padding_mask.device != scores.device:
+            raise ValueError(f"{name}: key_padding_mask is on {key_padding_mask.device} but scores is on "
+                             f"{scores.device}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{name}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{name}: dropout_p must be in [0, 1], got {dropout_p}")
+
+
+def attention_softmax(scores, key_padding_mask=None, causal=False, dropout_p=0.0, training=True):
+    """Masked softmax over the last dim of scores [batch, heads, q_len, k_len], then dropout.
+
+    key_padding_mask: bool [batch, k_len], True = pad (that key gets probability 0), or None.
+    causal: bottom-right aligned (query i sees key j iff j ≤ i + k_len − q_len).
+    dropout_p: attention-probability dropout, applied only when ``training`` and dropout_p > 0.
+    Returns probabilities after dropout, same shape and dtype as scores. Rows with every key
+    masked are zeros. k_len must be at most 16384.
+    """
+    _check_args(scores, key_padding_mask, causal, dropout_p)
+    p = float(dropout_p) if training else 0.0
+    if scores.dtype in _KERNEL_DTYPES and _backend.use_kernels(scores, key_padding_mask):
+        return AttentionSoftmaxFunction.apply(scores, key_padding_mask, causal, p)
+    return attention_softmax_ref(scores, key_padding_mask, causal, p, training)

@@ -1,0 +1,184 @@
+"""Softmax cross-entropy with label smoothing over the last dimension of the logits.
+
+For logits x [..., V] (rows x_i, i < N = prod(...)) and class ids t [...] (int64), ε = label_smoothing:
+
+    lse_i  = log Σ_j exp(x_ij)
+    nll_i  = lse_i − x_i[t_i]                                   (plain negative log-likelihood)
+    loss_i = (1 − ε)·nll_i + ε·(lse_i − mean_j x_ij)            (= nll_i when ε = 0)
+    ∂loss_i/∂x_ij = softmax(x_i)_j − ((1 − ε)·[j = t_i] + ε/V)
+
+Rows whose target equals ``ignore_index`` contribute 0 and get a zero gradient. Reductions follow
+``torch.nn.functional.cross_entropy``: ``"mean"`` = Σ_i loss_i / (number of non-ignored rows) (NaN
+when every row is ignored, torch's 0/0), ``"sum"`` = Σ_i loss_i, ``"none"`` = loss_i with target's
+shape.
+
+Differences from ``F.cross_entropy``: the class dimension is the LAST one (torch: dim 1); no class
+weights and no probability targets; the loss is float32 for float32/float16/bfloat16 logits (float64
+for float64 logits) — torch returns the logits' dtype, which for float16 overflows to inf once
+ε·Σ_j log p_j exceeds 65504 (V ≳ 6000 with smoothing); with ``return_nll=True`` the plain NLL (same
+reduction, detached) comes back as well, for logging.
+
+CUDA kernel (float32/float16/bfloat16 logits, fp32 math): the forward streams each row once with an
+online log-sum-exp and never writes log-probabilities; it saves only lse [N] (fp32) for backward. The
+backward reads the logits once and writes (softmax − smoothed one-hot)·grad once — into the logits'
+own storage with ``inplace_backward=True``.
+"""
+import numbers
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from lsmini import _backend
+
+_REDUCTIONS = ("mean", "sum", "none")
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _reduce(rows, count, reduction, shape):
+    """rows [N] → the requested reduction; count = non-ignored rows (a device tensor, for "mean")."""
+    if reduction == "none":
+        return rows.view(shape)
+    total = rows.sum()
+    return total if reduction == "sum" else total / count
+
+
+def cross_entropy_ref(logits, target, label_smoothing=0.0, ignore_index=-100, reduction="mean", return_nll=False):
+    """Pure-PyTorch cross-entropy in fp32 math (the oracle and the CPU path), with the semantics of
+    ``cross_entropy``: returns the loss in float32 (float64 for float64 logits), or ``(loss, nll)``
+    with ``return_nll=True``. Targets outside [0, V) that are not ``ignore_index`` give a NaN row,
+    as the kernel does (``cross_entropy`` rejects them first unless ``check_targets=False``)."""
+    vocab = logits.shape[-1]
+    x = logits.reshape(-1, vocab)
+    x = x if x.dtype == torch.float64 else x.float()
+    t = target.reshape(-1)
+    ignored = t == ignore_index
+    in_range = (t >= 0) & (t < vocab)
+    bad = ~ignored & ~in_range
+    safe_t = torch.where(in_range & ~ignored, t, torch.zeros_like(t))
+
+    lse = torch.logsumexp(x, dim=-1)
+    nll = lse - x.gather(1, safe_t.unsqueeze(1)).squeeze(1)
+    if label_smoothing > 0:
+        loss = (1.0 - label_smoothing) * nll + label_smoothing * (lse - x.mean(dim=-1))
+    else:  # no smoothing term at all: with a −inf logit it would be inf, and 0·inf = NaN
+        loss = nll
+
+    zero = x.new_zeros(())
+    nan = x.new_full((), float("nan"))
+    count = (~ignored).sum()
+
+    def finish(rows):
+        rows = torch.where(bad, nan, torch.where(ignored, zero, rows))
+        return _reduce(rows, count, reduction, target.shape)
+
+    out = finish(loss)
+    return (out, finish(nll.detach())) if return_nll else out
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, inplace_backward):
+        vocab = logits.shape[-1]
+        logits2d = logits.reshape(-1, vocab)
+        if not logits2d.is_contiguous():  # one copy, saved; in-place backward then writes into it
+            logits2d = logits2d.contiguous()
+        target1d = target.reshape(-1)
+        loss_rows, nll_rows, lse = _backend.ext().cross_entropy_fwd(logits2d, target1d, label_smoothing, ignore_index)
+        count = (target1d != ignore_index).sum() if reduction == "mean" else None  # on device: no sync
+        loss = _reduce(loss_rows, count, reduction, target.shape)
+        nll = _reduce(nll_rows, count, reduction, target.shape)
+        ctx.mark_non_differentiable(nll)
+        ctx.save_for_backward(logits2d, target1d, lse, count)
+        ctx.label_smoothing = label_smoothing
+        ctx.ignore_index = ignore_index
+        ctx.reduction = reduction
+        ctx.inplace_backward = inplace_backward
+        ctx.logits_shape = logits.shape
+        return loss, nll
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, grad_nll):
+        logits2d, target1d, lse, count = ctx.saved_tensors
+        rows = logits2d.shape[0]
+        g = grad_loss.float()
+        if ctx.reduction == "none":
+            grad_rows = g.reshape(rows)
+        else:
+            if ctx.reduction == "mean":
+                g = g / count
+            grad_rows = g.expand(rows)
+        grad = _backend.ext().cross_entropy_bwd(grad_rows.contiguous(), logits2d, target1d, lse, ctx.label_smoothing,
+                                                ctx.ignore_index, ctx.inplace_backward)
+        return grad.view(ctx.logits_shape), None, None, None, None, None
+
+
+def _check_args(logits, target, label_smoothing, ignore_index, reduction):
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"cross_entropy: logits must be a Tensor, got {type(logits).__name__}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"cross_entropy: target must be a Tensor, got {type(target).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"cross_entropy: logits must be a floating-point tensor, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"cross_entropy: logits must have shape [..., vocab] with vocab >= 1, got shape "
+                         f"{tuple(logits.shape)}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"cross_entropy: target must hold class indices as torch.int64, got {target.dtype} "
+                        f"(class-probability targets are not supported)")
+    if target.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: target must have shape {tuple(logits.shape[:-1])} (logits' shape without "
+                         f"its last, class dimension), got {tuple(target.shape)}")
+    if target.device != logits.device:
+        raise ValueError(f"cross_entropy: target is on {target.device} but logits is on {logits.device}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"cross_entropy: label_smoothing must be a float, got {type(label_smoothing).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"cross_entropy: ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def _check_target_values(target, vocab, ignore_index):
+    """Raise when a target is outside [0, vocab) and not ignore_index. Costs one device→host sync."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        first = bad.reshape(-1).nonzero()[0, 0].item()
+        raise ValueError(f"cross_entropy: target values must be in [0, {vocab}) or equal ignore_index "
+                         f"({ignore_index}); {int(bad.sum())} are not, the first is {target.reshape(-1)[first].item()} "
+                         f"at flat position {first}")
+
+
+def cross_entropy(logits, target, label_smoothing=0.0, ignore_index=-100, reduction="mean", return_nll=False,
+                  inplace_backward=False, check_targets=True):
+    """Label-smoothed softmax cross-entropy, ``F.cross_entropy`` semantics with classes last.
+
+    Args:
+        logits: [..., V] float tensor (the kernel takes float32/float16/bfloat16).
+        target: [...] int64 class ids in [0, V), or ``ignore_index``.
+        label_smoothing: ε in [0, 1]; the target distribution is (1 − ε)·one_hot + ε/V.
+        ignore_index: target value whose rows contribute nothing (loss 0, gradient 0).
+        reduction: "mean" (over non-ignored rows), "sum" or "none" (loss with target's shape).
+        return_nll: also return the plain negative log-likelihood, same reduction, detached.
+        inplace_backward: the CUDA backward writes the logits' gradient into the logits' own storage
+            (saves one [N, V] buffer). Only when nothing else needs the logits after this loss (their
+            producer's backward must not use them) and they are contiguous (otherwise the internal
+            contiguous copy is overwritten instead); the graph cannot be backpropagated twice.
+        check_targets: validate target values (one device→host sync). Set False on the training hot
+            path once the data is known to be valid: an out-of-range target then gives a NaN loss row
+            (and NaN gradient row) instead of an error — never an out-of-bounds read.
+
+    Returns:
+        loss (float32; float64 for float64 logits): 0-d for "mean"/"sum", target's shape for "none";
+        or ``(loss, nll)`` when ``return_nll``.
+    """
+    _check_args(logits, target, label_smoothing, ignore_index, reduction)
+    if check_targets:
+        _check_target_values(target, logits.shape[-1], ignore_index)
+    if logits.dtype in _KERNEL_DTYPES and _backend.use_kernels(logits, target):
+        loss, nll = CrossEntropyFunction.apply(logits, target, float(label_smoothing), int(ignore_index), reduction,
+                                               bool(inplace_backward))
+        return (loss, nll) if return_nll else loss
+    return cross_entropy_ref(logits, target, float(label_smoothing), int(ignore_index), reduction, return_nll)
