@@ -1,0 +1,431 @@
+/*
+ * adam.cu — fused Adam / AdamW over contiguous parameter buffers (lsmini.optim.FusedAdam).
+ *
+ * Layout. A ParameterWorkspace packs all parameters of one dtype T into one flat buffer, each starting on
+ * a 16-byte boundary, and their gradients into a second buffer with the same layout. The optimizer keeps
+ * fp32 buffers of the same length for the moments (exp_avg m, exp_avg_sq v) and, for fp16/bf16 T, for
+ * the master weights. Each optimizer param group occupies one contiguous element range of a buffer (a
+ * segment), so one launch with a small by-value segment table updates every parameter of the buffer,
+ * however many tensors it holds.
+ *
+ * A step is at most three launches, none of which needs the host to wait:
+ *   1. adam_grad_sumsq_kernel, one launch per gradient buffer, only when the step clips or checks for
+ *      overflow: grid-stride over the gradients, per block an fp32 partial Σ(g·m)² (m = inverse loss
+ *      scale, so the norm is of the unscaled gradient) and a non-finite flag. Partials, not atomics:
+ *      the sum is deterministic for a given device.
+ *   2. adam_grad_norm_finalize_kernel, one block: reduces the partials into the control block
+ *      ctrl = {skip, gradient multiplier (inverse scale · clip coefficient), norm, clip coefficient}.
+ *   3. adam_step_kernel, one launch per parameter buffer: reads ctrl from device memory, returns at once
+ *      when skip is set, else for every element, in fp32:
+ *        g  = grad · multiplier                      (+ wd·p for Adam: L2 added to the gradient)
+ *        p  = p · (1 − lr·wd)                        (AdamW: decoupled decay; skipped for Adam)
+ *        m  = lerp(m, g, 1 − β1)
+ *        v  = β2·v + (1 − β2)·g²
+ *        p  = p − (lr / (1 − β1ᵗ)) · m / (sqrt(v) / sqrt(1 − β2ᵗ) + eps)
+ *      which is torch.optim.AdamW / Adam's single-tensor formula, op for op (scalars formed in double as
+ *      Python does, then rounded to fp32 as torch does). fp32 parameters are p itself (updated in place);
+ *      fp16/bf16 parameters read nothing: p is the fp32 master and the parameter receives its rounded copy.
+ *      Bytes per element with fp16/bf16 T: grad 2 + master/m/v 12 read, master/m/v 12 + param 2 written.
+ *
+ * Step counts live on the device, so a skipped step can leave them untouched without the host knowing:
+ * group g steps with t = step_in[g] + 1 and block 0 writes step_out[g] = step_in[g] + (skip ? 0 : 1).
+ * step_in and step_out are the two rows of a [2, groups] tensor that the caller alternates, so no block
+ * ever reads a count another block of the same launch writes.
+ *
+ * Vector path: each thread takes chunks of V = 16/sizeof(T) consecutive elements (one 16-byte load of
+ * grad, two or one 16-byte loads each of master/m/v). Chunks are numbered across segments; a segment's
+ * last chunk may be short and goes through the scalar code, as does everything when a base pointer is
+ * not 16-byte aligned or a segment does not start on a multiple of V.
+ */
+#include "adam.h"
+#include "common.cuh"
+
+#include <type_traits>
+
+namespace lsmini {
+namespace {
+
+constexpr int kSumsqThreads = 512;
+constexpr int kSumsqUnroll = 4;      // independent 16-byte loads in flight per thread
+constexpr int kSumsqBlocksPerSm = 2; // 1024 threads per SM streaming is enough to saturate HBM
+constexpr int kFinalizeThreads = 256;
+constexpr int kStepThreads = 256;
+
+// Exponent all ones: inf or NaN. A bit test, so it holds whatever fast-math assumes about NaN.
+__device__ __forceinline__ bool is_nonfinite(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+// inv_scale · 1/scale[0]. __frcp_rn is the IEEE reciprocal (the division operator is approximate under
+// --use_fast_math), so a power-of-two loss scale unscales exactly, as GradScaler's reciprocal does.
+__device__ __forceinline__ float grad_multiplier(float inv_scale, const float* scale) {
+  return scale != nullptr ? inv_scale * __frcp_rn(*scale) : inv_scale;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Pass 1: Σ (g·m)² and the non-finite flag, per block.
+// ------------------------------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(kSumsqThreads)
+    adam_grad_sumsq_kernel(const T* __restrict__ grad, int64_t n, float inv_scale, const float* __restrict__ scale,
+                           float2* __restrict__ partials, bool vec) {
+  constexpr int V = Vec16<T>::value;
+  const float mul = grad_multiplier(inv_scale, scale);
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  float acc = 0.f;
+  int bad = 0;
+  auto add = [&](float x) {
+    bad |= is_nonfinite(x);
+    const float y = x * mul;
+    acc = fmaf(y, y, acc);
+  };
+
+  const int64_t nvec = vec ? n / V : 0;
+  // Vector i is read at position nvec − 1 − i: the walk runs from the end of the buffer to its start, so
+  // the gradients read last — still in L2 — are the ones the update kernel reads first.
+  int64_t i = tid;
+  // Unrolled body: kSumsqUnroll vectors i, i + stride, ... all < nvec, loaded before any is used.
+  for (; i + (kSumsqUnroll - 1) * stride < nvec; i += kSumsqUnroll * stride) {
+    float x[kSumsqUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kSumsqUnroll; ++u) load_pack<T, V>(grad + (nvec - 1 - (i + u * stride)) * V, x[u]);
+#pragma unroll
+    for (int u = 0; u < kSumsqUnroll; ++u)
+#pragma unroll
+      for (int j = 0; j < V; ++j) add(x[u][j]);
+  }
+  for (; i < nvec; i += stride) {
+    float x[V];
+    load_pack<T, V>(grad + (nvec - 1 - i) * V, x);
+#pragma unroll
+    for (int j = 0; j < V; ++j) add(x[j]);
+  }
+  // Elements past the last whole vector (all of them when the pointer is not 16-byte aligned).
+  for (int64_t k = nvec * V + tid; k < n; k += stride) add(to_float(grad[k]));
+
+  __shared__ float smem[32];
+  const float total = block_sum(acc, smem);
+  const int any_bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) partials[blockIdx.x] = make_float2(total, any_bad ? 1.f : 0.f);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Pass 2: one block folds the partials into ctrl.
+// ------------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kFinalizeThreads)
+    adam_grad_norm_finalize_kernel(const float2* __restrict__ partials, int num_partials, float inv_scale,
+                                   const float* __restrict__ scale, float max_norm, int check_overflow,
+                                   float* __restrict__ ctrl) {
+  float acc = 0.f;
+  int bad = 0;
+  for (int i = threadIdx.x; i < num_partials; i += blockDim.x) {
+    const float2 p = partials[i];
+    acc += p.x;
+    bad |= p.y != 0.f;
+  }
+  __shared__ float smem[32];
+  const float sumsq = block_sum(acc, smem);
+  const int any_bad = __syncthreads_or(bad);
+  if (threadIdx.x == 0) {
+    const float norm = __fsqrt_rn(sumsq);
+    float clip = 1.f;
+    if (max_norm > 0.f) {
+      // torch.nn.utils.clip_grad_norm_: clamp(max_norm / (norm + 1e-6), max=1). Written so that a NaN
+      // coefficient stays NaN (clamp propagates it) instead of silently becoming 1.
+      const float c = __fdiv_rn(max_norm, __fadd_rn(norm, 1e-6f));
+      clip = c > 1.f ? 1.f : c;
+    }
+    ctrl[0] = (check_overflow && any_bad) ? 1.f : 0.f;
+    ctrl[1] = grad_multiplier(inv_scale, scale) * clip;
+    ctrl[2] = norm;
+    ctrl[3] = clip;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Pass 3: the update.
+// ------------------------------------------------------------------------------------------------
+
+// Per-group scalars of this step, rounded to fp32 once per block.
+struct AdamGroupConsts {
+  float decay;         // 1 − lr·wd for AdamW, 1 for Adam
+  float l2;            // wd for Adam (added to the gradient), 0 for AdamW
+  float w1;            // lerp weight 1 − β1
+  float beta2, w2;     // β2, 1 − β2
+  float eps;
+  float step_size;     // lr / (1 − β1ᵗ)
+  float bc2_sqrt;      // sqrt(1 − β2ᵗ)
+};
+
+// What the kernel receives by value: the segment table with chunk prefix sums. Entries past
+// num_segments have empty ranges and chunk_begin = total_chunks.
+struct AdamStepTable {
+  int32_t num_groups, num_segments, adam_w_mode;
+  int64_t total_chunks;
+  int64_t seg_begin[kAdamMaxGroups], seg_end[kAdamMaxGroups], chunk_begin[kAdamMaxGroups + 1];
+  int32_t seg_group[kAdamMaxGroups];
+  AdamGroupHyper group[kAdamMaxGroups];
+};
+
+__device__ __forceinline__ AdamGroupConsts make_group_consts(const AdamGroupHyper& h, int32_t steps_done,
+                                                             bool adam_w) {
+  // Same expressions as torch's Python side (double), rounded to fp32 where torch passes a scalar to
+  // an fp32 tensor op.
+  const double t = double(steps_done) + 1.0;
+  const double bc1 = 1.0 - pow(h.beta1, t);
+  const double bc2 = 1.0 - pow(h.beta2, t);
+  AdamGroupConsts c;
+  c.decay = adam_w ? float(1.0 - h.lr * h.weight_decay) : 1.f;
+  c.l2 = adam_w ? 0.f : float(h.weight_decay);
+  c.w1 = float(1.0 - h.beta1);
+  c.beta2 = float(h.beta2);
+  c.w2 = float(1.0 - h.beta2);
+  c.eps = float(h.eps);
+  c.step_size = float(h.lr / bc1);
+  c.bc2_sqrt = float(sqrt(bc2));
+  return c;
+}
+
+__device__ __forceinline__ void adam_update(float g, float& p, float& m, float& v, const AdamGroupConsts& c) {
+  if (c.l2 != 0.f) g = fmaf(c.l2, p, g);
+  p *= c.decay;  // exact when decay == 1
+  // torch's lerp: the form that is exact at the end that the weight is closer to.
+  m = c.w1 < 0.5f ? fmaf(c.w1, g - m, m) : g - (g - m) * (1.f - c.w1);
+  v = fmaf(c.w2 * g, g, v * c.beta2);
+  const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
+  p -= (c.step_size * m) / denom;
+}
+
+// N fp32 values through N/4 16-byte accesses (ptr 16-byte aligned).
+template <int N>
+__device__ __forceinline__ void load_f32(const float* ptr, float (&out)[N]) {
+#pragma unroll
+  for (int k = 0; k < N / 4; ++k) {
+    const float4 q = reinterpret_cast<const float4*>(ptr)[k];
+    out[4 * k] = q.x, out[4 * k + 1] = q.y, out[4 * k + 2] = q.z, out[4 * k + 3] = q.w;
+  }
+}
+
+// __stwb (an ordinary write-back store) keeps the access one 16-byte store: a plain float4 assignment
+// here gets split into four scalar stores by the compiler.
+template <int N>
+__device__ __forceinline__ void store_f32(float* ptr, const float (&in)[N]) {
+#pragma unroll
+  for (int k = 0; k < N / 4; ++k)
+    __stwb(reinterpret_cast<float4*>(ptr) + k, make_float4(in[4 * k], in[4 * k + 1], in[4 * k + 2], in[4 * k + 3]));
+}
+
+// V values of T rounded from fp32 and written as one 16-byte store (ptr 16-byte aligned).
+template <typename T, int N>
+__device__ __forceinline__ void store_vec16(T* ptr, const float (&in)[N]) {
+  static_assert(N * sizeof(T) == 16, "one 16-byte store");
+  Pack<T, N> pk;
+#pragma unroll
+  for (int i = 0; i < N; ++i) pk.v[i] = from_float<T>(in[i]);
+  uint4 bits;
+  memcpy(&bits, &pk, 16);
+  __stwb(reinterpret_cast<uint4*>(ptr), bits);
+}
+
+// V elements starting at e (e a multiple of V, every base pointer 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void adam_chunk_vec(T* __restrict__ param, const T* __restrict__ grad,
+                                               float* __restrict__ master, float* __restrict__ exp_avg,
+                                               float* __restrict__ exp_avg_sq, int64_t e, float gmul,
+                                               const AdamGroupConsts& c) {
+  constexpr int V = Vec16<T>::value;
+  constexpr bool kInPlace = std::is_same<T, float>::value;
+  float g[V], p[V], m[V], v[V];
+  load_pack<T, V>(grad + e, g);
+  if constexpr (kInPlace) {
+    load_f32<V>(param + e, p);
+  } else {
+    load_f32<V>(master + e, p);
+  }
+  load_f32<V>(exp_avg + e, m);
+  load_f32<V>(exp_avg_sq + e, v);
+#pragma unroll
+  for (int j = 0; j < V; ++j) adam_update(g[j] * gmul, p[j], m[j], v[j], c);
+  store_f32<V>(exp_avg + e, m);
+  store_f32<V>(exp_avg_sq + e, v);
+  if constexpr (kInPlace) {
+    store_f32<V>(param + e, p);
+  } else {
+    store_f32<V>(master + e, p);
+    store_vec16<T, V>(param + e, p);
+  }
+}
+
+// n (< V, or ≤ V on the unaligned path) elements starting at e, one at a time.
+template <typename T>
+__device__ __forceinline__ void adam_chunk_scalar(T* __restrict__ param, const T* __restrict__ grad,
+                                                  float* __restrict__ master, float* __restrict__ exp_avg,
+                                                  float* __restrict__ exp_avg_sq, int64_t e, int n, float gmul,
+                                                  const AdamGroupConsts& c) {
+  constexpr bool kInPlace = std::is_same<T, float>::value;
+  for (int j = 0; j < n; ++j) {
+    const int64_t k = e + j;
+    float p;
+    if constexpr (kInPlace) {
+      p = param[k];
+    } else {
+      p = master[k];
+    }
+    float m = exp_avg[k], v = exp_avg_sq[k];
+    adam_update(to_float(grad[k]) * gmul, p, m, v, c);
+    exp_avg[k] = m;
+    exp_avg_sq[k] = v;
+    if constexpr (kInPlace) {
+      param[k] = p;
+    } else {
+      master[k] = p;
+      param[k] = from_float<T>(p);
+    }
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kStepThreads)
+    adam_step_kernel(T* __restrict__ param, const T* __restrict__ grad, float* __restrict__ master,
+                     float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, const AdamStepTable tab,
+                     const int32_t* __restrict__ step_in, int32_t* __restrict__ step_out, float inv_scale,
+                     const float* __restrict__ scale, const float* __restrict__ ctrl) {
+  constexpr int V = Vec16<T>::value;
+  const bool skip = ctrl != nullptr && ctrl[0] != 0.f;
+  if (blockIdx.x == 0 && step_out != nullptr && int(threadIdx.x) < tab.num_groups)
+    step_out[threadIdx.x] = step_in[threadIdx.x] + (skip ? 0 : 1);
+  if (skip) return;  // uniform over the grid: nothing below is reached, no barrier is left waiting
+
+  // The table goes to shared memory through constant indices: indexing a by-value kernel argument with a
+  // thread-dependent index would make the compiler copy it to local memory.
+  __shared__ AdamGroupHyper s_hyper[kAdamMaxGroups];
+  __shared__ AdamGroupConsts s_consts[kAdamMaxGroups];
+  __shared__ int64_t s_begin[kAdamMaxGroups], s_end[kAdamMaxGroups], s_chunk[kAdamMaxGroups + 1];
+  __shared__ int32_t s_group[kAdamMaxGroups];
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int k = 0; k < kAdamMaxGroups; ++k) {
+      s_hyper[k] = tab.group[k];
+      s_begin[k] = tab.seg_begin[k];
+      s_end[k] = tab.seg_end[k];
+      s_chunk[k] = tab.chunk_begin[k];
+      s_group[k] = tab.seg_group[k];
+    }
+    s_chunk[kAdamMaxGroups] = tab.chunk_begin[kAdamMaxGroups];
+  }
+  __syncthreads();
+  if (int(threadIdx.x) < tab.num_groups)
+    s_consts[threadIdx.x] = make_group_consts(s_hyper[threadIdx.x], step_in[threadIdx.x], tab.adam_w_mode != 0);
+  __syncthreads();
+
+  const float gmul = ctrl != nullptr ? ctrl[1] : grad_multiplier(inv_scale, scale);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int s = 0;  // chunk indices grow along a thread's grid-stride walk, so its segment only moves forward
+  for (int64_t chunk = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; chunk < tab.total_chunks; chunk += stride) {
+    while (chunk >= s_chunk[s + 1]) ++s;  // s_chunk[num_segments] = total_chunks > chunk: stops in range
+    const int64_t e = s_begin[s] + (chunk - s_chunk[s]) * V;
+    const int64_t left = s_end[s] - e;  // ≥ 1
+    const AdamGroupConsts c = s_consts[s_group[s]];
+    if (VEC && left >= V)
+      adam_chunk_vec<T>(param, grad, master, exp_avg, exp_avg_sq, e, gmul, c);
+    else
+      adam_chunk_scalar<T>(param, grad, master, exp_avg, exp_avg_sq, e, left < V ? int(left) : V, gmul, c);
+  }
+}
+
+// Blocks of adam_step_kernel<T, VEC> that fit on the device at once: the persistent grid size. The
+// occupancy query runs once per instantiation.
+template <typename T, bool VEC>
+int64_t step_resident_blocks() {
+  static const int per_sm = [] {
+    int n = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, adam_step_kernel<T, VEC>, kStepThreads, 0);
+    return n > 0 ? n : 1;
+  }();
+  return int64_t(per_sm) * sm_count();
+}
+
+}  // namespace
+
+int adam_grad_sumsq_num_blocks(int64_t n) {
+  if (n <= 0) return 0;
+  const int64_t per_block = int64_t(kSumsqThreads) * 8 * kSumsqUnroll;  // a few unrolled rounds each
+  const int64_t want = (n + per_block - 1) / per_block;
+  const int64_t cap = int64_t(sm_count()) * kSumsqBlocksPerSm;
+  return int(want < cap ? want : cap);
+}
+
+template <typename T>
+cudaError_t launch_adam_grad_sumsq(const T* grad, int64_t n, float inv_scale, const float* scale,
+                                   float2* partials, cudaStream_t stream) {
+  const int blocks = adam_grad_sumsq_num_blocks(n);
+  if (blocks == 0) return cudaSuccess;
+  adam_grad_sumsq_kernel<T><<<blocks, kSumsqThreads, 0, stream>>>(grad, n, inv_scale, scale, partials,
+                                                                  is_aligned(grad, 16));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_adam_grad_norm_finalize(const float2* partials, int num_partials, float inv_scale,
+                                           const float* scale, float max_norm, int check_overflow, float* ctrl,
+                                           cudaStream_t stream) {
+  if (num_partials < 0) return cudaErrorInvalidValue;
+  adam_grad_norm_finalize_kernel<<<1, kFinalizeThreads, 0, stream>>>(partials, num_partials, inv_scale, scale,
+                                                                     max_norm, check_overflow, ctrl);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_avg, float* exp_avg_sq,
+                             const AdamStepArgs& args, const int32_t* step_in, int32_t* step_out, float inv_scale,
+                             const float* scale, const float* ctrl, cudaStream_t stream) {
+  constexpr int V = Vec16<T>::value;
+  constexpr bool kInPlace = std::is_same<T, float>::value;
+  if (args.num_groups < 1 || args.num_groups > kAdamMaxGroups || args.num_segments < 0 ||
+      args.num_segments > kAdamMaxGroups || step_in == nullptr || (kInPlace != (master == nullptr)))
+    return cudaErrorInvalidValue;
+
+  AdamStepTable tab{};
+  tab.num_groups = args.num_groups;
+  tab.num_segments = args.num_segments;
+  tab.adam_w_mode = args.adam_w_mode;
+  bool vec = is_aligned(param, 16) && is_aligned(grad, 16) && is_aligned(exp_avg, 16) &&
+             is_aligned(exp_avg_sq, 16) && (master == nullptr || is_aligned(master, 16));
+  int64_t chunks = 0;
+  for (int s = 0; s < args.num_segments; ++s) {
+    const AdamSegment& sg = args.segment[s];
+    if (sg.begin < 0 || sg.end < sg.begin || sg.group < 0 || sg.group >= args.num_groups)
+      return cudaErrorInvalidValue;
+    tab.seg_begin[s] = sg.begin;
+    tab.seg_end[s] = sg.end;
+    tab.seg_group[s] = sg.group;
+    tab.chunk_begin[s] = chunks;
+    chunks += (sg.end - sg.begin + V - 1) / V;
+    vec = vec && sg.begin % V == 0;
+  }
+  for (int s = args.num_segments; s <= kAdamMaxGroups; ++s) tab.chunk_begin[s] = chunks;
+  for (int g = 0; g < args.num_groups; ++g) tab.group[g] = args.group[g];
+  tab.total_chunks = chunks;
+  // The launch that advances the step counts runs even with nothing to update.
+  if (chunks == 0 && step_out == nullptr) return cudaSuccess;
+
+  auto kernel = vec ? adam_step_kernel<T, true> : adam_step_kernel<T, false>;
+  const int64_t want = (chunks + kStepThreads - 1) / kStepThreads;
+  const int64_t cap = vec ? step_resident_blocks<T, true>() : step_resident_blocks<T, false>();
+  const int64_t grid = want < 1 ? 1 : (want < cap ? want : cap);
+  kernel<<<grid, kStepThreads, 0, stream>>>(param, grad, master, exp_avg, exp_avg_sq, tab, step_in, step_out,
+                                            inv_scale, scale, ctrl);
+  return cudaGetLastError();
+}
+
+#define LSMINI_INSTANTIATE_ADAM(T)                                                                             \
+  template cudaError_t launch_adam_grad_sumsq<T>(const T*, int64_t, float, const float*, float2*, cudaStream_t); \
+  template cudaError_t launch_adam_step<T>(T*, const T*, float*, float*, float*, const AdamStepArgs&,           \
+                                           const int32_t*, int32_t*, float, const float*, const float*,         \
+                                           cudaStream_t);
+
+LSMINI_INSTANTIATE_ADAM(float)
+LSMINI_INSTANTIATE_ADAM(__half)
+LSMINI_INSTANTIATE_ADAM(__nv_bfloat16)
+
+}  // namespace lsmini
