@@ -39,3 +39,69 @@ def check(out, ref32, torch_lowp=None, dtype=torch.float32, atol32=1e-5, rtol32=
         assert_lowp_rule(out, ref32, torch_lowp, atol=atol_lowp, name=name)
     else:
         assert_close_fp32(out, ref32, atol=atol32, rtol=rtol32, name=name)
+
+
+# ---- dropout: an independent Philox oracle and keep-mask statistics --------------------------------
+# Philox4x32-10 on int64 torch tensors holding 32-bit values, following csrc/kernels/common.cuh:
+# element i of a call keyed by (seed, offset) is kept iff word i % 4 of
+# philox(counter = {i/4 lo, i/4 hi, offset lo, offset hi}, key = {seed lo, seed hi}) ≥ threshold(p).
+_M32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a, b):
+    """(hi, lo) 32-bit halves of a·b for a constant a < 2^32 and an int64 tensor b < 2^32, without
+    overflowing int64: b is split into 16-bit halves."""
+    t = a * (b & 0xFFFF)
+    u = a * (b >> 16) + (t >> 16)
+    return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
+
+
+def philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 of counters (int64 tensors, values < 2^32) and a key (two ints < 2^32)."""
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo32(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(p):
+    """common.cuh's dropout_threshold for the float32 value of p."""
+    t = float(torch.tensor(p, dtype=torch.float32)) * 4294967296.0
+    return _M32 if t >= 4294967295.0 else int(t)
+
+
+def philox_keep_mask(numel, p, seed, offset, device="cpu"):
+    """Bool [numel]: keep[i] for flat element indices i of one dropout call keyed by (seed, offset)."""
+    groups = torch.arange((numel + 3) // 4, dtype=torch.int64, device=device)
+    full = lambda v: torch.full_like(groups, v)  # noqa: E731
+    words = philox4x32_10(groups & _M32, groups >> 32, full(offset & _M32), full(offset >> 32),
+                          seed & _M32, seed >> 32)
+    return (torch.stack(words, dim=1).reshape(-1)[:numel]) >= dropout_threshold(p)
+
+
+def assert_dropout_keep_stats(keep, p, sigmas=5.0, name="dropout mask"):
+    """keep: bool [rows, cols] (or any shape, read as flat). Checks, each within `sigmas` standard
+    deviations: the keep rate is 1 − p; neighbours along the flat index are kept together at rate
+    (1 − p)² (catches words reused across the four elements of a Philox group); and, for 2-D masks,
+    vertically adjacent elements too (catches masks that repeat from row to row)."""
+    q = 1.0 - p
+    flat = keep.reshape(-1)
+    n = flat.numel()
+    rate = flat.double().mean().item()
+    sd = (p * q / n) ** 0.5
+    assert abs(rate - q) <= sigmas * sd, f"{name}: keep rate {rate:.5f}, expected {q:.5f} ± {sigmas * sd:.5f}"
+
+    def pairs(a, b, what):
+        m = a.numel()
+        both = (a & b).double().mean().item()
+        # overlapping pairs share elements: binomial variance plus the covariance of neighbours
+        sd2 = ((q * q * (1 - q * q) + 2 * q ** 3 * (1 - q)) / m) ** 0.5
+        assert abs(both - q * q) <= sigmas * sd2, \
+            f"{name}: {what} kept together at rate {both:.5f}, expected {q * q:.5f} ± {sigmas * sd2:.5f}"
+
+    if n > 1:
+        pairs(flat[1:], flat[:-1], "flat neighbours")
+    if keep.dim() == 2 and keep.shape[0] > 1:
+        pairs(keep[1:].reshape(-1), keep[:-1].reshape(-1), "vertical neighbours")

@@ -1,0 +1,432 @@
+/*
+ * bias_act_dropout.cu — out = dropout(act(x + bias)), and its backward
+ *
+ *   forward : out[r, c]    = keep(r, c) · act(x[r, c] + bias[c]) / (1 − p)
+ *   backward: grad_x[r, c] = keep(r, c) · grad_out[r, c] / (1 − p) · act'(x[r, c] + bias[c])
+ *             grad_bias[c] = Σ_r grad_x[r, c]
+ *   act: relu; gelu (exact): v · Φ(v) = ½v(1 + erf(v/√2)); gelu_tanh: ½v(1 + tanh(√(2/π)(v + 0.044715 v³))).
+ *
+ * The backward recomputes v = x + bias and act'(v) from the saved input instead of saving act(v):
+ * the input is needed anyway for act', so this keeps one [rows, hidden] tensor alive instead of two.
+ *
+ * Layout: x, out, grad_out, grad_x are row-major [rows, hidden]; bias is [hidden] in T or fp32, or
+ * absent. Math in fp32, one rounding per stored value.
+ *
+ * Dropout: common.cuh's Philox convention with the flat element index i = r · hidden + c, keyed by
+ * (seed, offset); the backward regenerates the same keep bits. p == 0 compiles to a variant with no
+ * RNG at all; p == 1 keeps nothing (scale 0).
+ *
+ * Work split: the same as bias_dropout_residual.cu — a thread owns V adjacent columns (16 bytes of T
+ * when hidden % V == 0 and the pointers are 16-byte aligned, else 1) and walks down the rows of its
+ * slab; the grid is one resident wave. The backward keeps fp32 column sums of grad_x in registers
+ * during its single pass, folds the block's rows in shared memory into one row of fp32 partials
+ * [slabs, hidden], and a second small kernel sums the partials per column (no atomics).
+ *
+ * Numerics: gelu's Φ comes from a short erfc approximation (see normal_cdf) rather than erff, for
+ * speed; it is as accurate as PyTorch's fp32 gelu. Under --use_fast_math tanhf would become
+ * tanh.approx (≈ 2^-11 relative error), too coarse to match PyTorch's fp32 gelu_tanh, so tanh is
+ * built from __expf: 1 − 2/(e^{2u} + 1); its absolute error (≈ 1e-7) is what matters, since it is
+ * multiplied by ½v.
+ *
+ * Napkin math (H200, fp16, 65536 × 4096 = 2^28 elements): forward moves 1 GiB, backward 1.5 GiB;
+ * Philox (≈ 12 instructions per element) plus gelu (≈ 15) come close to the ≈ 30 per element that
+ * the memory time allows at full bandwidth, so the inner loop is kept lean: no branches, bias in
+ * registers, one Philox call per 4 elements, one exponential per element for gelu and its derivative.
+ * Because the loop is nearly compute-bound, each thread loads the next row before computing the
+ * current one (software pipelining), so memory stays busy while it computes.
+ */
+#include "bias_act_dropout.h"
+
+#include <algorithm>
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace lsmini {
+namespace {
+
+constexpr int kFwdThreads = 256;
+// The backward holds two prefetched packs, the bias and the column sums in registers (≈ 70-80 for
+// fp16 gelu with dropout): 256-thread blocks with at least 3 resident per SM fit that without spills,
+// where 512-thread blocks would drop to one per SM or spill.
+constexpr int kBwdThreads = 256;
+constexpr int kBwdMinBlocksPerSm = 3;
+constexpr int kBwdMaxBlocksPerSm = 2048 / kBwdThreads;
+constexpr int kColsumCols = 32;
+constexpr int kColsumRows = 16;
+
+// ---------------------------------------------------------------------------------------------
+// Activations and their derivatives (fp32).
+// ---------------------------------------------------------------------------------------------
+constexpr float kSqrt1_2 = 0.70710678118654752f;      // 1/√2
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1/√(2π)
+constexpr float kSqrt2_Pi = 0.79788456080286536f;     // √(2/π)
+constexpr float kGeluTanhCubic = 0.044715f;
+
+// Φ(v), the standard normal CDF, via erfc(z) ≈ t·(a1 + t·(a2 + t·(a3 + t·(a4 + t·a5))))·e^{−z²},
+// t = 1/(1 + p·z), z = |v|/√2 (Abramowitz & Stegun 7.1.26, |error| ≤ 1.5e-7). Why not erff: libdevice's
+// erff costs ≈ 30 instructions per element here, which with Philox makes the fused kernel compute-
+// bound on an H200; this costs ≈ 12 plus two MUFU ops, and its error (≤ 5e-7 on gelu over [−12, 12],
+// checked against float64) is below PyTorch's own fp32 gelu error. The same e^{−v²/2} is the normal
+// density's numerator, so the backward gets φ(v) for one multiply. NaN propagates; ±inf give 1 / 0.
+__device__ __forceinline__ float normal_cdf(float v, float* gauss) {
+  // Constants folded so each step is one FMA/MUL: p/√2 (z = |v|/√2), the a_k halved (Φ = ½·erfc),
+  // −½·log2(e) (e^{−v²/2} as one ex2).
+  constexpr float p_s = 0.3275911f * kSqrt1_2;
+  constexpr float a1 = 0.5f * 0.254829592f, a2 = 0.5f * -0.284496736f, a3 = 0.5f * 1.421413741f,
+                  a4 = 0.5f * -1.453152027f, a5 = 0.5f * 1.061405429f;
+  constexpr float kNegHalfLog2e = -0.72134752044448170f;
+  const float t = 1.f / fmaf(p_s, fabsf(v), 1.f);
+  const float q = fmaf(fmaf(fmaf(fmaf(a5, t, a4), t, a3), t, a2), t, a1) * t;
+  *gauss = exp2f(v * v * kNegHalfLog2e);
+  const float half_erfc = q * *gauss;
+  return v >= 0.f ? 1.f - half_erfc : half_erfc;
+}
+
+__device__ __forceinline__ float tanh_from_exp(float u) {
+  // e^{2u} → ∞ gives 1, → 0 gives −1; no NaN for any finite u.
+  return 1.f - 2.f / (__expf(2.f * u) + 1.f);
+}
+
+template <int ACT>
+__device__ __forceinline__ float act_fwd(float v) {
+  if (ACT == int(BiasAct::Relu)) {
+    return v <= 0.f ? 0.f : v;  // NaN propagates, like torch.relu
+  } else if (ACT == int(BiasAct::Gelu)) {
+    float gauss;
+    return v * normal_cdf(v, &gauss);
+  } else {
+    const float u = kSqrt2_Pi * fmaf(kGeluTanhCubic * v, v * v, v);
+    return 0.5f * v * (1.f + tanh_from_exp(u));
+  }
+}
+
+template <int ACT>
+__device__ __forceinline__ float act_grad(float v) {
+  if (ACT == int(BiasAct::Relu)) {
+    return v <= 0.f ? 0.f : 1.f;  // torch: threshold_backward(grad, relu(v), 0), so NaN passes grad
+  } else if (ACT == int(BiasAct::Gelu)) {
+    float gauss;
+    const float cdf = normal_cdf(v, &gauss);
+    return fmaf(v * kInvSqrt2Pi, gauss, cdf);  // Φ(v) + v·φ(v)
+  } else {
+    const float v2 = v * v;
+    const float u = kSqrt2_Pi * fmaf(kGeluTanhCubic * v, v2, v);
+    const float t = tanh_from_exp(u);
+    const float du = kSqrt2_Pi * fmaf(3.f * kGeluTanhCubic, v2, 1.f);
+    return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grid shape (see bias_dropout_residual.cu for the reasoning).
+// ---------------------------------------------------------------------------------------------
+struct Tiling {
+  int bx = 1, by = 1;
+  int64_t tiles_x = 1, slabs = 1;
+};
+
+Tiling column_tiling(int64_t rows, int64_t nvec, int max_threads) {
+  Tiling t;
+  t.tiles_x = (nvec + max_threads - 1) / max_threads;
+  t.bx = static_cast<int>((nvec + t.tiles_x - 1) / t.tiles_x);
+  t.by = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads / t.bx, rows)));
+  return t;
+}
+
+int64_t wave_slabs(const Tiling& t, int64_t rows, int blocks_per_sm, int64_t cap) {
+  const int64_t groups = (rows + t.by - 1) / t.by;
+  const int64_t wave = std::max<int64_t>(1, int64_t(blocks_per_sm) * sm_count() / t.tiles_x);
+  return std::max<int64_t>(1, std::min({groups, wave, cap, int64_t(65535)}));
+}
+
+// Upper bound on wave_slabs() over both paths and all element types, for sizing the partials
+// buffer before the launch: the fewest column tiles any path uses is that of 8 columns per thread.
+int64_t max_partial_slabs(int64_t rows, int64_t hidden, int max_threads, int max_blocks_per_sm) {
+  if (rows <= 0 || hidden <= 0) return 0;
+  const int64_t min_tiles = ((hidden + 7) / 8 + max_threads - 1) / max_threads;
+  const int64_t wave = std::max<int64_t>(1, int64_t(max_blocks_per_sm) * sm_count() / min_tiles);
+  return std::min(rows, wave);
+}
+
+template <typename Kernel>
+int resident_blocks_per_sm(Kernel kernel, int threads, size_t smem) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; keep it from being reported as the launch's error
+    n = 1;
+  }
+  return std::max(n, 1);
+}
+
+void dropout_params(float p, uint32_t* threshold, float* scale) {
+  *threshold = dropout_threshold(p);
+  *scale = p < 1.f ? 1.f / (1.f - p) : 0.f;
+}
+
+// Raw 16-byte (or 1-element) load, kept packed until use (common.cuh's unpack) so a prefetched
+// row costs V·sizeof(T) bytes of registers, not V floats.
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> ld_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+
+// Calls f(std::integral_constant<int, act>{}) for a runtime activation id.
+template <typename F>
+cudaError_t with_act(int act, F&& f) {
+  switch (act) {
+    case int(BiasAct::Relu): return f(std::integral_constant<int, int(BiasAct::Relu)>{});
+    case int(BiasAct::Gelu): return f(std::integral_constant<int, int(BiasAct::Gelu)>{});
+    case int(BiasAct::GeluTanh): return f(std::integral_constant<int, int(BiasAct::GeluTanh)>{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+// ---------------------------------------------------------------------------------------------
+template <typename T, typename BT, int V, int ACT, bool DROPOUT>
+__global__ void __launch_bounds__(kFwdThreads)
+    bias_act_dropout_fwd_kernel(const T* __restrict__ x, const BT* __restrict__ bias, T* __restrict__ out,
+                                int64_t rows, int64_t hidden, uint32_t threshold, float scale, uint64_t seed,
+                                uint64_t offset) {
+  const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  if (col >= hidden) return;  // no block-wide sync follows
+  float b[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) b[k] = bias != nullptr ? to_float(bias[col + k]) : 0.f;
+
+  // Software pipelining: the next row's load is issued before this row's Philox and activation, so
+  // every thread keeps a row of loads in flight even while it computes.
+  const int64_t row_step = int64_t(gridDim.y) * blockDim.y;
+  const int64_t step = row_step * hidden;
+  int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
+  Pack<T, V> x_next;
+  if (r < rows) x_next = ld_pack<T, V>(x + r * hidden + col);
+  for (; r < rows; r += row_step) {
+    const int64_t i = r * hidden + col;
+    float v[V];
+    unpack(x_next, v);
+    if (r + row_step < rows) x_next = ld_pack<T, V>(x + i + step);
+    uint32_t keep = 0xFFFFFFFFu;
+    // V ∈ {4, 8} has i % 4 == 0 (hidden % V == 0, col % V == 0); V == 1 takes any i.
+    if (DROPOUT) keep = dropout_keep_bits<V>(seed, offset, uint64_t(i), threshold);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const float a = act_fwd<ACT>(v[k] + b[k]);
+      v[k] = DROPOUT ? (((keep >> k) & 1u) ? a * scale : 0.f) : a;
+    }
+    store_pack<T, V>(out + i, v);
+  }
+}
+
+template <typename T, typename BT, int V, int ACT, bool DROPOUT>
+cudaError_t fwd_impl(const T* x, const BT* bias, T* out, int64_t rows, int64_t hidden, float p, uint64_t seed,
+                     uint64_t offset, cudaStream_t stream) {
+  uint32_t threshold;
+  float scale;
+  dropout_params(p, &threshold, &scale);
+  Tiling t = column_tiling(rows, hidden / V, kFwdThreads);
+  auto kernel = bias_act_dropout_fwd_kernel<T, BT, V, ACT, DROPOUT>;
+  t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, 0), INT64_MAX);
+  kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream>>>(
+      x, bias, out, rows, hidden, threshold, scale, seed, offset);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: grad_x and per-slab column sums in one pass over grad_out and x.
+// ---------------------------------------------------------------------------------------------
+template <typename T, typename BT, int V, int ACT, bool DROPOUT>
+__global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
+    bias_act_dropout_bwd_kernel(const T* __restrict__ grad_out, const T* __restrict__ x,
+                                const BT* __restrict__ bias, T* __restrict__ grad_x, float* __restrict__ partials,
+                                int64_t rows, int64_t hidden, uint32_t threshold, float scale, uint64_t seed,
+                                uint64_t offset) {
+  extern __shared__ float fold[];  // [by][bx * V] column sums, only when partials && by > 1
+  const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  float acc[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) acc[k] = 0.f;
+
+  if (col < hidden) {  // idle threads of the last column tile still take part in the fold below
+    float b[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) b[k] = bias != nullptr ? to_float(bias[col + k]) : 0.f;
+    // Software pipelining as in the forward: the next row's loads are in flight during this row's math.
+    const int64_t row_step = int64_t(gridDim.y) * blockDim.y;
+    const int64_t step = row_step * hidden;
+    int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
+    Pack<T, V> g_next, x_next;
+    if (r < rows) {
+      g_next = ld_pack<T, V>(grad_out + r * hidden + col);
+      x_next = ld_pack<T, V>(x + r * hidden + col);
+    }
+    for (; r < rows; r += row_step) {
+      const int64_t i = r * hidden + col;
+      float g[V], v[V];
+      unpack(g_next, g);
+      unpack(x_next, v);
+      if (r + row_step < rows) {
+        g_next = ld_pack<T, V>(grad_out + i + step);
+        x_next = ld_pack<T, V>(x + i + step);
+      }
+      uint32_t keep = 0xFFFFFFFFu;
+      if (DROPOUT) keep = dropout_keep_bits<V>(seed, offset, uint64_t(i), threshold);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float d = g[k] * act_grad<ACT>(v[k] + b[k]);
+        g[k] = DROPOUT ? (((keep >> k) & 1u) ? d * scale : 0.f) : d;
+        acc[k] += g[k];
+      }
+      store_pack<T, V>(grad_x + i, g);
+    }
+  }
+
+  if (partials == nullptr) return;  // uniform over the grid
+  float* prow = partials + int64_t(blockIdx.y) * hidden;
+  if (blockDim.y == 1) {
+    if (col < hidden) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) prow[col + k] = acc[k];
+    }
+    return;
+  }
+  const int width = blockDim.x * V;
+#pragma unroll
+  for (int k = 0; k < V; ++k) fold[threadIdx.y * width + threadIdx.x * V + k] = acc[k];
+  __syncthreads();
+  const int64_t tile_col = int64_t(blockIdx.x) * width;
+  for (int j = threadIdx.y * blockDim.x + threadIdx.x; j < width && tile_col + j < hidden;
+       j += blockDim.x * blockDim.y) {
+    float s = 0.f;
+    for (int y = 0; y < int(blockDim.y); ++y) s += fold[y * width + j];
+    prow[tile_col + j] = s;
+  }
+}
+
+// grad_bias[c] = Σ_s partials[s, c]: 32 columns per block (coalesced rows of partials), 16 threads
+// down the slabs of each column, folded in shared memory. slabs == 0 writes zeros (0 rows).
+template <typename BT>
+__global__ void __launch_bounds__(kColsumCols* kColsumRows)
+    bias_act_dropout_bwd_colsum_kernel(const float* __restrict__ partials, int64_t slabs, int64_t hidden,
+                                       BT* __restrict__ grad_bias) {
+  __shared__ float fold[kColsumRows][kColsumCols + 1];
+  const int64_t c = int64_t(blockIdx.x) * kColsumCols + threadIdx.x;
+  float s = 0.f;
+  if (c < hidden) {
+#pragma unroll 4
+    for (int64_t k = threadIdx.y; k < slabs; k += kColsumRows) s += partials[k * hidden + c];
+  }
+  fold[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < hidden) {
+    float t = 0.f;
+#pragma unroll
+    for (int y = 0; y < kColsumRows; ++y) t += fold[y][threadIdx.x];
+    grad_bias[c] = from_float<BT>(t);
+  }
+}
+
+template <typename T, typename BT, int V, int ACT, bool DROPOUT>
+cudaError_t bwd_main_impl(const T* grad_out, const T* x, const BT* bias, T* grad_x, float* partials,
+                          int64_t partial_slabs, int64_t rows, int64_t hidden, float p, uint64_t seed,
+                          uint64_t offset, int64_t* slabs_used, cudaStream_t stream) {
+  uint32_t threshold;
+  float scale;
+  dropout_params(p, &threshold, &scale);
+  Tiling t = column_tiling(rows, hidden / V, kBwdThreads);
+  const size_t smem = (partials != nullptr && t.by > 1) ? size_t(t.by) * t.bx * V * sizeof(float) : 0;
+  auto kernel = bias_act_dropout_bwd_kernel<T, BT, V, ACT, DROPOUT>;
+  t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, smem),
+                       partials != nullptr ? partial_slabs : INT64_MAX);
+  *slabs_used = t.slabs;
+  kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), smem, stream>>>(
+      grad_out, x, bias, grad_x, partials, rows, hidden, threshold, scale, seed, offset);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------------------------
+template <typename T, typename BT>
+cudaError_t launch_bias_act_dropout_fwd(const T* x, const BT* bias, T* out, int64_t rows, int64_t hidden, int act,
+                                        float p, uint64_t seed, uint64_t offset, cudaStream_t stream) {
+  if (act < 0 || act >= kBiasActCount) return cudaErrorInvalidValue;
+  if (rows <= 0 || hidden <= 0) return cudaSuccess;
+  constexpr int VW = Vec16<T>::value;
+  const bool vec = hidden % VW == 0 && is_aligned(x, 16) && is_aligned(out, 16);
+  const bool dropout = p > 0.f;
+  return with_act(act, [&](auto a) -> cudaError_t {
+    constexpr int ACT = decltype(a)::value;
+    if (vec) {
+      return dropout ? fwd_impl<T, BT, VW, ACT, true>(x, bias, out, rows, hidden, p, seed, offset, stream)
+                     : fwd_impl<T, BT, VW, ACT, false>(x, bias, out, rows, hidden, p, seed, offset, stream);
+    }
+    return dropout ? fwd_impl<T, BT, 1, ACT, true>(x, bias, out, rows, hidden, p, seed, offset, stream)
+                   : fwd_impl<T, BT, 1, ACT, false>(x, bias, out, rows, hidden, p, seed, offset, stream);
+  });
+}
+
+int64_t bias_act_dropout_bwd_partial_slabs(int64_t rows, int64_t hidden) {
+  return max_partial_slabs(rows, hidden, kBwdThreads, kBwdMaxBlocksPerSm);
+}
+
+template <typename T, typename BT>
+cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT* bias, T* grad_x, BT* grad_bias,
+                                        float* partials, int64_t partial_slabs, int64_t rows, int64_t hidden,
+                                        int act, float p, uint64_t seed, uint64_t offset, cudaStream_t stream) {
+  if (act < 0 || act >= kBiasActCount) return cudaErrorInvalidValue;
+  if (hidden <= 0) return cudaSuccess;
+  if (grad_bias == nullptr) partials = nullptr;
+  if (grad_bias != nullptr && (partials == nullptr || partial_slabs < 1) && rows > 0) return cudaErrorInvalidValue;
+  int64_t slabs = 0;
+  if (rows > 0) {
+    constexpr int VW = Vec16<T>::value;
+    const bool vec =
+        hidden % VW == 0 && is_aligned(grad_out, 16) && is_aligned(x, 16) && is_aligned(grad_x, 16);
+    const bool dropout = p > 0.f;
+    const cudaError_t err = with_act(act, [&](auto a) -> cudaError_t {
+      constexpr int ACT = decltype(a)::value;
+      if (vec) {
+        return dropout ? bwd_main_impl<T, BT, VW, ACT, true>(grad_out, x, bias, grad_x, partials, partial_slabs,
+                                                             rows, hidden, p, seed, offset, &slabs, stream)
+                       : bwd_main_impl<T, BT, VW, ACT, false>(grad_out, x, bias, grad_x, partials, partial_slabs,
+                                                              rows, hidden, p, seed, offset, &slabs, stream);
+      }
+      return dropout ? bwd_main_impl<T, BT, 1, ACT, true>(grad_out, x, bias, grad_x, partials, partial_slabs,
+                                                          rows, hidden, p, seed, offset, &slabs, stream)
+                     : bwd_main_impl<T, BT, 1, ACT, false>(grad_out, x, bias, grad_x, partials, partial_slabs,
+                                                           rows, hidden, p, seed, offset, &slabs, stream);
+    });
+    if (err != cudaSuccess) return err;
+  }
+  if (grad_bias != nullptr) {
+    const unsigned blocks = unsigned((hidden + kColsumCols - 1) / kColsumCols);
+    bias_act_dropout_bwd_colsum_kernel<BT>
+        <<<blocks, dim3(kColsumCols, kColsumRows), 0, stream>>>(partials, slabs, hidden, grad_bias);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Instantiations: x in fp32/fp16/bf16, bias in x's dtype or fp32.
+// ---------------------------------------------------------------------------------------------
+#define LSMINI_INSTANTIATE_BAD(T, BT)                                                                           \
+  template cudaError_t launch_bias_act_dropout_fwd<T, BT>(const T*, const BT*, T*, int64_t, int64_t, int, float, \
+                                                          uint64_t, uint64_t, cudaStream_t);                    \
+  template cudaError_t launch_bias_act_dropout_bwd<T, BT>(const T*, const T*, const BT*, T*, BT*, float*,        \
+                                                          int64_t, int64_t, int64_t, int, float, uint64_t,      \
+                                                          uint64_t, cudaStream_t);
+
+LSMINI_INSTANTIATE_BAD(float, float)
+LSMINI_INSTANTIATE_BAD(__half, __half)
+LSMINI_INSTANTIATE_BAD(__half, float)
+LSMINI_INSTANTIATE_BAD(__nv_bfloat16, __nv_bfloat16)
+LSMINI_INSTANTIATE_BAD(__nv_bfloat16, float)
+#undef LSMINI_INSTANTIATE_BAD
+
+}  // namespace lsmini

@@ -1,0 +1,157 @@
+// Bindings for bias_act_dropout: out = dropout(act(x + bias)) on [rows, hidden] tensors.
+//   bias_act_dropout_fwd(x, bias|None, act, p, seed, offset) -> out
+//   bias_act_dropout_bwd(grad_out, x, bias|None, act, p, seed, offset) -> (grad_x, grad_bias|None)
+// act is a name ("relu", "gelu", "gelu_tanh") or its id (0, 1, 2). The backward takes the forward's
+// input x (not its output): act'(x + bias) is recomputed.
+#include "common.h"
+#include "bias_act_dropout.h"
+
+#include <optional>
+#include <string>
+
+namespace lsmini {
+namespace {
+
+constexpr const char* kFwdName = "bias_act_dropout_fwd";
+constexpr const char* kBwdName = "bias_act_dropout_bwd";
+constexpr const char* kActNames[kBiasActCount] = {"relu", "gelu", "gelu_tanh"};
+
+int parse_act(const pybind11::handle& act, const char* op) {
+  namespace py = pybind11;
+  if (py::isinstance<py::str>(act)) {
+    const std::string name = act.cast<std::string>();
+    for (int i = 0; i < kBiasActCount; ++i) {
+      if (name == kActNames[i]) return i;
+    }
+    TORCH_CHECK_VALUE(false,
+                      msg(op, ": unknown activation '", name, "', expected one of 'relu', 'gelu', 'gelu_tanh'"));
+  }
+  if (py::isinstance<py::int_>(act) && !py::isinstance<py::bool_>(act)) {
+    const int64_t id = act.cast<int64_t>();
+    TORCH_CHECK_VALUE(id >= 0 && id < kBiasActCount,
+                      msg(op, ": unknown activation id ", id, ", expected 0 (relu), 1 (gelu) or 2 (gelu_tanh)"));
+    return static_cast<int>(id);
+  }
+  TORCH_CHECK_TYPE(false, msg(op, ": act must be a str ('relu', 'gelu', 'gelu_tanh') or an int id, got ",
+                               std::string(py::str(py::type::of(act).attr("__name__")))));
+  return -1;
+}
+
+void check_p(double p, const char* op) {
+  TORCH_CHECK_VALUE(p >= 0.0 && p <= 1.0, msg(op, ": p must be in [0, 1], got ", p));
+}
+
+void check_2d(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 2, msg(op, ": ", name, " must be 2-D [rows, hidden], got shape ", t.sizes()));
+}
+
+// bias: 1-D [hidden], on x's device, in x's dtype or float32.
+void check_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
+  check_cuda(bias, op, "bias");
+  check_same_device(bias, x, op, "bias", "x");
+  check_shape(bias, {x.size(1)}, op, "bias");
+  TORCH_CHECK_TYPE(bias.scalar_type() == x.scalar_type() || bias.scalar_type() == at::kFloat,
+                   msg(op, ": bias must be ", x.scalar_type(), " (x's dtype) or float32, got ", bias.scalar_type()));
+}
+
+at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                                const pybind11::object& act, double p, uint64_t seed, uint64_t offset) {
+  const char* op = kFwdName;
+  check_cuda(x, op, "x");
+  check_2d(x, op, "x");
+  check_float_dtype(x, op, "x");
+  if (bias) check_bias(*bias, x, op);
+  const int act_id = parse_act(act, op);
+  check_p(p, op);
+
+  c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+  at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  const int64_t rows = xc.size(0), hidden = xc.size(1);
+  cudaError_t err = cudaSuccess;
+  dispatch_float(xc.scalar_type(), op, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using T = typename KernelType<scalar_t>::type;
+    if (!bc.defined() || bc.scalar_type() == xc.scalar_type()) {
+      const T* b = bc.defined() ? kptr<scalar_t>(bc) : nullptr;
+      err = launch_bias_act_dropout_fwd<T, T>(kptr<scalar_t>(xc), b, kptr<scalar_t>(out), rows, hidden, act_id,
+                                              static_cast<float>(p), seed, offset, current_stream());
+    } else {
+      err = launch_bias_act_dropout_fwd<T, float>(kptr<scalar_t>(xc), bc.data_ptr<float>(), kptr<scalar_t>(out), rows,
+                                                  hidden, act_id, static_cast<float>(p), seed, offset,
+                                                  current_stream());
+    }
+  });
+  check_launch(err, op);
+  return out;
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at::Tensor& grad_out, const at::Tensor& x,
+                                                                       const std::optional<at::Tensor>& bias,
+                                                                       const pybind11::object& act, double p,
+                                                                       uint64_t seed, uint64_t offset) {
+  const char* op = kBwdName;
+  check_cuda(grad_out, op, "grad_out");
+  check_2d(grad_out, op, "grad_out");
+  check_float_dtype(grad_out, op, "grad_out");
+  check_cuda(x, op, "x");
+  check_same_device(x, grad_out, op, "x", "grad_out");
+  check_dtype(x, grad_out.scalar_type(), op, "x");
+  check_shape(x, grad_out.sizes(), op, "x");
+  if (bias) check_bias(*bias, x, op);
+  const int act_id = parse_act(act, op);
+  check_p(p, op);
+
+  c10::cuda::CUDAGuard guard(grad_out.device());
+  const at::Tensor g = grad_out.contiguous();
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+  const int64_t rows = g.size(0), hidden = g.size(1);
+  at::Tensor grad_x = at::empty_like(g, at::MemoryFormat::Contiguous);
+  std::optional<at::Tensor> grad_bias;
+  at::Tensor partials;
+  if (bc.defined()) {
+    grad_bias = at::empty({hidden}, bc.options());
+    partials = at::empty({bias_act_dropout_bwd_partial_slabs(rows, hidden), hidden}, g.options().dtype(at::kFloat));
+  }
+  cudaError_t err = cudaSuccess;
+  dispatch_float(g.scalar_type(), op, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using T = typename KernelType<scalar_t>::type;
+    float* part = bc.defined() ? partials.data_ptr<float>() : nullptr;
+    const int64_t slabs = bc.defined() ? partials.size(0) : 0;
+    if (!bc.defined() || bc.scalar_type() == g.scalar_type()) {
+      const T* b = bc.defined() ? kptr<scalar_t>(bc) : nullptr;
+      T* gb = bc.defined() ? kptr<scalar_t>(*grad_bias) : nullptr;
+      err = launch_bias_act_dropout_bwd<T, T>(kptr<scalar_t>(g), kptr<scalar_t>(xc), b, kptr<scalar_t>(grad_x), gb,
+                                              part, slabs, rows, hidden, act_id, static_cast<float>(p), seed, offset,
+                                              current_stream());
+    } else {
+      err = launch_bias_act_dropout_bwd<T, float>(kptr<scalar_t>(g), kptr<scalar_t>(xc), bc.data_ptr<float>(),
+                                                  kptr<scalar_t>(grad_x), grad_bias->data_ptr<float>(), part, slabs,
+                                                  rows, hidden, act_id, static_cast<float>(p), seed, offset,
+                                                  current_stream());
+    }
+  });
+  check_launch(err, op);
+  return {grad_x, grad_bias};
+}
+
+}  // namespace
+
+static void register_bias_act_dropout(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("bias_act_dropout_fwd", &bias_act_dropout_fwd,
+        "out = dropout(act(x + bias)); x [rows, hidden], bias [hidden] (x's dtype or float32) or None, "
+        "act 'relu' | 'gelu' | 'gelu_tanh' (or 0 | 1 | 2)",
+        py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("seed"), py::arg("offset"));
+  m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd,
+        "(grad_x, grad_bias or None) of bias_act_dropout, recomputing act' from x and bias; grad_bias in bias's dtype",
+        py::arg("grad_out"), py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("seed"),
+        py::arg("offset"));
+}
+
+LSMINI_REGISTER_OPS(register_bias_act_dropout);
+
+}  // namespace lsmini

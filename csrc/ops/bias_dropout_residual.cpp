@@ -1,0 +1,138 @@
+// Bindings for bias_dropout_residual: out = residual + dropout(x + bias) on [rows, hidden] tensors.
+//   bias_dropout_residual_fwd(x, bias|None, residual, p, seed, offset) -> out
+//   bias_dropout_residual_bwd(grad_out, p, seed, offset, has_bias, bias_dtype=None) -> (grad_x, grad_bias|None)
+// grad_residual is grad_out itself, so the backward does not return it. With p == 0 grad_x is
+// grad_out (no copy) and only the bias column sums run.
+#include "common.h"
+#include "bias_dropout_residual.h"
+
+#include <optional>
+
+namespace lsmini {
+namespace {
+
+constexpr const char* kFwdName = "bias_dropout_residual_fwd";
+constexpr const char* kBwdName = "bias_dropout_residual_bwd";
+
+void check_p(double p, const char* op) {
+  TORCH_CHECK_VALUE(p >= 0.0 && p <= 1.0, msg(op, ": p must be in [0, 1], got ", p));
+}
+
+void check_2d(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 2, msg(op, ": ", name, " must be 2-D [rows, hidden], got shape ", t.sizes()));
+}
+
+// bias: 1-D [hidden], on x's device, in x's dtype or float32.
+void check_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
+  check_cuda(bias, op, "bias");
+  check_same_device(bias, x, op, "bias", "x");
+  check_shape(bias, {x.size(1)}, op, "bias");
+  TORCH_CHECK_TYPE(bias.scalar_type() == x.scalar_type() || bias.scalar_type() == at::kFloat,
+                   msg(op, ": bias must be ", x.scalar_type(), " (x's dtype) or float32, got ", bias.scalar_type()));
+}
+
+at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                                     const at::Tensor& residual, double p, uint64_t seed, uint64_t offset) {
+  const char* op = kFwdName;
+  check_cuda(x, op, "x");
+  check_2d(x, op, "x");
+  check_float_dtype(x, op, "x");
+  check_cuda(residual, op, "residual");
+  check_same_device(residual, x, op, "residual", "x");
+  check_dtype(residual, x.scalar_type(), op, "residual");
+  check_shape(residual, x.sizes(), op, "residual");
+  if (bias) check_bias(*bias, x, op);
+  check_p(p, op);
+
+  c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor rc = residual.contiguous();
+  const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
+  at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  const int64_t rows = xc.size(0), hidden = xc.size(1);
+  cudaError_t err = cudaSuccess;
+  dispatch_float(xc.scalar_type(), op, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using T = typename KernelType<scalar_t>::type;
+    if (!bc.defined() || bc.scalar_type() == xc.scalar_type()) {
+      const T* b = bc.defined() ? kptr<scalar_t>(bc) : nullptr;
+      err = launch_bias_dropout_residual_fwd<T, T>(kptr<scalar_t>(xc), b, kptr<scalar_t>(rc), kptr<scalar_t>(out),
+                                                   rows, hidden, static_cast<float>(p), seed, offset,
+                                                   current_stream());
+    } else {
+      err = launch_bias_dropout_residual_fwd<T, float>(kptr<scalar_t>(xc), bc.data_ptr<float>(), kptr<scalar_t>(rc),
+                                                       kptr<scalar_t>(out), rows, hidden, static_cast<float>(p),
+                                                       seed, offset, current_stream());
+    }
+  });
+  check_launch(err, op);
+  return out;
+}
+
+std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(const at::Tensor& grad_out, double p,
+                                                                            uint64_t seed, uint64_t offset,
+                                                                            bool has_bias,
+                                                                            std::optional<at::ScalarType> bias_dtype) {
+  const char* op = kBwdName;
+  check_cuda(grad_out, op, "grad_out");
+  check_2d(grad_out, op, "grad_out");
+  check_float_dtype(grad_out, op, "grad_out");
+  check_p(p, op);
+  const at::ScalarType bdt = bias_dtype.value_or(grad_out.scalar_type());
+  TORCH_CHECK_TYPE(bdt == grad_out.scalar_type() || bdt == at::kFloat,
+                   msg(op, ": bias_dtype must be ", grad_out.scalar_type(), " (grad_out's dtype) or float32, got ",
+                       bdt));
+
+  c10::cuda::CUDAGuard guard(grad_out.device());
+  const at::Tensor g = grad_out.contiguous();
+  const int64_t rows = g.size(0), hidden = g.size(1);
+  const bool dropout = p > 0.0;
+  // Without dropout the gradient passes through unchanged: hand back grad_out, no copy.
+  at::Tensor grad_x = dropout ? at::empty_like(g, at::MemoryFormat::Contiguous) : g;
+  if (!dropout && !has_bias) return {grad_x, std::nullopt};
+
+  std::optional<at::Tensor> grad_bias;
+  at::Tensor partials;
+  if (has_bias) {
+    grad_bias = at::empty({hidden}, g.options().dtype(bdt));
+    partials = at::empty({bias_dropout_residual_bwd_partial_slabs(rows, hidden), hidden},
+                         g.options().dtype(at::kFloat));
+  }
+  cudaError_t err = cudaSuccess;
+  dispatch_float(g.scalar_type(), op, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using T = typename KernelType<scalar_t>::type;
+    T* gx = dropout ? kptr<scalar_t>(grad_x) : nullptr;
+    float* part = has_bias ? partials.data_ptr<float>() : nullptr;
+    const int64_t slabs = has_bias ? partials.size(0) : 0;
+    if (!has_bias || bdt == g.scalar_type()) {
+      T* gb = has_bias ? kptr<scalar_t>(*grad_bias) : nullptr;
+      err = launch_bias_dropout_residual_bwd<T, T>(kptr<scalar_t>(g), gx, gb, part, slabs, rows, hidden,
+                                                   static_cast<float>(p), seed, offset, current_stream());
+    } else {
+      err = launch_bias_dropout_residual_bwd<T, float>(kptr<scalar_t>(g), gx, grad_bias->data_ptr<float>(), part,
+                                                       slabs, rows, hidden, static_cast<float>(p), seed, offset,
+                                                       current_stream());
+    }
+  });
+  check_launch(err, op);
+  return {grad_x, grad_bias};
+}
+
+}  // namespace
+
+static void register_bias_dropout_residual(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("bias_dropout_residual_fwd", &bias_dropout_residual_fwd,
+        "out = residual + dropout(x + bias); x, residual [rows, hidden], bias [hidden] (x's dtype or float32) "
+        "or None",
+        py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("seed"), py::arg("offset"));
+  m.def("bias_dropout_residual_bwd", &bias_dropout_residual_bwd,
+        "(grad_x, grad_bias or None) of bias_dropout_residual; grad_bias in bias_dtype (default grad_out's dtype)",
+        py::arg("grad_out"), py::arg("p"), py::arg("seed"), py::arg("offset"), py::arg("has_bias"),
+        py::arg("bias_dtype") = py::none());
+}
+
+LSMINI_REGISTER_OPS(register_bias_dropout_residual);
+
+}  // namespace lsmini
