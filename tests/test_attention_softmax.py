@@ -335,7 +335,7 @@ def test_kernel_empty_inputs():
 @pytest.mark.parametrize("k", [7, 33, 64, 1000, 2049, 4096, 12289, 16384])
 def test_dropout_mask_is_philox_of_flat_index(k, dtype, p):
     # Forward and backward against an independent Philox: element i = row·k_len + col of the
-    # [b, h, q, k] tensor is kept iff word i % 4 of philox({i / 4, offset}, seed) ≥ p·2^32.
+    # [b, h, q, k] tensor is kept iff 16-bit value i % 8 of philox({i / 8, offset}, seed) ≥ p·65536.
     ext = lsmini._backend.ext()
     b, h, q = 3, 2, max(1, 2048 // k + 1)
     shape = (b, h, q, k)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import lsmini
 from lsmini.ops.embedding import EmbeddingFunction, embedding, embedding_ref, sinusoidal_positions
-from util import LOWP, assert_close_fp32, assert_lowp_rule
+from util import LOWP, assert_close_fp32, assert_lowp_rule, philox_keep_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -485,29 +485,9 @@ def test_kernel_writes_every_output():
 
 # ------------------------------------------------------------------------------- CUDA dropout ---
 
-_M0, _M1, _W0, _W1, _MASK32 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85, 0xFFFFFFFF
-
-
-def _philox_words(group, seed, offset):
-    c0, c1, c2, c3 = group & _MASK32, group >> 32, offset & _MASK32, offset >> 32
-    k0, k1 = seed & _MASK32, seed >> 32
-    for _ in range(10):
-        p0, p1 = _M0 * c0, _M1 * c2
-        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK32
-        k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
-    return c0, c1, c2, c3
-
-
 def _expected_keep(numel, p, seed, offset):
-    """The common.cuh convention, in Python: element i kept iff word i%4 of philox(i/4) ≥ threshold,
-    with the threshold from p as the kernel sees it (a float32)."""
-    p32 = torch.tensor(p, dtype=torch.float32).item()
-    threshold = min(int(p32 * 4294967296.0), _MASK32)
-    keep = []
-    for grp in range((numel + 3) // 4):
-        words = _philox_words(grp, seed, offset)
-        keep.extend(w >= threshold for w in words)
-    return torch.tensor(keep[:numel])
+    """The common.cuh dropout convention, from the independent Python Philox in tests/util.py."""
+    return philox_keep_mask(numel, p, seed, offset)
 
 
 @pytest.mark.cuda

@@ -43,8 +43,9 @@ def check(out, ref32, torch_lowp=None, dtype=torch.float32, atol32=1e-5, rtol32=
 
 # ---- dropout: an independent Philox oracle and keep-mask statistics --------------------------------
 # Philox4x32-10 on int64 torch tensors holding 32-bit values, following csrc/kernels/common.cuh:
-# element i of a call keyed by (seed, offset) is kept iff word i % 4 of
-# philox(counter = {i/4 lo, i/4 hi, offset lo, offset hi}, key = {seed lo, seed hi}) ≥ threshold(p).
+# element i of a call keyed by (seed, offset) takes the 16-bit half (i % 2, low first) of word
+# (i % 8) / 2 of philox(counter = {i/8 lo, i/8 hi, offset lo, offset hi}, key = {seed lo, seed hi})
+# and is kept iff that value ≥ threshold(p) = round(p · 65536).
 _M32 = 0xFFFFFFFF
 
 
@@ -68,17 +69,18 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
 
 def dropout_threshold(p):
     """common.cuh's dropout_threshold for the float32 value of p."""
-    t = float(torch.tensor(p, dtype=torch.float32)) * 4294967296.0
-    return _M32 if t >= 4294967295.0 else int(t)
+    t = float(torch.tensor(p, dtype=torch.float32)) * 65536.0 + 0.5
+    return 0 if t <= 0 else 65536 if t >= 65536 else int(t)
 
 
 def philox_keep_mask(numel, p, seed, offset, device="cpu"):
     """Bool [numel]: keep[i] for flat element indices i of one dropout call keyed by (seed, offset)."""
-    groups = torch.arange((numel + 3) // 4, dtype=torch.int64, device=device)
+    groups = torch.arange((numel + 7) // 8, dtype=torch.int64, device=device)
     full = lambda v: torch.full_like(groups, v)  # noqa: E731
-    words = philox4x32_10(groups & _M32, groups >> 32, full(offset & _M32), full(offset >> 32),
-                          seed & _M32, seed >> 32)
-    return (torch.stack(words, dim=1).reshape(-1)[:numel]) >= dropout_threshold(p)
+    words = torch.stack(philox4x32_10(groups & _M32, groups >> 32, full(offset & _M32), full(offset >> 32),
+                                      seed & _M32, seed >> 32), dim=1)  # [groups, 4]
+    halves = torch.stack((words & 0xFFFF, words >> 16), dim=2).reshape(-1)  # low half first
+    return halves[:numel] >= dropout_threshold(p)
 
 
 def assert_dropout_keep_stats(keep, p, sigmas=5.0, name="dropout mask"):

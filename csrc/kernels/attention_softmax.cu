@@ -17,7 +17,7 @@
  *   g_j = dout_j · keep_j / (1 − p),   dx_j = y_j · (g_j − Σ_k y_k g_k)
  *
  * Dropout: element index = flat index into [batch, heads, q_len, k_len], row·k_len + col, with the
- * common.cuh convention (word idx % 4 of dropout_bits(seed, offset, idx / 4)); backward regenerates
+ * common.cuh convention (16-bit value idx % 8 of dropout_bits(seed, offset, idx / 8)); backward regenerates
  * keep from (seed, offset). p = 0 draws nothing; p = 1 gives zeros (scale 0).
  *
  * How: a row lives in registers, owned by a thread group sized to it, so the scores are read once
@@ -26,10 +26,10 @@
  *     rows), each lane owning ITEMS chunks c = lane + it·GROUP; reductions are shuffles.
  *   - k_len > 1024: one block per row, up to 512 threads × 32 values (the 16384 limit).
  *   A chunk is VEC elements: 16 bytes when k_len·sizeof(T) % 16 == 0 and the pointers are aligned
- *   (then a chunk's flat index is a multiple of 4 and its keep bits come from whole Philox
- *   groups), else VEC = 1 with one Philox call per element (the slow path for odd k_len).
+ *   (then a chunk's flat index is a multiple of VEC and its keep bits come from whole or half
+ *   Philox groups), else VEC = 1 with one Philox call per element (the slow path for odd k_len).
  * Napkin math (H200, fp16, p > 0): 6 bytes/element (read x, write y and out) → ~0.7e12 elements/s
- * at copy speed; one Philox (~80 instructions) per 4 elements keeps the SMs well below their
+ * at copy speed; one Philox (~80 instructions) per 8 elements keeps the SMs well below their
  * integer-issue limit, so the kernel stays memory-bound. Causal chunks above the diagonal are not
  * read at all.
  */
@@ -75,7 +75,7 @@ struct RowGroup {
 template <int VEC>
 __device__ __forceinline__ uint32_t keep_bits(uint64_t seed, uint64_t offset, uint64_t first, uint32_t threshold) {
   if constexpr (VEC % 4 == 0) {
-    return dropout_keep_bits<VEC>(seed, offset, first, threshold);  // first % 4 == 0 on this path
+    return dropout_keep_bits<VEC>(seed, offset, first, threshold);  // first % VEC == 0 on this path
   } else {
     uint32_t bits = 0;
 #pragma unroll

@@ -11,8 +11,7 @@
  *
  * Dropout: common.cuh's Philox convention with the flat element index i = r · hidden + c, keyed by
  * (seed, offset). The backward regenerates the same keep bits, so only (p, seed, offset) are saved.
- * p == 0 compiles to a variant with no RNG at all; p == 1 keeps nothing (scale 0, and the one word in
- * 2^32 that passes the threshold is multiplied by 0).
+ * p == 0 compiles to a variant with no RNG at all; p == 1 keeps nothing (threshold 65536).
  *
  * Work split (forward and backward): a thread owns V adjacent columns and walks down the rows.
  * V = 16 bytes of T (4 fp32 / 8 fp16/bf16) when hidden % V == 0 and the big pointers are 16-byte
@@ -25,7 +24,7 @@
  * deterministic for a given device.
  *
  * Napkin math (H200, fp16, 65536 × 1024): forward moves 3 · 128 MiB, backward 2 · 128 MiB plus
- * ≈ 2 · slabs · hidden · 4 B of partials (≈ 2 % here). Philox costs one call per 4 elements.
+ * ≈ 2 · slabs · hidden · 4 B of partials (≈ 2 % here). Philox costs one call per 8 elements.
  */
 #include "bias_dropout_residual.h"
 
@@ -122,7 +121,7 @@ __global__ void __launch_bounds__(kFwdThreads, kFwdMinBlocksPerSm)
     load_pack<T, V>(x + i, xv);
     load_pack<T, V>(residual + i, rv);
     uint32_t keep = 0xFFFFFFFFu;
-    // V ∈ {4, 8} has i % 4 == 0 (hidden % V == 0, col % V == 0); V == 1 takes any i.
+    // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
     if (DROPOUT) keep = dropout_keep_bits<V>(seed, offset, uint64_t(i), threshold);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -278,7 +277,8 @@ cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* g
                                              int64_t partial_slabs, int64_t rows, int64_t hidden, float p,
                                              uint64_t seed, uint64_t offset, cudaStream_t stream) {
   if (hidden <= 0) return cudaSuccess;
-  if (grad_x == nullptr && p > 0.f) return cudaErrorInvalidValue;  // the mask must be applied somewhere
+  // the mask must be applied somewhere (an empty tensor has a null data pointer: rows == 0 is fine)
+  if (grad_x == nullptr && p > 0.f && rows > 0) return cudaErrorInvalidValue;
   if (grad_bias == nullptr) partials = nullptr;
   if (grad_bias != nullptr && (partials == nullptr || partial_slabs < 1) && rows > 0) return cudaErrorInvalidValue;
   int64_t slabs = 0;
