@@ -235,16 +235,25 @@ __device__ __forceinline__ bool dropout_keep(uint64_t seed, uint64_t offset, uin
   return ((i % 2) ? (v >> 16) : (v & 0xFFFFu)) >= threshold;
 }
 
+// Slow path of dropout_keep_bits: one Philox call per element, kept out of line so that the fast
+// path's callers do not pay registers and code size for it.
+__device__ __noinline__ uint32_t dropout_keep_bits_slow(uint64_t seed, uint64_t offset, uint64_t first, int n,
+                                                        uint32_t threshold) {
+  uint32_t bits = 0;
+  for (int j = 0; j < n; ++j) bits |= uint32_t(dropout_keep(seed, offset, first + j, threshold)) << j;
+  return bits;
+}
+
 // Keep mask of N consecutive elements starting at `first`: bit j set ⇔ element first + j is kept.
 // Fast when N is a multiple of 8 and first % 8 == 0, or N == 4 and first % 4 == 0 (half a group);
-// any other call falls back to one Philox call per element.
+// any other call takes the slow path.
 template <int N>
 __device__ __forceinline__ uint32_t dropout_keep_bits(uint64_t seed, uint64_t offset, uint64_t first,
                                                       uint32_t threshold) {
   static_assert(N <= 32, "at most 32 keep bits per call");
-  uint32_t bits = 0;
   if constexpr (N % 8 == 0) {
     if (first % 8 == 0) {
+      uint32_t bits = 0;
 #pragma unroll
       for (int g = 0; g < N / 8; ++g)
         bits |= keep_bits8(dropout_bits(seed, offset, first / 8 + g), threshold) << (8 * g);
@@ -253,9 +262,7 @@ __device__ __forceinline__ uint32_t dropout_keep_bits(uint64_t seed, uint64_t of
   } else if constexpr (N == 4) {
     if (first % 4 == 0) return (keep_bits8(dropout_bits(seed, offset, first / 8), threshold) >> (first % 8)) & 0xFu;
   }
-#pragma unroll
-  for (int j = 0; j < N; ++j) bits |= uint32_t(dropout_keep(seed, offset, first + j, threshold)) << j;
-  return bits;
+  return dropout_keep_bits_slow(seed, offset, first, N, threshold);
 }
 
 // Multiprocessor count of the current device, for sizing persistent grids.
