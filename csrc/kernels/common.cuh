@@ -237,7 +237,7 @@ __device__ __forceinline__ bool dropout_keep(uint64_t seed, uint64_t offset, uin
 
 // Slow path of dropout_keep_bits: one Philox call per element, kept out of line so that the fast
 // path's callers do not pay registers and code size for it.
-__device__ __noinline__ uint32_t dropout_keep_bits_slow(uint64_t seed, uint64_t offset, uint64_t first, int n,
+static __device__ __noinline__ uint32_t dropout_keep_bits_slow(uint64_t seed, uint64_t offset, uint64_t first, int n,
                                                         uint32_t threshold) {
   uint32_t bits = 0;
   for (int j = 0; j < n; ++j) bits |= uint32_t(dropout_keep(seed, offset, first + j, threshold)) << j;
