@@ -235,34 +235,26 @@ __device__ __forceinline__ bool dropout_keep(uint64_t seed, uint64_t offset, uin
   return ((i % 2) ? (v >> 16) : (v & 0xFFFFu)) >= threshold;
 }
 
-// Slow path of dropout_keep_bits: one Philox call per element, kept out of line so that the fast
-// path's callers do not pay registers and code size for it.
-static __device__ __noinline__ uint32_t dropout_keep_bits_slow(uint64_t seed, uint64_t offset, uint64_t first, int n,
-                                                        uint32_t threshold) {
-  uint32_t bits = 0;
-  for (int j = 0; j < n; ++j) bits |= uint32_t(dropout_keep(seed, offset, first + j, threshold)) << j;
-  return bits;
-}
-
 // Keep mask of N consecutive elements starting at `first`: bit j set ⇔ element first + j is kept.
-// Fast when N is a multiple of 8 and first % 8 == 0, or N == 4 and first % 4 == 0 (half a group);
-// any other call takes the slow path.
+// Contract: for N ≥ 4, first % min(N, 8) == 0 — true on every vector path, where `first` is the flat
+// index of a 16-byte pack's first element and the row length is a multiple of the pack. No runtime
+// fallback: a never-taken slow path here costs the fast callers registers (and spills).
 template <int N>
 __device__ __forceinline__ uint32_t dropout_keep_bits(uint64_t seed, uint64_t offset, uint64_t first,
                                                       uint32_t threshold) {
-  static_assert(N <= 32, "at most 32 keep bits per call");
-  if constexpr (N % 8 == 0) {
-    if (first % 8 == 0) {
-      uint32_t bits = 0;
+  static_assert(N == 1 || N == 2 || N == 4 || (N % 8 == 0 && N <= 32), "N must be 1, 2, 4, 8, 16 or 32");
+  uint32_t bits = 0;
+  if constexpr (N >= 8) {
 #pragma unroll
-      for (int g = 0; g < N / 8; ++g)
-        bits |= keep_bits8(dropout_bits(seed, offset, first / 8 + g), threshold) << (8 * g);
-      return bits;
-    }
+    for (int g = 0; g < N / 8; ++g)
+      bits |= keep_bits8(dropout_bits(seed, offset, first / 8 + g), threshold) << (8 * g);
   } else if constexpr (N == 4) {
-    if (first % 4 == 0) return (keep_bits8(dropout_bits(seed, offset, first / 8), threshold) >> (first % 8)) & 0xFu;
+    bits = (keep_bits8(dropout_bits(seed, offset, first / 8), threshold) >> (first % 8)) & 0xFu;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) bits |= uint32_t(dropout_keep(seed, offset, first + j, threshold)) << j;
   }
-  return dropout_keep_bits_slow(seed, offset, first, N, threshold);
+  return bits;
 }
 
 // Multiprocessor count of the current device, for sizing persistent grids.
