@@ -1,0 +1,298 @@
+"""Transformer decoder layer and stack on lsmini's fused kernels (see _fused.py for the computation).
+
+A TransformerDecoder holds the cross-attention K/V projections of all its layers as ONE parameter
+``cross_attn_kv_weight`` [num_layers·2·hidden, hidden] (rows of layer i: K at [2i·H, (2i+1)·H), V at
+[(2i+1)·H, (2i+2)·H)) with ``cross_attn_kv_bias``: one GEMM over the encoder output gives every
+layer's K and V, and backward needs one GEMM for the encoder-output gradient and one for the weight
+gradient. A standalone TransformerDecoderLayer holds its own [2H, H] projection instead
+(``multihead_attn.kv_proj_weight``).
+"""
+import torch
+from torch import nn
+
+from lsmini.layers._common import (CrossAttentionParams, SelfAttentionParams, cast_block, check_mask, check_new_order,
+                                   check_states, check_torch_attention, check_torch_linear_norm, compute_dtype,
+                                   copy_params, no_autocast, reorder, reset_ffn, torch_activation,
+                                   torch_activation_name, uniform_, use_kernels)
+from lsmini.layers._fused import CrossKVFunction, KVGradSlots, LayerFunction, LayerSpec, incremental_layer, project_kv
+from lsmini.layers.config import TransformerConfig
+from lsmini.layers.layernorm import LayerNorm
+
+_KINDS = ("self", "cross", "ffn")
+
+
+def _check_config(owner, config):
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"{owner}: config must be a TransformerConfig, got {type(config).__name__}")
+
+
+def _check_cache(owner, cache):
+    if cache is not None and not isinstance(cache, dict):
+        raise TypeError(f"{owner}: cache must be a dict (start with {{}}) or None, got {type(cache).__name__}")
+
+
+def _vector(p, dtype):
+    return p if p.dtype in (torch.float32, dtype) else p.to(dtype)
+
+
+def _check_encoder(owner, encoder_out, mask, batch, config, ref, cached_kv):
+    """Checks encoder_out (may be None once its K/V are cached) and the mask; returns the source length."""
+    if encoder_out is None:
+        if cached_kv is None:
+            raise ValueError(f"{owner}: encoder_out is required (it is optional only once the cache holds the "
+                             f"encoder keys/values)")
+        ls = cached_kv[0].shape[2]
+    else:
+        check_states(owner, "encoder_out", encoder_out, config, ref)
+        ls = encoder_out.shape[1]
+        if encoder_out.shape[0] != batch:
+            raise ValueError(f"{owner}: encoder_out has batch {encoder_out.shape[0]} but the decoder input has "
+                             f"batch {batch}")
+    if cached_kv is not None and (cached_kv[0].shape[0] != batch or cached_kv[0].shape[2] != ls):
+        raise ValueError(f"{owner}: the cached encoder keys have batch {cached_kv[0].shape[0]} and length "
+                         f"{cached_kv[0].shape[2]}, the call has batch {batch} and length {ls} (reorder_cache the "
+                         f"cache when the batch changes)")
+    check_mask(owner, "encoder_padding_mask", mask, batch, ls, ref.device)
+    return ls
+
+
+class TransformerDecoderLayer(nn.Module):
+    """One Transformer decoder layer: causal self-attention, cross-attention over the encoder output,
+    feed-forward; pre- or post-LayerNorm.
+
+    forward(y [batch, tgt_len, hidden], encoder_out [batch, src_len, hidden], encoder_padding_mask
+    [batch, src_len] bool (True = pad) or None, cache=None) → [batch, tgt_len, hidden].
+    With ``cache`` (a dict, start with {}) it decodes incrementally for inference: y holds only the
+    newest position(s); the encoder K/V are computed once and kept in the cache with the past
+    self-attention keys/values.
+
+    Parameter names follow torch.nn.TransformerDecoderLayer (self_attn, multihead_attn, linear1/2,
+    norm1/2/3), except that the cross-attention's fused in_proj is split into
+    ``multihead_attn.q_proj_weight`` [H, H] and ``multihead_attn.kv_proj_weight`` [2H, H] (absent when
+    the layer belongs to a TransformerDecoder). ``from_torch`` / ``to_torch`` convert.
+    Dtypes and the ``recompute`` attribute as TransformerEncoderLayer.
+    """
+
+    def __init__(self, config, own_kv=True, device=None, dtype=None):
+        super().__init__()
+        _check_config("TransformerDecoderLayer", config)
+        self.config = config
+        kw = {"device": device, "dtype": dtype}
+        h, f = config.hidden_size, config.ffn_size
+        self.self_attn = SelfAttentionParams(h, **kw)
+        self.multihead_attn = CrossAttentionParams(h, own_kv=own_kv, **kw)
+        self.linear1 = nn.Linear(h, f, **kw)
+        self.linear2 = nn.Linear(f, h, **kw)
+        self.norm1 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        self.norm2 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        self.norm3 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        reset_ffn(self.linear1, self.linear2)
+        self.recompute = True
+
+    def blocks(self):
+        """Per sub-block (W_in, b_in, W_out, b_out, ln_w, ln_b), in the order the layer runs them."""
+        sa, ca = self.self_attn, self.multihead_attn
+        return [(sa.in_proj_weight, sa.in_proj_bias, sa.out_proj.weight, sa.out_proj.bias, self.norm1.weight,
+                 self.norm1.bias),
+                (ca.q_proj_weight, ca.q_proj_bias, ca.out_proj.weight, ca.out_proj.bias, self.norm2.weight,
+                 self.norm2.bias),
+                (self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, self.norm3.weight,
+                 self.norm3.bias)]
+
+    def scratch_numel(self, batch, tgt_len, src_len):
+        """Arena elements this layer's backward needs."""
+        spec = LayerSpec(_KINDS, self.config, True, True, False)
+        spec.b, spec.lq, spec.ls = batch, tgt_len, src_len
+        return spec.scratch_numel(backward=True)
+
+    # the two ways to run the layer once the K/V of the encoder output exist (used by the decoder stack)
+    def _params(self, dtype):
+        return [p for blk in self.blocks() for p in cast_block(blk, dtype)]
+
+    def _fused(self, y, k_enc, v_enc, enc_mask, slots, index, dtype, kernels):
+        spec = LayerSpec(_KINDS, self.config, self.training, True, kernels, slots, index, self.recompute)
+        return LayerFunction.apply(spec, y, None, k_enc, v_enc, enc_mask, *self._params(dtype))
+
+    def _incremental(self, y, enc_kv, enc_mask, cache, dtype, kernels):
+        spec = LayerSpec(_KINDS, self.config, self.training, True, kernels)
+        return incremental_layer(spec, y, self._params(dtype), None, enc_kv, enc_mask, cache)
+
+    def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None):
+        owner = "TransformerDecoderLayer"
+        ca = self.multihead_attn
+        if not ca.owns_kv:
+            raise RuntimeError(f"{owner}: this layer belongs to a TransformerDecoder, which holds its cross-attention "
+                               f"K/V projection; run the decoder, or build a standalone layer")
+        _check_cache(owner, cache)
+        w = self.self_attn.in_proj_weight
+        past = cache["k"].shape[2] if cache is not None and "k" in cache else 0
+        check_states(owner, "y", y, self.config, w, past)
+        cached_kv = cache.get("encoder_kv") if cache is not None else None
+        _check_encoder(owner, encoder_out, encoder_padding_mask, y.shape[0], self.config, w, cached_kv)
+        dtype = compute_dtype(owner, y, w)
+        heads = self.config.num_heads
+        with no_autocast(y.device.type):
+            y = y.to(dtype).contiguous()
+            kernels = use_kernels(y)
+            w_kv, b_kv = ca.kv_proj_weight.to(dtype), _vector(ca.kv_proj_bias, dtype)
+            if cache is None:
+                slots = KVGradSlots(2)
+                k_enc, v_enc = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), w_kv, b_kv, heads, slots,
+                                                     kernels)
+                return self._fused(y, k_enc, v_enc, encoder_padding_mask, slots, 0, dtype, kernels)
+            if cached_kv is None:
+                cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, 2)
+            return self._incremental(y, cached_kv, encoder_padding_mask, cache, dtype, kernels)
+
+    def reorder_cache(self, cache, new_order):
+        check_new_order("TransformerDecoderLayer.reorder_cache", new_order)
+        return reorder(cache, new_order)
+
+    @classmethod
+    def from_torch(cls, layer, max_batch_tokens=8192, max_seq_len=512):
+        """A layer computing the same function as ``layer`` (a torch.nn.TransformerDecoderLayer called with a
+        causal tgt_mask and memory_key_padding_mask), weights copied, on its device and dtype. Dropouts map
+        as: dropout1 → dropout, self_attn.dropout → attn_dropout, the FFN's inner dropout →
+        activation_dropout. lsmini layers are batch-first."""
+        if not isinstance(layer, nn.TransformerDecoderLayer):
+            raise TypeError(f"from_torch: expected torch.nn.TransformerDecoderLayer, got {type(layer).__name__}")
+        sa, mha = layer.self_attn, layer.multihead_attn
+        check_torch_attention(sa, "self_attn")
+        check_torch_attention(mha, "multihead_attn")
+        check_torch_linear_norm(layer, ("norm1", "norm2", "norm3"))
+        config = TransformerConfig(
+            hidden_size=sa.embed_dim, num_heads=sa.num_heads, ffn_size=layer.linear1.out_features,
+            dropout=layer.dropout1.p, attn_dropout=float(sa.dropout), activation_dropout=layer.dropout.p,
+            activation=torch_activation_name(layer), pre_layer_norm=bool(layer.norm_first),
+            layer_norm_eps=layer.norm1.eps, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
+        new = cls(config, device=sa.in_proj_weight.device, dtype=sa.in_proj_weight.dtype)
+        h = config.hidden_size
+        src = dict(layer.named_parameters())
+        src["multihead_attn.q_proj_weight"] = mha.in_proj_weight[:h]
+        src["multihead_attn.q_proj_bias"] = mha.in_proj_bias[:h]
+        src["multihead_attn.kv_proj_weight"] = mha.in_proj_weight[h:]
+        src["multihead_attn.kv_proj_bias"] = mha.in_proj_bias[h:]
+        copy_params(new, src)
+        return new.train(layer.training)
+
+    def to_torch(self, kv_weight=None, kv_bias=None):
+        """The equivalent torch.nn.TransformerDecoderLayer (batch_first=True), weights copied. A layer of a
+        TransformerDecoder has no K/V projection of its own: pass ``decoder.layer_kv(i)`` as kv_weight,
+        kv_bias."""
+        c = self.config
+        ca = self.multihead_attn
+        if kv_weight is None:
+            if not ca.owns_kv:
+                raise ValueError("to_torch: this layer belongs to a TransformerDecoder; pass kv_weight, kv_bias = "
+                                 "decoder.layer_kv(i)")
+            kv_weight, kv_bias = ca.kv_proj_weight, ca.kv_proj_bias
+        w = self.self_attn.in_proj_weight
+        t = nn.TransformerDecoderLayer(c.hidden_size, c.num_heads, c.ffn_size, dropout=c.dropout,
+                                       activation=torch_activation(c.activation), layer_norm_eps=c.layer_norm_eps,
+                                       batch_first=True, norm_first=c.pre_layer_norm, device=w.device, dtype=w.dtype)
+        t.self_attn.dropout = c.attn_dropout
+        t.multihead_attn.dropout = c.attn_dropout
+        t.dropout.p = c.activation_dropout
+        src = dict(self.named_parameters())
+        with torch.no_grad():
+            src["multihead_attn.in_proj_weight"] = torch.cat([ca.q_proj_weight, kv_weight])
+            src["multihead_attn.in_proj_bias"] = torch.cat([ca.q_proj_bias, kv_bias])
+        copy_params(t, src)
+        return t.train(self.training)
+
+    def extra_repr(self):
+        c = self.config
+        return (f"hidden={c.hidden_size}, heads={c.num_heads}, ffn={c.ffn_size}, activation={c.activation}, "
+                f"pre_layer_norm={c.pre_layer_norm}, own_kv={self.multihead_attn.owns_kv}, dropout=({c.dropout}, "
+                f"attn {c.attn_dropout}, act {c.activation_dropout})")
+
+
+class TransformerDecoder(nn.Module):
+    """``num_layers`` TransformerDecoderLayers sharing one cross-attention K/V projection parameter
+    (``cross_attn_kv_weight`` [num_layers·2·hidden, hidden], ``cross_attn_kv_bias``), plus a final
+    LayerNorm when pre_layer_norm.
+
+    forward(y [batch, tgt_len, hidden], encoder_out [batch, src_len, hidden], encoder_padding_mask
+    [batch, src_len] bool (True = pad) or None, cache=None) → [batch, tgt_len, hidden].
+    With ``cache`` (a dict, start with {}): incremental decoding, y [batch, 1, hidden] (or a few newest
+    positions); the cache keeps the encoder K/V of every layer ("encoder_kv"), each layer's past
+    self-attention K/V ("layers") and the number of positions so far ("step").
+    ``reorder_cache(cache, new_order)`` selects/reorders its batch entries (beam search).
+    """
+
+    def __init__(self, config, num_layers, device=None, dtype=None):
+        super().__init__()
+        _check_config("TransformerDecoder", config)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"TransformerDecoder: num_layers must be an int >= 1, got {num_layers!r}")
+        self.config = config
+        h = config.hidden_size
+        kw = {"device": device, "dtype": dtype}
+        self.layers = nn.ModuleList(TransformerDecoderLayer(config, own_kv=False, **kw) for _ in range(num_layers))
+        self.cross_attn_kv_weight = nn.Parameter(torch.empty(num_layers * 2 * h, h, **kw))
+        self.cross_attn_kv_bias = nn.Parameter(torch.zeros(num_layers * 2 * h, **kw))
+        uniform_(self.cross_attn_kv_weight, h, 3 * h)
+        self.norm = LayerNorm(h, eps=config.layer_norm_eps, **kw) if config.pre_layer_norm else None
+
+    def layer_kv(self, i):
+        """(weight [2H, H], bias [2H]): views of layer i's rows of the stacked K/V projection."""
+        h2 = 2 * self.config.hidden_size
+        return self.cross_attn_kv_weight[i * h2:(i + 1) * h2], self.cross_attn_kv_bias[i * h2:(i + 1) * h2]
+
+    def scratch_numel(self, batch, tgt_len, src_len):
+        return self.layers[0].scratch_numel(batch, tgt_len, src_len)
+
+    @classmethod
+    def from_layers(cls, layers):
+        """A decoder from standalone layers (e.g. from ``TransformerDecoderLayer.from_torch``), their weights
+        copied and their K/V projections stacked into cross_attn_kv_weight/bias; no final LayerNorm weights
+        to copy (a pre-LN decoder's final norm starts as identity)."""
+        layers = list(layers)
+        if not layers or not all(isinstance(l, TransformerDecoderLayer) and l.multihead_attn.owns_kv for l in layers):
+            raise ValueError("from_layers: expected a non-empty list of standalone TransformerDecoderLayers")
+        config = layers[0].config
+        if any(l.config != config for l in layers):
+            raise ValueError("from_layers: all layers must have the same config")
+        w = layers[0].self_attn.in_proj_weight
+        dec = cls(config, len(layers), device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            for i, (dst, src) in enumerate(zip(dec.layers, layers)):
+                copy_params(dst, dict(src.named_parameters()))
+                kw, kb = dec.layer_kv(i)
+                kw.copy_(src.multihead_attn.kv_proj_weight)
+                kb.copy_(src.multihead_attn.kv_proj_bias)
+        return dec.train(layers[0].training)
+
+    def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None):
+        owner = "TransformerDecoder"
+        _check_cache(owner, cache)
+        w = self.cross_attn_kv_weight
+        past = cache.get("step", 0) if cache is not None else 0
+        check_states(owner, "y", y, self.config, w, past)
+        cached_kv = cache.get("encoder_kv") if cache is not None else None
+        _check_encoder(owner, encoder_out, encoder_padding_mask, y.shape[0], self.config, w, cached_kv)
+        dtype = compute_dtype(owner, y, w)
+        heads, parts = self.config.num_heads, 2 * len(self.layers)
+        with no_autocast(y.device.type):
+            y = y.to(dtype).contiguous()
+            kernels = use_kernels(y)
+            w_kv, b_kv = w.to(dtype), _vector(self.cross_attn_kv_bias, dtype)
+            if cache is None:
+                slots = KVGradSlots(parts)
+                kv = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), w_kv, b_kv, heads, slots, kernels)
+                for i, layer in enumerate(self.layers):
+                    y = layer._fused(y, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i, dtype, kernels)
+            else:
+                if cached_kv is None:
+                    cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, parts)
+                layer_caches = cache.setdefault("layers", [{} for _ in self.layers])
+                for i, layer in enumerate(self.layers):
+                    y = layer._incremental(y, cached_kv[2 * i:2 * i + 2], encoder_padding_mask, layer_caches[i],
+                                           dtype, kernels)
+                cache["step"] = past + y.shape[1]
+        return y if self.norm is None else self.norm(y)
+
+    def reorder_cache(self, cache, new_order):
+        """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""
+        check_new_order("TransformerDecoder.reorder_cache", new_order)
+        return reorder(cache, new_order)

@@ -1,0 +1,179 @@
+"""Transformer encoder layer and stack on lsmini's fused kernels (see _fused.py for the computation)."""
+import torch
+from torch import nn
+
+from lsmini.layers._common import (SelfAttentionParams, cast_block, check_mask, check_new_order, check_states,
+                                   check_torch_attention, check_torch_linear_norm, compute_dtype, copy_params,
+                                   no_autocast, reorder, reset_ffn, torch_activation, torch_activation_name,
+                                   use_kernels)
+from lsmini.layers._fused import LayerFunction, LayerSpec, incremental_layer
+from lsmini.layers.config import TransformerConfig
+from lsmini.layers.layernorm import LayerNorm
+
+
+def _check_config(owner, config):
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"{owner}: config must be a TransformerConfig, got {type(config).__name__}")
+
+
+def _check_causal(owner, causal, cache):
+    if not isinstance(causal, bool):
+        raise TypeError(f"{owner}: causal must be a bool, got {type(causal).__name__}")
+    if cache is not None:
+        if not isinstance(cache, dict):
+            raise TypeError(f"{owner}: cache must be a dict (start with {{}}) or None, got {type(cache).__name__}")
+        if not causal:
+            raise ValueError(f"{owner}: incremental decoding (cache) needs causal=True: with full attention the "
+                             f"cached positions would have to see the new ones")
+
+
+class TransformerEncoderLayer(nn.Module):
+    """One Transformer encoder layer (self-attention + feed-forward), pre- or post-LayerNorm.
+
+    forward(x [batch, len, hidden], padding_mask [batch, len] bool (True = pad) or None, causal=False)
+    → [batch, len, hidden]. ``causal=True`` makes position i attend to positions ≤ i (decoder-only LMs);
+    then ``cache`` (a dict, start with {}) switches to incremental decoding: x holds only the newest
+    positions, past keys/values are kept in the cache and padding_mask covers all positions so far.
+
+    Parameter names and the state_dict match ``torch.nn.TransformerEncoderLayer`` (self_attn.in_proj_weight,
+    self_attn.out_proj, linear1, linear2, norm1, norm2); ``from_torch`` / ``to_torch`` convert. Forward
+    and backward of the whole layer are one autograd Function: fused kernels between cuBLAS GEMMs on
+    CUDA, PyTorch references elsewhere, with backward temporaries in the shared arena.
+
+    Dtypes: parameters float32, float16 or bfloat16. Under ``torch.autocast`` with float32 parameters the
+    layer computes in the autocast dtype (GEMM weights cast per call; biases and LayerNorm stay float32);
+    without autocast the input must have the parameters' dtype.
+
+    Memory: with ``recompute = True`` (attribute, the default) forward keeps per layer only its input,
+    Q/K/V, the attention context, the FFN input and the first FFN GEMM's output (≈ 10·tokens·hidden
+    elements at ffn = 4·hidden); backward recomputes the attention probabilities (QKᵀ + softmax with the
+    same dropout mask), the FFN activation and the pre-LN LayerNorm outputs. ``recompute = False`` saves
+    those instead (+ 2·batch·heads·len² + tokens·(ffn + 2·hidden) elements), for a little less time.
+    """
+
+    def __init__(self, config, device=None, dtype=None):
+        super().__init__()
+        _check_config("TransformerEncoderLayer", config)
+        self.config = config
+        kw = {"device": device, "dtype": dtype}
+        h, f = config.hidden_size, config.ffn_size
+        self.self_attn = SelfAttentionParams(h, **kw)
+        self.linear1 = nn.Linear(h, f, **kw)
+        self.linear2 = nn.Linear(f, h, **kw)
+        self.norm1 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        self.norm2 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
+        reset_ffn(self.linear1, self.linear2)
+        self.recompute = True
+
+    def blocks(self):
+        """Per sub-block (W_in, b_in, W_out, b_out, ln_w, ln_b), in the order the layer runs them."""
+        sa = self.self_attn
+        return [(sa.in_proj_weight, sa.in_proj_bias, sa.out_proj.weight, sa.out_proj.bias, self.norm1.weight,
+                 self.norm1.bias),
+                (self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, self.norm2.weight,
+                 self.norm2.bias)]
+
+    def scratch_numel(self, batch, seq_len):
+        """Arena elements this layer's backward needs for [batch, seq_len] inputs."""
+        spec = LayerSpec(("self", "ffn"), self.config, True, False, False)
+        spec.b, spec.lq = batch, seq_len
+        return spec.scratch_numel(backward=True)
+
+    def forward(self, x, padding_mask=None, causal=False, cache=None):
+        owner = "TransformerEncoderLayer"
+        _check_causal(owner, causal, cache)
+        w = self.self_attn.in_proj_weight
+        past = cache["k"].shape[2] if cache is not None and "k" in cache else 0
+        check_states(owner, "x", x, self.config, w, past)
+        check_mask(owner, "padding_mask", padding_mask, x.shape[0], past + x.shape[1], x.device)
+        dtype = compute_dtype(owner, x, w)
+        with no_autocast(x.device.type):
+            x = x.to(dtype).contiguous()
+            params = [p for blk in self.blocks() for p in cast_block(blk, dtype)]
+            spec = LayerSpec(("self", "ffn"), self.config, self.training, causal, use_kernels(x),
+                             recompute=self.recompute)
+            if cache is not None:
+                return incremental_layer(spec, x, params, padding_mask, None, None, cache)
+            return LayerFunction.apply(spec, x, padding_mask, None, None, None, *params)
+
+    def reorder_cache(self, cache, new_order):
+        check_new_order("TransformerEncoderLayer.reorder_cache", new_order)
+        return reorder(cache, new_order)
+
+    @classmethod
+    def from_torch(cls, layer, max_batch_tokens=8192, max_seq_len=512):
+        """A layer computing the same function as ``layer`` (a torch.nn.TransformerEncoderLayer), with its
+        weights copied, on its device and dtype. Dropouts map as: dropout1 → dropout, self_attn.dropout →
+        attn_dropout, the FFN's inner dropout → activation_dropout. lsmini layers are batch-first: feed
+        [batch, len, hidden] whatever ``layer.batch_first`` says."""
+        if not isinstance(layer, nn.TransformerEncoderLayer):
+            raise TypeError(f"from_torch: expected torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
+        sa = layer.self_attn
+        check_torch_attention(sa, "self_attn")
+        check_torch_linear_norm(layer, ("norm1", "norm2"))
+        config = TransformerConfig(
+            hidden_size=sa.embed_dim, num_heads=sa.num_heads, ffn_size=layer.linear1.out_features,
+            dropout=layer.dropout1.p, attn_dropout=float(sa.dropout), activation_dropout=layer.dropout.p,
+            activation=torch_activation_name(layer), pre_layer_norm=bool(layer.norm_first),
+            layer_norm_eps=layer.norm1.eps, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
+        new = cls(config, device=sa.in_proj_weight.device, dtype=sa.in_proj_weight.dtype)
+        copy_params(new, dict(layer.named_parameters()))
+        return new.train(layer.training)
+
+    def to_torch(self):
+        """The equivalent torch.nn.TransformerEncoderLayer (batch_first=True), weights copied."""
+        c = self.config
+        w = self.self_attn.in_proj_weight
+        t = nn.TransformerEncoderLayer(c.hidden_size, c.num_heads, c.ffn_size, dropout=c.dropout,
+                                       activation=torch_activation(c.activation), layer_norm_eps=c.layer_norm_eps,
+                                       batch_first=True, norm_first=c.pre_layer_norm, device=w.device, dtype=w.dtype)
+        t.self_attn.dropout = c.attn_dropout
+        t.dropout.p = c.activation_dropout
+        copy_params(t, dict(self.named_parameters()))
+        return t.train(self.training)
+
+    def extra_repr(self):
+        c = self.config
+        return (f"hidden={c.hidden_size}, heads={c.num_heads}, ffn={c.ffn_size}, activation={c.activation}, "
+                f"pre_layer_norm={c.pre_layer_norm}, dropout=({c.dropout}, attn {c.attn_dropout}, "
+                f"act {c.activation_dropout})")
+
+
+class TransformerEncoder(nn.Module):
+    """``num_layers`` TransformerEncoderLayers, plus a final LayerNorm when pre_layer_norm.
+
+    forward(x [batch, len, hidden], padding_mask [batch, len] bool (True = pad) or None, causal=False,
+    cache=None) → [batch, len, hidden]. With causal=True and a cache dict (start with {}) it decodes
+    incrementally: x holds the newest positions, padding_mask covers every position so far,
+    cache["step"] counts the positions already processed.
+    """
+
+    def __init__(self, config, num_layers, device=None, dtype=None):
+        super().__init__()
+        _check_config("TransformerEncoder", config)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"TransformerEncoder: num_layers must be an int >= 1, got {num_layers!r}")
+        self.config = config
+        self.layers = nn.ModuleList(TransformerEncoderLayer(config, device=device, dtype=dtype)
+                                    for _ in range(num_layers))
+        self.norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device, dtype=dtype) \
+            if config.pre_layer_norm else None
+
+    def scratch_numel(self, batch, seq_len):
+        return self.layers[0].scratch_numel(batch, seq_len)
+
+    def forward(self, x, padding_mask=None, causal=False, cache=None):
+        _check_causal("TransformerEncoder", causal, cache)
+        layer_caches = [None] * len(self.layers)
+        if cache is not None:
+            layer_caches = cache.setdefault("layers", [{} for _ in self.layers])
+        for layer, c in zip(self.layers, layer_caches):
+            x = layer(x, padding_mask, causal, c)
+        if cache is not None:
+            cache["step"] = cache.get("step", 0) + x.shape[1]
+        return x if self.norm is None else self.norm(x)
+
+    def reorder_cache(self, cache, new_order):
+        """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""
+        check_new_order("TransformerEncoder.reorder_cache", new_order)
+        return reorder(cache, new_order)

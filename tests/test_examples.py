@@ -1,0 +1,349 @@
+"""The training examples (examples/train_translation.py, examples/train_lm.py) on CPU: short runs of a
+tiny model that write metrics.json, exact resume, beam 1 = greedy, bad data rejected before training,
+--translate and --generate. The scripts' main() runs in-process with small settings."""
+import io
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+
+import builtin_data  # noqa: E402
+import train_common  # noqa: E402
+import train_lm  # noqa: E402
+import train_translation  # noqa: E402
+
+METRIC_KEYS = ("train_loss", "valid_loss", "valid_ppl", "bleu", "tokens_per_s", "steps", "wall_s")
+# tiny settings: a few hundred pairs, a small vocabulary, a few steps
+SMALL = ["--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "2", "--no-progress"]
+
+
+def run(main, argv):
+    """main(argv) without touching the caller's RNG state."""
+    with torch.random.fork_rng():
+        return main(argv)
+
+
+def write_lines(path, lines):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(s + "\n" for s in lines)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small parallel corpus from the built-in grammar: {split: (src_path, tgt_path)}."""
+    d = tmp_path_factory.mktemp("corpus")
+    lex = builtin_data.Lexicon()
+    out, used = {}, set()
+    for split, n, seed in (("train", 400, 101), ("valid", 24, 102), ("test", 12, 103)):
+        pairs = builtin_data.generate_pairs(n, seed, lex, exclude=used)
+        used.update(s for s, _ in pairs)
+        out[split] = (write_lines(d / f"{split}.en", [s for s, _ in pairs]),
+                      write_lines(d / f"{split}.zl", [t for _, t in pairs]))
+    return out
+
+
+def data_args(corpus, test=True):
+    args = []
+    for split in ("train", "valid", "test") if test else ("train", "valid"):
+        args += [f"--{split}-src", corpus[split][0], f"--{split}-tgt", corpus[split][1]]
+    return args
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """One short translation run shared by several tests: (save_dir, metrics)."""
+    d = str(tmp_path_factory.mktemp("mt"))
+    metrics = run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", d, "--max-steps", "6",
+                                                                       "--eval-every", "3", "--beam", "2"])
+    return d, metrics
+
+
+def check_metrics(save_dir, steps):
+    with open(os.path.join(save_dir, "metrics.json")) as f:
+        m = json.load(f)
+    for k in METRIC_KEYS:
+        assert k in m, f"metrics.json lacks {k}"
+    assert m["steps"] == steps
+    for k in ("train_loss", "valid_loss", "valid_ppl", "tokens_per_s", "wall_s"):
+        assert isinstance(m[k], float) and math.isfinite(m[k]) and m[k] > 0, (k, m[k])
+    assert m["valid_ppl"] == pytest.approx(math.exp(m["valid_loss"]))
+    return m
+
+
+# ---- runs ---------------------------------------------------------------------------------------------
+def test_translation_short_run_writes_metrics(trained):
+    save_dir, metrics = trained
+    m = check_metrics(save_dir, 6)
+    assert m["bleu"] is None or 0.0 <= m["bleu"] <= 100.0
+    assert metrics["steps"] == 6
+    for name in ("spm.model", "checkpoint_last.pt", "hypotheses.test.txt"):
+        assert os.path.isfile(os.path.join(save_dir, name)), name
+    with open(os.path.join(save_dir, "hypotheses.test.txt"), encoding="utf-8") as f:
+        assert len(f.read().split("\n")) - 1 == 12
+
+
+def test_translation_without_sacrebleu_reports_loss_only(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sacrebleu", None)  # import sacrebleu now raises ImportError
+    m = run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--max-steps", "1",
+                                                                 "--beam", "1"])
+    assert m["bleu"] is None
+    assert "sacrebleu is not installed" in capsys.readouterr().out
+    check_metrics(str(tmp_path), 1)
+
+
+def test_translation_bf16_and_reference_flags(corpus, tmp_path):
+    """bf16 parameters (fp32 master weights in FusedAdam) train on CPU too; --reference only holds for the run."""
+    before = os.environ.get("LSMINI_FORCE_REFERENCE")
+    m = run(train_translation.main, data_args(corpus, test=False) + SMALL + [
+        "--save-dir", str(tmp_path), "--max-steps", "2", "--beam", "1", "--bf16", "--reference"])
+    assert m["precision"] == "bf16" and m["steps"] == 2
+    assert math.isfinite(m["valid_loss"]) and math.isfinite(m["train_loss"])
+    assert os.environ.get("LSMINI_FORCE_REFERENCE") == before
+    ckpt = torch.load(os.path.join(str(tmp_path), "checkpoint_last.pt"), map_location="cpu", weights_only=True)
+    assert all(t.dtype == torch.bfloat16 for t in ckpt["trainer"]["model"].values() if t.is_floating_point())
+
+
+def test_lm_short_run_writes_metrics_and_generates(tmp_path, capsys):
+    lines = [s for s, _ in builtin_data.generate_pairs(300, 201)]
+    train = write_lines(tmp_path / "train.txt", lines[:270])
+    valid = write_lines(tmp_path / "valid.txt", lines[270:])
+    d = str(tmp_path / "run")
+    argv = ["--train", train, "--valid", valid, "--save-dir", d, "--vocab-size", "300", "--block-size", "32",
+            "--max-tokens", "256", "--max-steps", "4", "--log-every", "2", "--no-progress", "--num-samples", "1",
+            "--max-new-tokens", "8"]
+    run(train_lm.main, argv)
+    m = check_metrics(d, 4)
+    assert m["bleu"] is None
+    capsys.readouterr()
+    assert run(train_lm.main, ["--save-dir", d, "--generate", "The dog", "--num-samples", "2",
+                               "--max-new-tokens", "5"]) is None
+    out = [s for s in capsys.readouterr().out.splitlines() if s.startswith("sample: ")]
+    assert len(out) == 2 and all(s.startswith("sample: The dog") for s in out)
+
+
+def test_builtin_corpus_is_deterministic_and_disjoint():
+    a = builtin_data.generate_pairs(50, 11)
+    assert a == builtin_data.generate_pairs(50, 11)
+    assert a != builtin_data.generate_pairs(50, 12)
+    # the first pairs of the built-in training split never change (the default run's numbers depend on them)
+    assert a[0] == ("Five loud glasses laugh with that song.", "Oba plukiska shu kraisumar traigusne pen robint.")
+    other = builtin_data.generate_pairs(200, 12, exclude={s for s, _ in a})
+    assert not {s for s, _ in a} & {s for s, _ in other}
+    assert len({s for s, _ in a}) == 50
+
+
+def test_builtin_task_short_run(tmp_path):
+    """The no-argument path (built-in corpus written to <save-dir>/data), cut to two steps."""
+    d = str(tmp_path)
+    m = run(train_translation.main, ["--save-dir", d, "--max-steps", "2", "--beam", "1", "--no-progress"])
+    assert m["steps"] == 2 and m["bleu_split"] == "test"
+    for split, n in (("train", 30000), ("valid", 500), ("test", 500)):
+        with open(os.path.join(d, "data", f"{split}.zl"), encoding="utf-8") as f:
+            assert len(f.read().split("\n")) - 1 == n
+    check_metrics(d, 2)
+
+
+def test_builtin_lm_short_run(tmp_path):
+    d = str(tmp_path)
+    m = run(train_lm.main, ["--save-dir", d, "--max-steps", "2", "--no-progress", "--num-samples", "1",
+                            "--max-new-tokens", "4"])
+    assert m["steps"] == 2
+    assert os.path.isfile(os.path.join(d, "data", "lm.train.txt"))
+    check_metrics(d, 2)
+
+
+def test_default_arguments_pick_the_builtin_task():
+    args = train_translation.parse_args([])
+    assert args.builtin and args.arch == "tiny" and args.vocab_size == 2000 and args.epochs is not None
+    args = train_lm.parse_args([])
+    assert args.builtin and args.arch == "tiny"
+
+
+# ---- resume -------------------------------------------------------------------------------------------
+def checkpoint_params(save_dir):
+    ckpt = torch.load(os.path.join(save_dir, "checkpoint_last.pt"), map_location="cpu", weights_only=True)
+    return ckpt["trainer"]["model"], ckpt["trainer"]["step"]
+
+
+def assert_same_params(a_dir, b_dir, steps):
+    a, sa = checkpoint_params(a_dir)
+    b, sb = checkpoint_params(b_dir)
+    assert sa == sb == steps
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+def test_translation_resume_gives_the_same_parameters(corpus, tmp_path):
+    # 400 pairs at 512 tokens make ~12 batches per epoch: 8 + 8 steps cross an epoch boundary
+    common = data_args(corpus, test=False) + SMALL + ["--beam", "1", "--eval-every", "5", "--dropout", "0.3",
+                                                       "--max-tokens", "1024"]
+    straight, halves = str(tmp_path / "straight"), str(tmp_path / "halves")
+    run(train_translation.main, common + ["--save-dir", straight, "--max-steps", "16"])
+    run(train_translation.main, common + ["--save-dir", halves, "--max-steps", "8"])
+    m = run(train_translation.main, common + ["--save-dir", halves, "--max-steps", "16", "--resume"])
+    assert m["steps"] == 16
+    assert_same_params(straight, halves, 16)
+
+
+def test_lm_resume_gives_the_same_parameters(tmp_path):
+    lines = [s for s, _ in builtin_data.generate_pairs(200, 202)]
+    train = write_lines(tmp_path / "train.txt", lines[:180])
+    valid = write_lines(tmp_path / "valid.txt", lines[180:])
+    common = ["--train", train, "--valid", valid, "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256",
+              "--log-every", "2", "--no-progress", "--num-samples", "0", "--dropout", "0.3"]
+    straight, halves = str(tmp_path / "straight"), str(tmp_path / "halves")
+    run(train_lm.main, common + ["--save-dir", straight, "--max-steps", "6"])
+    run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "3"])
+    run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "6", "--resume"])
+    assert_same_params(straight, halves, 6)
+
+
+def test_resume_without_checkpoint_is_an_error(corpus, tmp_path):
+    with pytest.raises(train_common.DataError, match="no checkpoint"):
+        run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--resume"])
+
+
+# ---- decoding -----------------------------------------------------------------------------------------
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    mc = {"arch": "tiny", "vocab_size": 50, "encoder_layers": 2, "decoder_layers": 2, "share_embeddings": True,
+          "config": dict(hidden_size=32, num_heads=4, ffn_size=64, dropout=0.1, attn_dropout=0.0,
+                         activation_dropout=0.0, activation="relu", pre_layer_norm=True, max_seq_len=64)}
+    model = train_translation.build_model(mc, 4096, torch.device("cpu"), torch.float32)
+    return model.eval()
+
+
+def random_sources(n=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (n,), generator=g).tolist()
+    rows = [torch.randint(4, 50, (k,), generator=g).tolist() for k in lengths]
+    width = train_common.round_up(max(lengths) + 1)
+    return rows, train_common.padded_tensor(rows, width, False, suffix=train_common.EOS)
+
+
+def test_beam_1_equals_greedy():
+    model = small_model()
+    rows, src = random_sources()
+    max_lens = [len(r) + 5 for r in rows]
+    greedy = train_translation.greedy_search(model, src, max_lens)
+    assert train_translation.beam_search(model, src, 1, max_lens) == greedy
+    assert all(len(h) <= m for h, m in zip(greedy, max_lens))
+
+
+def test_incremental_greedy_matches_full_recompute():
+    """The decoder cache must give what decoding the whole prefix again gives."""
+    model = small_model(3)
+    rows, src = random_sources(5, 4)
+    steps = 6
+    cached = train_translation.greedy_search(model, src, [steps] * len(rows))
+    with torch.no_grad():
+        enc, mask = model.encode(src)
+        prefix = torch.full((len(rows), 1), train_common.BOS, dtype=torch.long)
+        for _ in range(steps):
+            lp = torch.log_softmax(model.decode(prefix, enc, mask)[:, -1].float(), -1)
+            lp[:, train_common.PAD] = lp[:, train_common.BOS] = -math.inf
+            prefix = torch.cat([prefix, lp.argmax(-1, keepdim=True)], 1)
+    for i, h in enumerate(cached):
+        full = prefix[i, 1:].tolist()
+        expect = full[:full.index(train_common.EOS)] if train_common.EOS in full else full
+        assert h == expect[:len(h)] and (len(h) == len(expect) or len(h) == steps), (h, expect)
+
+
+def test_translate_round_trip(trained, monkeypatch, capsys, corpus):
+    """--translate on the test sources reproduces the hypotheses the training run wrote."""
+    save_dir, _ = trained
+    with open(corpus["test"][0], "rb") as f:
+        data = f.read()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    capsys.readouterr()
+    assert run(train_translation.main, ["--translate", "--save-dir", save_dir, "--beam", "2", "--max-tokens", "512"]) \
+        is None
+    out = capsys.readouterr().out
+    with open(os.path.join(save_dir, "hypotheses.test.txt"), encoding="utf-8") as f:
+        assert out == f.read()
+
+
+def test_translate_without_model_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n"), encoding="utf-8"))
+    with pytest.raises(train_common.DataError, match="no trained model"):
+        run(train_translation.main, ["--translate", "--save-dir", str(tmp_path)])
+
+
+# ---- bad data -----------------------------------------------------------------------------------------
+def bad_case(kind, tmp_path, corpus):
+    """Real-data arguments with one defect, and the message expected."""
+    paths = {f"{split}_{side}": p for split, pair in corpus.items() for side, p in zip(("src", "tgt"), pair)}
+    if kind == "missing":
+        paths["valid_tgt"] = str(tmp_path / "nope.zl")
+        expect = "--valid-tgt: file not found"
+    elif kind == "empty":
+        paths["train_src"] = write_lines(tmp_path / "empty.en", [])
+        expect = "--train-src: .* is empty"
+    elif kind == "blank":
+        paths["test_tgt"] = write_lines(tmp_path / "blank.zl", ["", "  ", ""])
+        expect = "--test-tgt: .* is empty"
+    elif kind == "mismatch":
+        with open(paths["train_tgt"], encoding="utf-8") as f:
+            lines = f.read().split("\n")[:-1]
+        paths["train_tgt"] = write_lines(tmp_path / "short.zl", lines[:-3])
+        expect = "train data: .* has 400 lines but .* has 397"
+    elif kind == "utf8":
+        p = tmp_path / "latin1.en"
+        p.write_bytes("Le chien dort.\nLe café est noir.\n".encode("latin-1"))
+        paths["valid_src"] = str(p)
+        expect = "--valid-src: .* is not valid UTF-8 text: line 2, byte 7 is 0xe9"
+    else:
+        raise AssertionError(kind)
+    argv = []
+    for key, p in paths.items():
+        argv += ["--" + key.replace("_", "-"), p]
+    return argv, expect
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "blank", "mismatch", "utf8"])
+def test_translation_bad_data_is_rejected_before_training(kind, tmp_path, corpus):
+    argv, expect = bad_case(kind, tmp_path, corpus)
+    save_dir = tmp_path / "run"
+    with pytest.raises(train_common.DataError, match=expect):
+        run(train_translation.main, argv + SMALL + ["--save-dir", str(save_dir), "--max-steps", "1"])
+    assert not (save_dir / "spm.model").exists() and not (save_dir / "checkpoint_last.pt").exists()
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "utf8"])
+def test_lm_bad_data_is_rejected_before_training(kind, tmp_path):
+    good = write_lines(tmp_path / "good.txt", ["The dog sleeps.", "A cat runs."])
+    if kind == "missing":
+        bad, expect = str(tmp_path / "nope.txt"), "--valid: file not found"
+    elif kind == "empty":
+        bad, expect = write_lines(tmp_path / "empty.txt", []), "--valid: .* is empty"
+    else:
+        p = tmp_path / "bad.txt"
+        p.write_bytes(b"ok\n\xff\xfe broken\n")
+        bad, expect = str(p), "--valid: .* is not valid UTF-8 text: line 2, byte 1 is 0xff"
+    save_dir = tmp_path / "run"
+    with pytest.raises(train_common.DataError, match=expect):
+        run(train_lm.main, ["--train", good, "--valid", bad, "--save-dir", str(save_dir), "--max-steps", "1",
+                            "--no-progress"])
+    assert not (save_dir / "spm.model").exists()
+
+
+def test_partial_data_flags_are_a_usage_error(corpus, capsys):
+    with pytest.raises(SystemExit):
+        train_translation.parse_args(["--train-src", corpus["train"][0], "--train-tgt", corpus["train"][1]])
+    assert "--valid-src" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["--train", corpus["train"][0]])
+
+
+def test_fp16_on_cpu_is_refused(corpus, tmp_path):
+    with pytest.raises(train_common.DataError, match="--fp16 needs a CUDA device"):
+        run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--fp16",
+                                                                 "--device", "cpu"])
