@@ -72,7 +72,8 @@ def test_bad_inputs():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_lowp_2x_torch_rule(dtype):
-    logits, target = inputs((64, 33), 5000, "cuda", dtype)
+    # V = 1000 keeps torch's own fp16 loss finite (its smoothing sum overflows fp16 from V of a few thousand)
+    logits, target = inputs((64, 33), 1000, "cuda", dtype)
     crit = CrossEntropyLoss(label_smoothing=0.1)
     a = logits.clone().requires_grad_()
     t_lp = logits.clone().requires_grad_()

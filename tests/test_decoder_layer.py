@@ -82,7 +82,8 @@ def compare_with_torch(t, m, y, mem, mask, g, tol):
         assert_close_scaled(gm[n], gt, tol, f"grad {n}")
 
 
-CASES = [(3, 6, 7, 32, 4, 64), (1, 1, 1, 16, 2, 32), (4, 9, 13, 24, 3, 40), (2, 17, 5, 8, 1, 24)]  # b, lt, ls, H, heads, F
+# batch, tgt_len, src_len, H, heads, ffn
+CASES = [(3, 6, 7, 32, 4, 64), (1, 1, 1, 16, 2, 32), (4, 9, 13, 24, 3, 40), (2, 17, 5, 8, 1, 24)]
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -151,8 +152,8 @@ def test_batched_cross_attention_equals_per_layer(device, pre):
     assert_close_scaled(dm_d, dm_s, tol, "grad encoder_out")
     for i, layer in enumerate(layers):
         h2 = 64
-        assert_close_scaled(dec.cross_attn_kv_weight.grad[i * h2:(i + 1) * h2], layer.multihead_attn.kv_proj_weight.grad,
-                            tol, f"layer {i} kv weight grad")
+        assert_close_scaled(dec.cross_attn_kv_weight.grad[i * h2:(i + 1) * h2],
+                            layer.multihead_attn.kv_proj_weight.grad, tol, f"layer {i} kv weight grad")
         assert_close_scaled(dec.cross_attn_kv_bias.grad[i * h2:(i + 1) * h2], layer.multihead_attn.kv_proj_bias.grad,
                             tol, f"layer {i} kv bias grad")
         gl = param_grads(layer)

@@ -4,7 +4,6 @@ causality, incremental decoding, use inside another model, dropout statistics, t
 bad input. The CPU cases run the same hand-written backward as CUDA, on the PyTorch references.
 CUDA: fp32 (TF32 off), fp16/bf16 and autocast by the 2x-PyTorch rule, peak memory vs torch.nn,
 no new allocations after the first training step."""
-import contextlib
 import copy
 
 import pytest

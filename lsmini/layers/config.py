@@ -62,7 +62,8 @@ class TransformerConfig:
         if not isinstance(self.activation, str) or self.activation not in ACTIVATIONS:
             raise ValueError(f"TransformerConfig: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if not isinstance(self.pre_layer_norm, bool):
-            raise TypeError(f"TransformerConfig: pre_layer_norm must be a bool, got {type(self.pre_layer_norm).__name__}")
+            raise TypeError(f"TransformerConfig: pre_layer_norm must be a bool, got "
+                            f"{type(self.pre_layer_norm).__name__}")
         if isinstance(self.layer_norm_eps, bool) or not isinstance(self.layer_norm_eps, numbers.Real) \
                 or not self.layer_norm_eps > 0:
             raise ValueError(f"TransformerConfig: layer_norm_eps must be a float > 0, got {self.layer_norm_eps!r}")

@@ -70,12 +70,12 @@ class TransformerEmbedding(nn.Module):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"TransformerEmbedding: step must be an int >= 0, got {step!r}")
         if step + tokens.shape[1] > self.max_seq_len:
-            raise ValueError(f"TransformerEmbedding: step + len = {step} + {tokens.shape[1]} = {step + tokens.shape[1]} "
-                             f"> max_seq_len = {self.max_seq_len}")
+            raise ValueError(f"TransformerEmbedding: step + len = {step} + {tokens.shape[1]} = "
+                             f"{step + tokens.shape[1]} > max_seq_len = {self.max_seq_len}")
         pos = self.pos_embedding if self.learned_positions else self.pos_table
         return embedding(tokens, self.weight, pos, self.scale, self.padding_idx, step, self.dropout, self.training,
                          learned_positions=self.learned_positions, check_tokens=self.check_tokens)
 
     def extra_repr(self):
-        return (f"{self.vocab_size}, {self.hidden_size}, padding_idx={self.padding_idx}, max_seq_len={self.max_seq_len}, "
-                f"dropout={self.dropout}, learned_positions={self.learned_positions}")
+        return (f"{self.vocab_size}, {self.hidden_size}, padding_idx={self.padding_idx}, "
+                f"max_seq_len={self.max_seq_len}, dropout={self.dropout}, learned_positions={self.learned_positions}")
