@@ -331,7 +331,10 @@ class LayerFunction(torch.autograd.Function):
         b, l, H = x.shape
         spec.b, spec.lq = b, l
         spec.ls = 0 if k_enc is None else k_enc.shape[2]
-        flat = get_arena(x.device, x.dtype).take(spec.scratch_numel(backward=False))
+        need = spec.scratch_numel(backward=False)
+        if any(ctx.needs_input_grad):  # training: size the arena for the backward now, in one growth
+            need = max(need, spec.scratch_numel(backward=True))
+        flat = get_arena(x.device, x.dtype).take(need)
         ins = {"kpm": kpm, "k_enc": k_enc, "v_enc": v_enc, "enc_kpm": enc_kpm}
         r = x.view(b * l, H)
         states = []
