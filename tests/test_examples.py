@@ -271,6 +271,14 @@ def test_translate_round_trip(trained, monkeypatch, capsys, corpus):
         assert out == f.read()
 
 
+def test_translate_rejects_undecodable_stdin(trained, monkeypatch):
+    save_dir, _ = trained
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"The dog runs.\nA cat\xff sleeps.\n"),
+                                                       encoding="utf-8"))
+    with pytest.raises(train_common.DataError, match="stdin is not valid UTF-8 text: line 2, byte 6 is 0xff"):
+        run(train_translation.main, ["--translate", "--save-dir", save_dir])
+
+
 def test_translate_without_model_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n"), encoding="utf-8"))
     with pytest.raises(train_common.DataError, match="no trained model"):
