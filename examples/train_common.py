@@ -529,6 +529,67 @@ def write_metrics(save_dir, metrics):
     return path
 
 
+def start_trainer(args, model, model_config, ckpt_path, device, dtype, log):
+    """A Trainer for `model`; with --resume, restored from the checkpoint (which must hold the same model)."""
+    trainer = Trainer(args, model, device, dtype)
+    if args.resume:
+        ckpt = load_checkpoint(ckpt_path)
+        check_same_model(ckpt["model_config"], model_config, ckpt_path)
+        trainer.load_state_dict(ckpt["trainer"])
+        log(f"resumed from {ckpt_path} at step {trainer.step} (epoch {trainer.epoch + 1}, batch "
+            f"{trainer.batch_in_epoch})")
+    return trainer
+
+
+def make_criteria(label_smoothing):
+    """(training criterion, summed plain-NLL criterion for validation), both on lsmini's fused loss."""
+    from lsmini.layers import CrossEntropyLoss
+
+    # the logits' producer (the output projection) does not need them in backward: the criterion's
+    # gradient may overwrite them in place
+    criterion = CrossEntropyLoss(label_smoothing=label_smoothing, ignore_index=PAD, check_targets=False,
+                                 inplace_backward=True)
+    nll_criterion = CrossEntropyLoss(ignore_index=PAD, reduction="sum", check_targets=False)
+    return criterion, nll_criterion
+
+
+def train_and_validate(trainer, args, model, model_config, ckpt_path, train_batches, valid_batches, loss_fn,
+                       logits_and_target, nll_criterion, device, log):
+    """Run the training loop (validating and checkpointing as configured) and make sure a validation loss
+    exists at the end. logits_and_target(model, batch on device) -> (logits, target) for validation."""
+    pin = device.type == "cuda"
+
+    @torch.no_grad()
+    def validate(model):
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        tokens = 0
+        for i in range(len(valid_batches)):
+            batch = tuple(t.to(device, non_blocking=True) for t in valid_batches.get(i, pin))
+            total += nll_criterion(*logits_and_target(model, batch))
+            tokens += valid_batches.tokens(i)
+        return total.item() / tokens
+
+    def save():
+        save_checkpoint(ckpt_path, {"model_config": model_config, "trainer": trainer.state_dict(), "args": vars(args)})
+
+    trainer.train(train_batches, loss_fn, validate, save, log)
+    if trainer.valid_loss is None:
+        trainer.valid_loss = validate(model)
+
+
+def run_metrics(trainer, args, device, start, bleu, **extra):
+    """The metrics.json fields every example writes (plus `extra`)."""
+    return {
+        "train_loss": trainer.train_loss, "valid_loss": trainer.valid_loss,
+        "valid_ppl": safe_exp(trainer.valid_loss), "bleu": bleu,
+        "tokens_per_s": trainer.session_tokens / trainer.session_time if trainer.session_time > 0 else None,
+        "steps": trainer.step, "wall_s": time.perf_counter() - start,
+        **extra, "arch": args.arch, "device": str(device), "precision": args.precision,
+        "backend": str(describe_backend(device)),
+    }
+
+
 def run_main(main):
     """Script entry: DataError and KeyboardInterrupt become a one-line message and a non-zero exit."""
     try:

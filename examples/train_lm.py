@@ -20,10 +20,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builtin_data  # noqa: E402
-from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, RunSettings, Trainer,  # noqa: E402
-                          add_common_args, check_same_model, describe_backend, encode_cached, load_checkpoint,
-                          load_sentencepiece, prepare_save_dir, read_lines, resolve_common_args, round_up, run_main,
-                          safe_exp, save_checkpoint, setup_device, train_sentencepiece, write_metrics)
+from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, RunSettings,  # noqa: E402
+                          add_common_args, describe_backend, encode_cached, load_checkpoint, load_sentencepiece,
+                          make_criteria, prepare_save_dir, read_lines, resolve_common_args, round_up, run_main,
+                          run_metrics, setup_device, start_trainer, train_and_validate, train_sentencepiece,
+                          write_metrics)
 
 DEFAULT_SAVE_DIR = os.path.join("checkpoints", "lm")
 
@@ -279,21 +280,8 @@ def main(argv=None):
         from lsmini.layers import arena
 
         arena.reserve(device, dtype, model.decoder.scratch_numel(train_batches.batches[0].size, train_batches.width))
-        trainer = Trainer(args, model, device, dtype)
-        if args.resume:
-            ckpt = load_checkpoint(ckpt_path)
-            check_same_model(ckpt["model_config"], mc, ckpt_path)
-            trainer.load_state_dict(ckpt["trainer"])
-            log(f"resumed from {ckpt_path} at step {trainer.step} (epoch {trainer.epoch + 1}, batch "
-                f"{trainer.batch_in_epoch})")
-
-        from lsmini.layers import CrossEntropyLoss
-
-        # the logits' producer (the output projection) does not need them in backward: the criterion's
-        # gradient may overwrite them in place
-        criterion = CrossEntropyLoss(label_smoothing=args.label_smoothing, ignore_index=PAD, check_targets=False,
-                                     inplace_backward=True)
-        nll_criterion = CrossEntropyLoss(ignore_index=PAD, reduction="sum", check_targets=False)
+        trainer = start_trainer(args, model, mc, ckpt_path, device, dtype, log)
+        criterion, nll_criterion = make_criteria(args.label_smoothing)
 
         def loss_fn(model, batch):
             x, y = batch
@@ -303,36 +291,12 @@ def main(argv=None):
             loss, nll = criterion(model(x), y, return_nll=True)
             return loss, nll * y.ne(PAD).sum()
 
-        pin = device.type == "cuda"
-
-        @torch.no_grad()
-        def validate(model):
-            model.eval()
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            tokens = 0
-            for i in range(len(valid_batches)):
-                x, y = (t.to(device, non_blocking=True) for t in valid_batches.get(i, pin))
-                total += nll_criterion(model(x), y)
-                tokens += valid_batches.tokens(i)
-            return total.item() / tokens
-
-        def save():
-            save_checkpoint(ckpt_path, {"model_config": mc, "trainer": trainer.state_dict(), "args": vars(args)})
-
-        trainer.train(train_batches, loss_fn, validate, save, log)
-        if trainer.valid_loss is None:
-            trainer.valid_loss = validate(model)
+        train_and_validate(trainer, args, model, mc, ckpt_path, train_batches, valid_batches, loss_fn,
+                           lambda model, batch: (model(batch[0]), batch[1]), nll_criterion, device, log)
         if args.num_samples:
             print_samples(model, sp, args, "", max_seq_len, device, log)
 
-        metrics = {
-            "train_loss": trainer.train_loss, "valid_loss": trainer.valid_loss,
-            "valid_ppl": safe_exp(trainer.valid_loss), "bleu": None,
-            "tokens_per_s": trainer.session_tokens / trainer.session_time if trainer.session_time > 0 else None,
-            "steps": trainer.step, "wall_s": time.perf_counter() - start,
-            "arch": args.arch, "device": str(device), "precision": args.precision,
-            "backend": str(describe_backend(device)),
-        }
+        metrics = run_metrics(trainer, args, device, start, None)
         path = write_metrics(args.save_dir, metrics)
         tps = metrics["tokens_per_s"]
         log(f"done: {trainer.step} steps, valid loss {trainer.valid_loss:.3f} (ppl {metrics['valid_ppl']:.2f})" +

@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builtin_data  # noqa: E402
 from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, RunSettings, decode_lines,  # noqa: E402
-                          Trainer, add_common_args, check_same_model, describe_backend, encode_cached,
-                          load_checkpoint, load_sentencepiece, padded_tensor, prepare_save_dir, read_lines,
-                          resolve_common_args, round_up, run_main, safe_exp, save_checkpoint, setup_device,
-                          token_batches, train_sentencepiece, write_metrics)
+                          add_common_args, describe_backend, encode_cached, load_checkpoint, load_sentencepiece,
+                          make_criteria, padded_tensor, prepare_save_dir, read_lines, resolve_common_args, round_up,
+                          run_main, run_metrics, setup_device, start_trainer, token_batches, train_and_validate,
+                          train_sentencepiece, write_metrics)
 
 DEFAULT_SAVE_DIR = os.path.join("checkpoints", "translation")
 
@@ -441,21 +441,8 @@ def main(argv=None):
         log(f"model: {args.arch} Transformer, {count_parameters(model) / 1e6:.2f}M parameters, {args.precision} on "
             f"{device}; backend {describe_backend(device)}")
         reserve_scratch(model, train_batches.shapes + valid_batches.shapes, device, dtype)
-        trainer = Trainer(args, model, device, dtype)
-        if args.resume:
-            ckpt = load_checkpoint(ckpt_path)
-            check_same_model(ckpt["model_config"], mc, ckpt_path)
-            trainer.load_state_dict(ckpt["trainer"])
-            log(f"resumed from {ckpt_path} at step {trainer.step} (epoch {trainer.epoch + 1}, batch "
-                f"{trainer.batch_in_epoch})")
-
-        from lsmini.layers import CrossEntropyLoss
-
-        # the logits' producer (the output projection) does not need them in backward: the criterion's
-        # gradient may overwrite them in place
-        criterion = CrossEntropyLoss(label_smoothing=args.label_smoothing, ignore_index=PAD, check_targets=False,
-                                     inplace_backward=True)
-        nll_criterion = CrossEntropyLoss(ignore_index=PAD, reduction="sum", check_targets=False)
+        trainer = start_trainer(args, model, mc, ckpt_path, device, dtype, log)
+        criterion, nll_criterion = make_criteria(args.label_smoothing)
 
         def loss_fn(model, batch):
             src, tgt_in, tgt_out = batch
@@ -463,25 +450,8 @@ def main(argv=None):
             ntok = tgt_out.ne(PAD).sum()
             return loss, nll * ntok
 
-        pin = device.type == "cuda"
-
-        @torch.no_grad()
-        def validate(model):
-            model.eval()
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            tokens = 0
-            for i in range(len(valid_batches)):
-                src, tgt_in, tgt_out = (t.to(device, non_blocking=True) for t in valid_batches.get(i, pin))
-                total += nll_criterion(model(src, tgt_in), tgt_out)
-                tokens += valid_batches.tokens(i)
-            return total.item() / tokens
-
-        def save():
-            save_checkpoint(ckpt_path, {"model_config": mc, "trainer": trainer.state_dict(), "args": vars(args)})
-
-        trainer.train(train_batches, loss_fn, validate, save, log)
-        if trainer.valid_loss is None:
-            trainer.valid_loss = validate(model)
+        train_and_validate(trainer, args, model, mc, ckpt_path, train_batches, valid_batches, loss_fn,
+                           lambda model, batch: (model(batch[0], batch[1]), batch[2]), nll_criterion, device, log)
 
         # translate the test set (or the validation set) and score it
         model.eval()
@@ -501,14 +471,7 @@ def main(argv=None):
             log(f"{eval_split}: BLEU {bleu:.2f} ({search}, sacrebleu, {len(hyps)} sentences, "
                 f"{time.perf_counter() - t0:.1f}s); translations in {hyp_path}")
 
-        metrics = {
-            "train_loss": trainer.train_loss, "valid_loss": trainer.valid_loss,
-            "valid_ppl": safe_exp(trainer.valid_loss), "bleu": bleu,
-            "tokens_per_s": trainer.session_tokens / trainer.session_time if trainer.session_time > 0 else None,
-            "steps": trainer.step, "wall_s": time.perf_counter() - start,
-            "bleu_split": eval_split, "arch": args.arch, "device": str(device), "precision": args.precision,
-            "backend": str(describe_backend(device)),
-        }
+        metrics = run_metrics(trainer, args, device, start, bleu, bleu_split=eval_split)
         path = write_metrics(args.save_dir, metrics)
         tps = metrics["tokens_per_s"]
         log(f"done: {trainer.step} steps, train loss {metrics['train_loss']:.3f}, valid loss {trainer.valid_loss:.3f} "
