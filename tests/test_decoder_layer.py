@@ -10,38 +10,13 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerDecoderLayer, arena
+from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerDecoderLayer
 from test_encoder_layer import (assert_close_scaled, fake_kernels, padding_mask, param_grads, perturb_,  # noqa: F401
                                 plain_attention, run)
+from layer_testing import DEVICES, _one_thread, _poison_arena, no_tf32  # noqa: F401  (fixtures)
 from util import assert_dropout_keep_stats, assert_lowp_rule
 
-CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
-DEVICES = ["cpu", CUDA]
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The CPU cases are tiny: one intra-op thread avoids thread wake-ups that cost more than the math."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _poison_arena():
-    arena.set_poison(True)
-    yield
-    arena.set_poison(False)
-
-
-@pytest.fixture
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def no_dropout(h, heads, ffn, **kw):

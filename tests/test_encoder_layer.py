@@ -17,36 +17,9 @@ import lsmini.layers.encoder
 from lsmini import _backend
 from lsmini.layers import _prims
 from lsmini.layers import TransformerConfig, TransformerEncoder, TransformerEncoderLayer, arena
+from layer_testing import DEVICES, _one_thread, _poison_arena, no_tf32  # noqa: F401  (fixtures)
 from util import assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, philox_keep_mask
 
-CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
-DEVICES = ["cpu", CUDA]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The CPU cases are tiny: one intra-op thread avoids thread wake-ups that cost more than the math."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _poison_arena():
-    """Every arena view starts as NaN: a read of scratch that no one wrote shows up in the results."""
-    arena.set_poison(True)
-    yield
-    arena.set_poison(False)
-
-
-@pytest.fixture
-def no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 # ---------------------------------------------------------------------------------------------- helpers ---

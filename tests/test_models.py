@@ -7,24 +7,7 @@ import torch.nn.functional as F
 
 from lsmini.layers import CrossEntropyLoss, TransformerConfig, arena
 from lsmini.models import Transformer, TransformerLM
-
-CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
-DEVICES = ["cpu", CUDA]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _poison_arena():
-    arena.set_poison(True)
-    yield
-    arena.set_poison(False)
+from layer_testing import DEVICES, _one_thread, _poison_arena  # noqa: F401  (fixtures)
 
 
 def cfg(pre=True, p=0.0, **kw):
