@@ -76,6 +76,26 @@ def ext():
     return _C
 
 
+# The rng of a dropout call with p == 0: nothing is drawn and the kernels read none of it.
+NO_RNG = (0, 0, 0, 0)
+
+
 def philox_seed_offset():
-    """(seed, offset) for one fused dropout call, from torch's CUDA generator of the current device."""
+    """The Philox state ``rng`` of one fused dropout call, from torch's CUDA generator of the current
+    device, as the dropout bindings take it: ``(seed, offset, seed_ptr, offset_ptr)``.
+
+    Eager: ``(seed, offset, 0, 0)``, so ``torch.manual_seed`` reproduces every mask. While a CUDA graph
+    is being captured: ``(0, offset within the graph, seed_ptr, offset_ptr)``, the device addresses of
+    the words torch's generator refills before each replay; the kernels read them at run time, so every
+    replay draws fresh masks (graph-safe). Ops with ``p == 0`` pass ``NO_RNG`` and draw nothing.
+    """
     return ext().philox_seed_offset()
+
+
+def dropout_rng(p, device):
+    """``rng`` for one fused dropout call with probability p on a CUDA device: drawn from that device's
+    generator (``philox_seed_offset``) when p > 0, else ``NO_RNG`` without drawing."""
+    if p <= 0:
+        return NO_RNG
+    with torch.cuda.device(device):
+        return philox_seed_offset()

@@ -293,11 +293,11 @@ def test_kernel_writes_every_output(k):
     for causal in (False, True):
         junk = torch.full((4 * scores.numel(),), float("nan"), dtype=torch.float16, device="cuda")
         del junk
-        probs, sm = ext.attention_softmax_fwd(scores, kpm, causal, 0.25, 123, 8)
+        probs, sm = ext.attention_softmax_fwd(scores, kpm, causal, 0.25, (123, 8, 0, 0))
         assert torch.isfinite(probs).all() and torch.isfinite(sm).all()
         junk = torch.full((4 * scores.numel(),), float("nan"), dtype=torch.float16, device="cuda")
         del junk
-        dx = ext.attention_softmax_bwd(grad, sm, 0.25, 123, 8, False)
+        dx = ext.attention_softmax_bwd(grad, sm, 0.25, (123, 8, 0, 0), False)
         assert torch.isfinite(dx).all()
 
 
@@ -307,15 +307,15 @@ def test_kernel_writes_every_output(k):
 def test_kernel_inplace_backward(k, dtype):
     ext = lsmini._backend.ext()
     scores, grad, _ = _inputs((2, 3, 4, k), dtype, "cuda")
-    _, sm = ext.attention_softmax_fwd(scores, None, True, 0.2, 99, 4)
-    want = ext.attention_softmax_bwd(grad, sm, 0.2, 99, 4, False)
+    _, sm = ext.attention_softmax_fwd(scores, None, True, 0.2, (99, 4, 0, 0))
+    want = ext.attention_softmax_bwd(grad, sm, 0.2, (99, 4, 0, 0), False)
     g = grad.clone()
-    out = ext.attention_softmax_bwd(g, sm, 0.2, 99, 4, True)
+    out = ext.attention_softmax_bwd(g, sm, 0.2, (99, 4, 0, 0), True)
     assert out.data_ptr() == g.data_ptr()
     assert torch.equal(g, want)
     assert not torch.equal(grad, want)  # the non-inplace call left its input alone
     with pytest.raises(RuntimeError, match="inplace=True .* must then be contiguous"):
-        ext.attention_softmax_bwd(grad.transpose(0, 1), sm.transpose(0, 1), 0.2, 99, 4, True)
+        ext.attention_softmax_bwd(grad.transpose(0, 1), sm.transpose(0, 1), 0.2, (99, 4, 0, 0), True)
 
 
 @pytest.mark.cuda
@@ -342,7 +342,7 @@ def test_dropout_mask_is_philox_of_flat_index(k, dtype, p):
     scores, grad, gen = _inputs(shape, dtype, "cuda")
     kpm, _, _ = _masks(b, q, k, "pad", gen, "cuda")
     seed, offset = 0x9E3779B97F4A7C15, (1 << 33) + 44  # both 32-bit halves in use
-    probs, sm = ext.attention_softmax_fwd(scores, kpm, True, p, seed, offset)
+    probs, sm = ext.attention_softmax_fwd(scores, kpm, True, p, (seed, offset, 0, 0))
     keep = philox_keep_mask(scores.numel(), p, seed, offset, "cuda").view(shape)
     scale = 1.0 / (1.0 - torch.tensor(p, dtype=torch.float32).item())
     y = sm.float()
@@ -352,7 +352,7 @@ def test_dropout_mask_is_philox_of_flat_index(k, dtype, p):
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(probs.float(), torch.where(keep, y * scale, torch.zeros_like(y)), rtol=eps,
                                atol=torch.finfo(dtype).tiny)
-    dx = ext.attention_softmax_bwd(grad, sm, p, seed, offset, False)
+    dx = ext.attention_softmax_bwd(grad, sm, p, (seed, offset, 0, 0), False)
     g = torch.where(keep, grad.float() * scale, torch.zeros_like(y))
     want = y * (g - (y * g).sum(-1, keepdim=True))
     torch.testing.assert_close(dx.float(), want, rtol=eps, atol=1e-5)
@@ -419,9 +419,9 @@ def test_dropout_reproducible_and_p0_exact():
     assert torch.equal(torch.cuda.get_rng_state(), state)
     assert torch.equal(y0, ye) and torch.equal(dy0, dye)
     ext = lsmini._backend.ext()
-    probs, sm = ext.attention_softmax_fwd(scores, kpm, True, 0.0, 0, 0)
+    probs, sm = ext.attention_softmax_fwd(scores, kpm, True, 0.0, (0, 0, 0, 0))
     assert probs.data_ptr() == sm.data_ptr() and torch.equal(probs, y0)
-    assert torch.equal(ext.attention_softmax_bwd(grad, sm, 0.0, 0, 0, False), dy0)
+    assert torch.equal(ext.attention_softmax_bwd(grad, sm, 0.0, (0, 0, 0, 0), False), dy0)
     # p = 1 drops everything, gradient 0
     y1, dy1 = _run(lambda x: attention_softmax(x, kpm, True, 1.0), scores, grad)
     assert (y1 == 0).all() and (dy1 == 0).all()
@@ -433,28 +433,28 @@ def test_kernel_bad_input_errors():
     x = torch.randn(2, 2, 3, 5, device="cuda")
     kpm = torch.zeros(2, 5, dtype=torch.bool, device="cuda")
     with pytest.raises(RuntimeError, match="attention_softmax_fwd: scores must be a CUDA tensor"):
-        ext.attention_softmax_fwd(x.cpu(), None, False, 0.0, 0, 0)
+        ext.attention_softmax_fwd(x.cpu(), None, False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="scores must be 4-D"):
-        ext.attention_softmax_fwd(x[0], None, False, 0.0, 0, 0)
+        ext.attention_softmax_fwd(x[0], None, False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=f"must be at most {MAX_K_LEN}, got {MAX_K_LEN + 1}"):
-        ext.attention_softmax_fwd(torch.randn(1, 1, 1, MAX_K_LEN + 1, device="cuda"), None, False, 0.0, 0, 0)
+        ext.attention_softmax_fwd(torch.randn(1, 1, 1, MAX_K_LEN + 1, device="cuda"), None, False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="key_padding_mask must be a CUDA tensor"):
-        ext.attention_softmax_fwd(x, kpm.cpu(), False, 0.0, 0, 0)
+        ext.attention_softmax_fwd(x, kpm.cpu(), False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="key_padding_mask must be Bool"):
-        ext.attention_softmax_fwd(x, kpm.to(torch.uint8), False, 0.0, 0, 0)
+        ext.attention_softmax_fwd(x, kpm.to(torch.uint8), False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"key_padding_mask must have shape \[2, 5\]"):
-        ext.attention_softmax_fwd(x, kpm[:, :4], False, 0.0, 0, 0)
+        ext.attention_softmax_fwd(x, kpm[:, :4], False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"dropout p must be in \[0, 1\]"):
-        ext.attention_softmax_fwd(x, None, False, 1.5, 0, 0)
+        ext.attention_softmax_fwd(x, None, False, 1.5, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="must be float32, float16 or bfloat16"):
-        ext.attention_softmax_fwd(x.double(), None, False, 0.0, 0, 0)
-    _, sm = ext.attention_softmax_fwd(x, kpm, False, 0.0, 0, 0)
+        ext.attention_softmax_fwd(x.double(), None, False, 0.0, (0, 0, 0, 0))
+    _, sm = ext.attention_softmax_fwd(x, kpm, False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="grad_probs must have shape"):
-        ext.attention_softmax_bwd(x[:, :1], sm, 0.0, 0, 0, False)
+        ext.attention_softmax_bwd(x[:, :1], sm, 0.0, (0, 0, 0, 0), False)
     with pytest.raises(RuntimeError, match="grad_probs must be Float, got Half"):
-        ext.attention_softmax_bwd(x.half(), sm, 0.0, 0, 0, False)
+        ext.attention_softmax_bwd(x.half(), sm, 0.0, (0, 0, 0, 0), False)
     with pytest.raises(RuntimeError, match="grad_probs must be a CUDA tensor"):
-        ext.attention_softmax_bwd(x.cpu(), sm, 0.0, 0, 0, False)
+        ext.attention_softmax_bwd(x.cpu(), sm, 0.0, (0, 0, 0, 0), False)
     # the functional names the argument before anything reaches the kernel
     with pytest.raises(ValueError, match="key_padding_mask is on cpu but scores is on cuda"):
         attention_softmax(x, kpm.cpu())

@@ -38,9 +38,10 @@ def _torch_act(y, activation):
 
 
 def _next_seed_offset(s):
-    """The (seed, offset) that the next dropout call will draw after torch.manual_seed(s)."""
+    """The eager (seed, offset) that the next dropout call will draw after torch.manual_seed(s)."""
     torch.manual_seed(s)
-    seed, offset = lsmini._backend.philox_seed_offset()
+    seed, offset, seed_ptr, offset_ptr = lsmini._backend.philox_seed_offset()
+    assert (seed_ptr, offset_ptr) == (0, 0)
     torch.manual_seed(s)
     return seed, offset
 
@@ -210,8 +211,8 @@ def test_gelu_accuracy_over_a_wide_range(activation):
     vd = v.double().requires_grad_()
     y64 = F.gelu(vd, approximate="tanh" if activation == "gelu_tanh" else "none")
     (d64,) = torch.autograd.grad(y64.sum(), vd)
-    y = ext.bias_act_dropout_fwd(x, None, activation, 0.0, 0, 0)
-    gx, _ = ext.bias_act_dropout_bwd(torch.ones_like(x), x, None, activation, 0.0, 0, 0)
+    y = ext.bias_act_dropout_fwd(x, None, activation, 0.0, (0, 0, 0, 0))
+    gx, _ = ext.bias_act_dropout_bwd(torch.ones_like(x), x, None, activation, 0.0, (0, 0, 0, 0))
     # both within the fp32 rule, and no worse than 2x PyTorch's own fp32 error
     assert_close_fp32(y.view(-1).cpu(), y64.detach().float(), name=f"{activation} forward")
     assert_close_fp32(gx.view(-1).cpu(), d64.float(), name=f"{activation} derivative")
@@ -224,12 +225,12 @@ def test_relu_and_nan_propagation():
     ext = lsmini._backend.ext()
     x = torch.tensor([[-1.0, 0.0, 2.0, float("nan"), float("inf"), -float("inf"), 1e-30, -1e-30]], device="cuda")
     want = F.relu(x)
-    got = ext.bias_act_dropout_fwd(x, None, "relu", 0.0, 0, 0)
+    got = ext.bias_act_dropout_fwd(x, None, "relu", 0.0, (0, 0, 0, 0))
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     fin = ~torch.isnan(want)
     assert torch.equal(got[fin], want[fin])
-    assert torch.isnan(ext.bias_act_dropout_fwd(x, None, "gelu", 0.0, 0, 0)[0, 3])
-    gx, _ = ext.bias_act_dropout_bwd(torch.ones_like(x), x, None, "relu", 0.0, 0, 0)
+    assert torch.isnan(ext.bias_act_dropout_fwd(x, None, "gelu", 0.0, (0, 0, 0, 0))[0, 3])
+    gx, _ = ext.bias_act_dropout_bwd(torch.ones_like(x), x, None, "relu", 0.0, (0, 0, 0, 0))
     xr = x.clone().requires_grad_()
     (want_gx,) = torch.autograd.grad(F.relu(xr), xr, torch.ones_like(x))
     assert want_gx.tolist() == [[0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0]]  # NaN: relu(NaN) <= 0 is false
@@ -253,12 +254,12 @@ def test_binding_act_ids_and_grad_bias_dtype(dtype):
     ext = lsmini._backend.ext()
     x, bias, grad = _inputs((37, 1032), dtype, "cuda", torch.float32)
     for i, name in enumerate(ACTIVATIONS):
-        a = ext.bias_act_dropout_fwd(x, bias, name, 0.2, 5, 8)
-        b = ext.bias_act_dropout_fwd(x, bias, i, 0.2, 5, 8)
+        a = ext.bias_act_dropout_fwd(x, bias, name, 0.2, (5, 8, 0, 0))
+        b = ext.bias_act_dropout_fwd(x, bias, i, 0.2, (5, 8, 0, 0))
         assert torch.equal(a, b) and a.dtype == dtype
-        gx, gb = ext.bias_act_dropout_bwd(grad, x, bias, name, 0.2, 5, 8)
+        gx, gb = ext.bias_act_dropout_bwd(grad, x, bias, name, 0.2, (5, 8, 0, 0))
         assert gx.dtype == dtype and gb.dtype == torch.float32
-    gx, gb = ext.bias_act_dropout_bwd(grad, x, None, "relu", 0.2, 5, 8)
+    gx, gb = ext.bias_act_dropout_bwd(grad, x, None, "relu", 0.2, (5, 8, 0, 0))
     assert gb is None
 
 
@@ -313,10 +314,10 @@ def test_vector_and_scalar_paths_agree(dtype, activation):
     xs.copy_(x), gs.copy_(grad)
     assert xs.data_ptr() % 16 != 0
     for p in (0.0, 0.4):
-        assert torch.equal(ext.bias_act_dropout_fwd(x, bias, activation, p, 99, 12),
-                           ext.bias_act_dropout_fwd(xs, bias, activation, p, 99, 12))
-        ga, gba = ext.bias_act_dropout_bwd(grad, x, bias, activation, p, 99, 12)
-        gb, gbb = ext.bias_act_dropout_bwd(gs, xs, bias, activation, p, 99, 12)
+        assert torch.equal(ext.bias_act_dropout_fwd(x, bias, activation, p, (99, 12, 0, 0)),
+                           ext.bias_act_dropout_fwd(xs, bias, activation, p, (99, 12, 0, 0)))
+        ga, gba = ext.bias_act_dropout_bwd(grad, x, bias, activation, p, (99, 12, 0, 0))
+        gb, gbb = ext.bias_act_dropout_bwd(gs, xs, bias, activation, p, (99, 12, 0, 0))
         assert torch.equal(ga, gb)
         # the two paths tile the columns differently, so the fp32 sums differ in order: allow one
         # rounding step of the output dtype
@@ -328,8 +329,8 @@ def test_vector_and_scalar_paths_agree(dtype, activation):
 def test_grad_bias_deterministic_and_many_rows():
     x, bias, grad = _inputs((20000, 520), torch.float32, "cuda")
     ext = lsmini._backend.ext()
-    gx1, g1 = ext.bias_act_dropout_bwd(grad, x, bias, "gelu", 0.2, 3, 4)
-    gx2, g2 = ext.bias_act_dropout_bwd(grad, x, bias, "gelu", 0.2, 3, 4)
+    gx1, g1 = ext.bias_act_dropout_bwd(grad, x, bias, "gelu", 0.2, (3, 4, 0, 0))
+    gx2, g2 = ext.bias_act_dropout_bwd(grad, x, bias, "gelu", 0.2, (3, 4, 0, 0))
     assert torch.equal(g1, g2) and torch.equal(gx1, gx2)
     assert_column_sum_close(g1, gx1.double().sum(0), gx1.double().abs().sum(0), 20000)
 
@@ -352,24 +353,24 @@ def test_bad_inputs_cuda():
     ext = lsmini._backend.ext()
     with pytest.raises(ValueError, match="bias_act_dropout_fwd: unknown activation 'tanh', expected one of "
                                          "'relu', 'gelu', 'gelu_tanh'"):
-        ext.bias_act_dropout_fwd(x, bias, "tanh", 0.0, 0, 0)
+        ext.bias_act_dropout_fwd(x, bias, "tanh", 0.0, (0, 0, 0, 0))
     with pytest.raises(ValueError, match="bias_act_dropout_fwd: unknown activation id 3"):
-        ext.bias_act_dropout_fwd(x, bias, 3, 0.0, 0, 0)
+        ext.bias_act_dropout_fwd(x, bias, 3, 0.0, (0, 0, 0, 0))
     with pytest.raises(TypeError, match="bias_act_dropout_fwd: act must be a str"):
-        ext.bias_act_dropout_fwd(x, bias, 1.5, 0.0, 0, 0)
+        ext.bias_act_dropout_fwd(x, bias, 1.5, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="bias_act_dropout_fwd: x must be a CUDA tensor"):
-        ext.bias_act_dropout_fwd(x.cpu(), None, "relu", 0.0, 0, 0)
+        ext.bias_act_dropout_fwd(x.cpu(), None, "relu", 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"bias_act_dropout_fwd: bias must have shape \[8\]"):
-        ext.bias_act_dropout_fwd(x, bias[:3], "relu", 0.0, 0, 0)
+        ext.bias_act_dropout_fwd(x, bias[:3], "relu", 0.0, (0, 0, 0, 0))
     with pytest.raises(TypeError, match="bias_act_dropout_fwd: bias must be Half .* or float32"):
-        ext.bias_act_dropout_fwd(x, bias.double(), "relu", 0.0, 0, 0)
+        ext.bias_act_dropout_fwd(x, bias.double(), "relu", 0.0, (0, 0, 0, 0))
     with pytest.raises(ValueError, match=r"bias_act_dropout_fwd: p must be in \[0, 1\]"):
-        ext.bias_act_dropout_fwd(x, bias, "relu", -0.5, 0, 0)
+        ext.bias_act_dropout_fwd(x, bias, "relu", -0.5, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"bias_act_dropout_bwd: x must have shape \[4, 8\]"):
-        ext.bias_act_dropout_bwd(grad, x[:2], bias, "relu", 0.0, 0, 0)
+        ext.bias_act_dropout_bwd(grad, x[:2], bias, "relu", 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="bias_act_dropout_bwd: x must be Half"):
-        ext.bias_act_dropout_bwd(grad, x.float(), bias, "relu", 0.0, 0, 0)
+        ext.bias_act_dropout_bwd(grad, x.float(), bias, "relu", 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="bias_act_dropout_bwd: x must be a CUDA tensor"):
-        ext.bias_act_dropout_bwd(grad, x.cpu(), bias, "relu", 0.0, 0, 0)
+        ext.bias_act_dropout_bwd(grad, x.cpu(), bias, "relu", 0.0, (0, 0, 0, 0))
     with pytest.raises(ValueError, match="bias_act_dropout_bwd: unknown activation"):
-        ext.bias_act_dropout_bwd(grad, x, bias, "elu", 0.0, 0, 0)
+        ext.bias_act_dropout_bwd(grad, x, bias, "elu", 0.0, (0, 0, 0, 0))

@@ -38,9 +38,10 @@ def _run(fn, x, bias, residual, grad):
 
 
 def _next_seed_offset(s):
-    """The (seed, offset) that the next dropout call will draw after torch.manual_seed(s)."""
+    """The eager (seed, offset) that the next dropout call will draw after torch.manual_seed(s)."""
     torch.manual_seed(s)
-    seed, offset = lsmini._backend.philox_seed_offset()
+    seed, offset, seed_ptr, offset_ptr = lsmini._backend.philox_seed_offset()
+    assert (seed_ptr, offset_ptr) == (0, 0)
     torch.manual_seed(s)
     return seed, offset
 
@@ -222,17 +223,17 @@ def test_kernel_matches_reference(shape, dtype, p):
 def test_binding_outputs_and_grad_bias_dtype(dtype):
     ext = lsmini._backend.ext()
     x, bias, residual, grad = _inputs((37, 1032), dtype, "cuda", torch.float32)
-    out = ext.bias_dropout_residual_fwd(x, bias, residual, 0.0, 0, 0)
+    out = ext.bias_dropout_residual_fwd(x, bias, residual, 0.0, (0, 0, 0, 0))
     ref = bias_dropout_residual_ref(x.float(), bias, residual.float())
     assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
     assert torch.equal(out, ref.to(dtype))  # one rounding of the same fp32 sum
-    gx, gb = ext.bias_dropout_residual_bwd(grad, 0.0, 0, 0, True, torch.float32)
+    gx, gb = ext.bias_dropout_residual_bwd(grad, 0.0, (0, 0, 0, 0), True, torch.float32)
     assert gx is grad or gx.data_ptr() == grad.data_ptr()  # p == 0: grad_out passes through, no copy
     assert gb.dtype == torch.float32
     assert_column_sum_close(gb, grad.double().sum(0), grad.double().abs().sum(0), 37)
-    gx, gb = ext.bias_dropout_residual_bwd(grad, 0.3, 5, 8, True)
+    gx, gb = ext.bias_dropout_residual_bwd(grad, 0.3, (5, 8, 0, 0), True)
     assert gb.dtype == dtype and gx.data_ptr() != grad.data_ptr()
-    gx, gb = ext.bias_dropout_residual_bwd(grad, 0.3, 5, 8, False)
+    gx, gb = ext.bias_dropout_residual_bwd(grad, 0.3, (5, 8, 0, 0), False)
     assert gb is None
 
 
@@ -297,11 +298,11 @@ def test_vector_and_scalar_paths_agree(dtype):
     xs.copy_(x), rs.copy_(residual), gs.copy_(grad)
     assert xs.data_ptr() % 16 != 0
     for p in (0.0, 0.4):
-        a = ext.bias_dropout_residual_fwd(x, bias, residual, p, 99, 12)
-        b = ext.bias_dropout_residual_fwd(xs, bias, rs, p, 99, 12)
+        a = ext.bias_dropout_residual_fwd(x, bias, residual, p, (99, 12, 0, 0))
+        b = ext.bias_dropout_residual_fwd(xs, bias, rs, p, (99, 12, 0, 0))
         assert torch.equal(a, b)
-        ga, gba = ext.bias_dropout_residual_bwd(grad, p, 99, 12, True)
-        gb, gbb = ext.bias_dropout_residual_bwd(gs, p, 99, 12, True)
+        ga, gba = ext.bias_dropout_residual_bwd(grad, p, (99, 12, 0, 0), True)
+        gb, gbb = ext.bias_dropout_residual_bwd(gs, p, (99, 12, 0, 0), True)
         assert torch.equal(ga, gb)
         # the two paths tile the columns differently, so the fp32 sums differ in order: allow one
         # rounding step of the output dtype
@@ -313,8 +314,8 @@ def test_vector_and_scalar_paths_agree(dtype):
 def test_grad_bias_deterministic_and_many_rows():
     x, bias, residual, grad = _inputs((20000, 520), torch.float32, "cuda")
     ext = lsmini._backend.ext()
-    _, g1 = ext.bias_dropout_residual_bwd(grad, 0.2, 3, 4, True)
-    _, g2 = ext.bias_dropout_residual_bwd(grad, 0.2, 3, 4, True)
+    _, g1 = ext.bias_dropout_residual_bwd(grad, 0.2, (3, 4, 0, 0), True)
+    _, g2 = ext.bias_dropout_residual_bwd(grad, 0.2, (3, 4, 0, 0), True)
     assert torch.equal(g1, g2)
     keep = philox_keep_mask(grad.numel(), 0.2, 3, 4, "cuda").view(grad.shape)
     terms = torch.where(keep, grad.double() / (1 - 0.2), torch.zeros_like(grad, dtype=torch.float64))
@@ -340,22 +341,22 @@ def test_bad_inputs_cuda():
         bias_dropout_residual(x, bias, residual.float())
     ext = lsmini._backend.ext()
     with pytest.raises(RuntimeError, match="bias_dropout_residual_fwd: x must be a CUDA tensor"):
-        ext.bias_dropout_residual_fwd(x.cpu(), None, residual.cpu(), 0.0, 0, 0)
+        ext.bias_dropout_residual_fwd(x.cpu(), None, residual.cpu(), 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"bias_dropout_residual_fwd: residual must have shape \[4, 8\]"):
-        ext.bias_dropout_residual_fwd(x, None, residual[:2], 0.0, 0, 0)
+        ext.bias_dropout_residual_fwd(x, None, residual[:2], 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"bias_dropout_residual_fwd: bias must have shape \[8\]"):
-        ext.bias_dropout_residual_fwd(x, bias[:3], residual, 0.0, 0, 0)
+        ext.bias_dropout_residual_fwd(x, bias[:3], residual, 0.0, (0, 0, 0, 0))
     with pytest.raises(TypeError, match="bias_dropout_residual_fwd: bias must be Half .* or float32"):
-        ext.bias_dropout_residual_fwd(x, bias.bfloat16(), residual, 0.0, 0, 0)
+        ext.bias_dropout_residual_fwd(x, bias.bfloat16(), residual, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="bias_dropout_residual_fwd: residual must be Half"):
-        ext.bias_dropout_residual_fwd(x, None, residual.float(), 0.0, 0, 0)
+        ext.bias_dropout_residual_fwd(x, None, residual.float(), 0.0, (0, 0, 0, 0))
     with pytest.raises(ValueError, match=r"bias_dropout_residual_fwd: p must be in \[0, 1\]"):
-        ext.bias_dropout_residual_fwd(x, None, residual, 1.5, 0, 0)
+        ext.bias_dropout_residual_fwd(x, None, residual, 1.5, (0, 0, 0, 0))
     with pytest.raises(ValueError, match="bias_dropout_residual_fwd: x must be 2-D"):
-        ext.bias_dropout_residual_fwd(x.view(2, 2, 8), None, residual.view(2, 2, 8), 0.0, 0, 0)
+        ext.bias_dropout_residual_fwd(x.view(2, 2, 8), None, residual.view(2, 2, 8), 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="bias_dropout_residual_fwd: x must be float32, float16 or bfloat16"):
-        ext.bias_dropout_residual_fwd(x.double(), None, residual.double(), 0.0, 0, 0)
+        ext.bias_dropout_residual_fwd(x.double(), None, residual.double(), 0.0, (0, 0, 0, 0))
     with pytest.raises(TypeError, match="bias_dropout_residual_bwd: bias_dtype must be"):
-        ext.bias_dropout_residual_bwd(x, 0.1, 0, 0, True, torch.bfloat16)
+        ext.bias_dropout_residual_bwd(x, 0.1, (0, 0, 0, 0), True, torch.bfloat16)
     with pytest.raises(RuntimeError, match="bias_dropout_residual_bwd: grad_out must be a CUDA tensor"):
-        ext.bias_dropout_residual_bwd(x.cpu(), 0.1, 0, 0, True)
+        ext.bias_dropout_residual_bwd(x.cpu(), 0.1, (0, 0, 0, 0), True)

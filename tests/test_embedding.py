@@ -361,11 +361,11 @@ def test_kernel_unaligned_rows_use_the_scalar_path_bitwise(dtype):
     # runs keep the fp32 summation order the same in both paths.)
     tokens, weight, pos, grad = _inputs(4, 37, 64, 30, dtype, "cuda", pad=2, learned=True)
     ext = lsmini._backend.ext()
-    args = (8.0, 2, 0, 0.3, 1234, 8)
+    args = (8.0, 2, 0, 0.3, (1234, 8, 0, 0))
     aligned = ext.embedding_fwd(tokens, weight, pos, *args)
     scalar = ext.embedding_fwd(tokens, _misaligned_copy(weight), _misaligned_copy(pos), *args)
     assert torch.equal(aligned, scalar)
-    bwd = (30, 37, True, True, 8.0, 2, 0, 0.3, 1234, 8)
+    bwd = (30, 37, True, True, 8.0, 2, 0, 0.3, (1234, 8, 0, 0))
     for a, b in zip(ext.embedding_bwd(grad, tokens, *bwd), ext.embedding_bwd(_misaligned_copy(grad), tokens, *bwd)):
         assert torch.equal(a, b)
     # and the vector path itself agrees with the float64 oracle under the same mask
@@ -443,21 +443,23 @@ def test_kernel_bad_input_errors():
     ext = lsmini._backend.ext()
     tokens, weight, pos, grad = _inputs(2, 5, 16, 10, torch.float32, "cuda")
     with pytest.raises(RuntimeError, match="embedding_fwd: tokens must be int64 or int32"):
-        ext.embedding_fwd(tokens.float(), weight, pos, 4.0, -1, 0, 0.0, 0, 0)
+        ext.embedding_fwd(tokens.float(), weight, pos, 4.0, -1, 0, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="embedding_fwd: tokens must be a CUDA tensor"):
-        ext.embedding_fwd(tokens.cpu(), weight, pos, 4.0, -1, 0, 0.0, 0, 0)
+        ext.embedding_fwd(tokens.cpu(), weight, pos, 4.0, -1, 0, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="embedding_fwd: pos_table must be"):
-        ext.embedding_fwd(tokens, weight, pos.half(), 4.0, -1, 0, 0.0, 0, 0)
+        ext.embedding_fwd(tokens, weight, pos.half(), 4.0, -1, 0, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"pos_table must have shape \[max_positions, 16\]"):
-        ext.embedding_fwd(tokens, weight, pos[:, :8], 4.0, -1, 0, 0.0, 0, 0)
+        ext.embedding_fwd(tokens, weight, pos[:, :8], 4.0, -1, 0, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="exceeds max_positions = 5"):
-        ext.embedding_fwd(tokens, weight, pos, 4.0, -1, 1, 0.0, 0, 0)
+        ext.embedding_fwd(tokens, weight, pos, 4.0, -1, 1, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="padding_idx must be"):
-        ext.embedding_fwd(tokens, weight, pos, 4.0, 10, 0, 0.0, 0, 0)
+        ext.embedding_fwd(tokens, weight, pos, 4.0, 10, 0, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="weight must be float32, float16 or bfloat16"):
-        ext.embedding_fwd(tokens, weight.double(), pos.double(), 4.0, -1, 0, 0.0, 0, 0)
+        ext.embedding_fwd(tokens, weight.double(), pos.double(), 4.0, -1, 0, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"embedding_bwd: grad_out must have shape \[2, 5, hidden\]"):
-        ext.embedding_bwd(grad[:1], tokens, 10, 5, True, True, 4.0, -1, 0, 0.0, 0, 0)
+        ext.embedding_bwd(grad[:1], tokens, 10, 5, True, True, 4.0, -1, 0, 0.0, (0, 0, 0, 0))
+    with pytest.raises(RuntimeError, match=r"embedding_fwd: rng must be \(seed, offset, 0, 0\)"):
+        ext.embedding_fwd(tokens, weight, pos, 4.0, -1, 0, 0.2, (1, 2, 0, 8))
     with pytest.raises(ValueError, match="weight is on cuda"):
         embedding(tokens.cpu(), weight, pos)
     with pytest.raises(ValueError, match="pos_table is on cpu"):
@@ -473,13 +475,13 @@ def test_kernel_writes_every_output():
     for _ in range(2):
         junk = torch.full((7 * 33 * 1032 * 4,), float("nan"), device="cuda", dtype=torch.float16)
         del junk
-        out = ext.embedding_fwd(tokens, weight, pos, 8.0, 0, 0, 0.2, 1, 2)
+        out = ext.embedding_fwd(tokens, weight, pos, 8.0, 0, 0, 0.2, (1, 2, 0, 0))
         assert torch.isfinite(out).all()
         junk = torch.full((7 * 33 * 1032 * 8,), float("nan"), device="cuda", dtype=torch.float16)
         del junk
-        gw, gp = ext.embedding_bwd(grad, tokens, 50, 33, True, True, 8.0, 0, 0, 0.2, 1, 2)
+        gw, gp = ext.embedding_bwd(grad, tokens, 50, 33, True, True, 8.0, 0, 0, 0.2, (1, 2, 0, 0))
         assert torch.isfinite(gw).all() and torch.isfinite(gp).all()
-        gw, gp = ext.embedding_bwd(grad, tokens, 50, 33, False, False, 8.0, 0, 0, 0.2, 1, 2)
+        gw, gp = ext.embedding_bwd(grad, tokens, 50, 33, False, False, 8.0, 0, 0, 0.2, (1, 2, 0, 0))
         assert gw is None and gp is None
 
 
@@ -496,7 +498,8 @@ def test_dropout_mask_follows_the_philox_convention(hidden):
     tokens, weight, pos, _ = _inputs(2, 3, hidden, 10, torch.float32, "cuda")
     p = 0.3
     torch.manual_seed(123)
-    seed, offset = lsmini._backend.philox_seed_offset()
+    seed, offset, seed_ptr, offset_ptr = lsmini._backend.philox_seed_offset()
+    assert (seed_ptr, offset_ptr) == (0, 0)  # eager: the values themselves
     torch.manual_seed(123)
     out = embedding(tokens, weight, pos, dropout_p=p)
     keep = _expected_keep(out.numel(), p, seed, offset).view_as(out).cuda()

@@ -15,7 +15,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import lsmini.layers.decoder
 import lsmini.layers.encoder
 from lsmini import _backend
-from lsmini.layers import _prims
 from lsmini.layers import TransformerConfig, TransformerEncoder, TransformerEncoderLayer, arena
 from layer_testing import DEVICES, _one_thread, _poison_arena, no_tf32  # noqa: F401  (fixtures)
 from util import assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, philox_keep_mask
@@ -103,7 +102,8 @@ class FakeExt:
     shapes/dtypes checked as the bindings check them, fresh outputs, the same return tuples, the aliasing
     the bindings do (bias_dropout_residual_bwd returns grad_out itself when p == 0; attention_softmax_fwd
     returns one tensor twice when p == 0; attention_softmax_bwd with inplace=True writes into grad_probs
-    and returns it) and dropout masks regenerated from (seed, offset) with the Philox oracle of util."""
+    and returns it) and dropout masks regenerated from the rng tuple (seed, offset, seed_ptr, offset_ptr)
+    with the Philox oracle of util."""
 
     def __init__(self):
         self.offset = 0
@@ -111,20 +111,24 @@ class FakeExt:
 
     def philox_seed_offset(self):
         self.offset += 1000
-        return 1234, self.offset
+        return 1234, self.offset, 0, 0
 
     @staticmethod
-    def _keep(shape, p, seed, offset):
+    def _keep(shape, p, rng):
         n = 1
         for s_ in shape:
             n *= s_
+        seed, offset, seed_ptr, offset_ptr = rng
+        assert (seed_ptr, offset_ptr) == (0, 0), rng  # eager: the oracle needs the values themselves
         return philox_keep_mask(n, p, seed, offset).view(shape)
 
     @staticmethod
-    def _drop(y, p, seed, offset):
+    def _drop(y, p, rng):
+        assert isinstance(rng, tuple) and len(rng) == 4 and all(isinstance(v, int) for v in rng), rng
         if p == 0:
+            assert rng == _backend.NO_RNG, rng
             return y
-        return torch.where(FakeExt._keep(y.shape, p, seed, offset), y * (1.0 / (1.0 - p)), torch.zeros_like(y))
+        return torch.where(FakeExt._keep(y.shape, p, rng), y * (1.0 / (1.0 - p)), torch.zeros_like(y))
 
     @staticmethod
     def _vec(v, x, name):
@@ -149,30 +153,30 @@ class FakeExt:
         dx = rstd[:, None] * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True))
         return [dx.to(x.dtype), (dy.float() * xhat).sum(0).to(w.dtype), dy.float().sum(0).to(b.dtype)]
 
-    def bias_dropout_residual_fwd(self, x, bias, residual, p, seed, offset):
+    def bias_dropout_residual_fwd(self, x, bias, residual, p, rng):
         assert x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
         self._vec(bias, x, "bias")
-        return (residual.float() + self._drop(x.float() + bias.float(), p, seed, offset)).to(x.dtype)
+        return (residual.float() + self._drop(x.float() + bias.float(), p, rng)).to(x.dtype)
 
-    def bias_dropout_residual_bwd(self, g, p, seed, offset, has_bias, bias_dtype=None):
+    def bias_dropout_residual_bwd(self, g, p, rng, has_bias, bias_dtype=None):
         assert g.dim() == 2
-        gx = g if p == 0 else self._drop(g.float(), p, seed, offset).to(g.dtype)
+        gx = g if p == 0 else self._drop(g.float(), p, rng).to(g.dtype)
         return gx, (gx.float().sum(0).to(bias_dtype or g.dtype) if has_bias else None)
 
     @staticmethod
     def _act(y, act):
         return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act](y)
 
-    def bias_act_dropout_fwd(self, x, bias, act, p, seed, offset):
+    def bias_act_dropout_fwd(self, x, bias, act, p, rng):
         assert x.dim() == 2
         self._vec(bias, x, "bias")
-        return self._drop(self._act(x.float() + bias.float(), act), p, seed, offset).to(x.dtype)
+        return self._drop(self._act(x.float() + bias.float(), act), p, rng).to(x.dtype)
 
-    def bias_act_dropout_bwd(self, g, x, bias, act, p, seed, offset):
+    def bias_act_dropout_bwd(self, g, x, bias, act, p, rng):
         assert g.shape == x.shape and g.dtype == x.dtype and x.dim() == 2
         y = (x.float() + bias.float()).requires_grad_(True)
         with torch.enable_grad():
-            (gy,) = torch.autograd.grad(self._act(y, act), y, self._drop(g.float(), p, seed, offset))
+            (gy,) = torch.autograd.grad(self._act(y, act), y, self._drop(g.float(), p, rng))
         return gy.to(x.dtype), gy.sum(0).to(bias.dtype)
 
     def split_heads_fwd(self, x, bias, heads, parts):
@@ -198,7 +202,7 @@ class FakeExt:
         b, l, w = g.shape
         return g.view(b, l, heads, w // heads).transpose(1, 2).contiguous()
 
-    def attention_softmax_fwd(self, scores, kpm, causal, p, seed, offset):
+    def attention_softmax_fwd(self, scores, kpm, causal, p, rng):
         assert scores.dim() == 4
         b, _, q, k = scores.shape
         if kpm is not None:
@@ -206,12 +210,13 @@ class FakeExt:
         from lsmini.ops.attention_softmax import attention_softmax_ref
         sm = attention_softmax_ref(scores, kpm, causal, 0.0, False)
         if p == 0:
+            self._drop(sm, p, rng)  # checks the rng of a call without dropout
             return sm, sm
-        return self._drop(sm.float(), p, seed, offset).to(sm.dtype), sm
+        return self._drop(sm.float(), p, rng).to(sm.dtype), sm
 
-    def attention_softmax_bwd(self, gp, sm, p, seed, offset, inplace=False):
+    def attention_softmax_bwd(self, gp, sm, p, rng, inplace=False):
         assert gp.shape == sm.shape and gp.dtype == sm.dtype
-        g = self._drop(gp.float(), p, seed, offset)
+        g = self._drop(gp.float(), p, rng)
         y = sm.float()
         ds = (y * (g - (y * g).sum(-1, keepdim=True))).to(sm.dtype)
         if inplace:
@@ -225,7 +230,8 @@ def fake_kernels(monkeypatch):
     """The layers take their kernel path on CPU, through FakeExt."""
     fake = FakeExt()
     monkeypatch.setattr(_backend, "ext", lambda: fake)
-    monkeypatch.setattr(_prims, "_philox", lambda device, p: fake.philox_seed_offset() if p > 0 else (0, 0))
+    monkeypatch.setattr(_backend, "dropout_rng",
+                        lambda p, device: fake.philox_seed_offset() if p > 0 else _backend.NO_RNG)
     for mod in (lsmini.layers.encoder, lsmini.layers.decoder):
         monkeypatch.setattr(mod, "use_kernels", lambda x: True)
     return fake

@@ -82,13 +82,13 @@ def bench(ctx):
                             (lambda: compiled(scores, masked, _P)) if compiled else None), note=note)
                 del compiled
 
-                seed, offset = lsmini._backend.philox_seed_offset()
-                _, sm = ext.attention_softmax_fwd(scores, kpm, causal, _P, seed, offset)
+                rng = lsmini._backend.philox_seed_offset()
+                _, sm = ext.attention_softmax_fwd(scores, kpm, causal, _P, rng)
                 y = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
                 _, dmask = aten.native_dropout(y, _P, True)
                 compiled = None if ctx.quick else _compiled(_math_bwd, dy, dmask, y, masked, _P)
                 ctx.row("attention_softmax_bwd", dtype, shape,
-                        lambda: ext.attention_softmax_bwd(dy, sm, _P, seed, offset, False),
+                        lambda: ext.attention_softmax_bwd(dy, sm, _P, rng, False),
                         lambda: _torch_bwd(dy, dmask, y, masked, _P), nbytes=bwd_bytes, compiled_fn=(
                             (lambda: compiled(dy, dmask, y, masked, _P)) if compiled else None))
                 del scores, dy, kpm, masked, sm, y, dmask, compiled

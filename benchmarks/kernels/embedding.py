@@ -47,10 +47,10 @@ def bench(ctx):
             # backward at the op level on both sides: our binding vs the ops torch's autograd runs for
             # the baseline (dropout backward with its saved mask, · scale, embedding_dense_backward)
             ext = lsmini._backend.ext()
-            seed, offset = lsmini._backend.philox_seed_offset()
+            rng = lsmini._backend.philox_seed_offset()
             _, mask = torch.ops.aten.native_dropout(F.embedding(tokens, weight) * scale + pos, p, True)
             ctx.row("embedding_bwd", dtype, shape,
-                    lambda: ext.embedding_bwd(dy, tokens, vocab, length, True, False, scale, -1, 0, p, seed, offset),
+                    lambda: ext.embedding_bwd(dy, tokens, vocab, length, True, False, scale, -1, 0, p, rng),
                     lambda: torch.ops.aten.embedding_dense_backward(
                         torch.ops.aten.native_dropout_backward(dy, mask, 1.0 / (1.0 - p)) * scale, tokens, vocab,
                         -1, False),

@@ -18,7 +18,9 @@
  *
  * Dropout: element index = flat index into [batch, heads, q_len, k_len], row·k_len + col, with the
  * common.cuh convention (16-bit value idx % 8 of dropout_bits(seed, offset, idx / 8)); backward regenerates
- * keep from (seed, offset). p = 0 draws nothing; p = 1 gives zeros (scale 0).
+ * keep from (seed, offset). p = 0 draws nothing; p = 1 gives zeros (scale 0). Each kernel resolves its
+ * PhiloxArgs once, before its first Philox call (common.cuh), so under CUDA graph capture it reads the
+ * (seed, offset) that torch sets before each replay.
  *
  * How: a row lives in registers, owned by a thread group sized to it, so the scores are read once
  * and both outputs written once; max and sum are two reductions inside the same kernel.
@@ -108,7 +110,7 @@ struct FwdArgs {
   bool dropout;
   uint32_t threshold;
   float scale;         // 1/(1 − p), 0 for p = 1
-  uint64_t seed, offset;
+  PhiloxArgs rng;      // read only when dropout
 };
 
 template <typename T>
@@ -121,7 +123,7 @@ struct BwdArgs {
   bool dropout;
   uint32_t threshold;
   float scale;
-  uint64_t seed, offset;
+  PhiloxArgs rng;  // read only when dropout
 };
 
 template <typename T, int VEC, int ITEMS, int GROUP>
@@ -160,11 +162,14 @@ attention_softmax_fwd_kernel(const FwdArgs<T> a) {
   // no visible key skip it: their output is 0 either way.
   uint32_t keep = 0;
   if (a.dropout) {
+    // Resolved here, not on entry as in the backward: held in registers across the loads above, the
+    // pair pushed the k_len ≤ 1024 fp16 instantiations into spills.
+    const PhiloxSeedOffset philox = resolve_philox(a.rng);
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       const int col = (it * nthreads + tid) * VEC;
       if (live && col < a.k_len && col <= last)
-        keep |= keep_bits<VEC>(a.seed, a.offset, uint64_t(base + col), a.threshold) << (it * VEC);
+        keep |= keep_bits<VEC>(philox.seed, philox.offset, uint64_t(base + col), a.threshold) << (it * VEC);
     }
   }
 
@@ -211,6 +216,7 @@ attention_softmax_bwd_kernel(const BwdArgs<T> a) {
   static_assert(ITEMS * VEC <= kMaxValuesPerThread, "row chunk per thread too large");
   using G = RowGroup<GROUP>;
   __shared__ float smem[32];
+  const PhiloxSeedOffset philox = a.dropout ? resolve_philox(a.rng) : PhiloxSeedOffset{0, 0};
   const int tid = threadIdx.x, nthreads = G::size();
   const int64_t row64 = G::row();
   const bool live = row64 < a.rows;
@@ -235,7 +241,7 @@ attention_softmax_bwd_kernel(const BwdArgs<T> a) {
     for (int it = 0; it < ITEMS; ++it) {
       const int col = (it * nthreads + tid) * VEC;
       if (live && col < a.k_len) {
-        const uint32_t kb = keep_bits<VEC>(a.seed, a.offset, uint64_t(base + col), a.threshold);
+        const uint32_t kb = keep_bits<VEC>(philox.seed, philox.offset, uint64_t(base + col), a.threshold);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) g[it][j] = ((kb >> j) & 1u) ? g[it][j] * a.scale : 0.f;
       }
@@ -358,7 +364,7 @@ inline bool valid_p(float p) { return p >= 0.f && p <= 1.f; }  // false for NaN 
 template <typename T>
 cudaError_t launch_attention_softmax_fwd(const T* scores, const uint8_t* key_padding_mask, T* softmax, T* probs,
                                          int64_t batch, int64_t heads, int64_t q_len, int64_t k_len, bool causal,
-                                         float dropout_p, uint64_t seed, uint64_t offset, cudaStream_t stream) {
+                                         float dropout_p, PhiloxArgs rng, cudaStream_t stream) {
   if (batch < 0 || heads < 0 || q_len < 0 || k_len < 0 || k_len > kAttentionSoftmaxMaxKeys || !valid_p(dropout_p))
     return cudaErrorInvalidValue;
   if (batch == 0 || heads == 0 || q_len == 0 || k_len == 0) return cudaSuccess;
@@ -377,8 +383,7 @@ cudaError_t launch_attention_softmax_fwd(const T* scores, const uint8_t* key_pad
   a.dropout = dropout_p > 0.f;
   a.threshold = dropout_threshold(dropout_p);
   a.scale = dropout_p < 1.f ? 1.f / (1.f - dropout_p) : 0.f;
-  a.seed = seed;
-  a.offset = offset;
+  a.rng = rng;
   if (a.dropout && (probs == nullptr || probs == softmax)) return cudaErrorInvalidValue;
   constexpr int V = Vec16<T>::value;
   const bool vec = k_len % V == 0 && is_aligned(scores, 16) && is_aligned(softmax, 16) &&
@@ -388,8 +393,7 @@ cudaError_t launch_attention_softmax_fwd(const T* scores, const uint8_t* key_pad
 
 template <typename T>
 cudaError_t launch_attention_softmax_bwd(const T* grad_probs, const T* softmax, T* grad_scores, int64_t rows,
-                                         int64_t k_len, float dropout_p, uint64_t seed, uint64_t offset,
-                                         cudaStream_t stream) {
+                                         int64_t k_len, float dropout_p, PhiloxArgs rng, cudaStream_t stream) {
   if (rows < 0 || k_len < 0 || k_len > kAttentionSoftmaxMaxKeys || rows > kMaxRows || !valid_p(dropout_p))
     return cudaErrorInvalidValue;
   if (rows == 0 || k_len == 0) return cudaSuccess;
@@ -402,8 +406,7 @@ cudaError_t launch_attention_softmax_bwd(const T* grad_probs, const T* softmax, 
   a.dropout = dropout_p > 0.f;
   a.threshold = dropout_threshold(dropout_p);
   a.scale = dropout_p < 1.f ? 1.f / (1.f - dropout_p) : 0.f;
-  a.seed = seed;
-  a.offset = offset;
+  a.rng = rng;
   constexpr int V = Vec16<T>::value;
   const bool vec = k_len % V == 0 && is_aligned(grad_probs, 16) && is_aligned(softmax, 16) &&
                    is_aligned(grad_scores, 16);
@@ -412,10 +415,10 @@ cudaError_t launch_attention_softmax_bwd(const T* grad_probs, const T* softmax, 
 
 #define LSMINI_INSTANTIATE_ATTENTION_SOFTMAX(T)                                                                 \
   template cudaError_t launch_attention_softmax_fwd<T>(const T*, const uint8_t*, T*, T*, int64_t, int64_t,     \
-                                                       int64_t, int64_t, bool, float, uint64_t, uint64_t,      \
+                                                       int64_t, int64_t, bool, float, PhiloxArgs,              \
                                                        cudaStream_t);                                          \
   template cudaError_t launch_attention_softmax_bwd<T>(const T*, const T*, T*, int64_t, int64_t, float,        \
-                                                       uint64_t, uint64_t, cudaStream_t);
+                                                       PhiloxArgs, cudaStream_t);
 
 LSMINI_INSTANTIATE_ATTENTION_SOFTMAX(float)
 LSMINI_INSTANTIATE_ATTENTION_SOFTMAX(__half)

@@ -14,7 +14,9 @@
  *
  * Dropout: common.cuh's Philox convention with the flat element index i = r · hidden + c, keyed by
  * (seed, offset); the backward regenerates the same keep bits. p == 0 compiles to a variant with no
- * RNG at all; p == 1 keeps nothing (scale 0).
+ * RNG at all; p == 1 keeps nothing (scale 0). Each kernel resolves its PhiloxArgs once on entry
+ * (common.cuh), so under CUDA graph capture it reads the (seed, offset) that torch sets before each
+ * replay.
  *
  * Work split: the same as bias_dropout_residual.cu — a thread owns V adjacent columns (16 bytes of T
  * when hidden % V == 0 and the pointers are 16-byte aligned, else 1) and walks down the rows of its
@@ -139,8 +141,8 @@ cudaError_t with_act(int act, F&& f) {
 template <typename T, typename BT, int V, int ACT, bool DROPOUT>
 __global__ void __launch_bounds__(kFwdThreads)
     bias_act_dropout_fwd_kernel(const T* __restrict__ x, const BT* __restrict__ bias, T* __restrict__ out,
-                                int64_t rows, int64_t hidden, uint32_t threshold, float scale, uint64_t seed,
-                                uint64_t offset) {
+                                int64_t rows, int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= hidden) return;  // no block-wide sync follows
   float b[V];
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(kFwdThreads)
     if (r + row_step < rows) x_next = ld_pack<T, V>(x + i + step);
     uint32_t keep = 0xFFFFFFFFu;
     // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
-    if (DROPOUT) keep = dropout_keep_bits<V>(seed, offset, uint64_t(i), threshold);
+    if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const float a = act_fwd<ACT>(v[k] + b[k]);
@@ -172,8 +174,8 @@ __global__ void __launch_bounds__(kFwdThreads)
 }
 
 template <typename T, typename BT, int V, int ACT, bool DROPOUT>
-cudaError_t fwd_impl(const T* x, const BT* bias, T* out, int64_t rows, int64_t hidden, float p, uint64_t seed,
-                     uint64_t offset, cudaStream_t stream) {
+cudaError_t fwd_impl(const T* x, const BT* bias, T* out, int64_t rows, int64_t hidden, float p, PhiloxArgs rng,
+                     cudaStream_t stream) {
   uint32_t threshold;
   float scale;
   dropout_params(p, &threshold, &scale);
@@ -181,7 +183,7 @@ cudaError_t fwd_impl(const T* x, const BT* bias, T* out, int64_t rows, int64_t h
   auto kernel = bias_act_dropout_fwd_kernel<T, BT, V, ACT, DROPOUT>;
   t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, 0), INT64_MAX);
   kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream>>>(
-      x, bias, out, rows, hidden, threshold, scale, seed, offset);
+      x, bias, out, rows, hidden, threshold, scale, rng);
   return cudaGetLastError();
 }
 
@@ -192,9 +194,9 @@ template <typename T, typename BT, int V, int ACT, bool DROPOUT>
 __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
     bias_act_dropout_bwd_kernel(const T* __restrict__ grad_out, const T* __restrict__ x,
                                 const BT* __restrict__ bias, T* __restrict__ grad_x, float* __restrict__ partials,
-                                int64_t rows, int64_t hidden, uint32_t threshold, float scale, uint64_t seed,
-                                uint64_t offset) {
+                                int64_t rows, int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
   extern __shared__ float fold[];  // [by][bx * V] column sums, only when partials && by > 1
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   float acc[V];
 #pragma unroll
@@ -223,7 +225,7 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
         x_next = ld_pack<T, V>(x + i + step);
       }
       uint32_t keep = 0xFFFFFFFFu;
-      if (DROPOUT) keep = dropout_keep_bits<V>(seed, offset, uint64_t(i), threshold);
+      if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         const float d = g[k] * act_grad<ACT>(v[k] + b[k]);
@@ -259,8 +261,8 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
 
 template <typename T, typename BT, int V, int ACT, bool DROPOUT>
 cudaError_t bwd_main_impl(const T* grad_out, const T* x, const BT* bias, T* grad_x, float* partials,
-                          int64_t partial_slabs, int64_t rows, int64_t hidden, float p, uint64_t seed,
-                          uint64_t offset, int64_t* slabs_used, cudaStream_t stream) {
+                          int64_t partial_slabs, int64_t rows, int64_t hidden, float p, PhiloxArgs rng,
+                          int64_t* slabs_used, cudaStream_t stream) {
   uint32_t threshold;
   float scale;
   dropout_params(p, &threshold, &scale);
@@ -271,7 +273,7 @@ cudaError_t bwd_main_impl(const T* grad_out, const T* x, const BT* bias, T* grad
                        partials != nullptr ? partial_slabs : INT64_MAX);
   *slabs_used = t.slabs;
   kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), smem, stream>>>(
-      grad_out, x, bias, grad_x, partials, rows, hidden, threshold, scale, seed, offset);
+      grad_out, x, bias, grad_x, partials, rows, hidden, threshold, scale, rng);
   return cudaGetLastError();
 }
 
@@ -282,7 +284,7 @@ cudaError_t bwd_main_impl(const T* grad_out, const T* x, const BT* bias, T* grad
 // ---------------------------------------------------------------------------------------------
 template <typename T, typename BT>
 cudaError_t launch_bias_act_dropout_fwd(const T* x, const BT* bias, T* out, int64_t rows, int64_t hidden, int act,
-                                        float p, uint64_t seed, uint64_t offset, cudaStream_t stream) {
+                                        float p, PhiloxArgs rng, cudaStream_t stream) {
   if (act < 0 || act >= kBiasActCount) return cudaErrorInvalidValue;
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   constexpr int VW = Vec16<T>::value;
@@ -291,11 +293,11 @@ cudaError_t launch_bias_act_dropout_fwd(const T* x, const BT* bias, T* out, int6
   return with_act(act, [&](auto a) -> cudaError_t {
     constexpr int ACT = decltype(a)::value;
     if (vec) {
-      return dropout ? fwd_impl<T, BT, VW, ACT, true>(x, bias, out, rows, hidden, p, seed, offset, stream)
-                     : fwd_impl<T, BT, VW, ACT, false>(x, bias, out, rows, hidden, p, seed, offset, stream);
+      return dropout ? fwd_impl<T, BT, VW, ACT, true>(x, bias, out, rows, hidden, p, rng, stream)
+                     : fwd_impl<T, BT, VW, ACT, false>(x, bias, out, rows, hidden, p, rng, stream);
     }
-    return dropout ? fwd_impl<T, BT, 1, ACT, true>(x, bias, out, rows, hidden, p, seed, offset, stream)
-                   : fwd_impl<T, BT, 1, ACT, false>(x, bias, out, rows, hidden, p, seed, offset, stream);
+    return dropout ? fwd_impl<T, BT, 1, ACT, true>(x, bias, out, rows, hidden, p, rng, stream)
+                   : fwd_impl<T, BT, 1, ACT, false>(x, bias, out, rows, hidden, p, rng, stream);
   });
 }
 
@@ -306,7 +308,7 @@ int64_t bias_act_dropout_bwd_partial_slabs(int64_t rows, int64_t hidden) {
 template <typename T, typename BT>
 cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT* bias, T* grad_x, BT* grad_bias,
                                         float* partials, int64_t partial_slabs, int64_t rows, int64_t hidden,
-                                        int act, float p, uint64_t seed, uint64_t offset, cudaStream_t stream) {
+                                        int act, float p, PhiloxArgs rng, cudaStream_t stream) {
   if (act < 0 || act >= kBiasActCount) return cudaErrorInvalidValue;
   if (hidden <= 0) return cudaSuccess;
   if (grad_bias == nullptr) partials = nullptr;
@@ -321,14 +323,14 @@ cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT*
       constexpr int ACT = decltype(a)::value;
       if (vec) {
         return dropout ? bwd_main_impl<T, BT, VW, ACT, true>(grad_out, x, bias, grad_x, partials, partial_slabs,
-                                                             rows, hidden, p, seed, offset, &slabs, stream)
+                                                             rows, hidden, p, rng, &slabs, stream)
                        : bwd_main_impl<T, BT, VW, ACT, false>(grad_out, x, bias, grad_x, partials, partial_slabs,
-                                                              rows, hidden, p, seed, offset, &slabs, stream);
+                                                              rows, hidden, p, rng, &slabs, stream);
       }
       return dropout ? bwd_main_impl<T, BT, 1, ACT, true>(grad_out, x, bias, grad_x, partials, partial_slabs,
-                                                          rows, hidden, p, seed, offset, &slabs, stream)
+                                                          rows, hidden, p, rng, &slabs, stream)
                      : bwd_main_impl<T, BT, 1, ACT, false>(grad_out, x, bias, grad_x, partials, partial_slabs,
-                                                           rows, hidden, p, seed, offset, &slabs, stream);
+                                                           rows, hidden, p, rng, &slabs, stream);
     });
     if (err != cudaSuccess) return err;
   }
@@ -346,10 +348,10 @@ cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT*
 // ---------------------------------------------------------------------------------------------
 #define LSMINI_INSTANTIATE_BAD(T, BT)                                                                           \
   template cudaError_t launch_bias_act_dropout_fwd<T, BT>(const T*, const BT*, T*, int64_t, int64_t, int, float, \
-                                                          uint64_t, uint64_t, cudaStream_t);                    \
+                                                          PhiloxArgs, cudaStream_t);                            \
   template cudaError_t launch_bias_act_dropout_bwd<T, BT>(const T*, const T*, const BT*, T*, BT*, float*,        \
-                                                          int64_t, int64_t, int64_t, int, float, uint64_t,      \
-                                                          uint64_t, cudaStream_t);
+                                                          int64_t, int64_t, int64_t, int, float, PhiloxArgs,    \
+                                                          cudaStream_t);
 
 LSMINI_INSTANTIATE_BAD(float, float)
 LSMINI_INSTANTIATE_BAD(__half, __half)

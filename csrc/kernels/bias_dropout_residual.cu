@@ -11,7 +11,9 @@
  *
  * Dropout: common.cuh's Philox convention with the flat element index i = r · hidden + c, keyed by
  * (seed, offset). The backward regenerates the same keep bits, so only (p, seed, offset) are saved.
- * p == 0 compiles to a variant with no RNG at all; p == 1 keeps nothing (threshold 65536).
+ * p == 0 compiles to a variant with no RNG at all; p == 1 keeps nothing (threshold 65536). Each kernel
+ * resolves its PhiloxArgs once on entry (common.cuh), so under CUDA graph capture it reads the
+ * (seed, offset) that torch sets before each replay.
  *
  * Work split (forward and backward): a thread owns V adjacent columns and walks down the rows.
  * V = 16 bytes of T (4 fp32 / 8 fp16/bf16) when hidden % V == 0 and the big pointers are 16-byte
@@ -49,8 +51,8 @@ template <typename T, typename BT, int V, bool DROPOUT>
 __global__ void __launch_bounds__(kFwdThreads, kFwdMinBlocksPerSm)
     bias_dropout_residual_fwd_kernel(const T* __restrict__ x, const BT* __restrict__ bias,
                                      const T* __restrict__ residual, T* __restrict__ out, int64_t rows,
-                                     int64_t hidden, uint32_t threshold, float scale, uint64_t seed,
-                                     uint64_t offset) {
+                                     int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= hidden) return;  // no block-wide sync follows
   float b[V];
@@ -67,7 +69,7 @@ __global__ void __launch_bounds__(kFwdThreads, kFwdMinBlocksPerSm)
     load_pack<T, V>(residual + i, rv);
     uint32_t keep = 0xFFFFFFFFu;
     // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
-    if (DROPOUT) keep = dropout_keep_bits<V>(seed, offset, uint64_t(i), threshold);
+    if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       float v = xv[k] + b[k];
@@ -80,7 +82,7 @@ __global__ void __launch_bounds__(kFwdThreads, kFwdMinBlocksPerSm)
 
 template <typename T, typename BT, int V, bool DROPOUT>
 cudaError_t fwd_impl(const T* x, const BT* bias, const T* residual, T* out, int64_t rows, int64_t hidden,
-                     float p, uint64_t seed, uint64_t offset, cudaStream_t stream) {
+                     float p, PhiloxArgs rng, cudaStream_t stream) {
   uint32_t threshold;
   float scale;
   dropout_params(p, &threshold, &scale);
@@ -88,7 +90,7 @@ cudaError_t fwd_impl(const T* x, const BT* bias, const T* residual, T* out, int6
   auto kernel = bias_dropout_residual_fwd_kernel<T, BT, V, DROPOUT>;
   t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, 0), INT64_MAX);
   kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream>>>(
-      x, bias, residual, out, rows, hidden, threshold, scale, seed, offset);
+      x, bias, residual, out, rows, hidden, threshold, scale, rng);
   return cudaGetLastError();
 }
 
@@ -99,8 +101,9 @@ template <typename T, int V, bool DROPOUT>
 __global__ void __launch_bounds__(kBwdThreads)
     bias_dropout_residual_bwd_kernel(const T* __restrict__ grad_out, T* __restrict__ grad_x,
                                      float* __restrict__ partials, int64_t rows, int64_t hidden,
-                                     uint32_t threshold, float scale, uint64_t seed, uint64_t offset) {
+                                     uint32_t threshold, float scale, PhiloxArgs rng) {
   extern __shared__ float fold[];  // [by][bx * V] column sums, only when partials && by > 1
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   float acc[V];
 #pragma unroll
@@ -119,7 +122,7 @@ __global__ void __launch_bounds__(kBwdThreads)
       unpack(g_next, g);
       if (r + row_step < rows) g_next = ld_pack<T, V>(grad_out + i + step);
       if (DROPOUT) {
-        const uint32_t keep = dropout_keep_bits<V>(seed, offset, uint64_t(i), threshold);
+        const uint32_t keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
         for (int k = 0; k < V; ++k) g[k] = ((keep >> k) & 1u) ? g[k] * scale : 0.f;
       }
@@ -154,8 +157,7 @@ __global__ void __launch_bounds__(kBwdThreads)
 
 template <typename T, int V, bool DROPOUT>
 cudaError_t bwd_main_impl(const T* grad_out, T* grad_x, float* partials, int64_t partial_slabs, int64_t rows,
-                          int64_t hidden, float p, uint64_t seed, uint64_t offset, int64_t* slabs_used,
-                          cudaStream_t stream) {
+                          int64_t hidden, float p, PhiloxArgs rng, int64_t* slabs_used, cudaStream_t stream) {
   uint32_t threshold;
   float scale;
   dropout_params(p, &threshold, &scale);
@@ -166,7 +168,7 @@ cudaError_t bwd_main_impl(const T* grad_out, T* grad_x, float* partials, int64_t
                        partials != nullptr ? partial_slabs : INT64_MAX);
   *slabs_used = t.slabs;
   kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), smem, stream>>>(
-      grad_out, grad_x, partials, rows, hidden, threshold, scale, seed, offset);
+      grad_out, grad_x, partials, rows, hidden, threshold, scale, rng);
   return cudaGetLastError();
 }
 
@@ -177,18 +179,17 @@ cudaError_t bwd_main_impl(const T* grad_out, T* grad_x, float* partials, int64_t
 // ---------------------------------------------------------------------------------------------
 template <typename T, typename BT>
 cudaError_t launch_bias_dropout_residual_fwd(const T* x, const BT* bias, const T* residual, T* out, int64_t rows,
-                                             int64_t hidden, float p, uint64_t seed, uint64_t offset,
-                                             cudaStream_t stream) {
+                                             int64_t hidden, float p, PhiloxArgs rng, cudaStream_t stream) {
   if (rows <= 0 || hidden <= 0) return cudaSuccess;
   constexpr int VW = Vec16<T>::value;
   const bool vec = hidden % VW == 0 && is_aligned(x, 16) && is_aligned(residual, 16) && is_aligned(out, 16);
   const bool dropout = p > 0.f;
   if (vec) {
-    return dropout ? fwd_impl<T, BT, VW, true>(x, bias, residual, out, rows, hidden, p, seed, offset, stream)
-                   : fwd_impl<T, BT, VW, false>(x, bias, residual, out, rows, hidden, p, seed, offset, stream);
+    return dropout ? fwd_impl<T, BT, VW, true>(x, bias, residual, out, rows, hidden, p, rng, stream)
+                   : fwd_impl<T, BT, VW, false>(x, bias, residual, out, rows, hidden, p, rng, stream);
   }
-  return dropout ? fwd_impl<T, BT, 1, true>(x, bias, residual, out, rows, hidden, p, seed, offset, stream)
-                 : fwd_impl<T, BT, 1, false>(x, bias, residual, out, rows, hidden, p, seed, offset, stream);
+  return dropout ? fwd_impl<T, BT, 1, true>(x, bias, residual, out, rows, hidden, p, rng, stream)
+                 : fwd_impl<T, BT, 1, false>(x, bias, residual, out, rows, hidden, p, rng, stream);
 }
 
 int64_t bias_dropout_residual_bwd_partial_slabs(int64_t rows, int64_t hidden) {
@@ -198,7 +199,7 @@ int64_t bias_dropout_residual_bwd_partial_slabs(int64_t rows, int64_t hidden) {
 template <typename T, typename BT>
 cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* grad_bias, float* partials,
                                              int64_t partial_slabs, int64_t rows, int64_t hidden, float p,
-                                             uint64_t seed, uint64_t offset, cudaStream_t stream) {
+                                             PhiloxArgs rng, cudaStream_t stream) {
   if (hidden <= 0) return cudaSuccess;
   // the mask must be applied somewhere (an empty tensor has a null data pointer: rows == 0 is fine)
   if (grad_x == nullptr && p > 0.f && rows > 0) return cudaErrorInvalidValue;
@@ -211,15 +212,15 @@ cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* g
     const bool dropout = p > 0.f;
     cudaError_t err;
     if (vec) {
-      err = dropout ? bwd_main_impl<T, VW, true>(grad_out, grad_x, partials, partial_slabs, rows, hidden, p, seed,
-                                                 offset, &slabs, stream)
-                    : bwd_main_impl<T, VW, false>(grad_out, grad_x, partials, partial_slabs, rows, hidden, p, seed,
-                                                  offset, &slabs, stream);
+      err = dropout ? bwd_main_impl<T, VW, true>(grad_out, grad_x, partials, partial_slabs, rows, hidden, p, rng,
+                                                 &slabs, stream)
+                    : bwd_main_impl<T, VW, false>(grad_out, grad_x, partials, partial_slabs, rows, hidden, p, rng,
+                                                  &slabs, stream);
     } else {
-      err = dropout ? bwd_main_impl<T, 1, true>(grad_out, grad_x, partials, partial_slabs, rows, hidden, p, seed,
-                                                offset, &slabs, stream)
-                    : bwd_main_impl<T, 1, false>(grad_out, grad_x, partials, partial_slabs, rows, hidden, p, seed,
-                                                 offset, &slabs, stream);
+      err = dropout ? bwd_main_impl<T, 1, true>(grad_out, grad_x, partials, partial_slabs, rows, hidden, p, rng,
+                                                &slabs, stream)
+                    : bwd_main_impl<T, 1, false>(grad_out, grad_x, partials, partial_slabs, rows, hidden, p, rng,
+                                                 &slabs, stream);
     }
     if (err != cudaSuccess) return err;
   }
@@ -237,11 +238,9 @@ cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* g
 // ---------------------------------------------------------------------------------------------
 #define LSMINI_INSTANTIATE_BDR(T, BT)                                                                          \
   template cudaError_t launch_bias_dropout_residual_fwd<T, BT>(const T*, const BT*, const T*, T*, int64_t,     \
-                                                               int64_t, float, uint64_t, uint64_t,             \
-                                                               cudaStream_t);                                  \
+                                                               int64_t, float, PhiloxArgs, cudaStream_t);      \
   template cudaError_t launch_bias_dropout_residual_bwd<T, BT>(const T*, T*, BT*, float*, int64_t, int64_t,    \
-                                                               int64_t, float, uint64_t, uint64_t,             \
-                                                               cudaStream_t);
+                                                               int64_t, float, PhiloxArgs, cudaStream_t);
 
 LSMINI_INSTANTIATE_BDR(float, float)
 LSMINI_INSTANTIATE_BDR(__half, __half)

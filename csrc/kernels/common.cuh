@@ -4,7 +4,8 @@
  *   - float conversion for the three element types (float, __half, __nv_bfloat16);
  *   - 16-byte vector packs (`Pack<T, N>`) for wide, coalesced loads and stores;
  *   - warp and block reductions in fp32;
- *   - Philox4x32-10, the counter-based RNG behind every fused dropout.
+ *   - Philox4x32-10, the counter-based RNG behind every fused dropout, and resolve_philox, which reads
+ *     its (seed, offset) in eager mode and under CUDA graph capture alike.
  *
  * Conventions: no torch headers (each kernel file compiles with plain nvcc), launchers return the
  * cudaError_t of their launch so the binding can raise a Python exception naming the op.
@@ -17,6 +18,8 @@
 #include <stdint.h>
 
 #include <type_traits>
+
+#include "philox.h"
 
 namespace lsmini {
 
@@ -186,7 +189,23 @@ __device__ __forceinline__ float block_max(float v, float* smem) {
 // is quantized to 1/65536, an error ≤ 7.6e-6 in the rate). Eight elements per call instead of four
 // halves the RNG cost, which bounds the speed of the memory-bound dropout kernels. Forward and
 // backward regenerate the same bits from (seed, offset), so no mask is stored.
+//
+// Kernels receive (seed, offset) as a PhiloxArgs (philox.h) and call resolve_philox once, before their
+// first Philox call; under CUDA graph capture that reads the values torch's generator writes before
+// each replay, so every replay draws fresh masks. The helpers below take the resolved values.
 // ---------------------------------------------------------------------------------------------
+struct PhiloxSeedOffset {
+  uint64_t seed;
+  uint64_t offset;
+};
+
+// The same rule as torch's at::cuda::philox::unpack: eager values as given; captured, the seed and the
+// base offset come from device memory and rng.offset is the call's part within the graph.
+__device__ __forceinline__ PhiloxSeedOffset resolve_philox(const PhiloxArgs& rng) {
+  if (rng.seed_ptr == nullptr) return {rng.seed, rng.offset};
+  return {static_cast<uint64_t>(*rng.seed_ptr), static_cast<uint64_t>(*rng.offset_ptr) + rng.offset};
+}
+
 __device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint2 key) {
   constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
   constexpr uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;

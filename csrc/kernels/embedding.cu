@@ -8,7 +8,9 @@
  * writes out of bounds.
  *
  * Dropout: element index i = r·hidden + c, the flat index into the [batch, len, hidden] output
- * (common.cuh convention), kept values scaled by 1/(1−p). Backward regenerates the same bits.
+ * (common.cuh convention), kept values scaled by 1/(1−p). Backward regenerates the same bits. Each
+ * kernel resolves its PhiloxArgs once on entry (common.cuh), so under CUDA graph capture it reads the
+ * (seed, offset) that torch sets before each replay.
  *
  * Backward, token table (dense, deterministic, no atomics): the binding sorts the flat token ids
  * stably, so equal ids form runs of consecutive sorted positions. The sorted array is cut into chunks
@@ -103,7 +105,8 @@ __global__ void __launch_bounds__(kThreads)
     embedding_fwd_kernel(T* __restrict__ out, const IdT* __restrict__ tokens, const T* __restrict__ weight,
                          const T* __restrict__ pos /* row `step` of the table */, int64_t rows, int64_t len,
                          int64_t hidden, int64_t vocab, float scale, int64_t padding_idx, uint32_t threshold,
-                         float inv_keep, uint64_t seed, uint64_t offset) {
+                         float inv_keep, PhiloxArgs rng) {
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= rows) return;
   const int64_t id = static_cast<int64_t>(tokens[row]);
@@ -120,7 +123,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[k] = fmaf(scale, a[k], b[k]);
       if (DROPOUT) {
-        apply_keep<VEC>(v, seed, offset, static_cast<uint64_t>(row * hidden + c), threshold);
+        apply_keep<VEC>(v, philox.seed, philox.offset, static_cast<uint64_t>(row * hidden + c), threshold);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) v[k] *= inv_keep;
       }
@@ -142,7 +145,8 @@ __global__ void __launch_bounds__(kThreads)
     embedding_bwd_kernel(T* __restrict__ grad_weight, float* __restrict__ partials, const T* __restrict__ grad_out,
                          const IdT* __restrict__ sorted_ids, const int64_t* __restrict__ order, int64_t rows,
                          int64_t hidden, int64_t vocab, int64_t padding_idx, float factor, uint32_t threshold,
-                         uint64_t seed, uint64_t offset) {
+                         PhiloxArgs rng) {
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   constexpr int C = static_cast<int>(kEmbeddingBwdChunk);
   __shared__ int64_t s_id[C];
   __shared__ int64_t s_row[C];
@@ -176,7 +180,7 @@ __global__ void __launch_bounds__(kThreads)
         if (i < n && is_counted(s_id[i], vocab, padding_idx)) {
           const int64_t src = s_row[i] * hidden + c;
           load_pack<T, VEC>(grad_out + src, g[u]);
-          if (DROPOUT) apply_keep<VEC>(g[u], seed, offset, static_cast<uint64_t>(src), threshold);
+          if (DROPOUT) apply_keep<VEC>(g[u], philox.seed, philox.offset, static_cast<uint64_t>(src), threshold);
         } else {
           zero(g[u]);
         }
@@ -268,7 +272,8 @@ __global__ void __launch_bounds__(kThreads)
     embedding_pos_bwd_kernel(T* __restrict__ grad_pos /* row `step` */, float* __restrict__ partials,
                              const T* __restrict__ grad_out, const IdT* __restrict__ tokens, int64_t batch,
                              int64_t len, int64_t hidden, int64_t vocab, int64_t padding_idx, float factor,
-                             uint32_t threshold, uint64_t seed, uint64_t offset) {
+                             uint32_t threshold, PhiloxArgs rng) {
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   __shared__ float s_red[VEC * kThreads];
   const int64_t j = blockIdx.x;
   const int64_t per = (batch + gridDim.y - 1) / gridDim.y;
@@ -289,7 +294,8 @@ __global__ void __launch_bounds__(kThreads)
           const int64_t row = bb * len + j;
           if (bb < b1 && is_counted(static_cast<int64_t>(tokens[row]), vocab, padding_idx)) {
             load_pack<T, VEC>(grad_out + row * hidden + c, g[u]);
-            if (DROPOUT) apply_keep<VEC>(g[u], seed, offset, static_cast<uint64_t>(row * hidden + c), threshold);
+            if (DROPOUT)
+              apply_keep<VEC>(g[u], philox.seed, philox.offset, static_cast<uint64_t>(row * hidden + c), threshold);
           } else {
             zero(g[u]);
           }
@@ -348,8 +354,7 @@ inline DropoutParams dropout_params(float p) {
 template <typename T, typename IdT>
 cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, const T* pos_table, int64_t batch,
                                  int64_t len, int64_t hidden, int64_t vocab, int64_t step, float scale,
-                                 int64_t padding_idx, float dropout_p, uint64_t seed, uint64_t offset,
-                                 cudaStream_t stream) {
+                                 int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream) {
   const int64_t rows = batch * len;
   if (rows == 0 || hidden == 0) return cudaSuccess;
   constexpr int V = Vec16<T>::value;
@@ -362,7 +367,7 @@ cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, con
 #define LSMINI_EMB_FWD(VW, DO)                                                                             \
   embedding_fwd_kernel<T, IdT, VW, DO><<<grid, block, 0, stream>>>(out, tokens, weight, pos, rows, len, hidden, \
                                                                     vocab, scale, padding_idx, d.threshold,    \
-                                                                    d.inv_keep, seed, offset)
+                                                                    d.inv_keep, rng)
   if (vec) {
     if (d.on) LSMINI_EMB_FWD(V, true); else LSMINI_EMB_FWD(V, false);
   } else {
@@ -375,8 +380,7 @@ cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, con
 template <typename T, typename IdT>
 cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_out, const IdT* sorted_ids,
                                  const int64_t* order, int64_t rows, int64_t hidden, int64_t vocab, float scale,
-                                 int64_t padding_idx, float dropout_p, uint64_t seed, uint64_t offset,
-                                 cudaStream_t stream) {
+                                 int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream) {
   if (rows == 0 || hidden == 0 || vocab == 0) return cudaSuccess;
   constexpr int V = Vec16<T>::value;
   const bool vec = hidden % V == 0 && is_aligned(grad_out, 16) && is_aligned(grad_weight, 16);
@@ -388,7 +392,7 @@ cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_
 #define LSMINI_EMB_BWD(VW, DO)                                                                               \
   embedding_bwd_kernel<T, IdT, VW, DO><<<static_cast<unsigned>(chunks), block1, 0, stream>>>(                    \
       grad_weight, partials, grad_out, sorted_ids, order, rows, hidden, vocab, padding_idx, factor, d.threshold, \
-      seed, offset)
+      rng)
   if (vec) {
     if (d.on) LSMINI_EMB_BWD(V, true); else LSMINI_EMB_BWD(V, false);
   } else {
@@ -415,8 +419,7 @@ cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_
 template <typename T, typename IdT>
 cudaError_t launch_embedding_pos_bwd(T* grad_pos, float* partials, const T* grad_out, const IdT* tokens,
                                      int64_t batch, int64_t len, int64_t hidden, int64_t vocab, int64_t step,
-                                     int64_t padding_idx, float dropout_p, uint64_t seed, uint64_t offset,
-                                     cudaStream_t stream) {
+                                     int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream) {
   if (batch == 0 || len == 0 || hidden == 0) return cudaSuccess;
   constexpr int V = Vec16<T>::value;
   T* gp = grad_pos + step * hidden;
@@ -429,7 +432,7 @@ cudaError_t launch_embedding_pos_bwd(T* grad_pos, float* partials, const T* grad
 #define LSMINI_EMB_POS_BWD(VW, DO)                                                                      \
   embedding_pos_bwd_kernel<T, IdT, VW, DO><<<grid, block, 0, stream>>>(gp, partials, grad_out, tokens, batch, \
                                                                         len, hidden, vocab, padding_idx,     \
-                                                                        d.inv_keep, d.threshold, seed, offset)
+                                                                        d.inv_keep, d.threshold, rng)
   if (vec) {
     if (d.on) LSMINI_EMB_POS_BWD(V, true); else LSMINI_EMB_POS_BWD(V, false);
   } else {
@@ -446,14 +449,14 @@ cudaError_t launch_embedding_pos_bwd(T* grad_pos, float* partials, const T* grad
 
 #define LSMINI_INSTANTIATE_EMBEDDING(T, IdT)                                                                      \
   template cudaError_t launch_embedding_fwd<T, IdT>(T*, const IdT*, const T*, const T*, int64_t, int64_t, int64_t, \
-                                                    int64_t, int64_t, float, int64_t, float, uint64_t, uint64_t,   \
+                                                    int64_t, int64_t, float, int64_t, float, PhiloxArgs,           \
                                                     cudaStream_t);                                                 \
   template cudaError_t launch_embedding_bwd<T, IdT>(T*, float*, const T*, const IdT*, const int64_t*, int64_t,     \
-                                                    int64_t, int64_t, float, int64_t, float, uint64_t, uint64_t,   \
+                                                    int64_t, int64_t, float, int64_t, float, PhiloxArgs,           \
                                                     cudaStream_t);                                                 \
   template cudaError_t launch_embedding_pos_bwd<T, IdT>(T*, float*, const T*, const IdT*, int64_t, int64_t,        \
-                                                        int64_t, int64_t, int64_t, int64_t, float, uint64_t,       \
-                                                        uint64_t, cudaStream_t);
+                                                        int64_t, int64_t, int64_t, int64_t, float, PhiloxArgs,     \
+                                                        cudaStream_t);
 
 LSMINI_INSTANTIATE_EMBEDDING(float, int64_t)
 LSMINI_INSTANTIATE_EMBEDDING(__half, int64_t)

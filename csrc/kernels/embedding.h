@@ -8,6 +8,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "philox.h"
+
 namespace lsmini {
 
 // Sorted token positions handled by one block of the token-gradient kernel.
@@ -32,12 +34,11 @@ inline int64_t embedding_pos_bwd_splits(int64_t batch, int64_t len) {
 
 // out [batch, len, hidden]; tokens [batch, len]; weight [vocab, hidden]; pos_table points at row 0
 // of the table (rows step .. step+len-1 are read). padding_idx = -1 means none. dropout_p = 0 uses
-// no RNG; seed/offset are ignored then.
+// no RNG; rng is not read then.
 template <typename T, typename IdT>
 cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, const T* pos_table, int64_t batch,
                                  int64_t len, int64_t hidden, int64_t vocab, int64_t step, float scale,
-                                 int64_t padding_idx, float dropout_p, uint64_t seed, uint64_t offset,
-                                 cudaStream_t stream);
+                                 int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream);
 
 // grad_weight [vocab, hidden] must be zero on entry (rows of ids that do not occur stay zero).
 // sorted_ids / order: the flat tokens sorted stably ascending and the original flat index of each
@@ -45,8 +46,7 @@ cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, con
 template <typename T, typename IdT>
 cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_out, const IdT* sorted_ids,
                                  const int64_t* order, int64_t rows, int64_t hidden, int64_t vocab, float scale,
-                                 int64_t padding_idx, float dropout_p, uint64_t seed, uint64_t offset,
-                                 cudaStream_t stream);
+                                 int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream);
 
 // Writes rows step .. step+len-1 of grad_pos [max_positions, hidden] (the other rows are the caller's
 // to zero). partials: embedding_pos_bwd_splits(batch, len) · len · hidden floats when that is > 1,
@@ -54,7 +54,6 @@ cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_
 template <typename T, typename IdT>
 cudaError_t launch_embedding_pos_bwd(T* grad_pos, float* partials, const T* grad_out, const IdT* tokens,
                                      int64_t batch, int64_t len, int64_t hidden, int64_t vocab, int64_t step,
-                                     int64_t padding_idx, float dropout_p, uint64_t seed, uint64_t offset,
-                                     cudaStream_t stream);
+                                     int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream);
 
 }  // namespace lsmini

@@ -1,5 +1,6 @@
 // Attention softmax bindings: attention_softmax_fwd / attention_softmax_bwd (kernels in
-// csrc/kernels/attention_softmax.cu).
+// csrc/kernels/attention_softmax.cu). rng: the 4-tuple of lsmini._backend.philox_seed_offset() (common.h's
+// PhiloxTuple), ignored when p == 0.
 #include "common.h"
 #include "attention_softmax.h"
 
@@ -29,10 +30,11 @@ void check_p(double p, const char* op) {
 // both are the same tensor (one allocation).
 std::tuple<at::Tensor, at::Tensor> attention_softmax_fwd(const at::Tensor& scores_in,
                                                          const c10::optional<at::Tensor>& mask_in, bool causal,
-                                                         double p, uint64_t seed, uint64_t offset) {
+                                                         double p, const PhiloxTuple& rng) {
   const char* op = "attention_softmax_fwd";
   check_scores(scores_in, op, "scores");
   check_p(p, op);
+  const PhiloxArgs philox = philox_args(rng, op);
   const int64_t batch = scores_in.size(0), heads = scores_in.size(1), q_len = scores_in.size(2),
                 k_len = scores_in.size(3);
   if (mask_in.has_value()) {
@@ -61,17 +63,17 @@ std::tuple<at::Tensor, at::Tensor> attention_softmax_fwd(const at::Tensor& score
     using K = typename KernelType<scalar_t>::type;
     const cudaError_t err = launch_attention_softmax_fwd<K>(
         kptr<scalar_t>(scores), mask_ptr, kptr<scalar_t>(softmax), dropout ? kptr<scalar_t>(probs) : nullptr, batch,
-        heads, q_len, k_len, causal, pf, seed, offset, current_stream());
+        heads, q_len, k_len, causal, pf, philox, current_stream());
     check_launch(err, op);
   });
   return {probs, softmax};
 }
 
 // grad_scores from grad_probs and the saved pre-dropout softmax; the dropout mask is regenerated
-// from (p, seed, offset). inplace: the result overwrites grad_probs (which must be contiguous) and
+// from (p, rng). inplace: the result overwrites grad_probs (which must be contiguous) and
 // grad_probs itself is returned.
-at::Tensor attention_softmax_bwd(const at::Tensor& grad_probs, const at::Tensor& softmax_in, double p, uint64_t seed,
-                                 uint64_t offset, bool inplace) {
+at::Tensor attention_softmax_bwd(const at::Tensor& grad_probs, const at::Tensor& softmax_in, double p,
+                                 const PhiloxTuple& rng, bool inplace) {
   const char* op = "attention_softmax_bwd";
   check_scores(softmax_in, op, "softmax");
   check_cuda(grad_probs, op, "grad_probs");
@@ -79,6 +81,7 @@ at::Tensor attention_softmax_bwd(const at::Tensor& grad_probs, const at::Tensor&
   check_dtype(grad_probs, softmax_in.scalar_type(), op, "grad_probs");
   check_shape(grad_probs, softmax_in.sizes(), op, "grad_probs");
   check_p(p, op);
+  const PhiloxArgs philox = philox_args(rng, op);
   LSMINI_CHECK(!inplace || grad_probs.is_contiguous(), op,
               ": inplace=True writes into grad_probs, which must then be contiguous, got strides ",
               grad_probs.strides());
@@ -93,7 +96,7 @@ at::Tensor attention_softmax_bwd(const at::Tensor& grad_probs, const at::Tensor&
     using K = typename KernelType<scalar_t>::type;
     const cudaError_t err =
         launch_attention_softmax_bwd<K>(kptr<scalar_t>(grad), kptr<scalar_t>(softmax), kptr<scalar_t>(grad_scores),
-                                        rows, k_len, static_cast<float>(p), seed, offset, current_stream());
+                                        rows, k_len, static_cast<float>(p), philox, current_stream());
     check_launch(err, op);
   });
   return grad_scores;
@@ -103,11 +106,11 @@ void register_attention_softmax(pybind11::module_& m) {
   m.def("attention_softmax_fwd", &attention_softmax_fwd,
         "Masked softmax over the keys + dropout: (probs, softmax); one tensor twice when p == 0",
         pybind11::arg("scores"), pybind11::arg("key_padding_mask"), pybind11::arg("causal"), pybind11::arg("p"),
-        pybind11::arg("seed"), pybind11::arg("offset"));
+        pybind11::arg("rng"));
   m.def("attention_softmax_bwd", &attention_softmax_bwd,
         "Backward of attention_softmax_fwd: grad_scores (written into grad_probs when inplace)",
-        pybind11::arg("grad_probs"), pybind11::arg("softmax"), pybind11::arg("p"), pybind11::arg("seed"),
-        pybind11::arg("offset"), pybind11::arg("inplace") = false);
+        pybind11::arg("grad_probs"), pybind11::arg("softmax"), pybind11::arg("p"), pybind11::arg("rng"),
+        pybind11::arg("inplace") = false);
 }
 
 }  // namespace

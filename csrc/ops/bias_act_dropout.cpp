@@ -1,6 +1,7 @@
 // Bindings for bias_act_dropout: out = dropout(act(x + bias)) on [rows, hidden] tensors.
-//   bias_act_dropout_fwd(x, bias|None, act, p, seed, offset) -> out
-//   bias_act_dropout_bwd(grad_out, x, bias|None, act, p, seed, offset) -> (grad_x, grad_bias|None)
+//   bias_act_dropout_fwd(x, bias|None, act, p, rng) -> out
+//   bias_act_dropout_bwd(grad_out, x, bias|None, act, p, rng) -> (grad_x, grad_bias|None)
+// rng: the 4-tuple of lsmini._backend.philox_seed_offset() (common.h's PhiloxTuple), ignored when p == 0.
 // act is a name ("relu", "gelu", "gelu_tanh") or its id (0, 1, 2). The backward takes the forward's
 // input x (not its output): act'(x + bias) is recomputed.
 #include "common.h"
@@ -55,7 +56,7 @@ void check_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
 }
 
 at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                const pybind11::object& act, double p, uint64_t seed, uint64_t offset) {
+                                const pybind11::object& act, double p, const PhiloxTuple& rng) {
   const char* op = kFwdName;
   check_cuda(x, op, "x");
   check_2d(x, op, "x");
@@ -63,6 +64,7 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
   if (bias) check_bias(*bias, x, op);
   const int act_id = parse_act(act, op);
   check_p(p, op);
+  const PhiloxArgs philox = philox_args(rng, op);
 
   c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
@@ -76,11 +78,10 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
     if (!bc.defined() || bc.scalar_type() == xc.scalar_type()) {
       const T* b = bc.defined() ? kptr<scalar_t>(bc) : nullptr;
       err = launch_bias_act_dropout_fwd<T, T>(kptr<scalar_t>(xc), b, kptr<scalar_t>(out), rows, hidden, act_id,
-                                              static_cast<float>(p), seed, offset, current_stream());
+                                              static_cast<float>(p), philox, current_stream());
     } else {
       err = launch_bias_act_dropout_fwd<T, float>(kptr<scalar_t>(xc), bc.data_ptr<float>(), kptr<scalar_t>(out), rows,
-                                                  hidden, act_id, static_cast<float>(p), seed, offset,
-                                                  current_stream());
+                                                  hidden, act_id, static_cast<float>(p), philox, current_stream());
     }
   });
   check_launch(err, op);
@@ -90,7 +91,7 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at::Tensor& grad_out, const at::Tensor& x,
                                                                        const std::optional<at::Tensor>& bias,
                                                                        const pybind11::object& act, double p,
-                                                                       uint64_t seed, uint64_t offset) {
+                                                                       const PhiloxTuple& rng) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
   check_2d(grad_out, op, "grad_out");
@@ -102,6 +103,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
   if (bias) check_bias(*bias, x, op);
   const int act_id = parse_act(act, op);
   check_p(p, op);
+  const PhiloxArgs philox = philox_args(rng, op);
 
   c10::cuda::CUDAGuard guard(grad_out.device());
   const at::Tensor g = grad_out.contiguous();
@@ -125,12 +127,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
       const T* b = bc.defined() ? kptr<scalar_t>(bc) : nullptr;
       T* gb = bc.defined() ? kptr<scalar_t>(*grad_bias) : nullptr;
       err = launch_bias_act_dropout_bwd<T, T>(kptr<scalar_t>(g), kptr<scalar_t>(xc), b, kptr<scalar_t>(grad_x), gb,
-                                              part, slabs, rows, hidden, act_id, static_cast<float>(p), seed, offset,
+                                              part, slabs, rows, hidden, act_id, static_cast<float>(p), philox,
                                               current_stream());
     } else {
       err = launch_bias_act_dropout_bwd<T, float>(kptr<scalar_t>(g), kptr<scalar_t>(xc), bc.data_ptr<float>(),
                                                   kptr<scalar_t>(grad_x), grad_bias->data_ptr<float>(), part, slabs,
-                                                  rows, hidden, act_id, static_cast<float>(p), seed, offset,
+                                                  rows, hidden, act_id, static_cast<float>(p), philox,
                                                   current_stream());
     }
   });
@@ -145,11 +147,10 @@ static void register_bias_act_dropout(pybind11::module_& m) {
   m.def("bias_act_dropout_fwd", &bias_act_dropout_fwd,
         "out = dropout(act(x + bias)); x [rows, hidden], bias [hidden] (x's dtype or float32) or None, "
         "act 'relu' | 'gelu' | 'gelu_tanh' (or 0 | 1 | 2)",
-        py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("seed"), py::arg("offset"));
+        py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"));
   m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd,
         "(grad_x, grad_bias or None) of bias_act_dropout, recomputing act' from x and bias; grad_bias in bias's dtype",
-        py::arg("grad_out"), py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("seed"),
-        py::arg("offset"));
+        py::arg("grad_out"), py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"));
 }
 
 LSMINI_REGISTER_OPS(register_bias_act_dropout);

@@ -1,6 +1,7 @@
 // Bindings for bias_dropout_residual: out = residual + dropout(x + bias) on [rows, hidden] tensors.
-//   bias_dropout_residual_fwd(x, bias|None, residual, p, seed, offset) -> out
-//   bias_dropout_residual_bwd(grad_out, p, seed, offset, has_bias, bias_dtype=None) -> (grad_x, grad_bias|None)
+//   bias_dropout_residual_fwd(x, bias|None, residual, p, rng) -> out
+//   bias_dropout_residual_bwd(grad_out, p, rng, has_bias, bias_dtype=None) -> (grad_x, grad_bias|None)
+// rng: the 4-tuple of lsmini._backend.philox_seed_offset() (common.h's PhiloxTuple), ignored when p == 0.
 // grad_residual is grad_out itself, so the backward does not return it. With p == 0 grad_x is
 // grad_out (no copy) and only the bias column sums run.
 #include "common.h"
@@ -32,7 +33,7 @@ void check_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
 }
 
 at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                     const at::Tensor& residual, double p, uint64_t seed, uint64_t offset) {
+                                     const at::Tensor& residual, double p, const PhiloxTuple& rng) {
   const char* op = kFwdName;
   check_cuda(x, op, "x");
   check_2d(x, op, "x");
@@ -43,6 +44,7 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
   check_shape(residual, x.sizes(), op, "residual");
   if (bias) check_bias(*bias, x, op);
   check_p(p, op);
+  const PhiloxArgs philox = philox_args(rng, op);
 
   c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
@@ -57,12 +59,11 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
     if (!bc.defined() || bc.scalar_type() == xc.scalar_type()) {
       const T* b = bc.defined() ? kptr<scalar_t>(bc) : nullptr;
       err = launch_bias_dropout_residual_fwd<T, T>(kptr<scalar_t>(xc), b, kptr<scalar_t>(rc), kptr<scalar_t>(out),
-                                                   rows, hidden, static_cast<float>(p), seed, offset,
-                                                   current_stream());
+                                                   rows, hidden, static_cast<float>(p), philox, current_stream());
     } else {
       err = launch_bias_dropout_residual_fwd<T, float>(kptr<scalar_t>(xc), bc.data_ptr<float>(), kptr<scalar_t>(rc),
                                                        kptr<scalar_t>(out), rows, hidden, static_cast<float>(p),
-                                                       seed, offset, current_stream());
+                                                       philox, current_stream());
     }
   });
   check_launch(err, op);
@@ -70,14 +71,14 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
 }
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(const at::Tensor& grad_out, double p,
-                                                                            uint64_t seed, uint64_t offset,
-                                                                            bool has_bias,
+                                                                            const PhiloxTuple& rng, bool has_bias,
                                                                             std::optional<at::ScalarType> bias_dtype) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
   check_2d(grad_out, op, "grad_out");
   check_float_dtype(grad_out, op, "grad_out");
   check_p(p, op);
+  const PhiloxArgs philox = philox_args(rng, op);
   const at::ScalarType bdt = bias_dtype.value_or(grad_out.scalar_type());
   TORCH_CHECK_TYPE(bdt == grad_out.scalar_type() || bdt == at::kFloat,
                    msg(op, ": bias_dtype must be ", grad_out.scalar_type(), " (grad_out's dtype) or float32, got ",
@@ -108,10 +109,10 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(cons
     if (!has_bias || bdt == g.scalar_type()) {
       T* gb = has_bias ? kptr<scalar_t>(*grad_bias) : nullptr;
       err = launch_bias_dropout_residual_bwd<T, T>(kptr<scalar_t>(g), gx, gb, part, slabs, rows, hidden,
-                                                   static_cast<float>(p), seed, offset, current_stream());
+                                                   static_cast<float>(p), philox, current_stream());
     } else {
       err = launch_bias_dropout_residual_bwd<T, float>(kptr<scalar_t>(g), gx, grad_bias->data_ptr<float>(), part,
-                                                       slabs, rows, hidden, static_cast<float>(p), seed, offset,
+                                                       slabs, rows, hidden, static_cast<float>(p), philox,
                                                        current_stream());
     }
   });
@@ -126,11 +127,10 @@ static void register_bias_dropout_residual(pybind11::module_& m) {
   m.def("bias_dropout_residual_fwd", &bias_dropout_residual_fwd,
         "out = residual + dropout(x + bias); x, residual [rows, hidden], bias [hidden] (x's dtype or float32) "
         "or None",
-        py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("seed"), py::arg("offset"));
+        py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("rng"));
   m.def("bias_dropout_residual_bwd", &bias_dropout_residual_bwd,
         "(grad_x, grad_bias or None) of bias_dropout_residual; grad_bias in bias_dtype (default grad_out's dtype)",
-        py::arg("grad_out"), py::arg("p"), py::arg("seed"), py::arg("offset"), py::arg("has_bias"),
-        py::arg("bias_dtype") = py::none());
+        py::arg("grad_out"), py::arg("p"), py::arg("rng"), py::arg("has_bias"), py::arg("bias_dtype") = py::none());
 }
 
 LSMINI_REGISTER_OPS(register_bias_dropout_residual);

@@ -1,6 +1,6 @@
 // Shared by every binding in csrc/ops: argument checks with readable messages, dtype dispatch to
-// the kernels' element types, the current stream, launch-error reporting, Philox seeds from torch's
-// CUDA generator, and the registration hook that puts each family's functions into lsmini._C.
+// the kernels' element types, the current stream, launch-error reporting, the dropout RNG argument,
+// and the registration hook that puts each family's functions into lsmini._C.
 #pragma once
 
 #include <torch/extension.h>
@@ -11,8 +11,11 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
+
+#include "philox.h"
 
 namespace lsmini {
 
@@ -87,6 +90,20 @@ inline void check_launch(cudaError_t err, const char* op) {
 }
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// ---- dropout RNG ----
+// What lsmini._backend.philox_seed_offset() returns and every dropout binding takes as `rng`:
+// (seed, offset, seed_ptr, offset_ptr), the pointers 0 in eager mode and device addresses of torch's
+// generator words for a call captured in a CUDA graph (see csrc/kernels/philox.h).
+using PhiloxTuple = std::tuple<uint64_t, uint64_t, int64_t, int64_t>;
+
+inline PhiloxArgs philox_args(const PhiloxTuple& rng, const char* op) {
+  const auto [seed, offset, seed_ptr, offset_ptr] = rng;
+  LSMINI_CHECK((seed_ptr == 0) == (offset_ptr == 0), op,
+              ": rng must be (seed, offset, 0, 0) or (0, offset, seed_ptr, offset_ptr) with both pointers set, "
+              "got seed_ptr = ", seed_ptr, " and offset_ptr = ", offset_ptr);
+  return {seed, offset, reinterpret_cast<const int64_t*>(seed_ptr), reinterpret_cast<const int64_t*>(offset_ptr)};
+}
 
 // ---- dtype dispatch: at::ScalarType -> kernel element type ----
 template <typename T> struct KernelType;

@@ -1,7 +1,9 @@
 // Bindings of the fused token embedding (csrc/kernels/embedding.cu):
-//   embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, seed, offset) -> out
+//   embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, rng) -> out
 //   embedding_bwd(grad_out, tokens, vocab, max_positions, need_weight_grad, need_pos_grad, scale,
-//                 padding_idx, step, dropout_p, seed, offset) -> (grad_weight | None, grad_pos | None)
+//                 padding_idx, step, dropout_p, rng) -> (grad_weight | None, grad_pos | None)
+// rng: the 4-tuple of lsmini._backend.philox_seed_offset() (common.h's PhiloxTuple), ignored when
+// dropout_p == 0.
 // padding_idx = -1 means "no padding token". Token ids outside [0, vocab) are skipped by the kernels
 // (zero output, no gradient); raising for them is the Python op's job (it costs a host sync).
 #include "common.h"
@@ -40,8 +42,8 @@ void dispatch_ids(at::ScalarType s, F&& f) {
 }
 
 at::Tensor embedding_fwd(const at::Tensor& tokens_in, const at::Tensor& weight_in, const at::Tensor& pos_in,
-                         double scale, int64_t padding_idx, int64_t step, double dropout_p, uint64_t seed,
-                         uint64_t offset) {
+                         double scale, int64_t padding_idx, int64_t step, double dropout_p,
+                         const PhiloxTuple& rng) {
   const char* op = "embedding_fwd";
   check_tokens(tokens_in, op);
   check_cuda(weight_in, op, "weight");
@@ -57,6 +59,7 @@ at::Tensor embedding_fwd(const at::Tensor& tokens_in, const at::Tensor& weight_i
   const int64_t vocab = weight_in.size(0), hidden = weight_in.size(1);
   check_common_params(op, vocab, padding_idx, dropout_p);
   check_positions(op, step, len, pos_in.size(0));
+  const PhiloxArgs philox = philox_args(rng, op);
 
   c10::cuda::CUDAGuard guard(weight_in.device());
   const at::Tensor tokens = tokens_in.contiguous();
@@ -72,7 +75,7 @@ at::Tensor embedding_fwd(const at::Tensor& tokens_in, const at::Tensor& weight_i
       using token_t = decltype(id_tag);
       err = launch_embedding_fwd(kptr<scalar_t>(out), tokens.data_ptr<token_t>(), kptr<scalar_t>(weight),
                                  kptr<scalar_t>(pos), batch, len, hidden, vocab, step, static_cast<float>(scale),
-                                 padding_idx, static_cast<float>(dropout_p), seed, offset, current_stream());
+                                 padding_idx, static_cast<float>(dropout_p), philox, current_stream());
     });
   });
   check_launch(err, op);
@@ -82,7 +85,7 @@ at::Tensor embedding_fwd(const at::Tensor& tokens_in, const at::Tensor& weight_i
 std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, const at::Tensor& tokens_in,
                                                  int64_t vocab, int64_t max_positions, bool need_weight_grad,
                                                  bool need_pos_grad, double scale, int64_t padding_idx, int64_t step,
-                                                 double dropout_p, uint64_t seed, uint64_t offset) {
+                                                 double dropout_p, const PhiloxTuple& rng) {
   const char* op = "embedding_bwd";
   check_tokens(tokens_in, op);
   check_cuda(grad_in, op, "grad_out");
@@ -94,6 +97,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, cons
   LSMINI_CHECK(vocab >= 0, op, ": vocab must be >= 0, got ", vocab);
   check_common_params(op, vocab, padding_idx, dropout_p);
   check_positions(op, step, len, max_positions);
+  const PhiloxArgs philox = philox_args(rng, op);
   const int64_t hidden = grad_in.size(2), rows = batch * len;
 
   c10::cuda::CUDAGuard guard(grad_in.device());
@@ -116,8 +120,8 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, cons
           using token_t = decltype(id_tag);
           err = launch_embedding_bwd(kptr<scalar_t>(grad_weight), partials.data_ptr<float>(), kptr<scalar_t>(grad),
                                      sorted_ids.data_ptr<token_t>(), order.data_ptr<int64_t>(), rows, hidden, vocab,
-                                     static_cast<float>(scale), padding_idx, static_cast<float>(dropout_p), seed,
-                                     offset, current_stream());
+                                     static_cast<float>(scale), padding_idx, static_cast<float>(dropout_p), philox,
+                                     current_stream());
         });
       });
       check_launch(err, op);
@@ -136,8 +140,7 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, cons
           err = launch_embedding_pos_bwd(kptr<scalar_t>(grad_pos),
                                          partials.defined() ? partials.data_ptr<float>() : nullptr,
                                          kptr<scalar_t>(grad), tokens.data_ptr<token_t>(), batch, len, hidden, vocab,
-                                         step, padding_idx, static_cast<float>(dropout_p), seed, offset,
-                                         current_stream());
+                                         step, padding_idx, static_cast<float>(dropout_p), philox, current_stream());
         });
       });
       check_launch(err, "embedding_bwd (positions)");
@@ -149,13 +152,11 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, cons
 void register_embedding(pybind11::module_& m) {
   m.def("embedding_fwd", &embedding_fwd, "fused token embedding: dropout(scale * weight[tokens] + pos_table[step:])",
         pybind11::arg("tokens"), pybind11::arg("weight"), pybind11::arg("pos_table"), pybind11::arg("scale"),
-        pybind11::arg("padding_idx"), pybind11::arg("step"), pybind11::arg("dropout_p"), pybind11::arg("seed"),
-        pybind11::arg("offset"));
+        pybind11::arg("padding_idx"), pybind11::arg("step"), pybind11::arg("dropout_p"), pybind11::arg("rng"));
   m.def("embedding_bwd", &embedding_bwd, "gradients of embedding_fwd: (grad_weight | None, grad_pos | None)",
         pybind11::arg("grad_out"), pybind11::arg("tokens"), pybind11::arg("vocab"), pybind11::arg("max_positions"),
         pybind11::arg("need_weight_grad"), pybind11::arg("need_pos_grad"), pybind11::arg("scale"),
-        pybind11::arg("padding_idx"), pybind11::arg("step"), pybind11::arg("dropout_p"), pybind11::arg("seed"),
-        pybind11::arg("offset"));
+        pybind11::arg("padding_idx"), pybind11::arg("step"), pybind11::arg("dropout_p"), pybind11::arg("rng"));
 }
 
 }  // namespace

@@ -14,10 +14,12 @@ Attention core: QKᵀ·(1/sqrt(d)) in one baddbmm (the scale folded into the GEM
 (masks and dropout fused), ·V, merge_heads, output GEMM. FFN core: GEMM, bias_act_dropout, GEMM.
 
 Saved for backward (spec.recompute, the default): each block's input, Q/K/V, the merged attention
-context, the first FFN GEMM's output, LayerNorm statistics, dropout (seed, offset); backward recomputes
-the attention probabilities (QKᵀ into scratch, then the softmax forward again with the same Philox
-seed/offset, so the very same dropout mask), the FFN activation (bias_act_dropout forward again, same
-mask) and, for pre-LN, the LayerNorm outputs. spec.recompute = False saves those instead.
+context, the first FFN GEMM's output, LayerNorm statistics, each dropout's Philox state ``rng``;
+backward recomputes the attention probabilities (QKᵀ into scratch, then the softmax forward again with
+the same ``rng``, so the very same dropout mask), the FFN activation (bias_act_dropout forward again,
+same mask) and, for pre-LN, the LayerNorm outputs. spec.recompute = False saves those instead. Under
+CUDA graph capture ``rng`` holds device pointers that each replay refills, so forward, recompute and
+backward of one replay share one mask and every replay draws a new one.
 
 Backward temporaries (attention-score gradient, Q/K/V gradients, FFN hidden gradient, the gradients
 of each core's input) are views into the arena of (device, dtype) (``arena.py``), laid out per core:
@@ -139,8 +141,8 @@ def _self_fwd(u, prm, spec, flat, ins):
 
 def _softmax_state(st, q3, k3, shape, kpm, causal, spec, flat):
     """The forward's softmax state with "sm"/"probs": as saved, or recomputed — QKᵀ into scratch [0, S),
-    then the softmax forward again with the saved dropout (seed, offset) or mask, so the same
-    probabilities come back."""
+    then the softmax forward again with the saved dropout ``rng`` or mask, so the same probabilities
+    come back."""
     sst = st["softmax"]
     if "sm" in sst:
         return sst

@@ -6,9 +6,10 @@ kernels (CUDA) and on the references (CPU, ``LSMINI_FORCE_REFERENCE=1``) — the
 hand-written backward against torch.nn. Each ``*_fwd`` returns (output, state); the matching ``*_bwd``
 takes the state. States hold tensors and plain values only.
 
-Dropout: the kernels draw (seed, offset) from torch's CUDA generator and regenerate the mask in
-backward; the references draw a bool keep-mask with torch's generator of the tensor's device and keep
-it in the state (reference path only).
+Dropout: the kernels take the call's Philox state ``rng`` (``_backend.dropout_rng``, drawn
+from torch's CUDA generator; graph-safe) and regenerate the mask in backward; the references draw a
+bool keep-mask with torch's generator of the tensor's device and keep it in the state (reference path
+only).
 """
 import torch
 
@@ -16,13 +17,6 @@ from lsmini import _backend
 from lsmini.ops.attention_softmax import attention_softmax_ref
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
 from lsmini.ops.layernorm import layer_norm_ref
-
-
-def _philox(device, p):
-    if p <= 0:
-        return 0, 0
-    with torch.cuda.device(device):
-        return _backend.philox_seed_offset()
 
 
 def _keep_mask(shape, p, device):
@@ -61,9 +55,9 @@ def ln_bwd(dy, w, b, eps, st, k):
 # ---- residual + dropout(x + bias): x2d, res2d [rows, hidden] ---------------------------------------
 def bdr_fwd(x2d, bias, res2d, p, k):
     if k:
-        seed, offset = _philox(x2d.device, p)
-        out = _backend.ext().bias_dropout_residual_fwd(x2d, bias, res2d, p, seed, offset)
-        return out, {"p": p, "seed": seed, "offset": offset}
+        rng = _backend.dropout_rng(p, x2d.device)
+        out = _backend.ext().bias_dropout_residual_fwd(x2d, bias, res2d, p, rng)
+        return out, {"p": p, "rng": rng}
     keep = _keep_mask(x2d.shape, p, x2d.device)
     y = x2d.float() + bias.float()
     if keep is not None:
@@ -75,7 +69,7 @@ def bdr_bwd(g2d, bias, st, k):
     """(grad_x, grad_bias); grad_residual is g2d itself. Without dropout grad_x may BE g2d."""
     p = st["p"]
     if k:
-        gx, gb = _backend.ext().bias_dropout_residual_bwd(g2d, p, st["seed"], st["offset"], True, bias.dtype)
+        gx, gb = _backend.ext().bias_dropout_residual_bwd(g2d, p, st["rng"], True, bias.dtype)
         return gx, gb
     gx = g2d
     if st["keep"] is not None:
@@ -88,9 +82,9 @@ def bad_fwd(x2d, bias, act, p, k, replay=None):
     """replay: the state of an earlier call on the same x2d — recompute exactly that output (same
     dropout mask) instead of drawing a new one."""
     if k:
-        seed, offset = (replay["seed"], replay["offset"]) if replay is not None else _philox(x2d.device, p)
-        out = _backend.ext().bias_act_dropout_fwd(x2d, bias, act, p, seed, offset)
-        return out, {"x": x2d, "p": p, "seed": seed, "offset": offset}
+        rng = replay["rng"] if replay is not None else _backend.dropout_rng(p, x2d.device)
+        out = _backend.ext().bias_act_dropout_fwd(x2d, bias, act, p, rng)
+        return out, {"x": x2d, "p": p, "rng": rng}
     keep = replay["keep"] if replay is not None else _keep_mask(x2d.shape, p, x2d.device)
     return bias_act_dropout_ref(x2d, bias, act, p, True, keep), {"x": x2d, "p": p, "keep": keep}
 
@@ -98,7 +92,7 @@ def bad_fwd(x2d, bias, act, p, k, replay=None):
 def bad_bwd(g2d, bias, act, st, k):
     """(grad_x fresh, grad_bias)."""
     if k:
-        gx, gb = _backend.ext().bias_act_dropout_bwd(g2d, st["x"], bias, act, st["p"], st["seed"], st["offset"])
+        gx, gb = _backend.ext().bias_act_dropout_bwd(g2d, st["x"], bias, act, st["p"], st["rng"])
         return gx, gb
     with torch.enable_grad():
         xs, bs = _leaf(st["x"]), _leaf(bias)
@@ -149,9 +143,9 @@ def softmax_fwd(scores, kpm, causal, p, k, replay=None):
     """(probs, state); probs is a fresh tensor (the scores may be scratch). replay: the state of an
     earlier call on the same scores — recompute exactly its output (same dropout mask)."""
     if k:
-        seed, offset = (replay["seed"], replay["offset"]) if replay is not None else _philox(scores.device, p)
-        probs, sm = _backend.ext().attention_softmax_fwd(scores, kpm, causal, p, seed, offset)
-        return probs, {"sm": sm, "probs": probs if p > 0 else None, "p": p, "seed": seed, "offset": offset}
+        rng = replay["rng"] if replay is not None else _backend.dropout_rng(p, scores.device)
+        probs, sm = _backend.ext().attention_softmax_fwd(scores, kpm, causal, p, rng)
+        return probs, {"sm": sm, "probs": probs if p > 0 else None, "p": p, "rng": rng}
     sm = attention_softmax_ref(scores, kpm, causal, 0.0, False)
     keep = replay["keep"] if replay is not None else _keep_mask(scores.shape, p, scores.device)
     probs = sm
@@ -172,7 +166,7 @@ def softmax_probs(st):
 def softmax_bwd_(gprobs, st, k):
     """Score gradient written over gprobs (contiguous scratch), which is returned."""
     if k:
-        return _backend.ext().attention_softmax_bwd(gprobs, st["sm"], st["p"], st["seed"], st["offset"], True)
+        return _backend.ext().attention_softmax_bwd(gprobs, st["sm"], st["p"], st["rng"], True)
     g = gprobs.float()
     if st["keep"] is not None:
         g = torch.where(st["keep"], g * (1.0 / (1.0 - st["p"])), torch.zeros((), device=g.device))

@@ -13,7 +13,9 @@ q_len < k_len it is a decoding step over cached keys; with q_len > k_len the fir
 queries see nothing and get zeros.
 
 Backward: g = dout · keep / (1 − p),  dscores = y · (g − Σ_j y_j g_j). The kernel saves only y (the
-pre-dropout softmax) and regenerates the dropout mask from its Philox (seed, offset).
+pre-dropout softmax) and regenerates the dropout mask from the call's Philox state ``rng``
+(``_backend.philox_seed_offset``), which the kernels read at run time: the op can be captured in a CUDA
+graph and every replay draws a fresh mask.
 
 The CUDA kernel covers float32/float16/bfloat16 (fp32 math) and k_len ≤ 16384; other dtypes
 (e.g. float64) and non-CUDA tensors run ``attention_softmax_ref``.
@@ -62,20 +64,17 @@ def attention_softmax_ref(scores, key_padding_mask=None, causal=False, dropout_p
 class AttentionSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores, key_padding_mask, causal, p):
-        seed, offset = 0, 0
-        if p > 0:
-            with torch.cuda.device(scores.device):  # the generator of the scores' device
-                seed, offset = _backend.philox_seed_offset()
-        probs, softmax = _backend.ext().attention_softmax_fwd(scores, key_padding_mask, causal, p, seed, offset)
+        rng = _backend.dropout_rng(p, scores.device)
+        probs, softmax = _backend.ext().attention_softmax_fwd(scores, key_padding_mask, causal, p, rng)
         ctx.save_for_backward(softmax)
-        ctx.p, ctx.seed, ctx.offset = p, seed, offset
+        ctx.p, ctx.rng = p, rng
         return probs
 
     @staticmethod
     def backward(ctx, grad_probs):
         (softmax,) = ctx.saved_tensors
         # Not in place: autograd may hand the same gradient buffer to other consumers.
-        grad = _backend.ext().attention_softmax_bwd(grad_probs, softmax, ctx.p, ctx.seed, ctx.offset, False)
+        grad = _backend.ext().attention_softmax_bwd(grad_probs, softmax, ctx.p, ctx.rng, False)
         return grad, None, None, None
 
 

@@ -6,9 +6,11 @@ Shapes: x [..., hidden]; bias [hidden] in x's dtype or float32, or None; out lik
 handles float32/float16/bfloat16 with fp32 math and one rounding.
 
 Dropout (training and p > 0): element e of x, with flat index i = row * hidden + col of x viewed as
-[rows, hidden], is kept iff its Philox word (keyed by a (seed, offset) drawn from torch's CUDA
-generator, so ``torch.manual_seed`` reproduces it) passes the threshold; kept values are scaled by
-1 / (1 - p). The backward regenerates the mask from (seed, offset).
+[rows, hidden], is kept iff its Philox word (keyed by the call's Philox state ``rng`` drawn from torch's
+CUDA generator, see ``_backend.philox_seed_offset``, so ``torch.manual_seed`` reproduces it) passes the
+threshold; kept values are scaled by 1 / (1 - p). The backward regenerates the mask from ``rng``. The
+kernels read ``rng`` at run time, so the op can be captured in a CUDA graph and every replay draws a
+fresh mask.
 
 Backward: grad_x = act'(x + bias) · dropout backward of grad_out, recomputed from the saved input x
 (and bias), not from a saved activation; grad_bias = grad_x summed over all rows (fp32 accumulation,
@@ -47,10 +49,10 @@ class BiasActDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, activation, p):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        seed, offset = _backend.philox_seed_offset() if p > 0 else (0, 0)
-        out = _backend.ext().bias_act_dropout_fwd(x2d, bias, activation, p, seed, offset)
+        rng = _backend.dropout_rng(p, x.device)
+        out = _backend.ext().bias_act_dropout_fwd(x2d, bias, activation, p, rng)
         ctx.save_for_backward(x2d, bias)
-        ctx.activation, ctx.p, ctx.seed, ctx.offset = activation, p, seed, offset
+        ctx.activation, ctx.p, ctx.rng = activation, p, rng
         return out.view(x.shape)
 
     @staticmethod
@@ -60,7 +62,7 @@ class BiasActDropoutFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             # bias goes in even when frozen: act' needs x + bias.
             grad_x, grad_bias = _backend.ext().bias_act_dropout_bwd(grad.reshape(x2d.shape), x2d, bias,
-                                                                     ctx.activation, ctx.p, ctx.seed, ctx.offset)
+                                                                     ctx.activation, ctx.p, ctx.rng)
             grad_x = grad_x.view(grad.shape)
             if not ctx.needs_input_grad[1]:
                 grad_bias = None

@@ -6,9 +6,11 @@ Shapes: x, residual [..., hidden] (same shape and dtype); bias [hidden] in x's d
 None; out like x. The CUDA kernel handles float32/float16/bfloat16 with fp32 math and one rounding.
 
 Dropout (training and p > 0): element e of x, with flat index i = row * hidden + col of x viewed as
-[rows, hidden], is kept iff its Philox word (keyed by a (seed, offset) drawn from torch's CUDA
-generator, so ``torch.manual_seed`` reproduces it) passes the threshold; kept values are scaled by
-1 / (1 - p). The backward regenerates the mask from (seed, offset); nothing per element is saved.
+[rows, hidden], is kept iff its Philox word (keyed by the call's Philox state ``rng`` drawn from torch's
+CUDA generator, see ``_backend.philox_seed_offset``, so ``torch.manual_seed`` reproduces it) passes the
+threshold; kept values are scaled by 1 / (1 - p). The backward regenerates the mask from ``rng``;
+nothing per element is saved. The kernels read ``rng`` at run time, so the op can be captured in a
+CUDA graph and every replay draws a fresh mask.
 
 Backward: grad_x = dropout backward of grad_out; grad_bias = grad_x summed over all rows (fp32
 accumulation, returned in bias's dtype); grad_residual = grad_out (the same tensor).
@@ -48,10 +50,10 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, p):
         hidden = x.shape[-1]
-        seed, offset = _backend.philox_seed_offset() if p > 0 else (0, 0)
+        rng = _backend.dropout_rng(p, x.device)
         out = _backend.ext().bias_dropout_residual_fwd(x.reshape(-1, hidden), bias, residual.reshape(-1, hidden),
-                                                        p, seed, offset)
-        ctx.p, ctx.seed, ctx.offset = p, seed, offset
+                                                        p, rng)
+        ctx.p, ctx.rng = p, rng
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.view(x.shape)
 
@@ -61,7 +63,7 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             want_bias = ctx.needs_input_grad[1]
             grad_x, grad_bias = _backend.ext().bias_dropout_residual_bwd(
-                grad.reshape(-1, grad.shape[-1]), ctx.p, ctx.seed, ctx.offset, want_bias,
+                grad.reshape(-1, grad.shape[-1]), ctx.p, ctx.rng, want_bias,
                 ctx.bias_dtype if want_bias else None)
             grad_x = grad_x.view(grad.shape)
         return grad_x, grad_bias, grad, None

@@ -12,7 +12,9 @@ Gradients: weight gets a dense [vocab, hidden] gradient (like nn.Embedding witho
 in fp32 without atomics and bitwise reproducible; the padding row gets none. pos_table gets a
 gradient when it requires grad (rows step .. step+len-1; pad tokens contribute nothing).
 Dropout element i is the flat index into the [batch, len, hidden] output; the CUDA backward
-regenerates the mask from (seed, offset), nothing per element is stored.
+regenerates the mask from the call's Philox state ``rng`` (``_backend.philox_seed_offset``), nothing
+per element is stored. The kernels read ``rng`` at run time, so the op can be captured in a CUDA graph
+and every replay draws a fresh mask.
 """
 import math
 
@@ -71,23 +73,19 @@ def embedding_ref(tokens, weight, pos_table, scale=None, padding_idx=None, step=
 class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
-        seed = offset = 0
-        if dropout_p > 0:
-            with torch.cuda.device(weight.device):
-                seed, offset = _backend.philox_seed_offset()
-        out = _backend.ext().embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, seed,
-                                           offset)
+        rng = _backend.dropout_rng(dropout_p, weight.device)
+        out = _backend.ext().embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, rng)
         ctx.save_for_backward(tokens)
-        ctx.args = (weight.shape[0], pos_table.shape[0], scale, padding_idx, step, dropout_p, seed, offset)
+        ctx.args = (weight.shape[0], pos_table.shape[0], scale, padding_idx, step, dropout_p, rng)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         (tokens,) = ctx.saved_tensors
-        vocab, max_positions, scale, padding_idx, step, dropout_p, seed, offset = ctx.args
+        vocab, max_positions, scale, padding_idx, step, dropout_p, rng = ctx.args
         grad_weight, grad_pos = _backend.ext().embedding_bwd(
             grad_out, tokens, vocab, max_positions, ctx.needs_input_grad[1], ctx.needs_input_grad[2], scale,
-            padding_idx, step, dropout_p, seed, offset)
+            padding_idx, step, dropout_p, rng)
         return None, grad_weight, grad_pos, None, None, None, None
 
 
