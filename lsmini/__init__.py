@@ -1,11 +1,12 @@
 """lsmini: a mini Transformer training engine for PyTorch.
 
-Fused CUDA kernels (``lsmini.ops``), Transformer layers built from them (``lsmini.layers``) and a fused
-mixed-precision Adam over one contiguous parameter workspace (``lsmini.optim``). Every op has a
+Fused CUDA kernels (``lsmini.ops``), Transformer layers built from them (``lsmini.layers``), a fused
+mixed-precision Adam over one contiguous parameter workspace (``lsmini.optim``) and data-parallel
+gradient reduction over that workspace (``lsmini.distributed``). Every op has a
 pure-PyTorch reference that runs wherever the kernels cannot; ``lsmini.backend()`` says which is active.
 """
 from lsmini._backend import backend
-from lsmini import ops, layers, optim
+from lsmini import ops, layers, optim, distributed
 
 __version__ = "0.1.0"
-__all__ = ["backend", "ops", "layers", "optim", "__version__"]
+__all__ = ["backend", "ops", "layers", "optim", "distributed", "__version__"]

@@ -29,6 +29,8 @@ Things to know:
   ``module.zero_grad()`` with its default ``set_to_none=True``), ``sync_grads()`` (called by
   ``FusedAdam.step``) copies it back into the buffer (None counts as zero) and re-attaches the view.
 - Only parameters with ``requires_grad=True`` at build time get a gradient view.
+- Data-parallel training: ``lsmini.distributed.GradientReducer(workspace)`` all-reduces the flat gradient
+  buffer in buckets while backward runs; ``FusedAdam.step`` waits for it (see that module).
 - Tied parameters are fine (``module.parameters()`` yields them once). Parameters that are views of
   another tensor, or that share storage with each other, are rejected: the workspace would silently
   untie them.
@@ -113,6 +115,7 @@ class ParameterWorkspace:
         self.device = params[0].device
         self.version = 0
         self._owner = None  # weakref to the optimizer that laid this workspace out, if any
+        self._reducer = None  # weakref to the lsmini.distributed.GradientReducer over the gradients, if any
         self._layout(params, names)
         ref = weakref.ref(self)
         for p in params:
@@ -257,6 +260,23 @@ class ParameterWorkspace:
         s = self._slot_of.get(id(param))
         return s is not None and s.param is param and (s.pptr is None or param.data_ptr() == s.pptr)
 
+    def name_of(self, param):
+        """The parameter's name in the module the workspace was built from (None for a plain list)."""
+        s = self._slot_of.get(id(param))
+        return s.name if s is not None and s.param is param else None
+
+    def has_grad_view(self, param):
+        """Whether ``param`` has a gradient view in the buffer (it required grad when the workspace was built)."""
+        s = self._slot_of.get(id(param))
+        return s is not None and s.param is param and s.grad is not None
+
+    @property
+    def reducer(self):
+        """The live ``lsmini.distributed.GradientReducer`` attached to this workspace, or None.
+        ``FusedAdam.step`` and ``zero_grad`` finish its reduction first."""
+        r = self._reducer() if self._reducer is not None else None
+        return r if r is not None and r.attached else None
+
     def numel(self):
         """Parameter elements (padding excluded)."""
         return sum(s.numel for s in self._slots)
@@ -289,29 +309,44 @@ class ParameterWorkspace:
         the buffer, one set to None is zeroed there; then ``p.grad`` is the view. Also runs ``check()``.
         Asynchronous (no host synchronisation)."""
         with torch.no_grad():
-            for i, s in enumerate(self._slots):
-                p = s.param
-                if s.pptr is not None and p.data_ptr() != s.pptr:
-                    raise RuntimeError(_stale_message(i, s))
-                view = s.grad
-                if view is None:
-                    continue
-                g = p.grad
-                if g is view and (s.gptr is None or g.data_ptr() == s.gptr):
-                    continue
-                if g is None:
-                    view.zero_()
-                elif g.data_ptr() != s.gptr:
-                    if g.shape != view.shape:
-                        raise RuntimeError(f"ParameterWorkspace: the gradient of parameter #{i} "
-                                           f"({s.name or 'unnamed'}) has shape {tuple(g.shape)}, expected "
-                                           f"{tuple(view.shape)}")
-                    view.copy_(g)
-                p.grad = view
+            for s in self._slots:
+                self._sync_slot(s)
+
+    def sync_grad(self, param):
+        """``sync_grads()`` for one parameter (what a gradient hook needs: the value lands in the buffer)."""
+        s = self._slot_of.get(id(param))
+        if s is None or s.param is not param:
+            raise ValueError(f"ParameterWorkspace.sync_grad: a parameter of shape {tuple(param.shape)} is not in "
+                             "this workspace")
+        with torch.no_grad():
+            self._sync_slot(s)
+
+    def _sync_slot(self, s):
+        p = s.param
+        if s.pptr is not None and p.data_ptr() != s.pptr:
+            raise RuntimeError(_stale_message(self._slots.index(s), s))
+        view = s.grad
+        if view is None:
+            return
+        g = p.grad
+        if g is view and (s.gptr is None or g.data_ptr() == s.gptr):
+            return
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != s.gptr:
+            if g.shape != view.shape:
+                raise RuntimeError(f"ParameterWorkspace: the gradient of parameter #{self._slots.index(s)} "
+                                   f"({s.name or 'unnamed'}) has shape {tuple(g.shape)}, expected {tuple(view.shape)}")
+            view.copy_(g)
+        p.grad = view
 
     def zero_grad(self):
         """Zero the flat gradient buffers (one fill per dtype) and re-attach any gradient that is not the
-        workspace view (its value is dropped: it is zero now)."""
+        workspace view (its value is dropped: it is zero now). With a ``GradientReducer`` attached, a
+        reduction still in flight is completed first (zeroing under it would race with the communication)."""
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.finish()
         for buf in self._buffers.values():
             buf.grads.zero_()
         for s in self._slots:
