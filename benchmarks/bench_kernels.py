@@ -36,14 +36,15 @@ class Context:
     def wanted(self, name):
         return not self.only or any(name.startswith(p) for p in self.only)
 
-    def row(self, name, dtype, shape, lsmini_fn, torch_fn, nbytes=None, compiled_fn=None, note=""):
-        """Time lsmini_fn beside torch_fn (and compiled_fn if given); nbytes = bytes the op must move."""
+    def row(self, name, dtype, shape, lsmini_fn, torch_fn, nbytes=None, compiled_fn=None, compiled_ms=None, note=""):
+        """Time lsmini_fn beside torch_fn (and compiled_fn if given, or take compiled_ms measured elsewhere);
+        nbytes = bytes the op must move."""
         if not self.wanted(name):
             return
         iters = 10 if self.quick else 50
         ms = common.time_ms(lsmini_fn, warmup=5, iters=iters)
         t_ms = common.time_ms(torch_fn, warmup=5, iters=iters)
-        c_ms = common.time_ms(compiled_fn, warmup=5, iters=iters) if compiled_fn else None
+        c_ms = common.time_ms(compiled_fn, warmup=5, iters=iters) if compiled_fn else compiled_ms
         r = {"row": name, "dtype": str(dtype).replace("torch.", ""), "shape": shape, "lsmini_ms": ms,
              "torch_ms": t_ms, "speedup": t_ms / ms, "note": note}
         if c_ms is not None:

@@ -1,13 +1,25 @@
 """What train_translation.py and train_lm.py share: data checks, the sentencepiece tokenizer, the token
-cache, token-budget batching, precision and device set-up, the training loop (progress bar, validation,
-checkpoints, exact resume) and metrics.json.
+cache, token-budget batching, precision and device set-up, multi-process (torchrun) set-up, the training
+loop (gradient accumulation, progress bar, validation, checkpoints, exact resume) and metrics.json.
 
 The loop follows the rules that keep a GPU fed on real data: text is tokenized once and the ids are
 cached on disk; batches are built up front (length-bucketed, padded to a multiple of 8) and only their
 order changes per epoch; host tensors are pinned and copied with non_blocking=True; nothing inside a step
 reads a value back from the device (losses are summed on the device and read every --log-every steps);
 the model's workspace is sized once, for the largest batch (--max-tokens) and the longest sequence.
+
+Under torchrun (WORLD_SIZE > 1) every process trains on its share of each step's batches: the epoch's
+batch order is the same on every rank (seeded), each optimizer step takes the next world × --update-freq
+batches of it and rank r takes every world-th of them, so every rank does the same number of steps (the
+remainder of an epoch that does not fill a step is left out of that epoch, a different remainder each
+epoch). Gradients are averaged by lsmini.distributed.GradientReducer while backward runs. Each rank's loss
+is its summed token losses divided by (the step's tokens on all ranks / world): after averaging this is
+exactly the gradient of the whole step's mean token loss, whatever the ranks' batch sizes. Rank 0 alone
+writes files (data, tokenizer, token cache, checkpoints, metrics.json) and prints; the others wait for it
+and read what it wrote.
 """
+import contextlib
+import datetime
 import hashlib
 import io
 import json
@@ -15,9 +27,11 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
+import torch.distributed
 from tqdm import tqdm
 
 from builtin_data import SplitMix64
@@ -214,6 +228,8 @@ def add_common_args(parser, default_save_dir):
                    help="padded tokens per batch (default per --arch: 2048 for tiny, 4096 otherwise)")
     g.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (default: no limit)")
+    g.add_argument("--update-freq", type=int, default=1,
+                   help="accumulate the gradients of N batches (per process) into each optimizer step (default 1)")
     g.add_argument("--epochs", type=int, default=None,
                    help="stop after this many passes over the training data (default 3 unless --max-steps is given)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default per --arch)")
@@ -232,6 +248,9 @@ def add_common_args(parser, default_save_dir):
     g.add_argument("--reference", action="store_true",
                    help="run the same model on lsmini's pure-PyTorch path instead of the fused kernels, for a "
                         "side-by-side comparison (its default --save-dir gets a _reference suffix)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="replay each training step as one CUDA graph (lsmini.graph), recorded once per batch "
+                        "shape: less launch overhead for small models; one GPU, --update-freq 1, the kernels")
 
     g = parser.add_argument_group("progress, validation and checkpoints")
     g.add_argument("--save-dir", default=None,
@@ -256,7 +275,7 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch, default_e
             setattr(args, name, arch[name])
     if args.max_steps is None and args.epochs is None:
         args.epochs = default_epochs
-    for name in ("max_tokens", "log_every", "lr"):
+    for name in ("max_tokens", "log_every", "lr", "update_freq"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     for name in ("max_steps", "epochs", "eval_every", "warmup"):
@@ -273,8 +292,9 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch, default_e
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
 
 
-def setup_device(args):
-    """(device, parameter dtype) from --device and --fp16/--bf16/--fp32."""
+def setup_device(args, local_rank=None):
+    """(device, parameter dtype) from --device and --fp16/--bf16/--fp32. In a torchrun job (`local_rank`
+    given) a CUDA device is the GPU of the process's LOCAL_RANK."""
     if args.device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -284,6 +304,14 @@ def setup_device(args):
             raise DataError(f"--device {args.device!r}: {e}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DataError(f"--device {args.device}: no CUDA device is available (torch {torch.__version__})")
+    if device.type == "cuda" and local_rank is not None:
+        if device.index is not None:
+            raise DataError(f"--device {args.device}: under torchrun each process uses the GPU of its LOCAL_RANK; "
+                            "pass --device cuda (or nothing)")
+        if local_rank >= torch.cuda.device_count():
+            raise DataError(f"LOCAL_RANK {local_rank} has no GPU: this machine has {torch.cuda.device_count()}; "
+                            "start at most that many processes per node")
+        device = torch.device("cuda", local_rank)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     if args.precision is None:
@@ -291,8 +319,105 @@ def setup_device(args):
     if args.precision == "fp16" and device.type != "cuda":
         raise DataError("--fp16 needs a CUDA device (fp16 loss scaling targets GPUs); use --bf16 or --fp32 on "
                         f"{device.type}")
+    if getattr(args, "cuda_graph", False):
+        why = ("a CUDA device" if device.type != "cuda" else "the fused kernels, not --reference" if args.reference
+               else "one process (a data-parallel step is not captured)" if local_rank is not None
+               else "--update-freq 1" if args.update_freq != 1 else None)
+        if why:
+            raise DataError(f"--cuda-graph needs {why}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.precision]
     return device, dtype
+
+
+# ---- multi-process (torchrun) -------------------------------------------------------------------------
+# Rank 0 prepares the data, tokenizer and token cache while the others wait at a barrier; on a large corpus
+# that outlasts NCCL's default 10-minute collective timeout.
+DIST_TIMEOUT = datetime.timedelta(minutes=60)
+
+
+class Distributed:
+    """This process's place in a torchrun job. A plain run is rank 0 of 1, where every method is trivial."""
+
+    def __init__(self, rank=0, world=1, local_rank=0):
+        self.rank, self.world, self.local_rank = rank, world, local_rank
+
+    @property
+    def active(self):
+        return self.world > 1
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    def barrier(self):
+        if self.active:
+            torch.distributed.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """Rank 0 runs the block first (it writes files: tokenizer, token cache), the others after it
+        (they read them). An error in the block ends that rank, and torchrun then stops the others."""
+        if self.active and not self.is_main:
+            torch.distributed.barrier()
+        yield
+        if self.active and self.is_main:
+            torch.distributed.barrier()
+
+    def from_main(self, make):
+        """make() on rank 0, its (picklable) result on every rank."""
+        if not self.active:
+            return make()
+        box = [make() if self.is_main else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj):
+        """[obj of rank 0, obj of rank 1, ...] on every rank."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def sum_(self, tensor):
+        """Sum a device tensor over the ranks, in place."""
+        if self.active:
+            torch.distributed.all_reduce(tensor)
+        return tensor
+
+    def close(self):
+        """End of a successful run: wait for rank 0's last files, then leave the process group."""
+        if self.active and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+
+def start_distributed(args, single_process_mode=None):
+    """(Distributed, device, dtype). Under torchrun (WORLD_SIZE > 1) this joins the process group: NCCL
+    with the GPU of LOCAL_RANK, or gloo on CPU. `single_process_mode` names a flag that cannot run under
+    torchrun (--translate, --generate)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        device, dtype = setup_device(args)
+        return Distributed(), device, dtype
+    if single_process_mode is not None:
+        raise DataError(f"{single_process_mode} runs in one process: start it with python, not torchrun")
+    try:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    except KeyError as e:
+        raise DataError(f"WORLD_SIZE is {world} but {e.args[0]} is not set: start multi-process runs with torchrun") \
+            from None
+    device, dtype = setup_device(args, local_rank=local_rank)
+    if device.type == "cuda":
+        torch.distributed.init_process_group("nccl", timeout=DIST_TIMEOUT, device_id=device)
+    else:
+        torch.distributed.init_process_group("gloo", timeout=DIST_TIMEOUT)
+    return Distributed(rank, world, local_rank), device, dtype
+
+
+def rank_seed(seed, rank):
+    """The dropout seed of `rank` in a multi-process run (initialisation uses `seed` on every rank)."""
+    return seed * 1_000_003 + 7919 * (rank + 1)
 
 
 class RunSettings:
@@ -395,35 +520,60 @@ class Trainer:
     """Optimizer (FusedAdam, betas 0.9/0.98), inverse-sqrt schedule, loss scaler and the step/epoch/batch
     position, with a loop that never waits for the device inside a step.
 
-    `loss_fn(model, batch_on_device) -> (loss, nll_sum)`: the loss to backpropagate and the summed
-    negative log-likelihood of the batch (detached; stays on the device).
+    `loss_fn(model, batch_on_device) -> (loss_sum, nll_sum)`: the training loss summed over the batch's
+    target tokens (to backpropagate) and the summed negative log-likelihood (detached; stays on the device).
     `batches`: `len()`, `get(i, pin) -> tuple of CPU tensors`, `tokens(i) -> int` (target tokens of batch i).
+
+    One optimizer step consumes world × --update-freq batches of the epoch's order; `batch_in_epoch`
+    counts the batches consumed by all ranks, so a checkpoint also resumes under another world size.
     """
 
-    def __init__(self, args, model, device, dtype):
+    def __init__(self, args, model, device, dtype, dist=None):
         from lsmini.optim import FusedAdam, LossScaler
 
         self.args, self.model, self.device, self.dtype = args, model, device, dtype
+        self.dist = dist if dist is not None else Distributed()
         self.optimizer = FusedAdam(model, lr=args.lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=args.weight_decay,
                                    adam_w_mode=True, max_grad_norm=args.clip_norm or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, InverseSqrt(args.warmup))
         self.scaler = LossScaler(enabled=dtype == torch.float16)
+        self.reducer = None
+        if self.dist.active:
+            from lsmini.distributed import GradientReducer
+
+            # after FusedAdam, which lays the workspace out; broadcasts rank 0's parameters
+            self.reducer = GradientReducer(self.optimizer)
+        # --cuda-graph: one recorded step per batch shape, all drawing temporaries from one memory pool
+        self.graphs = {} if getattr(args, "cuda_graph", False) else None
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs is not None else None
         self.step = 0
         self.epoch = 0
         self.batch_in_epoch = 0
-        self.train_loss = None  # mean NLL per target token over the latest logging window
+        self.train_loss = None  # mean NLL per target token over the latest logging window (all ranks)
         self.valid_loss = None
-        self.session_tokens = 0  # target tokens trained on in this process
-        self.session_time = 0.0  # seconds spent in training steps in this process (validation excluded)
+        self.session_tokens = 0  # target tokens trained on in this run, all ranks together
+        self.session_time = 0.0  # seconds spent in training steps in this run (validation excluded)
+
+    @property
+    def batches_per_step(self):
+        return self.dist.world * self.args.update_freq
 
     # -- state --
     def state_dict(self):
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "train_loss": self.train_loss, "valid_loss": self.valid_loss, "rng": rng_state(self.device)}
+        """The checkpoint's trainer state. Under torchrun every rank must call it (it gathers each rank's
+        RNG state, so dropout continues exactly on resume)."""
+        rng = rng_state(self.device)
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                 "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                 "train_loss": self.train_loss, "valid_loss": self.valid_loss, "rng": rng}
+        if self.dist.active:
+            state["rng_per_rank"] = self.dist.gather(rng)
+        return state
 
     def load_state_dict(self, state):
+        """Restore a checkpoint (of any world size). Returns a note when the RNG streams could not be
+        restored per rank (another world size), else None."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -431,32 +581,76 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.train_loss, self.valid_loss = state["train_loss"], state["valid_loss"]
-        set_rng_state(state["rng"], self.device)
+        per_rank = state.get("rng_per_rank")
+        if not self.dist.active:
+            set_rng_state(state["rng"], self.device)
+        elif per_rank is not None and len(per_rank) == self.dist.world:
+            set_rng_state(per_rank[self.dist.rank], self.device)
+        else:
+            torch.manual_seed(rank_seed(self.args.seed + self.step, self.dist.rank))
+            return (f"the checkpoint was written by {len(per_rank) if per_rank else 1} process(es), this run has "
+                    f"{self.dist.world}: dropout continues from fresh per-rank seeds")
+        return None
 
     def finished(self, num_batches):
         a = self.args
         return ((a.max_steps is not None and self.step >= a.max_steps)
                 or (a.epochs is not None and self.epoch >= a.epochs))
 
+    def steps_per_epoch(self, num_batches):
+        per_step = self.batches_per_step
+        if num_batches < per_step:
+            raise DataError(f"the training data makes {num_batches} batches, but one step takes {per_step} "
+                            f"({self.dist.world} process(es) x --update-freq {self.args.update_freq}); lower "
+                            "--max-tokens, --update-freq or the number of processes")
+        return num_batches // per_step
+
     # -- loop --
+    def _graphed_step(self, loss_fn, batch, denominator):
+        """The whole step (forward, backward, FusedAdam, loss scale) as a replay of the graph recorded for this
+        batch shape; the first batch of a shape runs eagerly and the second records. Returns the summed NLL
+        (the graph's output: consumed before the next replay). The denominator travels as a device tensor:
+        a Python number would be frozen into the graph."""
+        from lsmini.graph import CUDAGraphStep
+
+        key = tuple(t.shape for t in batch)
+        step = self.graphs.get(key)
+        if step is None:
+            def train_step(*inputs):
+                loss, nll_sum = loss_fn(self.model, inputs[:-1])
+                self.scaler.scale(loss * inputs[-1]).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.optimizer.zero_grad()
+                return nll_sum
+
+            step = self.graphs[key] = CUDAGraphStep(train_step, [self.optimizer], warmup=1, pool=self.graph_pool)
+        inv_denominator = torch.full((), 1.0 / denominator, dtype=torch.float32, device=self.device)
+        return step(*batch, inv_denominator)
+
     def train(self, batches, loss_fn, validate, save, log):
         """Train until --max-steps or --epochs; validate (and save) every --eval-every steps (default: at the
         end of each epoch) and at the end. `validate(model) -> mean NLL per token`; `save()` writes the
         checkpoint."""
-        a, model, device = self.args, self.model, self.device
+        a, model, device, dist = self.args, self.model, self.device, self.dist
         n = len(batches)
+        per_step, world, rank = self.batches_per_step, dist.world, dist.rank
+        steps_per_epoch = self.steps_per_epoch(n)
         pin = device.type == "cuda"
-        total = a.max_steps if a.max_steps is not None else a.epochs * n
+        total = a.max_steps if a.max_steps is not None else a.epochs * steps_per_epoch
         if a.max_steps is not None and a.epochs is not None:
-            total = min(a.max_steps, a.epochs * n)
+            total = min(a.max_steps, a.epochs * steps_per_epoch)
         if self.finished(n):
             log(f"nothing to train: step {self.step}, epoch {self.epoch} already reached the limits")
             return
-        bar = tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True, disable=a.no_progress,
-                   file=sys.stderr, desc="train")
+        bar = tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True,
+                   disable=a.no_progress or not dist.is_main, file=sys.stderr, desc="train")
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         window_tokens, window_steps = 0, 0
         window_start = time.perf_counter()
+        if self.batch_in_epoch + per_step > n:  # resumed under a larger world x update-freq: the epoch is done
+            self.epoch += 1
+            self.batch_in_epoch = 0
         order = epoch_order(n, a.seed, self.epoch)
         model.train()
 
@@ -464,7 +658,7 @@ class Trainer:
             nonlocal window_tokens, window_steps, window_start
             if window_steps == 0:
                 return
-            total_nll = loss_sum.item()  # the one device read-back per window
+            total_nll = dist.sum_(loss_sum).item()  # the one device read-back per window
             elapsed = time.perf_counter() - window_start
             self.train_loss = float(total_nll / max(window_tokens, 1))
             self.session_tokens += window_tokens
@@ -480,20 +674,33 @@ class Trainer:
             window_start = time.perf_counter()
 
         while not self.finished(n):
-            b = order[self.batch_in_epoch]
-            batch = tuple(t.to(device, non_blocking=True) for t in batches.get(b, pin))
-            loss, nll_sum = loss_fn(model, batch)
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad()
+            step_batches = order[self.batch_in_epoch:self.batch_in_epoch + per_step]
+            step_tokens = sum(int(batches.tokens(b)) for b in step_batches)
+            # summed token losses / (all ranks' tokens / world): the reducer's average over the ranks then
+            # is the gradient of the step's mean token loss (in one process: sum / tokens = the mean)
+            denominator = max(step_tokens, 1) / world
+            if self.graphs is not None:
+                batch = tuple(t.to(device, non_blocking=True) for t in batches.get(step_batches[0], pin))
+                loss_sum.add_(self._graphed_step(loss_fn, batch, denominator))
+            else:
+                for u in range(a.update_freq):
+                    b = step_batches[u * world + rank]
+                    batch = tuple(t.to(device, non_blocking=True) for t in batches.get(b, pin))
+                    accumulate_only = u < a.update_freq - 1  # no communication before the step's last micro-batch
+                    with self.reducer.no_sync() if self.reducer is not None and accumulate_only else \
+                            contextlib.nullcontext():
+                        loss, nll_sum = loss_fn(model, batch)
+                        self.scaler.scale(loss / denominator).backward()
+                    loss_sum.add_(nll_sum)
+                self.scaler.step(self.optimizer)  # finishes the gradient reduction first
+                self.scaler.update()
+                self.optimizer.zero_grad()
             self.scheduler.step()
-            loss_sum.add_(nll_sum)
-            window_tokens += int(batches.tokens(b))
+            window_tokens += step_tokens
             window_steps += 1
             self.step += 1
-            self.batch_in_epoch += 1
-            epoch_done = self.batch_in_epoch == n
+            self.batch_in_epoch += per_step
+            epoch_done = self.batch_in_epoch + per_step > n
             if epoch_done:
                 self.epoch += 1
                 self.batch_in_epoch = 0
@@ -529,26 +736,32 @@ def write_metrics(save_dir, metrics):
     return path
 
 
-def start_trainer(args, model, model_config, ckpt_path, device, dtype, log):
-    """A Trainer for `model`; with --resume, restored from the checkpoint (which must hold the same model)."""
-    trainer = Trainer(args, model, device, dtype)
+def start_trainer(args, model, model_config, ckpt_path, device, dtype, log, dist=None):
+    """A Trainer for `model`; with --resume, restored from the checkpoint (which must hold the same model).
+    Under torchrun every rank restores from the same checkpoint file."""
+    trainer = Trainer(args, model, device, dtype, dist)
+    if trainer.dist.active:
+        torch.manual_seed(rank_seed(args.seed, trainer.dist.rank))  # dropout differs per rank, init did not
     if args.resume:
         ckpt = load_checkpoint(ckpt_path)
         check_same_model(ckpt["model_config"], model_config, ckpt_path)
-        trainer.load_state_dict(ckpt["trainer"])
+        note = trainer.load_state_dict(ckpt["trainer"])
         log(f"resumed from {ckpt_path} at step {trainer.step} (epoch {trainer.epoch + 1}, batch "
             f"{trainer.batch_in_epoch})")
+        if note:
+            log(f"note: {note}")
     return trainer
 
 
 def make_criteria(label_smoothing):
-    """(training criterion, summed plain-NLL criterion for validation), both on lsmini's fused loss."""
+    """(training criterion, summed plain-NLL criterion for validation), both on lsmini's fused loss and
+    summed over the tokens (the training loop divides by the step's token count)."""
     from lsmini.layers import CrossEntropyLoss
 
     # the logits' producer (the output projection) does not need them in backward: the criterion's
     # gradient may overwrite them in place
-    criterion = CrossEntropyLoss(label_smoothing=label_smoothing, ignore_index=PAD, check_targets=False,
-                                 inplace_backward=True)
+    criterion = CrossEntropyLoss(label_smoothing=label_smoothing, ignore_index=PAD, reduction="sum",
+                                 check_targets=False, inplace_backward=True)
     nll_criterion = CrossEntropyLoss(ignore_index=PAD, reduction="sum", check_targets=False)
     return criterion, nll_criterion
 
@@ -556,22 +769,26 @@ def make_criteria(label_smoothing):
 def train_and_validate(trainer, args, model, model_config, ckpt_path, train_batches, valid_batches, loss_fn,
                        logits_and_target, nll_criterion, device, log):
     """Run the training loop (validating and checkpointing as configured) and make sure a validation loss
-    exists at the end. logits_and_target(model, batch on device) -> (logits, target) for validation."""
+    exists at the end. logits_and_target(model, batch on device) -> (logits, target) for validation.
+    Under torchrun each rank validates every world-th batch and the sums are added up; rank 0 writes the
+    checkpoints."""
     pin = device.type == "cuda"
+    dist = trainer.dist
 
     @torch.no_grad()
     def validate(model):
         model.eval()
         total = torch.zeros((), dtype=torch.float64, device=device)
-        tokens = 0
-        for i in range(len(valid_batches)):
+        for i in range(dist.rank, len(valid_batches), dist.world):
             batch = tuple(t.to(device, non_blocking=True) for t in valid_batches.get(i, pin))
             total += nll_criterion(*logits_and_target(model, batch))
-            tokens += valid_batches.tokens(i)
-        return total.item() / tokens
+        tokens = sum(valid_batches.tokens(i) for i in range(len(valid_batches)))
+        return dist.sum_(total).item() / tokens
 
     def save():
-        save_checkpoint(ckpt_path, {"model_config": model_config, "trainer": trainer.state_dict(), "args": vars(args)})
+        state = trainer.state_dict()  # on every rank: it gathers the ranks' RNG states
+        if dist.is_main:
+            save_checkpoint(ckpt_path, {"model_config": model_config, "trainer": state, "args": vars(args)})
 
     trainer.train(train_batches, loss_fn, validate, save, log)
     if trainer.valid_loss is None:
@@ -586,17 +803,37 @@ def run_metrics(trainer, args, device, start, bleu, **extra):
         "tokens_per_s": trainer.session_tokens / trainer.session_time if trainer.session_time > 0 else None,
         "steps": trainer.step, "wall_s": time.perf_counter() - start,
         **extra, "arch": args.arch, "device": str(device), "precision": args.precision,
-        "backend": str(describe_backend(device)),
+        "backend": str(describe_backend(device)), "world_size": trainer.dist.world, "update_freq": args.update_freq,
     }
 
 
 def run_main(main):
-    """Script entry: DataError and KeyboardInterrupt become a one-line message and a non-zero exit."""
+    """Script entry: DataError and KeyboardInterrupt become a one-line message and a non-zero exit. In a
+    torchrun job any error ends the process at once with a non-zero status (torchrun then stops the other
+    ranks): leaving the process group cleanly could block on peers that wait in a collective."""
     try:
         main()
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _exit(f"error: {e}", 2)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        _exit("interrupted", 130)
+    except Exception:
+        if not _in_process_group():
+            raise
+        traceback.print_exc()
+        _exit(None, 1)
+
+
+def _in_process_group():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _exit(message, code):
+    job = _in_process_group()
+    if message is not None:
+        print((f"rank {torch.distributed.get_rank()}: " if job else "") + message, file=sys.stderr)
+    if not job:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

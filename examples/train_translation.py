@@ -4,6 +4,7 @@
     python examples/train_translation.py --train-src train.de --train-tgt train.en \\
         --valid-src valid.de --valid-tgt valid.en --test-src test.de --test-tgt test.en --arch base
     python examples/train_translation.py --translate < sentences.txt   # with the model in --save-dir
+    torchrun --standalone --nproc_per_node=2 examples/train_translation.py   # data-parallel on 2 GPUs
 
 With no data flags it trains on the built-in parallel corpus (examples/builtin_data.py: English to an
 invented verb-final language with gender/number/case agreement), written to <save-dir>/data.
@@ -18,15 +19,16 @@ import time
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builtin_data  # noqa: E402
-from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, RunSettings, decode_lines,  # noqa: E402
-                          add_common_args, describe_backend, encode_cached, load_checkpoint, load_sentencepiece,
-                          make_criteria, padded_tensor, prepare_save_dir, read_lines, resolve_common_args, round_up,
-                          run_main, run_metrics, setup_device, start_trainer, token_batches, train_and_validate,
-                          train_sentencepiece, write_metrics)
+from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, Distributed,  # noqa: E402
+                          RunSettings, add_common_args, decode_lines, describe_backend, encode_cached,
+                          load_checkpoint, load_sentencepiece, make_criteria, padded_tensor, prepare_save_dir,
+                          read_lines, resolve_common_args, round_up, run_main, run_metrics, start_distributed,
+                          start_trainer, token_batches, train_and_validate, train_sentencepiece, write_metrics)
 
 DEFAULT_SAVE_DIR = os.path.join("checkpoints", "translation")
 
@@ -131,12 +133,14 @@ class ParallelBatches:
                 padded_tensor(tgt_rows, wt, pin, suffix=EOS))
 
 
-def load_data(args, log):
+def load_data(args, log, dist=None):
     """Read and check every file (DataError before any training), then return {split: (src, tgt) lines}
-    and {split: (src_path, tgt_path)}."""
+    and {split: (src_path, tgt_path)}. The built-in corpus is written by rank 0 alone."""
+    dist = dist or Distributed()
     if args.builtin:
-        paths = builtin_data.write_translation_corpus(os.path.join(args.save_dir, "data"))
-        log(f"data: built-in en→zl corpus in {os.path.join(args.save_dir, 'data')}")
+        data_dir = os.path.join(args.save_dir, "data")
+        paths = dist.from_main(lambda: builtin_data.write_translation_corpus(data_dir))
+        log(f"data: built-in en→zl corpus in {data_dir}")
     else:
         paths = {"train": (args.train_src, args.train_tgt), "valid": (args.valid_src, args.valid_tgt)}
         if args.test_src:
@@ -152,9 +156,11 @@ def load_data(args, log):
     return lines, paths
 
 
-def tokenize(args, lines, paths, log):
+def tokenize(args, lines, paths, log, train=True):
+    """(sentencepiece processor, its path, {split: (src ids, tgt ids)}); `train`: train the tokenizer
+    (unless resuming) rather than load the one in --save-dir."""
     spm_path = os.path.join(args.save_dir, SPM_NAME)
-    if args.resume:
+    if args.resume or not train:
         log(f"tokenizer: {spm_path} (from the checkpoint's run)")
     else:
         t0 = time.perf_counter()
@@ -331,8 +337,9 @@ def beam_search(model, src, beam, max_lens, lenpen=1.0):
     return best
 
 
-def translate_ids(model, src_ids, args, device, max_seq_len):
-    """Translate sentences given as token-id lists (no EOS); returns output id lists, in input order."""
+def translate_ids(model, src_ids, args, device, max_seq_len, shard=(0, 1)):
+    """Translate sentences given as token-id lists (no EOS); returns output id lists, in input order.
+    shard=(r, n): translate only batches r, r+n, ... (the other entries stay None)."""
     lengths = np.array([len(x) + 1 for x in src_ids], dtype=np.int64)
     max_lens = np.minimum(max_seq_len - 1, (args.max_len_a * (lengths - 1) + args.max_len_b).astype(np.int64))
     max_lens = np.maximum(max_lens, 1)
@@ -340,7 +347,7 @@ def translate_ids(model, src_ids, args, device, max_seq_len):
     width = np.maximum(lengths, max_lens + 1)
     batches = token_batches(width, max(args.max_tokens // args.beam, round_up(int(width.max()))), sort_keys=(width,))
     out = [None] * len(src_ids)
-    for idx in batches:
+    for idx in batches[shard[0]::shard[1]]:
         rows = [src_ids[i] for i in idx]
         src = padded_tensor(rows, round_up(max(len(r) for r in rows) + 1), False, suffix=EOS).to(device)
         limits = [int(max_lens[i]) for i in idx]
@@ -407,23 +414,26 @@ def translate_stdin(args, device, dtype, log):
 
 
 def main(argv=None):
-    """Run the example; returns the metrics dict (None with --translate)."""
+    """Run the example; returns the metrics dict (None with --translate). Under torchrun every rank runs
+    it; rank 0 prints and writes the files."""
     start = time.perf_counter()
     args = parse_args(argv)
 
-    def log(msg):
-        from tqdm import tqdm
-        tqdm.write(msg)
-
     with RunSettings(args.reference):
-        device, dtype = setup_device(args)
+        dist, device, dtype = start_distributed(args, "--translate" if args.translate else None)
+
+        def log(msg):
+            if dist.is_main:
+                tqdm.write(msg)
+
         if args.translate:
             translate_stdin(args, device, dtype, lambda m: print(m, file=sys.stderr))
             return None
         torch.manual_seed(args.seed)
         ckpt_path = prepare_save_dir(args, log)
-        lines, paths = load_data(args, log)
-        sp, spm_path, ids = tokenize(args, lines, paths, log)
+        lines, paths = load_data(args, log, dist)
+        with dist.main_first():  # rank 0 trains the tokenizer and fills the token cache, the others read them
+            sp, spm_path, ids = tokenize(args, lines, paths, log, train=dist.is_main)
         vocab = sp.get_piece_size()
         train_src, train_tgt = filter_train(*ids["train"], args.max_len, log)
         eval_split = "test" if "test" in ids else "valid"
@@ -439,44 +449,49 @@ def main(argv=None):
         # the batch limit also covers beam search's rows (sentences x beam) of up to max_seq_len positions
         model = build_model(mc, max(args.max_tokens, round_up(longest), args.beam * max_seq_len), device, dtype)
         log(f"model: {args.arch} Transformer, {count_parameters(model) / 1e6:.2f}M parameters, {args.precision} on "
-            f"{device}; backend {describe_backend(device)}")
+            f"{device}; backend {describe_backend(device)}" +
+            (f"; {dist.world} processes" if dist.active else ""))
         reserve_scratch(model, train_batches.shapes + valid_batches.shapes, device, dtype)
-        trainer = start_trainer(args, model, mc, ckpt_path, device, dtype, log)
+        trainer = start_trainer(args, model, mc, ckpt_path, device, dtype, log, dist)
         criterion, nll_criterion = make_criteria(args.label_smoothing)
 
         def loss_fn(model, batch):
             src, tgt_in, tgt_out = batch
-            loss, nll = criterion(model(src, tgt_in), tgt_out, return_nll=True)
-            ntok = tgt_out.ne(PAD).sum()
-            return loss, nll * ntok
+            return criterion(model(src, tgt_in), tgt_out, return_nll=True)
 
         train_and_validate(trainer, args, model, mc, ckpt_path, train_batches, valid_batches, loss_fn,
                            lambda model, batch: (model(batch[0], batch[1]), batch[2]), nll_criterion, device, log)
 
-        # translate the test set (or the validation set) and score it
+        # translate the test set (or the validation set), each rank a share of the batches, and score it
         model.eval()
         t0 = time.perf_counter()
         src_lines, ref_lines = lines[eval_split]
         src_ids = [list(map(int, ids[eval_split][0][i])) for i in range(len(src_lines))]
-        hyps = [sp.decode(h) for h in translate_ids(model, src_ids, args, device, max_seq_len)]
-        hyp_path = os.path.join(args.save_dir, f"hypotheses.{eval_split}.txt")
-        with open(hyp_path, "w", encoding="utf-8") as f:
-            f.writelines(h + "\n" for h in hyps)
-        bleu = corpus_bleu(hyps, ref_lines)
-        search = "greedy" if args.beam == 1 else f"beam {args.beam}"
-        if bleu is None:
-            log(f"{eval_split}: translations in {hyp_path}; sacrebleu is not installed, so no BLEU (pip install "
-                "sacrebleu); reporting loss only")
-        else:
-            log(f"{eval_split}: BLEU {bleu:.2f} ({search}, sacrebleu, {len(hyps)} sentences, "
-                f"{time.perf_counter() - t0:.1f}s); translations in {hyp_path}")
+        shares = dist.gather(translate_ids(model, src_ids, args, device, max_seq_len, (dist.rank, dist.world)))
+        out_ids = [next(h for h in column if h is not None) for column in zip(*shares)]
+        metrics = None
+        if dist.is_main:
+            hyps = [sp.decode(h) for h in out_ids]
+            hyp_path = os.path.join(args.save_dir, f"hypotheses.{eval_split}.txt")
+            with open(hyp_path, "w", encoding="utf-8") as f:
+                f.writelines(h + "\n" for h in hyps)
+            bleu = corpus_bleu(hyps, ref_lines)
+            search = "greedy" if args.beam == 1 else f"beam {args.beam}"
+            if bleu is None:
+                log(f"{eval_split}: translations in {hyp_path}; sacrebleu is not installed, so no BLEU (pip install "
+                    "sacrebleu); reporting loss only")
+            else:
+                log(f"{eval_split}: BLEU {bleu:.2f} ({search}, sacrebleu, {len(hyps)} sentences, "
+                    f"{time.perf_counter() - t0:.1f}s); translations in {hyp_path}")
 
-        metrics = run_metrics(trainer, args, device, start, bleu, bleu_split=eval_split)
-        path = write_metrics(args.save_dir, metrics)
-        tps = metrics["tokens_per_s"]
-        log(f"done: {trainer.step} steps, train loss {metrics['train_loss']:.3f}, valid loss {trainer.valid_loss:.3f} "
-            f"(ppl {metrics['valid_ppl']:.2f})" + (f", BLEU {bleu:.2f}" if bleu is not None else "") +
-            (f", {tps:,.0f} target tokens/s" if tps else "") + f", {metrics['wall_s']:.0f}s -> {path}")
+            metrics = run_metrics(trainer, args, device, start, bleu, bleu_split=eval_split)
+            path = write_metrics(args.save_dir, metrics)
+            tps = metrics["tokens_per_s"]
+            log(f"done: {trainer.step} steps, train loss {metrics['train_loss']:.3f}, valid loss "
+                f"{trainer.valid_loss:.3f} (ppl {metrics['valid_ppl']:.2f})" +
+                (f", BLEU {bleu:.2f}" if bleu is not None else "") +
+                (f", {tps:,.0f} target tokens/s" if tps else "") + f", {metrics['wall_s']:.0f}s -> {path}")
+        dist.close()
         return metrics
 
 

@@ -874,8 +874,8 @@ def _adam_step_raw(param, grad, master, m, v, segs, lr=1e-2, wd=0.1, steps=None,
     ext = lsmini._backend.ext()
     steps = torch.zeros(2, 16, dtype=torch.int32, device="cuda") if steps is None else steps
     ext.adam_step(param, grad, master, m, v, [s[0] for s in segs], [s[1] for s in segs], [s[2] for s in segs],
-                  [lr, lr / 2], [0.9, 0.8], [0.999, 0.99], [1e-8, 1e-6], [wd, 0.0], True, steps, 0, True, 1.0, scale,
-                  ctrl)
+                  [lr, lr / 2], [0.9, 0.8], [0.999, 0.99], [1e-8, 1e-6], [wd, 0.0], True, steps, 0, True, None, 1.0,
+                  scale, ctrl)
     return steps
 
 
@@ -944,7 +944,7 @@ def test_cuda_raw_kernel_bad_inputs():
     v = torch.zeros_like(m)
     steps = torch.zeros(2, 16, dtype=torch.int32, device="cuda")
     args = dict(seg_begin=[0], seg_end=[64], seg_group=[0], lr=[1e-3], beta1=[0.9], beta2=[0.999], eps=[1e-8],
-                weight_decay=[0.0], adam_w_mode=True, steps=steps, parity=0, update_steps=True, inv_scale=1.0,
+                weight_decay=[0.0], adam_w_mode=True, steps=steps, parity=0, update_steps=True, lr_device=None, inv_scale=1.0,
                 scale=None, ctrl=None)
     with pytest.raises(RuntimeError, match="adam_step: master"):
         ext.adam_step(p, g, None, m, v, **args)

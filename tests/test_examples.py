@@ -355,3 +355,24 @@ def test_fp16_on_cpu_is_refused(corpus, tmp_path):
     with pytest.raises(train_common.DataError, match="--fp16 needs a CUDA device"):
         run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--fp16",
                                                                  "--device", "cpu"])
+
+
+def test_cuda_graph_needs_cuda(corpus, tmp_path):
+    with pytest.raises(train_common.DataError, match="--cuda-graph needs a CUDA device"):
+        run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--cuda-graph",
+                                                                 "--device", "cpu"])
+
+
+@pytest.mark.cuda
+def test_cuda_graph_run_follows_the_eager_run(corpus, tmp_path):
+    """The graphed steps do what the eager steps do (same data, same dropout streams); only the loss
+    normalisation (a multiplication by a device scalar instead of a division) rounds differently."""
+    common = data_args(corpus, test=False) + SMALL + ["--beam", "1", "--max-steps", "24", "--eval-every", "24",
+                                                       "--dropout", "0.1"]
+    eager = run(train_translation.main, common + ["--save-dir", str(tmp_path / "eager")])
+    graph = run(train_translation.main, common + ["--save-dir", str(tmp_path / "graph"), "--cuda-graph"])
+    assert graph["steps"] == eager["steps"] == 24
+    assert graph["valid_loss"] == pytest.approx(eager["valid_loss"], rel=0.02)
+    assert graph["train_loss"] == pytest.approx(eager["train_loss"], rel=0.02)
+    with pytest.raises(train_common.DataError, match="--update-freq 1"):
+        run(train_translation.main, common + ["--save-dir", str(tmp_path / "x"), "--cuda-graph", "--update-freq", "2"])

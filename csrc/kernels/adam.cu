@@ -30,7 +30,12 @@
  * Step counts live on the device, so a skipped step can leave them untouched without the host knowing:
  * group g steps with t = step_in[g] + 1 and block 0 writes step_out[g] = step_in[g] + (skip ? 0 : 1).
  * step_in and step_out are the two rows of a [2, groups] tensor that the caller alternates, so no block
- * ever reads a count another block of the same launch writes.
+ * ever reads a count another block of the same launch writes. (A step captured in a CUDA graph cannot
+ * alternate: the caller copies step_out back into step_in after the launch instead.)
+ *
+ * Learning rate: by value in the group table, or — when `lr` is given — read from device memory
+ * (double[groups]). A captured step needs the latter: a scheduler changes the rate between replays, and
+ * the by-value copy is frozen into the graph.
  *
  * Vector path: each thread takes chunks of V = 16/sizeof(T) consecutive elements (one 16-byte load of
  * grad, two or one 16-byte loads each of master/m/v). Chunks are numbered across segments; a segment's
@@ -289,8 +294,9 @@ template <typename T, bool VEC>
 __global__ void __launch_bounds__(kStepThreads)
     adam_step_kernel(T* __restrict__ param, const T* __restrict__ grad, float* __restrict__ master,
                      float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq, const AdamStepTable tab,
-                     const int32_t* __restrict__ step_in, int32_t* __restrict__ step_out, float inv_scale,
-                     const float* __restrict__ scale, const float* __restrict__ ctrl) {
+                     const int32_t* __restrict__ step_in, int32_t* __restrict__ step_out,
+                     const double* __restrict__ lr, float inv_scale, const float* __restrict__ scale,
+                     const float* __restrict__ ctrl) {
   constexpr int V = Vec16<T>::value;
   const bool skip = ctrl != nullptr && ctrl[0] != 0.f;
   if (blockIdx.x == 0 && step_out != nullptr && int(threadIdx.x) < tab.num_groups)
@@ -315,8 +321,11 @@ __global__ void __launch_bounds__(kStepThreads)
     s_chunk[kAdamMaxGroups] = tab.chunk_begin[kAdamMaxGroups];
   }
   __syncthreads();
-  if (int(threadIdx.x) < tab.num_groups)
-    s_consts[threadIdx.x] = make_group_consts(s_hyper[threadIdx.x], step_in[threadIdx.x], tab.adam_w_mode != 0);
+  if (int(threadIdx.x) < tab.num_groups) {
+    AdamGroupHyper h = s_hyper[threadIdx.x];
+    if (lr != nullptr) h.lr = lr[threadIdx.x];
+    s_consts[threadIdx.x] = make_group_consts(h, step_in[threadIdx.x], tab.adam_w_mode != 0);
+  }
   __syncthreads();
 
   const float gmul = ctrl != nullptr ? ctrl[1] : grad_multiplier(inv_scale, scale);
@@ -377,8 +386,8 @@ cudaError_t launch_adam_grad_norm_finalize(const float2* partials, int num_parti
 
 template <typename T>
 cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_avg, float* exp_avg_sq,
-                             const AdamStepArgs& args, const int32_t* step_in, int32_t* step_out, float inv_scale,
-                             const float* scale, const float* ctrl, cudaStream_t stream) {
+                             const AdamStepArgs& args, const int32_t* step_in, int32_t* step_out, const double* lr,
+                             float inv_scale, const float* scale, const float* ctrl, cudaStream_t stream) {
   constexpr int V = Vec16<T>::value;
   constexpr bool kInPlace = std::is_same<T, float>::value;
   if (args.num_groups < 1 || args.num_groups > kAdamMaxGroups || args.num_segments < 0 ||
@@ -413,7 +422,7 @@ cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_
   const int64_t want = (chunks + kStepThreads - 1) / kStepThreads;
   const int64_t cap = vec ? step_resident_blocks<T, true>() : step_resident_blocks<T, false>();
   const int64_t grid = want < 1 ? 1 : (want < cap ? want : cap);
-  kernel<<<grid, kStepThreads, 0, stream>>>(param, grad, master, exp_avg, exp_avg_sq, tab, step_in, step_out,
+  kernel<<<grid, kStepThreads, 0, stream>>>(param, grad, master, exp_avg, exp_avg_sq, tab, step_in, step_out, lr,
                                             inv_scale, scale, ctrl);
   return cudaGetLastError();
 }
@@ -421,8 +430,8 @@ cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_
 #define LSMINI_INSTANTIATE_ADAM(T)                                                                             \
   template cudaError_t launch_adam_grad_sumsq<T>(const T*, int64_t, float, const float*, float2*, cudaStream_t); \
   template cudaError_t launch_adam_step<T>(T*, const T*, float*, float*, float*, const AdamStepArgs&,           \
-                                           const int32_t*, int32_t*, float, const float*, const float*,         \
-                                           cudaStream_t);
+                                           const int32_t*, int32_t*, const double*, float, const float*,        \
+                                           const float*, cudaStream_t);
 
 LSMINI_INSTANTIATE_ADAM(float)
 LSMINI_INSTANTIATE_ADAM(__half)

@@ -64,11 +64,12 @@ cudaError_t launch_adam_grad_norm_finalize(const float2* partials, int num_parti
 //   rounded copy.
 // exp_avg / exp_avg_sq are fp32 with the buffer's length. Step counts: group g uses
 // t = step_in[g] + 1; when step_out != nullptr, block 0 writes step_out[g] = step_in[g] + (skip ? 0 : 1)
-// (step_in and step_out must not overlap). Gradient multiplier: ctrl[1] when ctrl != nullptr (then
+// (step_in and step_out must not overlap). lr: nullptr, or device doubles [num_groups] that replace the
+// table's learning rates (graph replay). Gradient multiplier: ctrl[1] when ctrl != nullptr (then
 // ctrl[0] != 0 skips the whole update), else inv_scale · (scale ? 1/scale[0] : 1).
 template <typename T>
 cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_avg, float* exp_avg_sq,
-                             const AdamStepArgs& args, const int32_t* step_in, int32_t* step_out,
+                             const AdamStepArgs& args, const int32_t* step_in, int32_t* step_out, const double* lr,
                              float inv_scale, const float* scale, const float* ctrl, cudaStream_t stream);
 
 }  // namespace lsmini

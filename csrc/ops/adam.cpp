@@ -76,14 +76,15 @@ void adam_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<int6
 }
 
 // One Adam(W) step over the segments of one flat buffer. steps: int32 [2, >= groups]; row `parity` holds
-// the counts before this step; when update_steps, row 1 - parity receives the counts after it.
+// the counts before this step; when update_steps, row 1 - parity receives the counts after it. lr_device
+// (float64 [>= groups], optional): learning rates read on the device instead of `lr` (a graph replay).
 void adam_step(at::Tensor param, const at::Tensor& grad, const std::optional<at::Tensor>& master, at::Tensor exp_avg,
                at::Tensor exp_avg_sq, const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end,
                const std::vector<int64_t>& seg_group, const std::vector<double>& lr, const std::vector<double>& beta1,
                const std::vector<double>& beta2, const std::vector<double>& eps,
                const std::vector<double>& weight_decay, bool adam_w_mode, at::Tensor steps, int64_t parity,
-               bool update_steps, double inv_scale, const std::optional<at::Tensor>& scale,
-               const std::optional<at::Tensor>& ctrl) {
+               bool update_steps, const std::optional<at::Tensor>& lr_device, double inv_scale,
+               const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& ctrl) {
   const char* op = "adam_step";
   check_flat(param, op, "param");
   check_float_dtype(param, op, "param");
@@ -153,6 +154,15 @@ void adam_step(at::Tensor param, const at::Tensor& grad, const std::optional<at:
   const int32_t* step_in = step_rows + parity * steps.size(1);
   int32_t* step_out = update_steps ? step_rows + (1 - parity) * steps.size(1) : nullptr;
 
+  const double* lr_ptr = nullptr;
+  if (lr_device) {
+    check_cuda(*lr_device, op, "lr_device");
+    check_same_device(*lr_device, param, op, "lr_device", "param");
+    check_dtype(*lr_device, at::kDouble, op, "lr_device");
+    LSMINI_CHECK(lr_device->dim() == 1 && lr_device->size(0) >= int64_t(groups) && lr_device->is_contiguous(), op,
+                ": lr_device must be a contiguous float64 tensor [>= ", groups, "], got shape ", lr_device->sizes());
+    lr_ptr = lr_device->data_ptr<double>();
+  }
   const float* scale_ptr = opt_scale(scale, param, op);
   LSMINI_CHECK(inv_scale > 0 && std::isfinite(inv_scale), op, ": inv_scale must be finite and > 0, got ", inv_scale);
   const float* ctrl_ptr = nullptr;
@@ -166,8 +176,8 @@ void adam_step(at::Tensor param, const at::Tensor& grad, const std::optional<at:
   dispatch_float(param.scalar_type(), op, [&](auto tag) {
     using scalar_t = decltype(tag);
     check_launch(launch_adam_step(kptr<scalar_t>(param), kptr<scalar_t>(grad), master_ptr, exp_avg.data_ptr<float>(),
-                                  exp_avg_sq.data_ptr<float>(), args, step_in, step_out, static_cast<float>(inv_scale),
-                                  scale_ptr, ctrl_ptr, current_stream()),
+                                  exp_avg_sq.data_ptr<float>(), args, step_in, step_out, lr_ptr,
+                                  static_cast<float>(inv_scale), scale_ptr, ctrl_ptr, current_stream()),
                  op);
   });
 }
@@ -182,7 +192,7 @@ void register_adam(pybind11::module_& m) {
         pybind11::arg("seg_begin"), pybind11::arg("seg_end"), pybind11::arg("seg_group"), pybind11::arg("lr"),
         pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
         pybind11::arg("adam_w_mode"), pybind11::arg("steps"), pybind11::arg("parity"), pybind11::arg("update_steps"),
-        pybind11::arg("inv_scale"), pybind11::arg("scale"), pybind11::arg("ctrl"));
+        pybind11::arg("lr_device"), pybind11::arg("inv_scale"), pybind11::arg("scale"), pybind11::arg("ctrl"));
 }
 
 }  // namespace

@@ -132,6 +132,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._steps = None  # int32 [2, MAX_GROUPS]: row self._parity holds the counts done so far
         self._parity = 0
         self._last_ctrl = None
+        self._lr_device = None  # learning rates a captured step reads on the device (prepare_graph_replay)
         self._ws = self._adopt_workspace(given_ws)
         self._bind()
 
@@ -281,6 +282,20 @@ class FusedAdam(torch.optim.Optimizer):
                     if b.master is not None:
                         b.master.copy_(b.param)
 
+    def prepare_graph_replay(self):
+        """Make the step capturable in a CUDA graph, and keep a captured step current: call it before the
+        capture and before every replay. A captured step reads each group's learning rate from a device
+        buffer that this refreshes from ``param_groups`` (so schedulers keep working); the other
+        hyperparameters are frozen into the graph at capture. Asynchronous."""
+        if self._lr_device is None or self._lr_device.device != self._ws.device:
+            self._lr_device = torch.zeros(MAX_GROUPS, dtype=torch.float64, device=self._ws.device)
+            self._lr_host = [None] * MAX_GROUPS
+        for i, g in enumerate(self.param_groups):
+            lr = _scalar(g["lr"])
+            if lr != self._lr_host[i]:
+                self._lr_device[i].fill_(lr)
+                self._lr_host[i] = lr
+
     def zero_grad(self, set_to_none=True):
         """Zero the flat gradient buffer(s) in one fill each. The gradients stay views of the workspace
         (``set_to_none`` is accepted for compatibility and ignored: dropping them would make backward
@@ -337,13 +352,18 @@ class FusedAdam(torch.optim.Optimizer):
                 checking turns on (unless ``skip_nonfinite=False``).
 
         Never synchronises with the device (Python-number hyperparameters assumed). A non-finite gradient
-        (when checked) skips the step on the device; see ``found_inf`` and ``last_step_skipped``.
+        (when checked) skips the step on the device; see ``found_inf`` and ``last_step_skipped``. With an
+        ``lsmini.distributed.GradientReducer`` on the workspace, its ``finish()`` runs first, so every rank
+        steps with the same averaged gradient (and so makes the same skip and clipping decisions).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         ws = self._ws
+        reducer = ws.reducer
+        if reducer is not None:  # data-parallel: the step must see the averaged gradient of every rank
+            reducer.finish()
         ws.sync_grads()
         self._refresh()
         if not self._state_ready:
@@ -355,18 +375,27 @@ class FusedAdam(torch.optim.Optimizer):
             check = scale is not None or any(b.dtype == torch.float16 for b in self._bufs)
         clip = self.max_grad_norm
         ctrl = torch.empty(4, dtype=torch.float32, device=ws.device) if (check or clip > 0) else None
+        capturing = ws.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing and (self._lr_device is None or not self._use_kernels()):
+            raise RuntimeError("FusedAdam.step: capturing a step in a CUDA graph needs the CUDA kernels and "
+                               "prepare_graph_replay() called before the capture (lsmini.graph.CUDAGraphStep does "
+                               "both)")
         if self._use_kernels():
             ext = _backend.ext()
             if ctrl is not None:
                 ext.adam_grad_norm([b.grad for b in self._bufs], [b.active_end for b in self._bufs], inv_scale,
                                    scale_t, clip, bool(check), ctrl)
+            lr_device = self._lr_device if capturing else None
             for i, b in enumerate(self._bufs):
                 ext.adam_step(b.param, b.grad, b.master, b.exp_avg, b.exp_avg_sq, b.seg_begin, b.seg_end,
-                              b.seg_group, *hyper, self.adam_w_mode, self._steps, self._parity, i == 0, inv_scale,
-                              scale_t, ctrl)
+                              b.seg_group, *hyper, self.adam_w_mode, self._steps, self._parity, i == 0, lr_device,
+                              inv_scale, scale_t, ctrl)
         else:
             self._reference_step(hyper, inv_scale, scale_t, bool(check), clip, ctrl)
-        self._parity ^= 1
+        if capturing:  # a replay cannot alternate rows: bring the new counts back into the row it reads
+            self._steps[self._parity].copy_(self._steps[1 - self._parity])
+        else:
+            self._parity ^= 1
         self._last_ctrl = ctrl
         return loss
 

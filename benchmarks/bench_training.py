@@ -1,0 +1,552 @@
+"""Whole training steps: lsmini against PyTorch eager AMP and torch.compile, same data, same initial weights.
+
+    python benchmarks/bench_training.py [--configs base big ...] [--variants lsmini eager compiled]
+                                        [--steps 30] [--check] [--profile] [--out DIR]
+    python benchmarks/bench_training.py --nproc 2 --configs base big     # data-parallel scaling
+
+Configs (tokens counted on source + target):
+    base       encoder-decoder 6+6, hidden 512, 8 heads, FFN 2048, 32000-token vocabularies, 128 × 64 pairs
+    base-long  the same with 64 × 256 pairs
+    big        6+6, hidden 1024, 16 heads, FFN 4096, 128 × 64 pairs
+    lm         decoder-only 12 layers, hidden 768, 12 heads, FFN 3072, vocab 32000, 16 × 512 tokens
+All pre-LN, ReLU, dropout 0.1 (embedding, attention, activation, residual), label smoothing 0.1, AdamW
+(betas 0.9/0.98, weight decay 0.01), output projection tied to the target embedding.
+
+Variants:
+    lsmini    lsmini.models.Transformer / TransformerLM with fp16 parameters, FusedAdam (fp32 masters, the
+              whole update in one launch), LossScaler, the fused label-smoothed criterion.
+    eager     torch.nn.Transformer (batch_first, norm_first) / nn.TransformerEncoder with a causal mask, fp32
+              parameters, torch.autocast(fp16) + GradScaler, AdamW(fused=True), F.cross_entropy.
+    lsmini+graph  the lsmini variant with the whole step (forward, backward, FusedAdam, LossScaler) replayed
+              as one CUDA graph (lsmini.graph.CUDAGraphStep).
+    lsmini+graph+saved  the same with the layers' ``recompute = False``: backward reads saved attention
+              probabilities, FFN activations and LayerNorm outputs instead of recomputing them.
+    compiled  the eager variant with the model and loss under torch.compile.
+The lsmini model gets the torch model's initial weights through the layers' from_torch. Batches carry no
+padding, so the PyTorch variants run without key-padding masks (their fastest attention path).
+
+Each (config, variant) runs in a process of its own, so one variant's allocations, compilation and
+autotuning never disturb another's timing. Reported: median ms per step over --steps steps after warm-up
+(CUDA events around each step, the host running ahead as in real training, so launch gaps count),
+tokens/s, and the peak of torch.cuda.max_memory_allocated from the first step on — warm-up, graph recording
+and timed steps — (parameters, gradients, optimizer state and activations). --check trains every variant
+200 steps on the same batches and prints the loss curves (mean of each 20-step window) side by side. --profile adds, per variant, where the time
+of a step goes: GEMMs, attention, lsmini's fused kernels, other kernels, the optimizer, and the idle gaps
+between kernels. Results go to stdout and to training.md / training.csv in --out.
+
+--nproc N times the lsmini variant on one GPU and data-parallel on N GPUs (torchrun, NCCL,
+lsmini.distributed.GradientReducer; every GPU takes the config's batch) and reports the throughput ratio
+(training_multi_gpu.md).
+"""
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402
+
+PAD, BOS = 0, 2
+FIRST_TOKEN = 4  # ids below are special (pad, unk, bos, eos)
+LABEL_SMOOTHING = 0.1
+DROPOUT = 0.1
+LR, BETAS, EPS, WEIGHT_DECAY = 5e-4, (0.9, 0.98), 1e-8, 0.01
+CHECK_STEPS, CHECK_WINDOW, CHECK_WARMUP = 200, 20, 50
+
+CONFIGS = {
+    "base": dict(kind="seq2seq", layers=6, hidden=512, heads=8, ffn=2048, vocab=32000, batch=128, len=64),
+    "base-long": dict(kind="seq2seq", layers=6, hidden=512, heads=8, ffn=2048, vocab=32000, batch=64, len=256),
+    "big": dict(kind="seq2seq", layers=6, hidden=1024, heads=16, ffn=4096, vocab=32000, batch=128, len=64),
+    "lm": dict(kind="lm", layers=12, hidden=768, heads=12, ffn=3072, vocab=32000, batch=16, len=512),
+}
+VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "eager", "compiled")
+EXTRA_VARIANTS = ("lsmini+saved",)  # recompute off without a graph (e.g. for --nproc)
+COLUMNS = ["config", "variant", "ms_step", "tokens_s", "peak_mb", "x_eager", "x_compiled", "mem_vs_eager"]
+MULTI_COLUMNS = ["config", "variant", "gpus", "ms_step", "tokens_s", "peak_mb", "scaling"]
+
+
+def tokens_per_step(cfg):
+    return cfg["batch"] * cfg["len"] * (2 if cfg["kind"] == "seq2seq" else 1)
+
+
+# ---- data: learnable synthetic tasks, so --check shows real learning curves ------------------------------
+def make_batches(cfg, count, seed=0):
+    """`count` batches of CPU tensors, identical for every variant. seq2seq: the target is the source reversed
+    and mapped through a fixed permutation of the vocabulary (Zipf-distributed source tokens);
+    lm: a sparse first-order Markov chain (each token has 4 possible successors)."""
+    g = torch.Generator().manual_seed(seed)
+    v, b, n = cfg["vocab"], cfg["batch"], cfg["len"]
+    real = v - FIRST_TOKEN
+    if cfg["kind"] == "seq2seq":
+        weights = 1.0 / (torch.arange(real, dtype=torch.float64) + 10.0)
+        perm = torch.randperm(real, generator=g) + FIRST_TOKEN
+        out = []
+        for _ in range(count):
+            src = torch.multinomial(weights, b * n, replacement=True, generator=g).view(b, n) + FIRST_TOKEN
+            tgt = perm[src.flip(1) - FIRST_TOKEN]
+            tgt_in = torch.cat([torch.full((b, 1), BOS, dtype=torch.long), tgt[:, :-1]], 1)
+            out.append((src, tgt_in, tgt))
+        return out
+    succ = torch.randint(FIRST_TOKEN, v, (v, 4), generator=g)
+    out = []
+    for _ in range(count):
+        seq = torch.empty(b, n + 1, dtype=torch.long)
+        seq[:, 0] = torch.randint(FIRST_TOKEN, v, (b,), generator=g)
+        choice = torch.randint(0, 4, (b, n), generator=g)
+        for t in range(n):
+            seq[:, t + 1] = succ[seq[:, t], choice[:, t]]
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+# ---- the PyTorch models -----------------------------------------------------------------------------------
+def sinusoidal(max_len, hidden):
+    """The same table as lsmini's: sin in the first half of the columns, cos in the second."""
+    half = hidden // 2
+    pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
+    angle = pos * torch.pow(10000.0, -2.0 * torch.arange(half, dtype=torch.float64) / hidden)
+    return torch.cat([torch.sin(angle), torch.cos(angle)], 1).float()
+
+
+class TorchEmbedding(nn.Module):
+    def __init__(self, vocab, hidden, max_len):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, hidden) * hidden ** -0.5)
+        with torch.no_grad():
+            self.weight[PAD].zero_()
+        self.register_buffer("pos", sinusoidal(max_len, hidden), persistent=False)
+        self.scale = math.sqrt(hidden)
+
+    def forward(self, tokens):
+        x = F.embedding(tokens, self.weight, PAD) * self.scale + self.pos[:tokens.shape[1]]
+        return F.dropout(x, DROPOUT, self.training)
+
+
+class TorchSeq2Seq(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h = cfg["hidden"]
+        self.src_embed = TorchEmbedding(cfg["vocab"], h, cfg["len"])
+        self.tgt_embed = TorchEmbedding(cfg["vocab"], h, cfg["len"])
+        self.transformer = nn.Transformer(h, cfg["heads"], cfg["layers"], cfg["layers"], cfg["ffn"], DROPOUT,
+                                          batch_first=True, norm_first=True)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(cfg["len"]), persistent=False)
+
+    def forward(self, src, tgt_in):
+        y = self.transformer(self.src_embed(src), self.tgt_embed(tgt_in), tgt_mask=self.causal, tgt_is_causal=True)
+        return F.linear(y, self.tgt_embed.weight)
+
+
+class TorchLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h = cfg["hidden"]
+        self.embed = TorchEmbedding(cfg["vocab"], h, cfg["len"])
+        layer = nn.TransformerEncoderLayer(h, cfg["heads"], cfg["ffn"], DROPOUT, batch_first=True, norm_first=True)
+        self.decoder = nn.TransformerEncoder(layer, cfg["layers"], norm=nn.LayerNorm(h), enable_nested_tensor=False)
+        for p in self.decoder.parameters():  # the layers start as copies of one: initialise each (as nn.Transformer)
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(cfg["len"]), persistent=False)
+
+    def forward(self, tokens):
+        y = self.decoder(self.embed(tokens), mask=self.causal, is_causal=True)
+        return F.linear(y, self.embed.weight)
+
+
+def build_torch_model(cfg):
+    torch.manual_seed(1234)  # the same initial weights in every process
+    return (TorchSeq2Seq(cfg) if cfg["kind"] == "seq2seq" else TorchLM(cfg))
+
+
+def build_lsmini_model(cfg, tm):
+    """The lsmini model holding tm's weights (through the layers' from_torch)."""
+    from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerDecoderLayer, TransformerEncoderLayer
+    from lsmini.models import Transformer, TransformerLM
+
+    h, n = cfg["hidden"], cfg["len"]
+    tokens = cfg["batch"] * n
+    config = TransformerConfig(h, cfg["heads"], cfg["ffn"], dropout=DROPOUT, attn_dropout=DROPOUT,
+                               activation_dropout=DROPOUT, activation="relu", pre_layer_norm=True,
+                               max_batch_tokens=tokens, max_seq_len=n)
+
+    def encoder_layers(prefix, layers):
+        sd = {}
+        for i, t in enumerate(layers):
+            for k, v in TransformerEncoderLayer.from_torch(t, tokens, n).state_dict().items():
+                sd[f"{prefix}.layers.{i}.{k}"] = v
+        return sd
+
+    if cfg["kind"] == "seq2seq":
+        model = Transformer(cfg["vocab"], cfg["vocab"], config, cfg["layers"], cfg["layers"], padding_idx=PAD,
+                            tie_output=True)
+        t = tm.transformer
+        sd = encoder_layers("encoder", t.encoder.layers)
+        dec = TransformerDecoder.from_layers([TransformerDecoderLayer.from_torch(l, tokens, n)
+                                              for l in t.decoder.layers])
+        sd.update({f"decoder.{k}": v for k, v in dec.state_dict().items() if not k.startswith("norm.")})
+        for side, norm in (("encoder", t.encoder.norm), ("decoder", t.decoder.norm)):
+            sd[f"{side}.norm.weight"], sd[f"{side}.norm.bias"] = norm.weight, norm.bias
+        sd["src_embed.weight"], sd["tgt_embed.weight"] = tm.src_embed.weight, tm.tgt_embed.weight
+    else:
+        model = TransformerLM(cfg["vocab"], config, cfg["layers"], padding_idx=PAD, tie_output=True)
+        sd = encoder_layers("decoder", tm.decoder.layers)
+        sd["decoder.norm.weight"], sd["decoder.norm.bias"] = tm.decoder.norm.weight, tm.decoder.norm.bias
+        sd["embed.weight"] = tm.embed.weight
+    model.load_state_dict({k: v.detach() for k, v in sd.items()})
+    for m in model.modules():  # the batches are clean: skip the id checks (each one a host sync)
+        if hasattr(m, "check_tokens"):
+            m.check_tokens = False
+    return model
+
+
+# ---- one training step per variant ------------------------------------------------------------------------
+def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_parallel=False):
+    from lsmini.layers import CrossEntropyLoss
+    from lsmini.optim import FusedAdam, LossScaler
+
+    model = build_lsmini_model(cfg, tm).cuda().half().train()
+    del tm
+    if saved:  # backward reads saved activations instead of recomputing them: faster, more memory
+        for m in model.modules():
+            if hasattr(m, "recompute"):
+                m.recompute = False
+    crit = CrossEntropyLoss(LABEL_SMOOTHING, ignore_index=PAD, inplace_backward=True, check_targets=False)
+    opt = FusedAdam(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adam_w_mode=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
+    scaler = LossScaler()
+    if data_parallel:  # buckets of the flat gradient buffer all-reduced while backward runs
+        from lsmini.distributed import GradientReducer
+        GradientReducer(opt)
+
+    def train_step(*batch):
+        loss = crit(model(*batch[:-1]), batch[-1])
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    if graph:
+        from lsmini.graph import CUDAGraphStep
+        train_step = CUDAGraphStep(train_step, optimizers=[opt])
+
+    def step(*batch):
+        loss = train_step(*batch)
+        if sched is not None:
+            sched.step()
+        return loss
+
+    return step
+
+
+class TorchLoss(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch):
+        logits = self.model(*batch[:-1])
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), batch[-1].reshape(-1), ignore_index=PAD,
+                               label_smoothing=LABEL_SMOOTHING)
+
+
+def torch_trainer(cfg, tm, compiled, lr_lambda=None):
+    model = tm.cuda().train()
+    loss_fn = TorchLoss(model)
+    if compiled:
+        loss_fn = torch.compile(loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
+    scaler = torch.amp.GradScaler("cuda")
+
+    def step(*batch):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(*batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+        return loss.detach()
+
+    return step
+
+
+def make_trainer(cfg, variant, lr_lambda=None, data_parallel=False):
+    tm = build_torch_model(cfg)
+    if variant.startswith("lsmini"):
+        flags = variant.split("+")[1:]
+        return lsmini_trainer(cfg, tm, lr_lambda, graph="graph" in flags, saved="saved" in flags,
+                              data_parallel=data_parallel)
+    if data_parallel:
+        raise ValueError("--nproc runs the lsmini variants only")
+    return torch_trainer(cfg, tm, variant == "compiled", lr_lambda)
+
+
+# ---- profile: where a step's time goes --------------------------------------------------------------------
+_CATEGORIES = [  # first match wins; names as the profiler reports the kernels
+    ("optimizer", re.compile(r"adam|multi_tensor|amp_|unscale|grad_scale|non_finite|inf_and_scale", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*tensorop|s\d+gemm|ampere_|hopper_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention_kernel|efficient_attention|sdpa", re.I)),
+    ("lsmini fused", re.compile(r"lsmini::", re.I)),
+    ("copy/fill", re.compile(r"memcpy|memset|copy_kernel|fill_kernel|CatArray", re.I)),
+]
+
+
+def _category(name):
+    for cat, rx in _CATEGORIES:
+        if rx.search(name):
+            return cat
+    return "other kernels"
+
+
+def profile_step(step, batches, steps=5):
+    """Kernel time per category, kernel count and the idle share of the GPU timeline over `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(*batches[i % len(batches)])
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Optimizer.", "ProfilerStep"))]  # annotations, not kernels
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:  # union of kernel intervals (overlapping streams count once)
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    wall = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    cats, names = {}, {}
+    for e in kernels:
+        dur = e.time_range.end - e.time_range.start
+        c = _category(e.name)
+        cats[c] = cats.get(c, 0.0) + dur
+        names[e.name] = names.get(e.name, 0.0) + dur
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+    return {"steps": steps, "kernels_per_step": len(kernels) / steps, "gpu_span_ms": wall / 1e3 / steps,
+            "busy_ms": busy / 1e3 / steps, "idle_ms": (wall - busy) / 1e3 / steps,
+            "categories_ms": {k: v / 1e3 / steps for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [(n[:110], v / 1e3 / steps) for n, v in top]}
+
+
+# ---- the worker: one (config, variant) in this process ------------------------------------------------------
+def run_worker(config, variant, steps, warmup, check, profile):
+    cfg = CONFIGS[config]
+    if check:
+        lr_lambda = lambda i: min(1.0, (i + 1) / CHECK_WARMUP)  # noqa: E731
+        batches = [tuple(t.cuda() for t in b) for b in make_batches(cfg, CHECK_STEPS, seed=1)]
+        step = make_trainer(cfg, variant, lr_lambda)
+        losses = torch.stack([step(*b).clone() for b in batches]).float().cpu()  # a graph reuses its output
+        return {"config": config, "variant": variant, "losses": losses.tolist()}
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # one process per GPU under torchrun; each rank trains on its own batches
+        rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(rank)
+        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    batches = [tuple(t.cuda() for t in b) for b in make_batches(cfg, 4, seed=torch.cuda.current_device())]
+    step = make_trainer(cfg, variant, data_parallel=world > 1)
+    torch.cuda.reset_peak_memory_stats()  # from the first step: a graph allocates its memory while recording
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        step(*batches[i % len(batches)])
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for i, (s, e) in enumerate(events):
+        s.record()
+        step(*batches[i % len(batches)])
+        e.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in events)
+    r = {"config": config, "variant": variant, "ms_step": ms, "tokens_s": world * tokens_per_step(cfg) / ms * 1e3,
+         "peak_mb": torch.cuda.max_memory_allocated() / 2 ** 20, "warmup_s": warm_s, "gpus": world}
+    if profile:
+        r["profile"] = profile_step(step, batches)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return r
+
+
+def spawn_worker(config, variant, args, nproc=1):
+    launcher = [sys.executable] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = launcher + [os.path.abspath(__file__), "--worker", config, variant, "--steps", str(args.steps),
+                      "--warmup", str(args.warmup)]
+    cmd += ["--check"] if args.check else []
+    cmd += ["--profile"] if args.profile else []
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("{")]  # under torchrun: every rank's line
+    if p.returncode != 0 or not lines:
+        tail = "\n".join((p.stderr or p.stdout).splitlines()[-15:])
+        print(f"# {config}/{variant} FAILED (exit {p.returncode}):\n{tail}", flush=True)
+        return None
+    return json.loads(lines[-1])
+
+
+# ---- reports ---------------------------------------------------------------------------------------------
+def speed_rows(results):
+    rows = []
+    by = {(r["config"], r["variant"]): r for r in results}
+    for r in results:
+        row = dict(r)
+        row.pop("profile", None)
+        for base, col in (("eager", "x_eager"), ("compiled", "x_compiled")):
+            b = by.get((r["config"], base))
+            if b is not None and r["variant"] != base:
+                row[col] = b["ms_step"] / r["ms_step"]
+        e = by.get((r["config"], "eager"))
+        if e is not None:
+            row["mem_vs_eager"] = r["peak_mb"] / e["peak_mb"]
+        rows.append(row)
+    return rows
+
+
+def profile_report(results):
+    out = []
+    for r in results:
+        p = r.get("profile")
+        if not p:
+            continue
+        out.append(f"### {r['config']} / {r['variant']}: {r['ms_step']:.2f} ms per step, "
+                   f"{p['kernels_per_step']:.0f} kernels per step")
+        out.append(f"GPU timeline per step {p['gpu_span_ms']:.2f} ms: busy {p['busy_ms']:.2f} ms, idle between "
+                   f"kernels {p['idle_ms']:.2f} ms\n")
+        out.append("| where | ms per step | share of busy |\n|---|---|---|")
+        for k, v in p["categories_ms"].items():
+            out.append(f"| {k} | {v:.2f} | {100 * v / max(p['busy_ms'], 1e-9):.0f}% |")
+        out.append("\n| top kernels | ms per step |\n|---|---|")
+        for n, v in p["top_kernels_ms"]:
+            out.append(f"| `{n}` | {v:.3f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def check_report(results):
+    """Window means of each variant's loss curve side by side, and the largest relative gap to eager."""
+    by = {}
+    for r in results:
+        by.setdefault(r["config"], {})[r["variant"]] = r["losses"]
+    out = []
+    for config, curves in by.items():
+        names = list(curves)
+        out.append(f"### {config}: loss, mean of each {CHECK_WINDOW}-step window\n")
+        out.append("| steps | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        means = {n: [statistics.fmean(c[i:i + CHECK_WINDOW]) for i in range(0, len(c), CHECK_WINDOW)]
+                 for n, c in curves.items()}
+        for w in range(len(next(iter(means.values())))):
+            out.append(f"| {w * CHECK_WINDOW + 1}–{(w + 1) * CHECK_WINDOW} | "
+                       + " | ".join(f"{means[n][w]:.4f}" for n in names) + " |")
+        if "eager" in means:
+            for n in names:
+                if n != "eager":
+                    gap = max(abs(a - b) / b for a, b in zip(means[n][1:], means["eager"][1:]))
+                    out.append(f"\n{n} vs eager: largest relative gap between window means after the first "
+                               f"window {100 * gap:.2f}%")
+        out.append("")
+    return "\n".join(out)
+
+
+def main_multi_gpu(args):
+    """Throughput on one GPU and on args.nproc GPUs (each with the config's batch: the global batch grows
+    with the GPUs, as in data-parallel training), and the scaling factor."""
+    if torch.cuda.device_count() < args.nproc:
+        sys.exit(f"--nproc {args.nproc}: only {torch.cuda.device_count()} CUDA devices")
+    variants = [v for v in args.variants if v.startswith("lsmini") and "graph" not in v.split("+")]
+    if not variants:
+        sys.exit("--nproc: choose lsmini variants without +graph (a data-parallel step is not captured)")
+    env = common.environment()
+    header = f"{args.nproc} × {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NCCL, {env['date']}"
+    print(f"# {header}", flush=True)
+    rows = []
+    for config in args.configs:
+        for variant in variants:
+            one, many = spawn_worker(config, variant, args), spawn_worker(config, variant, args, args.nproc)
+            if one is None or many is None:
+                continue
+            for r in (one, many):
+                rows.append({"config": config, "variant": variant, "gpus": r["gpus"], "ms_step": r["ms_step"],
+                             "tokens_s": r["tokens_s"], "peak_mb": r["peak_mb"],
+                             "scaling": r["tokens_s"] / one["tokens_s"]})
+            print(common.markdown_table(rows[-2:], MULTI_COLUMNS), flush=True)
+    text = common.markdown_table(rows, MULTI_COLUMNS)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "training_multi_gpu.md"), "w") as f:
+        f.write(f"{header}\n\n{text}\n")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS + EXTRA_VARIANTS))
+    ap.add_argument("--steps", type=int, default=30, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps first (compilation happens here)")
+    ap.add_argument("--check", action="store_true", help=f"train {CHECK_STEPS} steps per variant, compare losses")
+    ap.add_argument("--profile", action="store_true", help="also profile where a step's time goes")
+    ap.add_argument("--nproc", type=int, default=1,
+                    help="data-parallel on this many GPUs (torchrun + lsmini.distributed.GradientReducer), "
+                         "reported beside one GPU; lsmini variants without +graph only")
+    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "VARIANT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_training.py needs a CUDA device")
+    if args.worker:
+        r = run_worker(*args.worker, args.steps, args.warmup, args.check, args.profile)
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(r), flush=True)
+        return
+    if args.nproc > 1:
+        return main_multi_gpu(args)
+    import lsmini
+
+    if lsmini.backend() != "cuda":
+        sys.exit(f"lsmini backend is {lsmini.backend()!r}: {lsmini.backend().reason}")
+    env = common.environment()
+    header = f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}"
+    print(f"# {header}", flush=True)
+    results = []
+    for config in args.configs:
+        for variant in args.variants:
+            r = spawn_worker(config, variant, args)
+            if r is not None:
+                results.append(r)
+                if not args.check:
+                    print(f"# {config}/{variant}: {r['ms_step']:.2f} ms/step, {r['tokens_s']:,.0f} tokens/s, "
+                          f"peak {r['peak_mb']:.0f} MB (warm-up {r['warmup_s']:.0f} s)", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    if args.check:
+        text = check_report(results)
+        name = "training_check.md"
+    else:
+        rows = speed_rows(results)
+        text = common.markdown_table(rows, COLUMNS) + "\n\n" + profile_report(results)
+        common.write_csv(os.path.join(args.out, "training.csv"), rows, COLUMNS)
+        name = "training.md"
+    print(text)
+    with open(os.path.join(args.out, name), "w") as f:
+        f.write(f"{header}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

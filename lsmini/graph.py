@@ -1,0 +1,131 @@
+"""CUDAGraphStep: run a whole training step — forward, backward, optimizer step, loss-scale update — as one
+CUDA graph replay, so the host launches one graph instead of a thousand kernels.
+
+Why: at small and medium sizes a Transformer step is a long chain of short kernels, and the Python and
+launch cost of each one can exceed its GPU time; the GPU then idles between kernels. A graph replays the
+recorded kernels back to back with no host work in between.
+
+    step_fn = lambda src, tgt_in, tgt_out: ...   # forward + backward + scaler.step(opt) + update + zero_grad
+    step = lsmini.graph.CUDAGraphStep(step_fn, optimizers=[opt])
+    for batch in batches:                          # every call with the same shapes and dtypes
+        loss = step(*batch)                        # overwritten by the next call: .clone() to keep it
+        scheduler.step()                           # host-side state changes go outside the step
+
+The first ``warmup`` calls run ``step_fn`` eagerly (on a side stream, as capture requires: libraries set up
+their workspaces there); the next call records it and then replays it; later calls copy their inputs into
+the recorded input tensors and replay. Every call is one real training step.
+
+What the step function must respect (it runs once, at capture; replays repeat its kernels only):
+- Static shapes: each call's inputs have the shapes, dtypes and device of the first call's (checked).
+- No host synchronisation (``.item()``, ``.cpu()``, data-dependent Python branches); capture fails on most.
+  lsmini's layers, criterion (``check_targets=False``), embedding (``check_tokens=False``), FusedAdam and
+  LossScaler qualify; their dropout draws graph-safe random numbers, fresh at every replay.
+- State the host changes between steps must live on the device: FusedAdam reads its learning rates from
+  device memory refreshed before each replay (``prepare_graph_replay``), so LR schedulers work; its other
+  hyperparameters, and the model's structure, are frozen at capture. After ``load_state_dict`` on the model
+  or optimizer, or anything that reallocates their tensors, build a new CUDAGraphStep.
+- One process, one GPU: a ``lsmini.distributed.GradientReducer`` (which reacts to backward hooks) is not
+  captured; data-parallel training runs without graphs.
+"""
+import torch
+
+__all__ = ["CUDAGraphStep"]
+
+
+class CUDAGraphStep:
+    """Callable running ``fn(*inputs)`` as a CUDA graph after ``warmup`` eager calls (see the module doc).
+
+    Args:
+        fn: the training step; takes tensors, returns a tensor, a tuple/list of tensors, or None.
+        optimizers: the FusedAdam optimizers ``fn`` steps (their learning rates are refreshed before each
+            replay).
+        warmup: eager calls before the capture (≥ 1: lazily built state — optimizer moments, the layers'
+            scratch arena, cuBLAS handles — must exist before recording).
+        pool: a memory pool shared with other CUDAGraphSteps (``torch.cuda.graph_pool_handle()``), e.g. one
+            step per batch shape: their temporaries then share memory. Safe as long as the graphs replay one
+            at a time on one stream, each call's outputs are consumed (or cloned) before the next call, and
+            the layers' scratch arena is reserved for the largest shape before the first capture.
+    """
+
+    def __init__(self, fn, optimizers=(), warmup=3, pool=None):
+        if not callable(fn):
+            raise TypeError(f"CUDAGraphStep: fn must be callable, got {type(fn).__name__}")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"CUDAGraphStep: warmup must be an int >= 1, got {warmup!r}")
+        from lsmini.optim import FusedAdam
+
+        self.optimizers = list(optimizers)
+        for o in self.optimizers:
+            if not isinstance(o, FusedAdam):
+                raise TypeError(f"CUDAGraphStep: optimizers must be lsmini.optim.FusedAdam, got {type(o).__name__}")
+            if o.workspace.reducer is not None:
+                raise ValueError("CUDAGraphStep: the optimizer's workspace has a GradientReducer; data-parallel "
+                                 "steps cannot be captured")
+        self.fn = fn
+        self.warmup = warmup
+        self.pool = pool
+        self.calls = 0
+        self.graph = None
+        self._signature = None
+        self._static_inputs = None
+        self._static_output = None
+        self._side = None
+
+    @property
+    def captured(self):
+        return self.graph is not None
+
+    def _check(self, inputs):
+        sig = []
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"CUDAGraphStep: input {i} must be a tensor, got {type(x).__name__}")
+            if x.device.type != "cuda":
+                raise ValueError(f"CUDAGraphStep: input {i} must be on a CUDA device, got {x.device}")
+            sig.append((tuple(x.shape), x.dtype, x.device))
+        if self._signature is None:
+            self._signature = sig
+        elif sig != self._signature:
+            for i, (a, b) in enumerate(zip(sig, self._signature)):
+                if a != b:
+                    raise ValueError(f"CUDAGraphStep: input {i} is {a[1]} {list(a[0])} on {a[2]}, but the step was "
+                                     f"built for {b[1]} {list(b[0])} on {b[2]}; a CUDA graph replays fixed shapes "
+                                     "(pad batches to one shape, or keep one CUDAGraphStep per shape)")
+            raise ValueError(f"CUDAGraphStep: {len(sig)} inputs given, the step was built for {len(self._signature)}")
+
+    def __call__(self, *inputs):
+        self._check(inputs)
+        self.calls += 1
+        if self.graph is not None:
+            for dst, src in zip(self._static_inputs, inputs):
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src, non_blocking=True)
+            self._replay()
+            return self._static_output
+        if self.calls <= self.warmup:
+            return self._on_side_stream(lambda: self.fn(*inputs))
+        self._static_inputs = [x.clone() for x in inputs]
+        for o in self.optimizers:
+            o.prepare_graph_replay()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._static_output = self.fn(*self._static_inputs)
+        self.graph = graph
+        self._replay()
+        return self._static_output
+
+    def _on_side_stream(self, run):
+        main = torch.cuda.current_stream()
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            out = run()
+        main.wait_stream(self._side)
+        return out
+
+    def _replay(self):
+        for o in self.optimizers:
+            o.prepare_graph_replay()
+        self.graph.replay()

@@ -1,0 +1,124 @@
+"""lsmini.graph.CUDAGraphStep: argument checks (CPU); on CUDA, a whole training step (model with dropout,
+criterion, LossScaler, FusedAdam, LR schedule) replayed as a graph follows the eager run step for step —
+losses, parameters, optimizer step counts and the loss scale, skipped (overflow) steps included — and
+every replay draws fresh dropout masks."""
+import pytest
+import torch
+
+from lsmini.graph import CUDAGraphStep
+from lsmini.layers import CrossEntropyLoss, TransformerConfig
+from lsmini.models import Transformer
+from lsmini.optim import FusedAdam, LossScaler
+
+
+def test_arguments():
+    with pytest.raises(TypeError, match="callable"):
+        CUDAGraphStep(3)
+    with pytest.raises(ValueError, match="warmup"):
+        CUDAGraphStep(lambda: None, warmup=0)
+    with pytest.raises(TypeError, match="FusedAdam"):
+        CUDAGraphStep(lambda: None, optimizers=[torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)])
+    step = CUDAGraphStep(lambda x: x)
+    with pytest.raises(ValueError, match="CUDA device"):
+        step(torch.zeros(2))
+    with pytest.raises(TypeError, match="tensor"):
+        step(3)
+
+
+def _trainer(p, lr=1e-3, init_scale=2.0 ** 16, graph=False, seed=0):
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(64, 4, 128, dropout=p, attn_dropout=p, activation_dropout=p, pre_layer_norm=True,
+                            max_batch_tokens=8 * 16, max_seq_len=16)
+    model = Transformer(50, 50, cfg, 2, 2).cuda().half()
+    for m in model.modules():
+        if hasattr(m, "check_tokens"):
+            m.check_tokens = False
+    crit = CrossEntropyLoss(0.1, ignore_index=0, inplace_backward=True, check_targets=False)
+    opt = FusedAdam(model, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 4))
+    scaler = LossScaler(init_scale=init_scale, growth_interval=3)
+
+    def train_step(src, tgt_in, tgt_out):
+        loss = crit(model(src, tgt_in), tgt_out)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    run = CUDAGraphStep(train_step, optimizers=[opt], warmup=2) if graph else train_step
+
+    def step(*batch):
+        loss = run(*batch).clone()
+        sched.step()
+        return loss
+
+    return model, opt, scaler, step, run
+
+
+def _batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        src = torch.randint(3, 50, (8, 16), generator=g)
+        tgt = torch.randint(3, 50, (8, 16), generator=g)
+        src[1, -3:] = 0  # padding: masks are part of the recorded step
+        out.append(tuple(t.cuda() for t in (src, torch.roll(tgt, 1, 1), tgt)))
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("init_scale", [2.0 ** 16, 2.0 ** 40])  # 2^40 overflows fp16: skipped steps on replay
+def test_graph_follows_eager(init_scale):
+    batches = _batches(10)
+    results = []
+    for graph in (False, True):
+        model, opt, scaler, step, run = _trainer(0.1, init_scale=init_scale, graph=graph)
+        torch.cuda.manual_seed(7)
+        losses = torch.stack([step(*b) for b in batches])
+        torch.cuda.synchronize()
+        if graph:
+            assert run.captured and run.calls == len(batches)
+        results.append((losses, [p.detach().clone() for p in model.parameters()], opt.state_dict()["state"],
+                        scaler.get_scale()))
+    (l0, p0, s0, sc0), (l1, p1, s1, sc1) = results
+    # The same kernels on the same data with the same random streams: GEMM algorithm choices may differ
+    # under capture, so fp16 rounding (not more) is allowed.
+    torch.testing.assert_close(l1, l0, rtol=2e-3, atol=1e-3)
+    for a, b in zip(p1, p0):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-3)
+    assert sc1 == sc0
+    assert [s["step"] for s in s1.values()] == [s["step"] for s in s0.values()]
+    if init_scale > 2.0 ** 30:  # the first steps overflowed and were skipped in both runs
+        assert next(iter(s0.values()))["step"] < len(batches)
+
+
+@pytest.mark.cuda
+def test_graph_dropout_fresh_each_replay():
+    model, opt, scaler, step, run = _trainer(0.5, lr=0.0, graph=True)
+    batch = _batches(1)[0]
+    losses = torch.stack([step(*batch) for _ in range(6)])  # lr 0: only the dropout masks change
+    assert run.captured
+    assert len(set(losses[2:].tolist())) == 4, losses
+
+
+@pytest.mark.cuda
+def test_graph_shapes_fixed():
+    model, opt, scaler, step, run = _trainer(0.1, graph=True)
+    b = _batches(1)[0]
+    for _ in range(3):
+        step(*b)
+    with pytest.raises(ValueError, match="fixed shapes"):
+        step(b[0][:, :8], b[1], b[2])
+
+
+@pytest.mark.cuda
+def test_fused_adam_capture_needs_preparation():
+    p = torch.nn.Parameter(torch.randn(64, device="cuda"))
+    opt = FusedAdam([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="prepare_graph_replay"):
+        with torch.cuda.graph(g):
+            opt.step()
