@@ -19,6 +19,8 @@ import sys
 import torch
 from torch import nn
 
+if __name__ == "__main__":  # the child process: find lsmini in this checkout even when it is not installed
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from lsmini.layers import TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer, arena
 
 _B, _L = 64, 128
