@@ -122,3 +122,24 @@ def test_fused_adam_capture_needs_preparation():
     with pytest.raises(RuntimeError, match="prepare_graph_replay"):
         with torch.cuda.graph(g):
             opt.step()
+
+
+def test_fused_adam_prepared_for_graphs_keeps_counting_eagerly():
+    """After prepare_graph_replay the step-count rows stop alternating (a recorded step reads a fixed row);
+    eager steps in between replays must still count, so training equals torch's AdamW step for step."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(33)), torch.nn.Parameter(torch.randn(4, 5))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
+    twin = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    for step in range(6):
+        if step == 2:
+            opt.prepare_graph_replay()
+        grads = [torch.randn_like(p) for p in ours]
+        for p, q, g in zip(ours, ref, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert all(s["step"] == 6 for s in opt.state_dict()["state"].values())

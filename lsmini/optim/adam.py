@@ -392,7 +392,10 @@ class FusedAdam(torch.optim.Optimizer):
                               inv_scale, scale_t, ctrl)
         else:
             self._reference_step(hyper, inv_scale, scale_t, bool(check), clip, ctrl)
-        if capturing:  # a replay cannot alternate rows: bring the new counts back into the row it reads
+        if self._lr_device is not None:
+            # A recorded step reads the row that was current at its capture, so once graphs are in play
+            # (prepare_graph_replay was called) the rows stop alternating: every step, eager ones between
+            # replays included, brings the new counts back into that row.
             self._steps[self._parity].copy_(self._steps[1 - self._parity])
         else:
             self._parity ^= 1
