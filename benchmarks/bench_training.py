@@ -228,7 +228,7 @@ def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_paral
     scaler = LossScaler()
     if data_parallel:  # buckets of the flat gradient buffer all-reduced while backward runs
         from lsmini.distributed import GradientReducer
-        GradientReducer(opt)
+        GradientReducer(opt)  # the workspace keeps it
 
     def train_step(*batch):
         loss = crit(model(*batch[:-1]), batch[-1])
@@ -248,6 +248,7 @@ def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_paral
             sched.step()
         return loss
 
+    step.optimizer = opt  # for the data-parallel check in run_worker
     return step
 
 
@@ -384,6 +385,14 @@ def run_worker(config, variant, steps, warmup, check, profile):
     if profile:
         r["profile"] = profile_step(step, batches)
     if world > 1:
+        # Different data on every rank: only a working all-reduce leaves the replicas identical.
+        ws = step.optimizer.workspace
+        mine = torch.stack([ws.param_buffer(dt).double().sum() for dt in ws.dtypes])
+        every = [torch.empty_like(mine) for _ in range(world)]
+        torch.distributed.all_gather(every, mine)
+        if any(not torch.equal(e, every[0]) for e in every):
+            raise RuntimeError("data-parallel run: the ranks' parameters differ after training; the gradients "
+                               "were not all-reduced")
         torch.distributed.destroy_process_group()
     return r
 

@@ -192,7 +192,7 @@ class GradientReducer:
             if ws.has_grad_view(p):
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
         self.attached = True
-        ws._reducer = weakref.ref(self)
+        ws._reducer = self  # the workspace keeps it alive until remove(), even if the caller drops it
 
     # ---- layout -------------------------------------------------------------------------------------
     def _layout(self):

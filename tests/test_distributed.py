@@ -7,6 +7,7 @@ this machine's loopback); example tests launch `python -m torch.distributed.run 
 --device cpu (so they test the same thing on a GPU machine). Every launch has a deadline, so a hang fails
 the test instead of stalling CI."""
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -147,7 +148,8 @@ def assert_equal_across_ranks(t, what):
 
 
 # ---- workers (run in each process) ------------------------------------------------------------------------
-def _train_with_reducer(rank, world, update_freq, clip, set_to_none, device="cpu", rtol=1e-5, atol=1e-6):
+def _train_with_reducer(rank, world, update_freq, clip, set_to_none, device="cpu", rtol=1e-5, atol=1e-6,
+                        keep_reference=True):
     """Each rank takes its rows of every micro-batch; losses are normalised by the step's global token
     count times the world size (the reducer averages). Ends equal to the one-process run."""
     import lsmini.distributed as ld
@@ -160,6 +162,11 @@ def _train_with_reducer(rank, world, update_freq, clip, set_to_none, device="cpu
     reducer = GradientReducer(opt, bucket_mb=0.004)  # ~1000 floats: many buckets
     buckets = reducer.buckets
     assert len(buckets) > 5
+    if not keep_reference:  # built as a statement and dropped: the workspace keeps it reducing
+        del reducer
+        gc.collect()
+        reducer = opt.workspace.reducer
+        assert reducer is not None
     norms = []
     for step in range(STEPS):
         micro = [full_batch(step * update_freq + u, device=device) for u in range(update_freq)]
@@ -297,6 +304,10 @@ def test_reducer_matches_one_process_with_clipping():
 
 def test_reducer_update_freq_2_and_set_to_none():
     spawn(_train_with_reducer, 2, 0.05, True)
+
+
+def test_reducer_keeps_working_when_the_caller_drops_it():
+    spawn(_train_with_reducer, 1, 0.0, False, "cpu", 1e-5, 1e-6, False)
 
 
 def test_plain_ddp_matches_one_process():

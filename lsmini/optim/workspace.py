@@ -115,7 +115,9 @@ class ParameterWorkspace:
         self.device = params[0].device
         self.version = 0
         self._owner = None  # weakref to the optimizer that laid this workspace out, if any
-        self._reducer = None  # weakref to the lsmini.distributed.GradientReducer over the gradients, if any
+        # The lsmini.distributed.GradientReducer over the gradients, if any. A strong reference: a reducer
+        # built and not kept (``GradientReducer(optimizer)`` as a statement) must keep reducing.
+        self._reducer = None
         self._layout(params, names)
         ref = weakref.ref(self)
         for p in params:
@@ -274,7 +276,7 @@ class ParameterWorkspace:
     def reducer(self):
         """The live ``lsmini.distributed.GradientReducer`` attached to this workspace, or None.
         ``FusedAdam.step`` and ``zero_grad`` finish its reduction first."""
-        r = self._reducer() if self._reducer is not None else None
+        r = self._reducer
         return r if r is not None and r.attached else None
 
     def numel(self):
