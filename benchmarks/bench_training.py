@@ -30,9 +30,9 @@ autotuning never disturb another's timing. Reported: median ms per step over --s
 (CUDA events around each step, the host running ahead as in real training, so launch gaps count),
 tokens/s, and the peak of torch.cuda.max_memory_allocated from the first step on — warm-up, graph recording
 and timed steps — (parameters, gradients, optimizer state and activations). --check trains every variant
-200 steps on the same batches and prints the loss curves (mean of each 20-step window) side by side. --profile adds, per variant, where the time
-of a step goes: GEMMs, attention, lsmini's fused kernels, other kernels, the optimizer, and the idle gaps
-between kernels. Results go to stdout and to training.md / training.csv in --out.
+200 steps on the same batches and prints the loss curves (mean of each 20-step window) side by side.
+--profile adds, per variant, where the time of a step goes: GEMMs, attention, lsmini's fused kernels,
+other kernels, the optimizer, and the idle gaps between kernels. Results go to stdout and to training.md / training.csv in --out.
 
 --nproc N times the lsmini variant on one GPU and data-parallel on N GPUs (torchrun, NCCL,
 lsmini.distributed.GradientReducer; every GPU takes the config's batch) and reports the throughput ratio
