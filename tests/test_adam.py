@@ -945,8 +945,7 @@ def test_cuda_raw_kernel_bad_inputs():
     steps = torch.zeros(2, 16, dtype=torch.int32, device="cuda")
     args = dict(seg_begin=[0], seg_end=[64], seg_group=[0], lr=[1e-3], beta1=[0.9], beta2=[0.999], eps=[1e-8],
                 weight_decay=[0.0], adam_w_mode=True, steps=steps, parity=0, update_steps=True, lr_device=None,
-                inv_scale=1.0,
-                scale=None, ctrl=None)
+                inv_scale=1.0, scale=None, ctrl=None)
     with pytest.raises(RuntimeError, match="adam_step: master"):
         ext.adam_step(p, g, None, m, v, **args)
     with pytest.raises(RuntimeError, match="adam_step: grad"):
