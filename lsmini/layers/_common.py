@@ -170,6 +170,41 @@ def torch_activation(name):
     return {"relu": "relu", "gelu": "gelu", "gelu_tanh": nn.GELU(approximate="tanh")}[name]
 
 
+def config_from_torch(layer, max_batch_tokens, max_seq_len):
+    """The TransformerConfig of a torch.nn.TransformerEncoderLayer / DecoderLayer. Dropouts map as:
+    dropout1 → dropout, self_attn.dropout → attn_dropout, the FFN's inner dropout → activation_dropout."""
+    from lsmini.layers.config import TransformerConfig
+
+    sa = layer.self_attn
+    return TransformerConfig(
+        hidden_size=sa.embed_dim, num_heads=sa.num_heads, ffn_size=layer.linear1.out_features,
+        dropout=layer.dropout1.p, attn_dropout=float(sa.dropout), activation_dropout=layer.dropout.p,
+        activation=torch_activation_name(layer), pre_layer_norm=bool(layer.norm_first),
+        layer_norm_eps=layer.norm1.eps, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
+
+
+def torch_layer(torch_cls, config, like):
+    """An empty torch_cls (nn.TransformerEncoderLayer / DecoderLayer, batch_first) with config's sizes and
+    dropouts, on like's device and dtype."""
+    c = config
+    t = torch_cls(c.hidden_size, c.num_heads, c.ffn_size, dropout=c.dropout, activation=torch_activation(c.activation),
+                  layer_norm_eps=c.layer_norm_eps, batch_first=True, norm_first=c.pre_layer_norm, device=like.device,
+                  dtype=like.dtype)
+    t.self_attn.dropout = c.attn_dropout
+    if hasattr(t, "multihead_attn"):
+        t.multihead_attn.dropout = c.attn_dropout
+    t.dropout.p = c.activation_dropout
+    return t
+
+
+def describe(config):
+    """The extra_repr of a layer with this config."""
+    c = config
+    return (f"hidden={c.hidden_size}, heads={c.num_heads}, ffn={c.ffn_size}, activation={c.activation}, "
+            f"pre_layer_norm={c.pre_layer_norm}, dropout=({c.dropout}, attn {c.attn_dropout}, "
+            f"act {c.activation_dropout})")
+
+
 def check_torch_attention(mha, what):
     if not mha._qkv_same_embed_dim:
         raise ValueError(f"from_torch: {what} must have kdim == vdim == embed_dim")

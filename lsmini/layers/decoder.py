@@ -12,8 +12,8 @@ from torch import nn
 
 from lsmini.layers._common import (CrossAttentionParams, SelfAttentionParams, cast_block, check_mask, check_new_order,
                                    check_states, check_torch_attention, check_torch_linear_norm, compute_dtype,
-                                   copy_params, no_autocast, reorder, reset_ffn, torch_activation,
-                                   torch_activation_name, uniform_, use_kernels)
+                                   config_from_torch, copy_params, describe, no_autocast, reorder, reset_ffn,
+                                   torch_layer, uniform_, use_kernels)
 from lsmini.layers._fused import CrossKVFunction, KVGradSlots, LayerFunction, LayerSpec, incremental_layer, project_kv
 from lsmini.layers.config import TransformerConfig
 from lsmini.layers.layernorm import LayerNorm
@@ -160,11 +160,7 @@ class TransformerDecoderLayer(nn.Module):
         check_torch_attention(sa, "self_attn")
         check_torch_attention(mha, "multihead_attn")
         check_torch_linear_norm(layer, ("norm1", "norm2", "norm3"))
-        config = TransformerConfig(
-            hidden_size=sa.embed_dim, num_heads=sa.num_heads, ffn_size=layer.linear1.out_features,
-            dropout=layer.dropout1.p, attn_dropout=float(sa.dropout), activation_dropout=layer.dropout.p,
-            activation=torch_activation_name(layer), pre_layer_norm=bool(layer.norm_first),
-            layer_norm_eps=layer.norm1.eps, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
+        config = config_from_torch(layer, max_batch_tokens, max_seq_len)
         new = cls(config, device=sa.in_proj_weight.device, dtype=sa.in_proj_weight.dtype)
         h = config.hidden_size
         src = dict(layer.named_parameters())
@@ -186,13 +182,7 @@ class TransformerDecoderLayer(nn.Module):
                 raise ValueError("to_torch: this layer belongs to a TransformerDecoder; pass kv_weight, kv_bias = "
                                  "decoder.layer_kv(i)")
             kv_weight, kv_bias = ca.kv_proj_weight, ca.kv_proj_bias
-        w = self.self_attn.in_proj_weight
-        t = nn.TransformerDecoderLayer(c.hidden_size, c.num_heads, c.ffn_size, dropout=c.dropout,
-                                       activation=torch_activation(c.activation), layer_norm_eps=c.layer_norm_eps,
-                                       batch_first=True, norm_first=c.pre_layer_norm, device=w.device, dtype=w.dtype)
-        t.self_attn.dropout = c.attn_dropout
-        t.multihead_attn.dropout = c.attn_dropout
-        t.dropout.p = c.activation_dropout
+        t = torch_layer(nn.TransformerDecoderLayer, c, self.self_attn.in_proj_weight)
         src = dict(self.named_parameters())
         with torch.no_grad():
             src["multihead_attn.in_proj_weight"] = torch.cat([ca.q_proj_weight, kv_weight])
@@ -201,10 +191,7 @@ class TransformerDecoderLayer(nn.Module):
         return t.train(self.training)
 
     def extra_repr(self):
-        c = self.config
-        return (f"hidden={c.hidden_size}, heads={c.num_heads}, ffn={c.ffn_size}, activation={c.activation}, "
-                f"pre_layer_norm={c.pre_layer_norm}, own_kv={self.multihead_attn.owns_kv}, dropout=({c.dropout}, "
-                f"attn {c.attn_dropout}, act {c.activation_dropout})")
+        return f"{describe(self.config)}, own_kv={self.multihead_attn.owns_kv}"
 
 
 class TransformerDecoder(nn.Module):

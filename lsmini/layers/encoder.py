@@ -1,11 +1,9 @@
 """Transformer encoder layer and stack on lsmini's fused kernels (see _fused.py for the computation)."""
-import torch
 from torch import nn
 
 from lsmini.layers._common import (SelfAttentionParams, cast_block, check_mask, check_new_order, check_states,
-                                   check_torch_attention, check_torch_linear_norm, compute_dtype, copy_params,
-                                   no_autocast, reorder, reset_ffn, torch_activation, torch_activation_name,
-                                   use_kernels)
+                                   check_torch_attention, check_torch_linear_norm, compute_dtype, config_from_torch,
+                                   copy_params, describe, no_autocast, reorder, reset_ffn, torch_layer, use_kernels)
 from lsmini.layers._fused import LayerFunction, LayerSpec, incremental_layer
 from lsmini.layers.config import TransformerConfig
 from lsmini.layers.layernorm import LayerNorm
@@ -111,32 +109,19 @@ class TransformerEncoderLayer(nn.Module):
         sa = layer.self_attn
         check_torch_attention(sa, "self_attn")
         check_torch_linear_norm(layer, ("norm1", "norm2"))
-        config = TransformerConfig(
-            hidden_size=sa.embed_dim, num_heads=sa.num_heads, ffn_size=layer.linear1.out_features,
-            dropout=layer.dropout1.p, attn_dropout=float(sa.dropout), activation_dropout=layer.dropout.p,
-            activation=torch_activation_name(layer), pre_layer_norm=bool(layer.norm_first),
-            layer_norm_eps=layer.norm1.eps, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
+        config = config_from_torch(layer, max_batch_tokens, max_seq_len)
         new = cls(config, device=sa.in_proj_weight.device, dtype=sa.in_proj_weight.dtype)
         copy_params(new, dict(layer.named_parameters()))
         return new.train(layer.training)
 
     def to_torch(self):
         """The equivalent torch.nn.TransformerEncoderLayer (batch_first=True), weights copied."""
-        c = self.config
-        w = self.self_attn.in_proj_weight
-        t = nn.TransformerEncoderLayer(c.hidden_size, c.num_heads, c.ffn_size, dropout=c.dropout,
-                                       activation=torch_activation(c.activation), layer_norm_eps=c.layer_norm_eps,
-                                       batch_first=True, norm_first=c.pre_layer_norm, device=w.device, dtype=w.dtype)
-        t.self_attn.dropout = c.attn_dropout
-        t.dropout.p = c.activation_dropout
+        t = torch_layer(nn.TransformerEncoderLayer, self.config, self.self_attn.in_proj_weight)
         copy_params(t, dict(self.named_parameters()))
         return t.train(self.training)
 
     def extra_repr(self):
-        c = self.config
-        return (f"hidden={c.hidden_size}, heads={c.num_heads}, ffn={c.ffn_size}, activation={c.activation}, "
-                f"pre_layer_norm={c.pre_layer_norm}, dropout=({c.dropout}, attn {c.attn_dropout}, "
-                f"act {c.activation_dropout})")
+        return describe(self.config)
 
 
 class TransformerEncoder(nn.Module):
