@@ -4,10 +4,10 @@ import torch.nn.functional as F
 
 import lsmini
 from lsmini.ops.bias_act_dropout import ACTIVATIONS, BiasActDropoutFunction, bias_act_dropout, bias_act_dropout_ref
-from util import LOWP, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, philox_keep_mask
+from util import (LOWP, assert_close_fp32, assert_column_sum_close, assert_dropout_keep_stats, assert_lowp_rule,
+                  next_seed_offset, philox_keep_mask)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-EPS32 = 2.0 ** -24
 
 
 def _inputs(shape, dtype, device, bias_dtype="same", seed=0):
@@ -35,27 +35,6 @@ def _run(fn, x, bias, grad):
 
 def _torch_act(y, activation):
     return F.relu(y) if activation == "relu" else F.gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")
-
-
-def _next_seed_offset(s):
-    """The eager (seed, offset) that the next dropout call will draw after torch.manual_seed(s)."""
-    torch.manual_seed(s)
-    seed, offset, seed_ptr, offset_ptr = lsmini._backend.philox_seed_offset()
-    assert (seed_ptr, offset_ptr) == (0, 0)
-    torch.manual_seed(s)
-    return seed, offset
-
-
-def assert_column_sum_close(a, ref, abs_sum, rows, name="grad_bias"):
-    """fp32 column sums of `rows` terms taken in another order than the reference's: each side's
-    rounding error is at most about depth·eps·Σ|term| for a summation tree of depth ≈ log2(rows)
-    (plus a few levels for the per-thread chains), so allow twice that per column. A missing or
-    doubled row would be off by a whole |term|."""
-    depth = max(rows, 2).bit_length() + 4
-    bound = 1e-6 + 2 * depth * EPS32 * abs_sum.double()
-    err = (a.double() - ref.double()).abs()
-    bad = ~(err <= bound)
-    assert not bad.any(), f"{name}: {int(bad.sum())} columns off, worst err {err.max().item():.3g}"
 
 
 # ------------------------------------------------------------------------------------ CPU (CI) ---
@@ -190,7 +169,7 @@ def test_kernel_matches_reference(activation, shape, dtype, p):
         x, bias, grad = _inputs(shape, dtype, "cuda", bias_kind)
         mask = None
         if p > 0:
-            seed, offset = _next_seed_offset(11)
+            seed, offset = next_seed_offset(11)
             mask = philox_keep_mask(x.numel(), p, seed, offset, "cuda").view(shape)
         ours = _run(lambda x, b: bias_act_dropout(x, b, activation, p), x, bias, grad)
         up = lambda t: t.float() if t is not None else None  # noqa: E731
@@ -279,7 +258,7 @@ def test_dropout_statistics_and_same_mask(activation, dtype, p, shape):
     assert_dropout_keep_stats(keep, p, name=f"mask {dtype} p={p}")
     # the backward regenerates the forward's mask: grad_x is zero exactly where the output was dropped
     assert torch.equal(gx == 0, ~keep)
-    seed, offset = _next_seed_offset(3)
+    seed, offset = next_seed_offset(3)
     assert torch.equal(keep.view(-1), philox_keep_mask(keep.numel(), p, seed, offset, "cuda"))
 
 

@@ -5,11 +5,10 @@ import torch.nn.functional as F
 import lsmini
 from lsmini.ops.bias_dropout_residual import (BiasDropoutResidualFunction, bias_dropout_residual,
                                               bias_dropout_residual_ref)
-from util import (LOWP, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, philox4x32_10,
-                  philox_keep_mask)
+from util import (LOWP, assert_close_fp32, assert_column_sum_close, assert_dropout_keep_stats, assert_lowp_rule,
+                  next_seed_offset, philox4x32_10, philox_keep_mask)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-EPS32 = 2.0 ** -24
 
 
 def _inputs(shape, dtype, device, bias_dtype="same", seed=0):
@@ -35,15 +34,6 @@ def _run(fn, x, bias, residual, grad):
     out = fn(x, bias, residual)
     out.backward(grad)
     return out.detach(), x.grad, (bias.grad if bias is not None else None), residual.grad
-
-
-def _next_seed_offset(s):
-    """The eager (seed, offset) that the next dropout call will draw after torch.manual_seed(s)."""
-    torch.manual_seed(s)
-    seed, offset, seed_ptr, offset_ptr = lsmini._backend.philox_seed_offset()
-    assert (seed_ptr, offset_ptr) == (0, 0)
-    torch.manual_seed(s)
-    return seed, offset
 
 
 # ------------------------------------------------------------------------------------ CPU (CI) ---
@@ -170,18 +160,6 @@ def _check_all(dtype, ours, ref32, lowp, names=("out", "grad_x", "grad_bias", "g
             assert_close_fp32(a, r, name=name)
 
 
-def assert_column_sum_close(a, ref, abs_sum, rows, name="grad_bias"):
-    """fp32 column sums of `rows` terms taken in another order than the reference's: each side's
-    rounding error is at most about depth·eps·Σ|term| for a summation tree of depth ≈ log2(rows)
-    (plus a few levels for the per-thread chains), so allow twice that per column. A missing or
-    doubled row would be off by a whole |term|."""
-    depth = max(rows, 2).bit_length() + 4
-    bound = 1e-6 + 2 * depth * EPS32 * abs_sum.double()
-    err = (a.double() - ref.double()).abs()
-    bad = ~(err <= bound)
-    assert not bad.any(), f"{name}: {int(bad.sum())} columns off, worst err {err.max().item():.3g}"
-
-
 def _lowp_torch(x, bias, residual, grad, mask, p):
     """Plain PyTorch in x's low precision: forward, grad_x, grad_bias, grad_residual."""
     dt = x.dtype
@@ -206,7 +184,7 @@ def test_kernel_matches_reference(shape, dtype, p):
         x, bias, residual, grad = _inputs(shape, dtype, "cuda", bias_kind)
         mask = None
         if p > 0:
-            seed, offset = _next_seed_offset(11)
+            seed, offset = next_seed_offset(11)
             mask = philox_keep_mask(x.numel(), p, seed, offset, "cuda").view(shape)
         ours = _run(lambda x, b, r: bias_dropout_residual(x, b, r, p), x, bias, residual, grad)
         up = lambda t: t.float() if t is not None else None  # noqa: E731
@@ -264,7 +242,7 @@ def test_dropout_statistics_and_same_mask(dtype, p, shape):
     assert torch.equal(gx == 0, ~keep)
     assert_close_fp32(gx[keep].float(), grad[keep].float() / (1 - p), atol=0, rtol=1e-2 if dtype in LOWP else 1e-6)
     # and it is the convention's mask
-    seed, offset = _next_seed_offset(3)
+    seed, offset = next_seed_offset(3)
     assert torch.equal(keep.view(-1), philox_keep_mask(keep.numel(), p, seed, offset, "cuda"))
 
 

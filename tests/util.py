@@ -1,6 +1,8 @@
 """Helpers shared by the op tests."""
 import torch
 
+from lsmini import _backend
+
 LOWP = (torch.float16, torch.bfloat16)
 
 
@@ -107,3 +109,27 @@ def assert_dropout_keep_stats(keep, p, sigmas=5.0, name="dropout mask"):
         pairs(flat[1:], flat[:-1], "flat neighbours")
     if keep.dim() == 2 and keep.shape[0] > 1:
         pairs(keep[1:].reshape(-1), keep[:-1].reshape(-1), "vertical neighbours")
+
+
+EPS32 = 2.0 ** -24
+
+
+def assert_column_sum_close(a, ref, abs_sum, rows, name="grad_bias"):
+    """fp32 column sums of `rows` terms taken in another order than the reference's: each side's
+    rounding error is at most about depth·eps·Σ|term| for a summation tree of depth ≈ log2(rows)
+    (plus a few levels for the per-thread chains), so allow twice that per column. A missing or
+    doubled row would be off by a whole |term|."""
+    depth = max(rows, 2).bit_length() + 4
+    bound = 1e-6 + 2 * depth * EPS32 * abs_sum.double()
+    err = (a.double() - ref.double()).abs()
+    bad = ~(err <= bound)
+    assert not bad.any(), f"{name}: {int(bad.sum())} columns off, worst err {err.max().item():.3g}"
+
+
+def next_seed_offset(s):
+    """The eager (seed, offset) that the next dropout call will draw after torch.manual_seed(s)."""
+    torch.manual_seed(s)
+    seed, offset, seed_ptr, offset_ptr = _backend.philox_seed_offset()
+    assert (seed_ptr, offset_ptr) == (0, 0)
+    torch.manual_seed(s)
+    return seed, offset
