@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import lsmini
-from lsmini.ops.bias_act_dropout import ACTIVATIONS, BiasActDropoutFunction, bias_act_dropout, bias_act_dropout_ref
+from lsmini.ops.bias_act_dropout import ACTIVATIONS, bias_act_dropout, bias_act_dropout_ref
 from util import (LOWP, assert_close_fp32, assert_column_sum_close, assert_dropout_keep_stats, assert_lowp_rule,
                   next_seed_offset, philox_keep_mask)
 
