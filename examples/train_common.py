@@ -250,7 +250,8 @@ def add_common_args(parser, default_save_dir):
                         "side-by-side comparison (its default --save-dir gets a _reference suffix)")
     g.add_argument("--cuda-graph", action="store_true",
                    help="replay each training step as one CUDA graph (lsmini.graph), recorded once per batch "
-                        "shape: less launch overhead for small models; one GPU, --update-freq 1, the kernels")
+                        "shape: less launch overhead for small models; --update-freq 1, the kernels (under "
+                        "torchrun the gradient all-reduces are recorded too)")
 
     g = parser.add_argument_group("progress, validation and checkpoints")
     g.add_argument("--save-dir", default=None,
@@ -321,7 +322,6 @@ def setup_device(args, local_rank=None):
                         f"{device.type}")
     if getattr(args, "cuda_graph", False):
         why = ("a CUDA device" if device.type != "cuda" else "the fused kernels, not --reference" if args.reference
-               else "one process (a data-parallel step is not captured)" if local_rank is not None
                else "--update-freq 1" if args.update_freq != 1 else None)
         if why:
             raise DataError(f"--cuda-graph needs {why}")
@@ -721,6 +721,10 @@ class Trainer:
                     f"valid ppl {safe_exp(self.valid_loss):.2f}")
                 window_start = time.perf_counter()
         bar.close()
+        if self.graphs:  # free their memory; under torchrun the process group cannot shut down while they live
+            for g in self.graphs.values():
+                g.reset()
+            self.graphs.clear()
 
 
 def safe_exp(x):

@@ -15,6 +15,7 @@ Usage (one process per GPU, launched with ``torchrun --nproc_per_node=N train.py
         optimizer.zero_grad()
 
 Gradient accumulation: run all but the last backward of a step inside ``with reducer.no_sync():``.
+CUDA graphs: ``lsmini.graph.CUDAGraphStep`` records such a step with its all-reduces (NCCL only).
 
 How it works. ``ParameterWorkspace`` keeps every gradient as a view into one flat buffer per dtype, so
 the buffer can be reduced in place: ``GradientReducer`` cuts each buffer into contiguous buckets of about
@@ -130,7 +131,7 @@ class GradientReducer:
         ValueError / TypeError: a bad ``bucket_mb`` or ``target``.
 
     Attributes:
-        world_size, rank: of the process group.
+        world_size, rank, backend: of the process group (backend: "nccl", "gloo", ...).
         buckets: ``[(dtype, start, end, number of parameters)]`` in send order (element offsets).
     """
 
@@ -153,8 +154,8 @@ class GradientReducer:
         self._group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self._backend = str(dist.get_backend(process_group)).lower()
-        if self._backend == "nccl" and ws.device.type != "cuda":
+        self.backend = str(dist.get_backend(process_group)).lower()
+        if self.backend == "nccl" and ws.device.type != "cuda":
             raise RuntimeError(f"GradientReducer: the process group uses NCCL, which reduces CUDA tensors, but the "
                                f"workspace is on {ws.device}; move the model to its GPU first, or use gloo on CPU")
         self._bucket_bytes = float(bucket_mb) * 2 ** 20
@@ -357,6 +358,6 @@ class GradientReducer:
         self._ws._reducer = None
 
     def __repr__(self):
-        return (f"GradientReducer(world_size={self.world_size}, backend={self._backend}, "
+        return (f"GradientReducer(world_size={self.world_size}, backend={self.backend}, "
                 f"buckets={len(self._buckets)}, bucket_mb={self._bucket_bytes / 2 ** 20:g})")
 

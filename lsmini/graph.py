@@ -24,8 +24,12 @@ What the step function must respect (it runs once, at capture; replays repeat it
   device memory refreshed before each replay (``prepare_graph_replay``), so LR schedulers work; its other
   hyperparameters, and the model's structure, are frozen at capture. After ``load_state_dict`` on the model
   or optimizer, or anything that reallocates their tensors, build a new CUDAGraphStep.
-- One process, one GPU: a ``lsmini.distributed.GradientReducer`` (which reacts to backward hooks) is not
-  captured; data-parallel training runs without graphs.
+- Data-parallel: with a ``lsmini.distributed.GradientReducer`` over NCCL the step records its bucket
+  all-reduces too (the reducer's hooks run once, at capture; replays repeat the collectives, in the same
+  order on every rank), so every rank must build the same step and call it the same number of times, as
+  with any collective. gloo collectives run on the host and cannot be recorded: refused. Call ``reset()``
+  (or drop the step) before ``torch.distributed.destroy_process_group()``: a group whose collectives a
+  live graph recorded does not shut down (the call never returns).
 """
 import torch
 
@@ -58,9 +62,11 @@ class CUDAGraphStep:
         for o in self.optimizers:
             if not isinstance(o, FusedAdam):
                 raise TypeError(f"CUDAGraphStep: optimizers must be lsmini.optim.FusedAdam, got {type(o).__name__}")
-            if o.workspace.reducer is not None:
-                raise ValueError("CUDAGraphStep: the optimizer's workspace has a GradientReducer; data-parallel "
-                                 "steps cannot be captured")
+            reducer = o.workspace.reducer
+            if reducer is not None and reducer.backend != "nccl":
+                raise ValueError(f"CUDAGraphStep: the optimizer's GradientReducer communicates with "
+                                 f"{reducer.backend}, whose collectives run on the host and cannot be recorded in "
+                                 "a CUDA graph; use NCCL (one GPU per process) or train without a graph")
         self.fn = fn
         self.warmup = warmup
         self.pool = pool
@@ -74,6 +80,14 @@ class CUDAGraphStep:
     @property
     def captured(self):
         return self.graph is not None
+
+    def reset(self):
+        """Drop the recording and its memory; the next call warms up and records again (with any shapes)."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = None
+        self.calls = 0
+        self._signature = self._static_inputs = self._static_output = None
 
     def _check(self, inputs):
         sig = []

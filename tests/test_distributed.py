@@ -40,9 +40,15 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 # ---- launching -----------------------------------------------------------------------------------------
 def _entry(rank, world, init_file, cuda, fn, args):
     torch.set_num_threads(1)
-    if cuda:
-        torch.cuda.set_device(0)  # the CUDA tests share one GPU between the ranks (gloo carries CUDA tensors)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    init = f"file://{init_file}"
+    if cuda == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    else:
+        if cuda:
+            torch.cuda.set_device(0)  # the ranks share one GPU (gloo carries CUDA tensors)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
@@ -50,7 +56,8 @@ def _entry(rank, world, init_file, cuda, fn, args):
 
 
 def spawn(fn, *args, world=WORLD, timeout=120, cuda=False):
-    """Run fn(rank, world, *args) in `world` gloo processes; a failure in any re-raises here, a hang fails."""
+    """Run fn(rank, world, *args) in `world` processes; a failure in any re-raises here, a hang fails.
+    cuda: False (gloo, CPU), True (gloo, the ranks sharing one GPU) or "nccl" (one GPU per rank)."""
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(_entry, args=(world, os.path.join(d, "rendezvous"), cuda, fn, args),
                                  nprocs=world, join=False, start_method="spawn")
@@ -335,6 +342,47 @@ def test_fp16_overflow_on_one_rank_skips_on_every_rank_cuda():
     spawn(_overflow_agrees, "cuda", (torch.float16,), cuda=True)
 
 
+def _graph_follows_eager(rank, world):
+    """The whole data-parallel step (bucket all-reduces included) recorded by CUDAGraphStep and replayed does
+    what the eager data-parallel step does, on every rank, and the ranks stay identical."""
+    from test_graph import _batches, _trainer
+
+    batches = _batches(8, seed=1 + rank)  # each rank its own data: only the all-reduce keeps them equal
+    results = []
+    for graph in (False, True):
+        model, opt, scaler, step, run = _trainer(0.1, graph=graph, data_parallel=True)
+        torch.cuda.manual_seed(7 + rank)
+        losses = torch.stack([step(*b) for b in batches])
+        torch.cuda.synchronize()
+        if graph:
+            assert run.captured and run.calls == len(batches)
+        assert len(opt.workspace.reducer.buckets) > 3
+        for dt in opt.workspace.dtypes:
+            assert_equal_across_ranks(opt.workspace.param_buffer(dt), f"parameters (graph={graph})")
+        results.append((losses, [p.detach().clone() for p in model.parameters()], scaler.get_scale()))
+    (l0, p0, sc0), (l1, p1, sc1) = results
+    torch.testing.assert_close(l1, l0, rtol=2e-3, atol=1e-3)  # as in test_graph: GEMM choices under capture
+    for a, b in zip(p1, p0):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-3)
+    assert sc1 == sc0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL, one GPU per rank)")
+def test_graph_step_with_reducer_follows_eager_on_two_gpus():
+    spawn(_graph_follows_eager, cuda="nccl", timeout=300)
+
+
+def test_graph_step_refuses_a_gloo_reducer(single_process_group):
+    from lsmini.graph import CUDAGraphStep
+
+    opt = FusedAdam(nn.Linear(3, 3))
+    reducer = GradientReducer(opt)
+    with pytest.raises(ValueError, match="gloo.*cannot be recorded"):
+        CUDAGraphStep(lambda: None, optimizers=[opt])
+    reducer.remove()
+
+
 def test_reducer_without_process_group_is_an_error():
     assert not dist.is_initialized()
     opt = FusedAdam(nn.Linear(3, 3))
@@ -477,6 +525,25 @@ def test_lm_two_processes_equal_one_process_with_update_freq_2(tmp_path):
     a, b = checkpoint(two)["trainer"]["model"], checkpoint(one)["trainer"]["model"]
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL, one GPU per rank)")
+def test_translation_two_gpus_cuda_graph_follows_eager(corpus, tmp_path):  # noqa: F811
+    """torchrun on 2 GPUs with --cuda-graph: the ranks record one step per batch shape each (at different
+    steps, as their shapes differ), their all-reduces still pair up, and training follows the eager run."""
+    script = os.path.join(EXAMPLES, "train_translation.py")
+    common = data_args(corpus, test=False) + SMALL + ["--beam", "1", "--max-steps", "24", "--eval-every", "24",
+                                                       "--dropout", "0.1"]
+    out = {}
+    for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
+        save = str(tmp_path / name)
+        assert_ok(torchrun([script] + common + ["--save-dir", save] + extra, timeout=300))
+        out[name] = check_metrics(save, 24)
+    assert out["graph"]["world_size"] == 2
+    # as the one-GPU test in test_examples: the loss normalisation rounds differently under a graph
+    assert out["graph"]["valid_loss"] == pytest.approx(out["eager"]["valid_loss"], rel=0.02)
+    assert out["graph"]["train_loss"] == pytest.approx(out["eager"]["train_loss"], rel=0.02)
 
 
 FAILING = """

@@ -25,7 +25,7 @@ def test_arguments():
         step(3)
 
 
-def _trainer(p, lr=1e-3, init_scale=2.0 ** 16, graph=False, seed=0):
+def _trainer(p, lr=1e-3, init_scale=2.0 ** 16, graph=False, seed=0, data_parallel=False):
     torch.manual_seed(seed)
     cfg = TransformerConfig(64, 4, 128, dropout=p, attn_dropout=p, activation_dropout=p, pre_layer_norm=True,
                             max_batch_tokens=8 * 16, max_seq_len=16)
@@ -37,6 +37,9 @@ def _trainer(p, lr=1e-3, init_scale=2.0 ** 16, graph=False, seed=0):
     opt = FusedAdam(model, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 4))
     scaler = LossScaler(init_scale=init_scale, growth_interval=3)
+    if data_parallel:  # small buckets: several all-reduces per step, in a fixed order
+        from lsmini.distributed import GradientReducer
+        GradientReducer(opt, bucket_mb=0.1)
 
     def train_step(src, tgt_in, tgt_out):
         loss = crit(model(src, tgt_in), tgt_out)
@@ -110,6 +113,11 @@ def test_graph_shapes_fixed():
         step(*b)
     with pytest.raises(ValueError, match="fixed shapes"):
         step(b[0][:, :8], b[1], b[2])
+    run.reset()  # drops the recording: the next calls warm up and record the new shape
+    assert not run.captured and run.calls == 0
+    for _ in range(3):
+        step(b[0][:, :8], b[1], b[2])
+    assert run.captured
 
 
 @pytest.mark.cuda
