@@ -11,9 +11,12 @@ import torch
 def time_ms(fn, warmup=10, iters=50):
     """Median device milliseconds of fn() over `iters` calls (CUDA events), after `warmup` calls.
 
-    The GPU is first held busy long enough for the host to enqueue every timed call, so the events
-    measure device time only — not the Python/launch overhead of small ops, which would otherwise
-    show up as idle gaps inside the timed region for both lsmini and the baseline alike.
+    Before each timed call the GPU is held busy long enough for the host to enqueue the whole call, so the
+    events measure device time only — not the Python/launch overhead of small ops, which would otherwise
+    show up as idle gaps inside the timed region for both lsmini and the baseline alike. One call at a
+    time: queued behind a single wait, 50 launch-heavy calls (a layer's forward + backward is ~100
+    kernels) measured up to 3× slower than 10 calls did — the host was pacing the GPU again, most likely
+    because the launch queue filled.
     """
     for _ in range(warmup):
         fn()
@@ -23,15 +26,16 @@ def time_ms(fn, warmup=10, iters=50):
         fn()
     host_s = (time.perf_counter() - t0) / 3  # upper bound on the host cost of one call
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    torch.cuda._sleep(int(min(2e9, 1.5 * iters * host_s * 2e9)))  # ~2 GHz cycles
-    for s, e in zip(starts, ends):
-        s.record()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(min(2e9, 1.5 * host_s * 2e9)))  # ~2 GHz cycles
+        start.record()
         fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def copy_bandwidth_gbs(nbytes=2 << 30):
