@@ -215,6 +215,42 @@ def padded_tensor(rows, width, pin, prefix=None, suffix=None):
 
 
 # ---- arguments ----------------------------------------------------------------------------------------
+def add_layer_args(g, label_smoothing):
+    """The layer options both examples share, into the argument group g."""
+    ln = g.add_mutually_exclusive_group()
+    ln.add_argument("--pre-ln", dest="pre_ln", action="store_true", default=True,
+                    help="LayerNorm before each block (default)")
+    ln.add_argument("--post-ln", dest="pre_ln", action="store_false", help="LayerNorm after each residual add")
+    g.add_argument("--dropout", type=float, default=None, help="residual/embedding dropout (default per --arch)")
+    g.add_argument("--attn-dropout", type=float, default=0.0, help="dropout on attention probabilities (default 0)")
+    g.add_argument("--activation-dropout", type=float, default=0.0, help="dropout after the FFN activation (default 0)")
+    g.add_argument("--label-smoothing", type=float, default=label_smoothing, help=f"(default {label_smoothing:g})")
+
+
+def layer_config(args, arch, activation, max_seq_len):
+    """The TransformerConfig fields a checkpoint's model_config stores (max_batch_tokens is per run)."""
+    return dict(hidden_size=arch["hidden"], num_heads=arch["heads"], ffn_size=arch["ffn"], dropout=args.dropout,
+                attn_dropout=args.attn_dropout, activation_dropout=args.activation_dropout, activation=activation,
+                pre_layer_norm=args.pre_ln, max_seq_len=max_seq_len)
+
+
+def build_layer_config(mc, max_batch_tokens):
+    from lsmini.layers import TransformerConfig
+
+    try:
+        return TransformerConfig(**mc["config"], max_batch_tokens=max_batch_tokens)
+    except ValueError as e:
+        raise DataError(f"model configuration: {e}") from None
+
+
+def place_model(model, device, dtype):
+    model = model.to(device=device, dtype=dtype)
+    for m in model.modules():  # ids come from our own tokenizer: skip the per-call check (a host sync)
+        if hasattr(m, "check_tokens"):
+            m.check_tokens = False
+    return model
+
+
 def add_common_args(parser, default_save_dir):
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--vocab-size", type=int, default=None,

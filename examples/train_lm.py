@@ -22,11 +22,11 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builtin_data  # noqa: E402
-from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, Distributed,  # noqa: E402
-                          RunSettings, add_common_args, describe_backend, encode_cached, load_checkpoint,
-                          load_sentencepiece, make_criteria, prepare_save_dir, read_lines, resolve_common_args,
-                          round_up, run_main, run_metrics, start_distributed, start_trainer, train_and_validate,
-                          train_sentencepiece, write_metrics)
+from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, Distributed, RunSettings,  # noqa: E402
+                          add_common_args, add_layer_args, build_layer_config, describe_backend, encode_cached,
+                          layer_config, load_checkpoint, load_sentencepiece, make_criteria, place_model,
+                          prepare_save_dir, read_lines, resolve_common_args, round_up, run_main, run_metrics,
+                          start_distributed, start_trainer, train_and_validate, train_sentencepiece, write_metrics)
 
 DEFAULT_SAVE_DIR = os.path.join("checkpoints", "lm")
 
@@ -52,14 +52,7 @@ def build_parser():
     g.add_argument("--arch", choices=sorted(ARCHS), default="tiny",
                    help="model size (default tiny): tiny: 2 layers, 128 hidden; small: 6, 512, 8 heads; "
                         "base: 12, 768, 12 heads (GPT-2 small); big: 24, 1024, 16 heads")
-    ln = g.add_mutually_exclusive_group()
-    ln.add_argument("--pre-ln", dest="pre_ln", action="store_true", default=True,
-                    help="LayerNorm before each block (default)")
-    ln.add_argument("--post-ln", dest="pre_ln", action="store_false", help="LayerNorm after each residual add")
-    g.add_argument("--dropout", type=float, default=None, help="residual/embedding dropout (default per --arch)")
-    g.add_argument("--attn-dropout", type=float, default=0.0, help="dropout on attention probabilities (default 0)")
-    g.add_argument("--activation-dropout", type=float, default=0.0, help="dropout after the FFN activation (default 0)")
-    g.add_argument("--label-smoothing", type=float, default=0.0, help="(default 0)")
+    add_layer_args(g, label_smoothing=0.0)
 
     add_common_args(p, DEFAULT_SAVE_DIR)
 
@@ -164,25 +157,15 @@ def load_data(args, log, dist=None):
 def model_config(args, vocab_size, max_seq_len):
     a = ARCHS[args.arch]
     return {"arch": args.arch, "vocab_size": vocab_size, "layers": a["layers"],
-            "config": dict(hidden_size=a["hidden"], num_heads=a["heads"], ffn_size=a["ffn"], dropout=args.dropout,
-                           attn_dropout=args.attn_dropout, activation_dropout=args.activation_dropout,
-                           activation="gelu", pre_layer_norm=args.pre_ln, max_seq_len=max_seq_len)}
+            "config": layer_config(args, a, "gelu", max_seq_len)}
 
 
 def build_model(mc, max_batch_tokens, device, dtype):
-    from lsmini.layers import TransformerConfig
     from lsmini.models import TransformerLM
 
-    try:
-        config = TransformerConfig(**mc["config"], max_batch_tokens=max_batch_tokens)
-    except ValueError as e:
-        raise DataError(f"model configuration: {e}") from None
+    config = build_layer_config(mc, max_batch_tokens)
     model = TransformerLM(mc["vocab_size"], config, mc["layers"], padding_idx=PAD, tie_output=True)
-    model = model.to(device=device, dtype=dtype)
-    for m in model.modules():  # ids come from our own tokenizer: skip the per-call check (a host sync)
-        if hasattr(m, "check_tokens"):
-            m.check_tokens = False
-    return model
+    return place_model(model, device, dtype)
 
 
 @torch.no_grad()

@@ -24,11 +24,12 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builtin_data  # noqa: E402
-from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, Distributed,  # noqa: E402
-                          RunSettings, add_common_args, decode_lines, describe_backend, encode_cached,
-                          load_checkpoint, load_sentencepiece, make_criteria, padded_tensor, prepare_save_dir,
-                          read_lines, resolve_common_args, round_up, run_main, run_metrics, start_distributed,
-                          start_trainer, token_batches, train_and_validate, train_sentencepiece, write_metrics)
+from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, Distributed, RunSettings,  # noqa: E402
+                          add_common_args, add_layer_args, build_layer_config, decode_lines, describe_backend,
+                          encode_cached, layer_config, load_checkpoint, load_sentencepiece, make_criteria,
+                          padded_tensor, place_model, prepare_save_dir, read_lines, resolve_common_args, round_up,
+                          run_main, run_metrics, start_distributed, start_trainer, token_batches, train_and_validate,
+                          train_sentencepiece, write_metrics)
 
 DEFAULT_SAVE_DIR = os.path.join("checkpoints", "translation")
 
@@ -60,14 +61,7 @@ def build_parser():
     g.add_argument("--share-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="one embedding matrix for source, target and output projection (default on: the "
                         "vocabulary is joint)")
-    ln = g.add_mutually_exclusive_group()
-    ln.add_argument("--pre-ln", dest="pre_ln", action="store_true", default=True,
-                    help="LayerNorm before each block (default)")
-    ln.add_argument("--post-ln", dest="pre_ln", action="store_false", help="LayerNorm after each residual add")
-    g.add_argument("--dropout", type=float, default=None, help="residual/embedding dropout (default per --arch)")
-    g.add_argument("--attn-dropout", type=float, default=0.0, help="dropout on attention probabilities (default 0)")
-    g.add_argument("--activation-dropout", type=float, default=0.0, help="dropout after the FFN activation (default 0)")
-    g.add_argument("--label-smoothing", type=float, default=0.1, help="(default 0.1)")
+    add_layer_args(g, label_smoothing=0.1)
 
     add_common_args(p, DEFAULT_SAVE_DIR)
 
@@ -190,27 +184,17 @@ def model_config(args, vocab_size, max_seq_len):
     a = ARCHS[args.arch]
     return {"arch": args.arch, "vocab_size": vocab_size, "encoder_layers": a["layers"], "decoder_layers": a["layers"],
             "share_embeddings": args.share_embeddings,
-            "config": dict(hidden_size=a["hidden"], num_heads=a["heads"], ffn_size=a["ffn"], dropout=args.dropout,
-                           attn_dropout=args.attn_dropout, activation_dropout=args.activation_dropout,
-                           activation="relu", pre_layer_norm=args.pre_ln, max_seq_len=max_seq_len)}
+            "config": layer_config(args, a, "relu", max_seq_len)}
 
 
 def build_model(mc, max_batch_tokens, device, dtype):
-    from lsmini.layers import TransformerConfig
     from lsmini.models import Transformer
 
-    try:
-        config = TransformerConfig(**mc["config"], max_batch_tokens=max_batch_tokens)
-    except ValueError as e:
-        raise DataError(f"model configuration: {e}") from None
+    config = build_layer_config(mc, max_batch_tokens)
     model = Transformer(mc["vocab_size"], mc["vocab_size"], config, num_encoder_layers=mc["encoder_layers"],
                         num_decoder_layers=mc["decoder_layers"], padding_idx=PAD,
                         share_embeddings=mc["share_embeddings"], tie_output=True)
-    model = model.to(device=device, dtype=dtype)
-    for m in model.modules():  # ids come from our own tokenizer: skip the per-call check (a host sync)
-        if hasattr(m, "check_tokens"):
-            m.check_tokens = False
-    return model
+    return place_model(model, device, dtype)
 
 
 def reserve_scratch(model, shapes, device, dtype):

@@ -104,6 +104,15 @@ def _stack_and_layers(device, pre, num_layers=3, h=32, heads=4, ffn=48):
     return dec, layers
 
 
+def _one_by_one(dec, layers, mask):
+    """The stack's function computed by its separate layers (each with its own K/V projection)."""
+    def sequential(a, e):
+        for layer in layers:
+            a = layer(a, e, mask)
+        return a if dec.norm is None else dec.norm(a)
+    return sequential
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pre", [True, False])
 def test_batched_cross_attention_equals_per_layer(device, pre):
@@ -114,12 +123,7 @@ def test_batched_cross_attention_equals_per_layer(device, pre):
     y, mem, g = (torch.randn(3, n, 32, generator=gen).to(device) for n in (5, 9, 5))
     mask = padding_mask(3, 9, "suffix").to(device)
 
-    def sequential(a, e):
-        for layer in layers:
-            a = layer(a, e, mask)
-        return a if dec.norm is None else dec.norm(a)
-
-    out_s, (dy_s, dm_s) = run(sequential, [y, mem], g)
+    out_s, (dy_s, dm_s) = run(_one_by_one(dec, layers, mask), [y, mem], g)
     out_d, (dy_d, dm_d) = run(lambda a, e: dec(a, e, mask), [y, mem], g)
     tol = 2e-5 if device == "cpu" else 5e-5
     assert_close_scaled(out_d, out_s, tol, "output")
@@ -203,12 +207,7 @@ def test_kernel_path_glue(fake_kernels, pre, recompute):
     y, mem, g = (torch.randn(3, n, 32, generator=gen) for n in (5, 9, 5))
     mask = padding_mask(3, 9, "suffix")
 
-    def sequential(a, e):
-        for layer in layers:
-            a = layer(a, e, mask)
-        return a if dec.norm is None else dec.norm(a)
-
-    out_s, (dy_s, dm_s) = run(sequential, [y, mem], g)
+    out_s, (dy_s, dm_s) = run(_one_by_one(dec, layers, mask), [y, mem], g)
     out_d, (dy_d, dm_d) = run(lambda a, e: dec(a, e, mask), [y, mem], g)
     assert_close_scaled(out_d, out_s, 2e-5, "output")
     assert_close_scaled(dm_d, dm_s, 2e-5, "grad encoder_out")
