@@ -3,31 +3,30 @@
 A layer is a list of sub-blocks ("self" attention, "cross" attention, "ffn"), each with the same six
 parameters (W_in, b_in, W_out, b_out, ln_w, ln_b):
 
-    self:   W_in = fused QKV [3H, H]   (b_in added by split_heads)   W_out = attention output [H, H]
-    cross:  W_in = query     [H, H]    (K/V come from CrossKVFunction, see below)
-    ffn:    W_in = [F, H]              (b_in added by bias_act_dropout) W_out = [H, F]
+    self:   W_in = fused QKV [3H, H]     W_out = attention output [H, H]
+    cross:  W_in = query     [H, H]     (K/V come from CrossKVFunction, see below)
+    ffn:    W_in = [F, H]               (b_in added by bias_act_dropout) W_out = [H, F]
     b_out is added by bias_dropout_residual; ln_w/ln_b is the sub-block's LayerNorm.
 
     pre-LN:  r ← r + dropout(core(LN(r)) + b_out)          post-LN:  r ← LN(r + dropout(core(r) + b_out))
 
-Attention core: QKᵀ·(1/sqrt(d)) in one baddbmm (the scale folded into the GEMM), attention_softmax
-(masks and dropout fused), ·V, merge_heads, output GEMM. FFN core: GEMM, bias_act_dropout, GEMM.
+Attention core: the input projection with its bias in the GEMM (addmm), then the fused attention kernel
+(lsmini.ops.attention: QKᵀ, masks, softmax, dropout and ·V without writing the [len, len] scores)
+reading Q/K/V as per-head views of the projection output and writing the context in the merged
+[tokens, H] layout, then the output GEMM. fp32 and head dims the kernel lacks run attention_ref instead
+(its backward by autograd, its dropout mask kept). FFN core: GEMM, bias_act_dropout, GEMM.
 
-Saved for backward (spec.recompute, the default): each block's input, Q/K/V, the merged attention
-context, the first FFN GEMM's output, LayerNorm statistics, each dropout's Philox state ``rng``;
-backward recomputes the attention probabilities (QKᵀ into scratch, then the softmax forward again with
-the same ``rng``, so the very same dropout mask), the FFN activation (bias_act_dropout forward again,
-same mask) and, for pre-LN, the LayerNorm outputs. spec.recompute = False saves those instead. Under
-CUDA graph capture ``rng`` holds device pointers that each replay refills, so forward, recompute and
+Saved for backward (spec.recompute, the default): each block's input, the Q/K/V projection, the attention
+context and its per-row log-sum-exp, the first FFN GEMM's output, LayerNorm statistics, each dropout's
+Philox state ``rng``; backward recomputes the FFN activation (bias_act_dropout forward again, same
+mask) and, for pre-LN, the LayerNorm outputs. spec.recompute = False saves those instead. Under CUDA
+graph capture ``rng`` holds device pointers that each replay refills, so forward, recompute and
 backward of one replay share one mask and every replay draws a new one.
 
-Backward temporaries (attention-score gradient, Q/K/V gradients, FFN hidden gradient, the gradients
-of each core's input) are views into the arena of (device, dtype) (``arena.py``), laid out per core:
+Backward temporaries are views into the arena of (device, dtype) (``arena.py``), laid out per core:
 
-    self:   [0, S)  recomputed scores, then dprobs → dscores in place (S = b·h·l·l, 64-aligned);
-            [S, S + 3TH) dQ, dK, dV; [0, TH) also holds d(merged context) between the scores and
-            dprobs, and d(core input) after dQKV is consumed.
-    cross:  [0, S) dscores (S = b·h·lt·ls); [S, S + TH) dQ; [0, TH) as above. dK/dV go to KVGradSlots.
+    self:   [0, TH) d(context), then d(core input); [TH', TH' + 3TH) d(QKV projection) (TH' = TH aligned)
+    cross:  [0, TH) as above; [TH', TH' + TH) d(Q projection). dK/dV go to KVGradSlots.
     ffn:    [0, TF) d(activation output), then [0, TH) d(core input).
 
 Regions overlap only where one is dead before the other is written (stream order). Everything that
@@ -35,10 +34,10 @@ backward returns is a fresh tensor: the input gradient comes out of a LayerNorm 
 an in-place residual add into it.
 
 Cross-attention of a decoder stack: CrossKVFunction projects the encoder output with the K/V weights
-of ALL layers at once ([b·ls, H] × [H, L·2H], one GEMM), and split_heads(parts = 2L) yields every
-layer's K and V. In backward each layer writes its dK/dV straight into its slice of one
-[2L, b, h, ls, d] buffer (KVGradSlots), so CrossKVFunction gets the stacked gradient without a copy
-and runs one GEMM for d(encoder output) and one for d(weight).
+of ALL layers at once ([b·ls, H] × [H, L·2H], one GEMM) and hands each layer its K and V as views. In
+backward each layer's attention writes its dK/dV straight into its columns of one [b·ls, L·2H] buffer
+(KVGradSlots), so CrossKVFunction gets the stacked gradient without a copy and runs one GEMM for
+d(encoder output) and one for d(weight).
 """
 import math
 
@@ -51,6 +50,7 @@ from lsmini.layers.arena import align, get_arena, region
 from lsmini.ops.attention_softmax import attention_softmax
 from lsmini.ops.bias_act_dropout import bias_act_dropout
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual
+from lsmini.ops.attention import fused_attention_supported
 from lsmini.ops.heads import merge_heads, split_heads
 from lsmini.ops.layernorm import layer_norm
 
@@ -77,153 +77,105 @@ class LayerSpec:
         self.k = bool(kernels)
         self.slots, self.index = slots, index
         self.b = self.lq = self.ls = 0  # set by forward
+        self.fused = False  # flash-attention kernel: set by forward from the compute dtype
 
     def scratch_numel(self, backward):
-        """Arena elements one forward (scores) or backward (see the module docstring) needs."""
-        b, lq, ls, h, H, F_ = self.b, self.lq, self.ls, self.heads, self.H, self.F
-        t = b * lq
-        need = 0
-        for kind in self.kinds:
-            if kind == "self":
-                n = align(b * h * lq * lq) + 3 * t * H if backward else b * h * lq * lq
-            elif kind == "cross":
-                n = align(b * h * lq * ls) + t * H if backward else b * h * lq * ls
-            else:
-                n = t * max(F_, H) if backward else 0
-            need = max(need, n)
-        return need
+        """Arena elements one backward needs (see the module docstring); forward needs none."""
+        if not backward:
+            return 0
+        t, H = self.b * self.lq, self.H
+        parts = {"self": 3, "cross": 1}
+        return max(align(t * H) + parts[k] * t * H if k in parts else t * max(self.F, H) for k in self.kinds)
 
 
 class KVGradSlots:
-    """The [2L, b, h, ls, d] gradient of the stacked cross-attention K/V, filled slice by slice by the
-    layers' backward (layer i writes slices 2i and 2i+1) and handed whole to CrossKVFunction."""
+    """The [b·ls, L·2H] gradient of the stacked cross-attention K/V projection, filled slice by slice by the
+    layers' backward (layer i writes parts 2i and 2i+1) and handed whole to CrossKVFunction."""
 
     def __init__(self, parts):
         self.parts = parts
-        self.shape = self.dtype = self.device = None
+        self.dims = self.dtype = self.device = None  # (b, ls, heads, d), set by CrossKVFunction.forward
         self.buf = None
+
+    def _views(self, buf):
+        return heads_of(buf, *self.dims[:2], self.parts, *self.dims[2:])
 
     def slot(self, index):
-        """[2, b·h, ls, d] view for layer ``index`` (dK, dV)."""
+        """(dK, dV) [b, heads, ls, d] views for layer ``index``."""
         if self.buf is None:
-            self.buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        parts, b, h, ls, d = self.shape
-        return self.buf[2 * index:2 * index + 2].view(2, b * h, ls, d)
+            b, ls, h, d = self.dims
+            self.buf = torch.empty(b * ls, self.parts * h * d, dtype=self.dtype, device=self.device)
+        views = self._views(self.buf)
+        return views[2 * index], views[2 * index + 1]
 
     def collect(self, grads):
-        """The stacked gradient: slices a layer wrote are used as they are; parts that got no
-        gradient are zeros; gradients that arrive elsewhere (the K/V also used outside) are copied in."""
-        buf = self.buf if self.buf is not None else torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-        self.buf = None
-        for i, g in enumerate(grads):
+        """The stacked gradient: parts a layer wrote are used as they are; parts that got no gradient are
+        zeros; gradients that arrive elsewhere (the K/V also used outside) are copied in."""
+        if self.buf is None:
+            self.slot(0)
+        buf, self.buf = self.buf, None
+        for view, g in zip(self._views(buf), grads):
             if g is None:
-                buf[i].zero_()
-            elif g.data_ptr() != buf[i].data_ptr() or g.stride() != buf[i].stride():
-                buf[i].copy_(g)
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+                view.copy_(g)
         return buf
 
 
+def heads_of(x2d, b, l, parts, h, d):
+    """The ``parts`` [b, h, l, d] views of a projection output x2d [b·l, parts·h·d] (columns part-major,
+    then head): what the attention kernel reads and its gradients are written into, no copies."""
+    return x2d.view(b, l, parts, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 # ---- cores: forward (u → c, state) and backward (dc → du in scratch, grads) -------------------------
+def _proj(u, W, bias):
+    """u·Wᵀ + bias in one GEMM (the bias in the GEMM's epilogue)."""
+    return torch.addmm(bias.to(u.dtype), u, W.t())
+
+
+def _attn_block_fwd(u, q, k, v, kpm, causal, W_out, spec):
+    ctxm, ast = P.attn_fwd(q, k, v, kpm, causal, spec.p_attn, spec.scale, spec.fused)
+    ctxm = ctxm.view(u.shape[0], spec.H)
+    return torch.mm(ctxm, W_out.t()), {"u": u, "attn": ast, "ctxm": ctxm}
+
+
 def _self_fwd(u, prm, spec, flat, ins):
-    W_in, b_in, W_out = prm[0], prm[1], prm[2]
-    b, l, H, h, d = spec.b, spec.lq, spec.H, spec.heads, spec.d
-    qkv5 = P.split_fwd(torch.mm(u, W_in.t()).view(b, l, 3 * H), b_in, h, 3, spec.k)
-    q3, k3, v3 = (qkv5[i].view(b * h, l, d) for i in range(3))
-    scores = region(flat, 0, (b * h, l, l))
-    torch.baddbmm(scores, q3, k3.transpose(1, 2), beta=0.0, alpha=spec.scale, out=scores)
-    probs, sst = P.softmax_fwd(scores.view(b, h, l, l), ins["kpm"], spec.causal, spec.p_attn, spec.k)
-    ctx = torch.bmm(probs.view(b * h, l, l), v3)
-    ctxm = P.merge_fwd(ctx.view(b, h, l, d), spec.k).view(b * l, H)
-    if spec.recompute:
-        sst = P.without(sst, "sm", "probs")
-    return torch.mm(ctxm, W_out.t()), {"u": u, "qkv5": qkv5, "ctxm": ctxm, "softmax": sst, "kpm": ins["kpm"]}
-
-
-def _softmax_state(st, q3, k3, shape, kpm, causal, spec, flat):
-    """The forward's softmax state with "sm"/"probs": as saved, or recomputed — QKᵀ into scratch [0, S),
-    then the softmax forward again with the saved dropout ``rng`` or mask, so the same probabilities
-    come back."""
-    sst = st["softmax"]
-    if "sm" in sst:
-        return sst
-    bh, lq, lk = q3.shape[0], q3.shape[1], k3.shape[1]
-    scores = region(flat, 0, (bh, lq, lk))
-    torch.baddbmm(scores, q3, k3.transpose(1, 2), beta=0.0, alpha=spec.scale, out=scores)
-    return P.softmax_fwd(scores.view(shape), kpm, causal, sst["p"], spec.k, replay=sst)[1]
-
-
-def _self_bwd(dc, prm, st, spec, flat):
-    W_in, b_in, W_out = prm[0], prm[1], prm[2]
-    b, l, H, h, d = spec.b, spec.lq, spec.H, spec.heads, spec.d
-    t = b * l
-    q3, k3, v3 = (st["qkv5"][i].view(b * h, l, d) for i in range(3))
-    sst = _softmax_state(st, q3, k3, (b, h, l, l), st["kpm"], spec.causal, spec, flat)
-    dW_out = torch.mm(dc.t(), st["ctxm"])
-    dctxm = region(flat, 0, (t, H))
-    torch.mm(dc, W_out, out=dctxm)
-    dctx = P.merge_bwd(dctxm.view(b, l, H), h, spec.k).view(b * h, l, d)
-    dprobs = region(flat, 0, (b * h, l, l))
-    torch.bmm(dctx, v3.transpose(1, 2), out=dprobs)
-    dqkv5 = region(flat, align(b * h * l * l), (3, b * h, l, d))
-    dq, dk, dv = dqkv5[0], dqkv5[1], dqkv5[2]
-    torch.bmm(P.softmax_probs(sst).view(b * h, l, l).transpose(1, 2), dctx, out=dv)
-    ds = P.softmax_bwd_(dprobs.view(b, h, l, l), sst, spec.k).view(b * h, l, l)
-    del sst
-    torch.baddbmm(dq, ds, k3, beta=0.0, alpha=spec.scale, out=dq)
-    torch.baddbmm(dk, ds.transpose(1, 2), q3, beta=0.0, alpha=spec.scale, out=dk)
-    dqkv, db_in = P.split_bwd(dqkv5.view(3, b, h, l, d), b_in, spec.k)
-    dqkv = dqkv.view(t, 3 * H)
-    dW_in = torch.mm(dqkv.t(), st["u"])
-    du = region(flat, 0, (t, H))
-    torch.mm(dqkv, W_in, out=du)
-    return du, dW_in, db_in, dW_out
+    q, k, v = heads_of(_proj(u, prm[0], prm[1]), spec.b, spec.lq, 3, spec.heads, spec.d)
+    return _attn_block_fwd(u, q, k, v, ins["kpm"], spec.causal, prm[2], spec)
 
 
 def _cross_fwd(u, prm, spec, flat, ins):
-    W_in, b_in, W_out = prm[0], prm[1], prm[2]
-    b, lt, ls, H, h, d = spec.b, spec.lq, spec.ls, spec.H, spec.heads, spec.d
-    q5 = P.split_fwd(torch.mm(u, W_in.t()).view(b, lt, H), b_in, h, 1, spec.k)
-    k_enc, v_enc = ins["k_enc"], ins["v_enc"]
-    scores = region(flat, 0, (b * h, lt, ls))
-    torch.baddbmm(scores, q5.view(b * h, lt, d), k_enc.reshape(b * h, ls, d).transpose(1, 2), beta=0.0,
-                  alpha=spec.scale, out=scores)
-    probs, sst = P.softmax_fwd(scores.view(b, h, lt, ls), ins["enc_kpm"], False, spec.p_attn, spec.k)
-    ctx = torch.bmm(probs.view(b * h, lt, ls), v_enc.reshape(b * h, ls, d))
-    ctxm = P.merge_fwd(ctx.view(b, h, lt, d), spec.k).view(b * lt, H)
-    if spec.recompute:
-        sst = P.without(sst, "sm", "probs")
-    return torch.mm(ctxm, W_out.t()), {"u": u, "q5": q5, "k": k_enc, "v": v_enc, "ctxm": ctxm, "softmax": sst,
-                                       "kpm": ins["enc_kpm"]}
+    (q,) = heads_of(_proj(u, prm[0], prm[1]), spec.b, spec.lq, 1, spec.heads, spec.d)
+    return _attn_block_fwd(u, q, ins["k_enc"], ins["v_enc"], ins["enc_kpm"], False, prm[2], spec)
 
 
-def _cross_bwd(dc, prm, st, spec, flat):
+def _attn_block_bwd(dc, prm, st, spec, flat, parts, kv_grads):
+    """Backward of an attention block whose input projection has ``parts`` parts (3: QKV, 1: Q). The
+    projection's gradient [t, parts·H] lives in scratch after d(context); kv_grads: where dK/dV go
+    (None: the projection's own K/V parts)."""
     W_in, b_in, W_out = prm[0], prm[1], prm[2]
-    b, lt, ls, H, h, d = spec.b, spec.lq, spec.ls, spec.H, spec.heads, spec.d
-    t = b * lt
-    q3 = st["q5"].view(b * h, lt, d)
-    k3, v3 = st["k"].reshape(b * h, ls, d), st["v"].reshape(b * h, ls, d)
-    sst = _softmax_state(st, q3, k3, (b, h, lt, ls), st["kpm"], False, spec, flat)
+    t, H = dc.shape[0], spec.H
     dW_out = torch.mm(dc.t(), st["ctxm"])
     dctxm = region(flat, 0, (t, H))
     torch.mm(dc, W_out, out=dctxm)
-    dctx = P.merge_bwd(dctxm.view(b, lt, H), h, spec.k).view(b * h, lt, d)
-    dprobs = region(flat, 0, (b * h, lt, ls))
-    torch.bmm(dctx, v3.transpose(1, 2), out=dprobs)
-    dkv = spec.slots.slot(spec.index)
-    dk, dv = dkv[0], dkv[1]
-    torch.bmm(P.softmax_probs(sst).view(b * h, lt, ls).transpose(1, 2), dctx, out=dv)
-    ds = P.softmax_bwd_(dprobs.view(b, h, lt, ls), sst, spec.k).view(b * h, lt, ls)
-    del sst
-    dq5 = region(flat, align(b * h * lt * ls), (1, b, h, lt, d))
-    dq = dq5.view(b * h, lt, d)
-    torch.baddbmm(dq, ds, k3, beta=0.0, alpha=spec.scale, out=dq)
-    torch.baddbmm(dk, ds.transpose(1, 2), q3, beta=0.0, alpha=spec.scale, out=dk)
-    dcq, db_in = P.split_bwd(dq5, b_in, spec.k)
-    dcq = dcq.view(t, H)
-    dW_in = torch.mm(dcq.t(), st["u"])
-    du = region(flat, 0, (t, H))
-    torch.mm(dcq, W_in, out=du)
+    dproj = region(flat, align(t * H), (t, parts * H))
+    views = heads_of(dproj, spec.b, spec.lq, parts, spec.heads, spec.d)
+    dq, dk, dv = views if kv_grads is None else (views[0], *kv_grads)
+    P.attn_bwd(dctxm, st["attn"], dq, dk, dv, spec.fused)
+    db_in = P.bias_grad(dproj, b_in.dtype, spec.k)
+    dW_in = torch.mm(dproj.t(), st["u"])
+    du = region(flat, 0, (t, H))  # d(context) is dead
+    torch.mm(dproj, W_in, out=du)
     return du, dW_in, db_in, dW_out
+
+
+def _self_bwd(dc, prm, st, spec, flat):
+    return _attn_block_bwd(dc, prm, st, spec, flat, 3, None)
+
+
+def _cross_bwd(dc, prm, st, spec, flat):
+    return _attn_block_bwd(dc, prm, st, spec, flat, 1, spec.slots.slot(spec.index))
 
 
 def _ffn_fwd(u, prm, spec, flat, ins):
@@ -333,6 +285,7 @@ class LayerFunction(torch.autograd.Function):
         b, l, H = x.shape
         spec.b, spec.lq = b, l
         spec.ls = 0 if k_enc is None else k_enc.shape[2]
+        spec.fused = spec.k and fused_attention_supported(x.dtype, spec.d)
         need = spec.scratch_numel(backward=False)
         if any(ctx.needs_input_grad):  # training: size the arena for the backward now, in one growth
             need = max(need, spec.scratch_numel(backward=True))
@@ -367,26 +320,24 @@ class LayerFunction(torch.autograd.Function):
                 g, pgrads[sl] = _block_bwd(spec.kinds[i], g, params[sl], states[i], spec, flat)
         dk = dv = None
         if "cross" in spec.kinds:
-            dkv = spec.slots.slot(spec.index)
-            hd = (b, spec.heads, spec.ls, spec.d)
-            dk, dv = dkv[0].view(hd), dkv[1].view(hd)
+            dk, dv = spec.slots.slot(spec.index)
         return (None, g.view(b, l, H), None, dk, dv, None, *pgrads)
 
 
 class CrossKVFunction(torch.autograd.Function):
-    """apply(enc, weight [P·H, H], bias [P·H], heads, slots, kernels) → P tensors [b, heads, ls, d]:
-    one GEMM over the encoder output and one split_heads for the K/V of every decoder layer."""
+    """apply(enc, weight [P·H, H], bias [P·H], heads, slots, kernels) → P views [b, heads, ls, d] of ONE
+    [b·ls, P·H] GEMM over the encoder output: the K/V of every decoder layer."""
 
     @staticmethod
     def forward(ctx, enc, weight, bias, heads, slots, kernels):
         b, ls, H = enc.shape
         e2d = enc.reshape(b * ls, H)
-        kv5 = P.split_fwd(torch.mm(e2d, weight.t()).view(b, ls, weight.shape[0]), bias, heads, slots.parts, kernels)
-        slots.shape, slots.dtype, slots.device = kv5.shape, kv5.dtype, kv5.device
+        kv = _proj(e2d, weight, bias)
+        slots.dims, slots.dtype, slots.device = (b, ls, heads, H // heads), kv.dtype, kv.device
         ctx.save_for_backward(e2d, weight, bias)
         ctx.slots, ctx.k, ctx.enc_shape = slots, kernels, enc.shape
         ctx.set_materialize_grads(False)
-        return kv5.unbind(0)
+        return heads_of(kv, b, ls, slots.parts, heads, H // heads)
 
     @staticmethod
     @once_differentiable
@@ -395,10 +346,8 @@ class CrossKVFunction(torch.autograd.Function):
         if all(g is None for g in grads):
             return None, None, None, None, None, None
         with torch.autocast(e2d.device.type, enabled=False):
-            g5 = ctx.slots.collect(grads)
-            dkv, dbias = P.split_bwd(g5, bias, ctx.k)
-            del g5
-            dkv = dkv.view(e2d.shape[0], weight.shape[0])
+            dkv = ctx.slots.collect(grads)
+            dbias = P.bias_grad(dkv, bias.dtype, ctx.k)
             denc = torch.mm(dkv, weight).view(ctx.enc_shape) if ctx.needs_input_grad[0] else None
             dweight = torch.mm(dkv.t(), e2d) if ctx.needs_input_grad[1] else None
         return denc, dweight, dbias, None, None, None

@@ -14,7 +14,7 @@ only).
 import torch
 
 from lsmini import _backend
-from lsmini.ops.attention_softmax import attention_softmax_ref
+from lsmini.ops.attention import attention_ref
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
 from lsmini.ops.layernorm import layer_norm_ref
 
@@ -101,75 +101,41 @@ def bad_bwd(g2d, bias, act, st, k):
     return gx, gb
 
 
-# ---- split_heads: x [b, l, parts·H] (+ bias) → [parts, b, heads, l, head_dim] -----------------------
-def split_fwd(x3d, bias, heads, parts, k):
+def bias_grad(g2d, dtype, k):
+    """Column sums of g2d [rows, n] accumulated in fp32, returned as dtype (a bias gradient), without
+    an fp32 copy of g2d (``sum(dtype=float32)`` would make one)."""
     if k:
-        return _backend.ext().split_heads_fwd(x3d, bias, heads, parts)
-    b, l, w = x3d.shape
-    y = (x3d.float() + bias.float()).to(x3d.dtype)
-    return y.view(b, l, parts, heads, w // (parts * heads)).permute(2, 0, 3, 1, 4).contiguous()
+        return _backend.ext().bias_dropout_residual_bwd(g2d, 0.0, _backend.NO_RNG, True, dtype)[1]
+    return g2d.float().sum(0).to(dtype)
 
 
-def split_bwd(g5, bias, k):
-    """g5 [parts, b, heads, l, d] (contiguous) → (grad_x [b, l, parts·H] fresh, grad_bias)."""
-    if k:
-        gx, gb = _backend.ext().split_heads_bwd(g5, True, bias.dtype == torch.float32)
-        return gx, gb
-    parts, b, h, l, d = g5.shape
-    # clone, not reshape: with one part and one head the permute is a view of g5, which is scratch
-    gx = g5.permute(1, 3, 0, 2, 4).clone(memory_format=torch.contiguous_format).view(b, l, parts * h * d)
-    return gx, gx.float().sum((0, 1)).to(bias.dtype)
+# ---- attention core: q [b, h, lq, d], k/v [b, h, lk, d] (views into the projections) --------------------
+def attn_fwd(q, k, v, kpm, causal, p, scale, fused):
+    """(out [b, lq, h·d] contiguous, state). fused: the flash kernel (CUDA, fp16/bf16, a supported head_dim;
+    out is its merged-heads buffer); otherwise attention_ref, with its dropout keep-mask in the state."""
+    b, h, lq, d = q.shape
+    st = {"q": q, "k": k, "v": v, "kpm": kpm, "causal": causal, "p": p, "scale": scale}
+    if fused:
+        st["rng"] = _backend.dropout_rng(p, q.device)
+        out, st["lse"] = _backend.ext().attention_fwd(q, k, v, kpm, causal, p, scale, st["rng"])
+    else:
+        st["keep"] = _keep_mask((b, h, lq, k.shape[2]), p, q.device)
+        out = attention_ref(q, k, v, kpm, causal, p, True, scale, st["keep"])
+    out = out.transpose(1, 2).reshape(b, lq, h * d)  # free for the kernel's [b, lq, h, d] buffer
+    st["out"] = out
+    return out, st
 
 
-# ---- merge_heads: [b, heads, l, d] ↔ [b, l, heads·d] ------------------------------------------------
-def merge_fwd(x4d, k):
-    if k:
-        return _backend.ext().merge_heads_fwd(x4d)
-    b, h, l, d = x4d.shape
-    return x4d.transpose(1, 2).reshape(b, l, h * d)
-
-
-def merge_bwd(g3d, heads, k):
-    """[b, l, heads·d] → fresh [b, heads, l, d]."""
-    if k:
-        return _backend.ext().merge_heads_bwd(g3d, heads)
-    b, l, w = g3d.shape
-    # clone, not contiguous(): with one head the transpose is a view of g3d, which is scratch
-    return g3d.view(b, l, heads, w // heads).transpose(1, 2).clone(memory_format=torch.contiguous_format)
-
-
-# ---- attention softmax: scores [b, heads, q, k] → probs (dropped), saved softmax ---------------------
-def softmax_fwd(scores, kpm, causal, p, k, replay=None):
-    """(probs, state); probs is a fresh tensor (the scores may be scratch). replay: the state of an
-    earlier call on the same scores — recompute exactly its output (same dropout mask)."""
-    if k:
-        rng = replay["rng"] if replay is not None else _backend.dropout_rng(p, scores.device)
-        probs, sm = _backend.ext().attention_softmax_fwd(scores, kpm, causal, p, rng)
-        return probs, {"sm": sm, "probs": probs if p > 0 else None, "p": p, "rng": rng}
-    sm = attention_softmax_ref(scores, kpm, causal, 0.0, False)
-    keep = replay["keep"] if replay is not None else _keep_mask(scores.shape, p, scores.device)
-    probs = sm
-    if keep is not None:
-        probs = torch.where(keep, sm.float() * (1.0 / (1.0 - p)), torch.zeros((), device=sm.device)).to(sm.dtype)
-    return probs, {"sm": sm, "probs": probs if p > 0 else None, "p": p, "keep": keep}
-
-
-def without(st, *names):
-    """st without the named entries (what a recomputing layer does not save)."""
-    return {k: v for k, v in st.items() if k not in names}
-
-
-def softmax_probs(st):
-    return st["sm"] if st["probs"] is None else st["probs"]
-
-
-def softmax_bwd_(gprobs, st, k):
-    """Score gradient written over gprobs (contiguous scratch), which is returned."""
-    if k:
-        return _backend.ext().attention_softmax_bwd(gprobs, st["sm"], st["p"], st["rng"], True)
-    g = gprobs.float()
-    if st["keep"] is not None:
-        g = torch.where(st["keep"], g * (1.0 / (1.0 - st["p"])), torch.zeros((), device=g.device))
-    y = st["sm"].float()
-    gprobs.copy_(y * (g - (y * g).sum(-1, keepdim=True)))
-    return gprobs
+def attn_bwd(dout, st, dq, dk, dv, fused):
+    """Writes the gradients into dq/dk/dv (views shaped like q/k/v); dout [b, lq, h·d]."""
+    b, h, lq, d = st["q"].shape
+    heads = lambda t: t.view(b, lq, h, d).transpose(1, 2)  # noqa: E731
+    if fused:
+        _backend.ext().attention_bwd(heads(dout), st["q"], st["k"], st["v"], heads(st["out"]), st["lse"], st["kpm"],
+                                     st["causal"], st["p"], st["scale"], st["rng"], dq, dk, dv)
+        return
+    with torch.enable_grad():
+        qs, ks, vs = _leaf(st["q"]), _leaf(st["k"]), _leaf(st["v"])
+        out = attention_ref(qs, ks, vs, st["kpm"], st["causal"], st["p"], True, st["scale"], st["keep"])
+        for dst, g in zip((dq, dk, dv), torch.autograd.grad(out, (qs, ks, vs), heads(dout))):
+            dst.copy_(g)

@@ -1,0 +1,53 @@
+"""attention_fwd / attention_bwd: the fused attention op beside torch's eager scaled_dot_product_attention
+(what torch.nn.MultiheadAttention runs) and beside lsmini's unfused path, in the same run.
+
+fp16, dropout 0.1 as in training. Key-padding rows pass torch the equivalent boolean attn_mask (True =
+attend); the causal row passes is_causal=True. The attention_bwd rows time forward + backward. Each
+shape has two rows: "torch" is F.scaled_dot_product_attention, then (note "vs unfused") lsmini's
+QKᵀ GEMM + attention_softmax + ·V GEMM. Attention is compute-bound: no GB/s.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lsmini.ops.attention import attention
+from lsmini.ops.attention_softmax import attention_softmax
+
+_P = 0.1
+_SHAPES = [(64, 8, 128, 64, "pad"), (64, 16, 128, 64, "pad"), (8, 16, 1024, 64, "pad"), (8, 16, 1024, 64, "causal")]
+
+
+def _unfused(q, k, v, kpm, causal):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+    return torch.matmul(attention_softmax(scores, kpm, causal, _P), v)
+
+
+def _fwd_bwd(fn, q, k, v, grad):
+    def step():
+        torch.autograd.grad(fn(), (q, k, v), grad)  # no .grad accumulation inside the timed region
+    return step
+
+
+def bench(ctx):
+    dtype = torch.float16
+    shapes = [_SHAPES[0], _SHAPES[-1]] if ctx.quick else _SHAPES
+    for b, h, l, d, setup in shapes:
+        shape = f"{b}x{h}x{l}x{d} {setup} p={_P}"
+        q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, h, l, d, device="cuda", dtype=dtype)
+        if setup == "pad":
+            lengths = torch.randint(l // 2, l + 1, (b, 1), device="cuda")
+            kpm, causal = torch.arange(l, device="cuda").view(1, l) >= lengths, False
+            sdpa_kw = {"attn_mask": ~kpm.view(b, 1, 1, l)}
+        else:
+            kpm, causal, sdpa_kw = None, True, {"is_causal": True}
+        ours = lambda: attention(q, k, v, kpm, causal, _P)  # noqa: E731
+        sdpa = lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=_P, **sdpa_kw)  # noqa: E731
+        unfused = lambda: _unfused(q, k, v, kpm, causal)  # noqa: E731
+        rows = (("attention_fwd", "", lambda fn: fn),
+                ("attention_bwd", "fwd+bwd; ", lambda fn: _fwd_bwd(fn, q, k, v, grad)))
+        for name, what, wrap in rows:
+            ctx.row(name, dtype, shape, wrap(ours), wrap(sdpa), note=what + "torch = eager SDPA")
+            ctx.row(name, dtype, shape, wrap(ours), wrap(unfused),
+                    note=what + "vs unfused: matmul + attention_softmax + matmul")

@@ -1,0 +1,49 @@
+// Fused attention launchers (see attention.cu for the math, layout and conventions).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "philox.h"
+
+namespace lsmini {
+
+// Head dims with a kernel instantiation.
+inline bool attention_supports_head_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
+
+// A [batch, heads, len, head_dim] operand: element strides of batch, head and row; head_dim is contiguous.
+// Every row must start 16 bytes aligned (base pointer aligned, strides multiples of 8 elements).
+template <typename T>
+struct Strided {
+  T* ptr;
+  int64_t batch, head, row;
+};
+
+// Everything one call reads and writes. Forward: q, k, v → out, lse. Backward: q, k, v, out, dout,
+// lse → dq, dk, dv, with delta as scratch.
+template <typename T>
+struct AttentionArgs {
+  Strided<const T> q, k, v;
+  Strided<T> out;                   // forward writes it, backward reads it
+  Strided<const T> dout;            // backward
+  Strided<T> dq, dk, dv;            // backward
+  float* lse;                       // [batch, heads, q_len] contiguous; forward writes, backward reads
+  float* delta;                     // [batch, heads, q_len] contiguous; backward scratch
+  const uint8_t* key_padding_mask;  // [batch, k_len] contiguous, nonzero = pad; or null
+  int batch, heads, q_len, k_len, head_dim;
+  float scale;
+  bool causal;
+  float dropout_p;
+  PhiloxArgs rng;  // not read when dropout_p == 0
+};
+
+// T: __half or __nv_bfloat16; head_dim: attention_supports_head_dim.
+template <typename T>
+cudaError_t launch_attention_fwd(const AttentionArgs<T>& args, cudaStream_t stream);
+
+template <typename T>
+cudaError_t launch_attention_bwd(const AttentionArgs<T>& args, cudaStream_t stream);
+
+}  // namespace lsmini

@@ -1,0 +1,194 @@
+// Fused attention bindings: attention_fwd / attention_bwd (kernels in csrc/kernels/attention.cu).
+// q [b, h, lq, d], k and v [b, h, lk, d] in any strides whose last one is 1 (others are copied): the
+// layers pass views into their fused projections. rng: the 4-tuple of lsmini._backend.dropout_rng.
+#include "common.h"
+#include "attention.h"
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+namespace lsmini {
+namespace {
+
+constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
+
+// The kernels read rows with 16-byte loads: the last stride 1, the others multiples of 8 elements, the
+// start 16-byte aligned.
+bool kernel_layout(const at::Tensor& t) {
+  return t.stride(3) == 1 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+at::Tensor readable(const at::Tensor& t) { return kernel_layout(t) ? t : t.contiguous(); }
+
+template <typename U>
+Strided<U> strided(const at::Tensor& t) {
+  return {reinterpret_cast<U*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+void check_operand(const at::Tensor& t, const at::Tensor& q, const char* op, const char* name) {
+  check_cuda(t, op, name);
+  check_same_device(t, q, op, name, "q");
+  LSMINI_CHECK(t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16, op, ": ", name,
+              " must be float16 or bfloat16, got ", t.scalar_type());
+  check_dtype(t, q.scalar_type(), op, name);
+  LSMINI_CHECK(t.dim() == 4, op, ": ", name, " must be 4-D [batch, heads, len, head_dim], got shape ", t.sizes());
+}
+
+struct Dims {
+  int64_t b, h, lq, lk, d;
+};
+
+// Checks q/k/v (and the mask) and returns their sizes.
+Dims check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const std::optional<at::Tensor>& mask, double p, double scale, const char* op) {
+  check_operand(q, q, op, "q");
+  check_operand(k, q, op, "k");
+  check_operand(v, q, op, "v");
+  const Dims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  check_shape(k, {s.b, s.h, s.lk, s.d}, op, "k");
+  check_shape(v, {s.b, s.h, s.lk, s.d}, op, "v");
+  LSMINI_CHECK(attention_supports_head_dim(int(s.d)), op, ": head_dim must be 16, 32, 64 or 128, got ", s.d);
+  LSMINI_CHECK(s.b >= 1 && s.h >= 1 && s.lq >= 1 && s.lk >= 1, op, ": q and k must be non-empty, got q ",
+              q.sizes(), " and k ", k.sizes());
+  LSMINI_CHECK(s.lq <= kMaxInt && s.lk <= kMaxInt && s.b * s.h * ((std::max(s.lq, s.lk) + 63) / 64) <= kMaxInt, op,
+              ": too many rows for the kernels' 32-bit grid: q ", q.sizes(), ", k ", k.sizes());
+  LSMINI_CHECK(p >= 0.0 && p <= 1.0, op, ": dropout p must be in [0, 1], got ", p);
+  LSMINI_CHECK(scale > 0.0, op, ": scale must be positive, got ", scale);
+  if (mask.has_value() && mask->defined()) {
+    check_cuda(*mask, op, "key_padding_mask");
+    check_same_device(*mask, q, op, "key_padding_mask", "q");
+    check_dtype(*mask, at::kBool, op, "key_padding_mask");
+    check_shape(*mask, {s.b, s.lk}, op, "key_padding_mask");
+  }
+  return s;
+}
+
+template <typename K>
+AttentionArgs<K> make_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                           const Dims& s, bool causal, double p, double scale, const PhiloxTuple& rng, const char* op) {
+  AttentionArgs<K> a{};
+  a.q = strided<const K>(q);
+  a.k = strided<const K>(k);
+  a.v = strided<const K>(v);
+  a.key_padding_mask = mask.defined() ? reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()) : nullptr;
+  a.batch = int(s.b);
+  a.heads = int(s.h);
+  a.q_len = int(s.lq);
+  a.k_len = int(s.lk);
+  a.head_dim = int(s.d);
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  a.dropout_p = static_cast<float>(p);
+  a.rng = philox_args(rng, op);
+  return a;
+}
+
+// Calls f(scalar_t{}) with scalar_t ∈ {at::Half, at::BFloat16}.
+template <typename F>
+void dispatch_half(at::ScalarType s, F&& f) {
+  if (s == at::kHalf) {
+    f(at::Half{});
+  } else {
+    f(at::BFloat16{});
+  }
+}
+
+at::Tensor contiguous_mask(const std::optional<at::Tensor>& mask) {
+  return mask.has_value() && mask->defined() ? mask->contiguous() : at::Tensor();
+}
+
+// (out, lse): out [b, h, lq, d] as a view of a contiguous [b, lq, h, d] buffer (the merged-heads layout);
+// lse [b, h, lq] float32.
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                 const at::Tensor& v_in, const std::optional<at::Tensor>& mask_in,
+                                                 bool causal, double p, double scale, const PhiloxTuple& rng) {
+  const char* op = "attention_fwd";
+  const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in), mask = contiguous_mask(mask_in);
+  at::Tensor out = at::empty({s.b, s.lq, s.h, s.d}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({s.b, s.h, s.lq}, q.options().dtype(at::kFloat));
+  dispatch_half(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using K = typename KernelType<scalar_t>::type;
+    AttentionArgs<K> a = make_args<K>(q, k, v, mask, s, causal, p, scale, rng, op);
+    a.out = strided<K>(out);
+    a.lse = lse.data_ptr<float>();
+    check_launch(launch_attention_fwd<K>(a, current_stream()), op);
+  });
+  return {out, lse};
+}
+
+// A gradient output: the caller's tensor (checked, written in place) or a fresh one like `like`.
+at::Tensor grad_output(const std::optional<at::Tensor>& given, const at::Tensor& like, const char* op,
+                       const char* name) {
+  if (!(given.has_value() && given->defined())) return at::empty_like(like, at::MemoryFormat::Contiguous);
+  const at::Tensor& t = *given;
+  check_cuda(t, op, name);
+  check_same_device(t, like, op, name, "q");
+  check_dtype(t, like.scalar_type(), op, name);
+  check_shape(t, like.sizes(), op, name);
+  LSMINI_CHECK(kernel_layout(t), op, ": ", name, " is written in place, so it needs the kernels' layout (last stride 1,",
+              " other strides multiples of 8 elements, 16-byte aligned start), got strides ", t.strides());
+  return t;
+}
+
+// (dq, dk, dv), written into the given tensors when passed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& mask_in, bool causal, double p,
+    double scale, const PhiloxTuple& rng, const std::optional<at::Tensor>& dq_in,
+    const std::optional<at::Tensor>& dk_in, const std::optional<at::Tensor>& dv_in) {
+  const char* op = "attention_bwd";
+  const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
+  check_operand(out_in, q_in, op, "out");
+  check_operand(dout_in, q_in, op, "dout");
+  check_shape(out_in, q_in.sizes(), op, "out");
+  check_shape(dout_in, q_in.sizes(), op, "dout");
+  check_cuda(lse_in, op, "lse");
+  check_same_device(lse_in, q_in, op, "lse", "q");
+  check_dtype(lse_in, at::kFloat, op, "lse");
+  check_shape(lse_in, {s.b, s.h, s.lq}, op, "lse");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in), out = readable(out_in),
+                   dout = readable(dout_in), lse = lse_in.contiguous(), mask = contiguous_mask(mask_in);
+  at::Tensor dq = grad_output(dq_in, q, op, "dq"), dk = grad_output(dk_in, k, op, "dk"),
+             dv = grad_output(dv_in, v, op, "dv");
+  at::Tensor delta = at::empty({s.b, s.h, s.lq}, lse.options());
+  dispatch_half(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using K = typename KernelType<scalar_t>::type;
+    AttentionArgs<K> a = make_args<K>(q, k, v, mask, s, causal, p, scale, rng, op);
+    // the forward's output is only read
+    a.out = strided<K>(out);
+    a.dout = strided<const K>(dout);
+    a.dq = strided<K>(dq);
+    a.dk = strided<K>(dk);
+    a.dv = strided<K>(dv);
+    a.lse = lse.data_ptr<float>();
+    a.delta = delta.data_ptr<float>();
+    check_launch(launch_attention_bwd<K>(a, current_stream()), op);
+  });
+  return {dq, dk, dv};
+}
+
+void register_attention(pybind11::module_& m) {
+  m.def("attention_fwd", &attention_fwd,
+        "Fused attention forward: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("key_padding_mask"),
+        pybind11::arg("causal"), pybind11::arg("p"), pybind11::arg("scale"), pybind11::arg("rng"));
+  m.def("attention_bwd", &attention_bwd, "Fused attention backward: (dq, dk, dv), into dq/dk/dv when given",
+        pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
+        pybind11::arg("lse"), pybind11::arg("key_padding_mask"), pybind11::arg("causal"), pybind11::arg("p"),
+        pybind11::arg("scale"), pybind11::arg("rng"), pybind11::arg("dq") = pybind11::none(),
+        pybind11::arg("dk") = pybind11::none(), pybind11::arg("dv") = pybind11::none());
+}
+
+}  // namespace
+
+LSMINI_REGISTER_OPS(register_attention);
+
+}  // namespace lsmini

@@ -1,0 +1,157 @@
+"""Attention: fused scaled-dot-product attention (FlashAttention-style; the scores never reach memory).
+
+    s[b, h, i, j]  = scale · q[b, h, i] · k[b, h, j]                       (scale defaults to 1/sqrt(d))
+    masked[b, h, i, j] = key_padding_mask[b, j]  or  (causal and j > i + k_len − q_len)
+    P   = softmax(s.masked_fill(masked, −inf), dim=−1)                    (a row with every key masked → 0)
+    out = dropout(P, p) @ v                                               (only when training and p > 0)
+
+Shapes: q [batch, heads, q_len, d], k and v [batch, heads, k_len, d]; key_padding_mask bool
+[batch, k_len], True = pad; out [batch, heads, q_len, d] in q's dtype. The kernel returns out as the
+transposed view of a contiguous [batch, q_len, heads, d] buffer, so merging heads
+(``out.transpose(1, 2).reshape(batch, q_len, heads * d)``) costs no copy.
+
+The causal mask is aligned bottom-right exactly as in ``lsmini.ops.attention_softmax``: query i sees
+key j iff j ≤ i + (k_len − q_len). With q_len > k_len the first q_len − k_len queries see no key and
+get zeros (and zero gradients).
+
+Dropout: the kept set is the attention_softmax kernel's — element (b, h, i, j) of the [b, h, q_len,
+k_len] probabilities draws Philox at flat index ((b·heads + h)·q_len + i)·k_len + j of the call's
+``rng`` (``_backend.dropout_rng``) — and kept probabilities are scaled by 1/(1 − p). So, with the same
+rng, the fused op equals ``attention_softmax(scale·q@kᵀ, ...) @ v``. Backward regenerates the mask
+from rng; the kernel saves only out and the row log-sum-exp (fp32 [b, h, q_len]).
+
+The CUDA kernel covers float16/bfloat16 with head_dim d in HEAD_DIMS; anything else (float32,
+float64, other d, CPU tensors) runs ``attention_ref``. Backward is deterministic (no atomics).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from lsmini import _backend
+from lsmini.ops.attention_softmax import attention_softmax_ref
+
+HEAD_DIMS = (16, 32, 64, 128)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def fused_attention_supported(dtype, head_dim):
+    """True when the fused CUDA kernel handles this dtype and head_dim (the device is checked apart)."""
+    return dtype in KERNEL_DTYPES and head_dim in HEAD_DIMS
+
+
+def attention_ref(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, training=True, scale=None,
+                  keep=None):
+    """Pure-PyTorch attention in fp32 math (the oracle and the CPU path); returns [b, h, q_len, d] in q's dtype.
+
+    Differentiable by autograd. Rows whose every key is masked give zeros and zero gradients, never NaN.
+    keep: optional bool [b, h, q_len, k_len] (True = kept) that replaces the random dropout mask, so a
+    test can apply the kernel's own Philox mask; it is applied (probs·keep/(1 − p)) even when p = 0 or
+    not training. Without keep, dropout is ``F.dropout`` when training and p > 0.
+    """
+    b, h, lq, d = q.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    # masked_fill, the dead-row guard and the fp32 softmax are attention_softmax's own oracle
+    probs = attention_softmax_ref(s, key_padding_mask, causal, 0.0, False)
+    if keep is not None:
+        if tuple(keep.shape) != tuple(probs.shape):
+            raise ValueError(f"attention_ref: keep must have shape {tuple(probs.shape)}, got {tuple(keep.shape)}")
+        probs = probs * keep.to(probs.dtype) * (1.0 / (1.0 - dropout_p) if dropout_p < 1 else 0.0)
+    elif training and dropout_p > 0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+class AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, key_padding_mask, causal, p, scale):
+        rng = _backend.dropout_rng(p, q.device)
+        out, lse = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng)
+        # the mask goes through save_for_backward too: an in-place change before backward then errors
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+        ctx.causal, ctx.p, ctx.scale, ctx.rng = causal, p, scale, rng
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        if dout.stride(-1) != 1:  # e.g. the all-zero-stride gradient of out.sum()
+            dout = dout.contiguous()
+        dq, dk, dv = _backend.ext().attention_bwd(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.p,
+                                                  ctx.scale, ctx.rng)
+        return dq, dk, dv, None, None, None, None
+
+
+def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
+    name = "attention"
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: {arg} must be a floating-point tensor, got {t.dtype}")
+        if t.dim() != 4:
+            what = "[batch, heads, q_len, head_dim]" if arg == "q" else "[batch, heads, k_len, head_dim]"
+            raise ValueError(f"{name}: {arg} must be 4-D {what}, got shape {tuple(t.shape)}")
+    for arg, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: {arg} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: {arg} is on {t.device} but q is on {q.device}")
+    b, h, _, d = q.shape
+    lk = k.shape[2]
+    for arg, t in (("k", k), ("v", v)):
+        got = (t.shape[0], t.shape[1], t.shape[3])
+        if got != (b, h, d):
+            raise ValueError(f"{name}: {arg} must have (batch, heads, head_dim) = ({b}, {h}, {d}) like q, "
+                             f"got shape {tuple(t.shape)}")
+    if v.shape[2] != lk:
+        raise ValueError(f"{name}: v must have k's length k_len = {lk}, got {v.shape[2]}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(f"{name}: key_padding_mask must be a bool Tensor or None, "
+                            f"got {type(key_padding_mask).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"{name}: key_padding_mask must have dtype torch.bool (True = pad), "
+                            f"got {key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != (b, lk):
+            raise ValueError(f"{name}: key_padding_mask must have shape (batch, k_len) = ({b}, {lk}), "
+                             f"got {tuple(key_padding_mask.shape)}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"{name}: key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{name}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{name}: dropout_p must be in [0, 1], got {dropout_p}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"{name}: scale must be a float or None, got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name}: scale must be a positive finite float, got {scale}")
+
+
+def attention(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, training=True, scale=None):
+    """Scaled-dot-product attention, fused: softmax(scale·q·kᵀ + masks) with dropout, times v.
+
+    q [batch, heads, q_len, d]; k, v [batch, heads, k_len, d]; all the same floating dtype and device.
+    key_padding_mask: bool [batch, k_len], True = pad (that key gets probability 0), or None.
+    causal: bottom-right aligned (query i sees key j iff j ≤ i + k_len − q_len).
+    dropout_p: attention-probability dropout, applied only when ``training`` and dropout_p > 0.
+    scale: multiplier of q·k, default 1/sqrt(d).
+    Returns out [batch, heads, q_len, d] in q's dtype; rows with every key masked are zeros. On CUDA
+    with the kernel (float16/bfloat16, d in 16/32/64/128) out is a transposed view of a contiguous
+    [batch, q_len, heads, d] buffer; otherwise ``attention_ref`` runs.
+    """
+    _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale)
+    p = float(dropout_p) if training else 0.0
+    d = q.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    empty = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] == 0  # nothing for a kernel to do
+    if not empty and fused_attention_supported(q.dtype, d) and _backend.use_kernels(q, k, v, key_padding_mask):
+        return AttentionFunction.apply(q, k, v, key_padding_mask, causal, p, scale)
+    return attention_ref(q, k, v, key_padding_mask, causal, p, training, scale)
