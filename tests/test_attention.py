@@ -9,8 +9,8 @@ from lsmini import _backend
 from lsmini.ops.attention import (HEAD_DIMS, KERNEL_DTYPES, AttentionFunction, attention, attention_ref,
                                   fused_attention_supported)
 from lsmini.ops.attention_softmax import attention_softmax
-from util import (assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err, next_seed_offset,
-                  philox_keep_mask, poison)
+from util import (attention_masks, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err,
+                  next_seed_offset, philox_keep_mask, poison)
 
 MASK_KINDS = ["none", "pad", "causal", "both"]
 RNG = (1234, 8, 0, 0)  # a fixed eager Philox state (seed, offset, 0, 0) for calls to the extension
@@ -23,31 +23,6 @@ GRAD_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 # ------------------------------------------------------------------------------------- helpers ---
-
-def _padding_mask(b, k, gen):
-    """Batch 0 unpadded, batch 1 random ~30 % pads, batch 2 (if any) fully padded, the rest suffix pads."""
-    kpm = torch.zeros(b, k, dtype=torch.bool)
-    if b > 1:
-        kpm[1] = torch.rand(k, generator=gen) < 0.3
-    if b > 2:
-        kpm[2] = True
-    for i in range(3, b):
-        kpm[i, int(torch.randint(1, k + 1, (1,), generator=gen)):] = True
-    return kpm
-
-
-def _masks(b, q, k, kind, gen, device):
-    """(key_padding_mask or None, causal, masked) where masked [b, 1, q, k] (True = masked) is built
-    independently of the op under test: the causal part is tril(diagonal=k − q) (bottom-right)."""
-    kpm = _padding_mask(b, k, gen).to(device) if kind in ("pad", "both") else None
-    causal = kind in ("causal", "both")
-    masked = torch.zeros(b, 1, q, k, dtype=torch.bool, device=device)
-    if kpm is not None:
-        masked |= kpm.view(b, 1, 1, k)
-    if causal:
-        masked |= ~torch.ones(q, k, dtype=torch.bool, device=device).tril(diagonal=k - q)
-    return kpm, causal, (masked if kind != "none" else None)
-
 
 def _inputs(b, h, lq, lk, d, dtype, device, seed=0, q_scale=1.0):
     """Seeded random q, k, v, grad_out (never zeros) and the generator for the masks."""
@@ -99,7 +74,7 @@ CPU_SHAPES = [(3, 2, 5, 7, 8), (3, 2, 7, 5, 16), (4, 2, 1, 9, 32), (3, 3, 16, 16
 def test_reference_matches_plain_torch(shape, kind):
     b, h, lq, lk, d = shape
     q, k, v, dout, gen = _inputs(b, h, lq, lk, d, torch.float32, "cpu")
-    kpm, causal, masked = _masks(b, lq, lk, kind, gen, "cpu")
+    kpm, causal, masked = attention_masks(b, lq, lk, kind, gen, "cpu")
     out, grads = _run(lambda q, k, v: attention_ref(q, k, v, kpm, causal), q, k, v, dout)
     want, want_grads = _run(lambda q, k, v: _plain(q, k, v, masked, 1.0 / math.sqrt(d)),
                             q.double(), k.double(), v.double(), dout.double())
@@ -158,7 +133,7 @@ def test_reference_matches_sdpa(lq, lk, kind, scale):
 def test_reference_custom_scale_and_causal_lq_gt_lk():
     b, h, lq, lk, d = 2, 3, 9, 4, 32
     q, k, v, dout, gen = _inputs(b, h, lq, lk, d, torch.float32, "cpu", seed=2)
-    kpm, causal, masked = _masks(b, lq, lk, "both", gen, "cpu")
+    kpm, causal, masked = attention_masks(b, lq, lk, "both", gen, "cpu")
     out, grads = _run(lambda q, k, v: attention_ref(q, k, v, kpm, causal, scale=0.7), q, k, v, dout)
     want, want_grads = _run(lambda q, k, v: _plain(q, k, v, masked, 0.7), q.double(), k.double(), v.double(),
                             dout.double())
@@ -212,7 +187,7 @@ def test_fused_attention_supported():
 def test_functional_on_cpu_uses_reference():
     b, h, lq, lk, d = 3, 2, 4, 6, 16
     q, k, v, dout, gen = _inputs(b, h, lq, lk, d, torch.float32, "cpu")
-    kpm, _, _ = _masks(b, lq, lk, "pad", gen, "cpu")
+    kpm, _, _ = attention_masks(b, lq, lk, "pad", gen, "cpu")
     out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal=True), q, k, v, dout)
     want, want_grads = _run(lambda q, k, v: attention_ref(q, k, v, kpm, causal=True), q, k, v, dout)
     assert torch.equal(out, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
@@ -294,7 +269,7 @@ KERNEL_CASES = [(lq, lk, d, MASK_KINDS[(i + j) % len(MASK_KINDS)])
 
 def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None):
     q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=seed, q_scale=q_scale)
-    kpm, causal, masked = _masks(b, lq, lk, kind, gen, "cuda")
+    kpm, causal, masked = attention_masks(b, lq, lk, kind, gen, "cuda")
     out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal, scale=scale), q, k, v, dout)
     assert out.dtype == dtype and out.shape == (b, h, lq, d)
     assert out.transpose(1, 2).is_contiguous(), "out must be the [b, h, lq, d] view of a [b, lq, h, d] buffer"
@@ -339,7 +314,7 @@ def test_kernel_uses_the_fused_path_and_lse(dtype):
     ext = _backend.ext()
     b, h, lq, lk, d = 3, 2, 65, 63, 64
     q, k, v, _, gen = _inputs(b, h, lq, lk, d, dtype, "cuda")
-    kpm, causal, masked = _masks(b, lq, lk, "both", gen, "cuda")
+    kpm, causal, masked = attention_masks(b, lq, lk, "both", gen, "cuda")
     assert isinstance(attention(q.requires_grad_(), k, v, kpm, causal).grad_fn, AttentionFunction._backward_cls)
     out, lse = ext.attention_fwd(q.detach(), k, v, kpm, causal, 0.0, 0.125, (0, 0, 0, 0))
     assert lse.dtype == torch.float32 and lse.shape == (b, h, lq) and lse.is_contiguous()
@@ -365,7 +340,7 @@ def test_kernel_strided_inputs_and_out_params(p, d, dtype):
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     assert not q.is_contiguous() and q.stride(-1) == 1
     dout = torch.randn(b, h, l, d, generator=gen).to(device="cuda", dtype=dtype)
-    kpm, causal, _ = _masks(b, l, l, "both", gen, "cuda")
+    kpm, causal, _ = attention_masks(b, l, l, "both", gen, "cuda")
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
     scale = 1.0 / math.sqrt(d)
     rng = RNG if p > 0 else (0, 0, 0, 0)
@@ -398,7 +373,7 @@ def test_kernel_strided_inputs_and_out_params(p, d, dtype):
 def test_kernel_backward_of_sum_and_partial_grads():
     # out.sum() hands backward a gradient with all-zero strides
     q, k, v, _, gen = _inputs(2, 2, 33, 40, 32, torch.float16, "cuda")
-    kpm, causal, _ = _masks(2, 33, 40, "both", gen, "cuda")
+    kpm, causal, _ = attention_masks(2, 33, 40, "both", gen, "cuda")
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     attention(*leaves, kpm, causal).sum().backward()
     _, want = _run(lambda q, k, v: attention(q, k, v, kpm, causal), q, k, v, torch.ones_like(q))
@@ -420,7 +395,7 @@ def test_dropout_mask_is_attention_softmax_mask(lq, lk, d, kind, dtype, monkeypa
     monkeypatch.setattr(_backend, "dropout_rng", lambda p, device: RNG if p > 0 else _backend.NO_RNG)
     b, h = 3, 2
     q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=6)
-    kpm, causal, masked = _masks(b, lq, lk, kind, gen, "cuda")
+    kpm, causal, masked = attention_masks(b, lq, lk, kind, gen, "cuda")
     scale = 1.0 / math.sqrt(d)
     out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal, P), q, k, v, dout)
     ref, ref_grads = _run(lambda q, k, v: attention_softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, kpm,
@@ -468,7 +443,7 @@ def test_dropout_functional_matches_philox_reference(dtype):
     # torch.manual_seed → (seed, offset) of the next call → the reference with that Philox mask
     b, h, lq, lk, d = 3, 2, 65, 128, 64
     q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=8)
-    kpm, causal, masked = _masks(b, lq, lk, "both", gen, "cuda")
+    kpm, causal, masked = attention_masks(b, lq, lk, "both", gen, "cuda")
     seed, offset = next_seed_offset(21)
     out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal, P), q, k, v, dout)
     keep = philox_keep_mask(b * h * lq * lk, P, seed, offset, "cuda").view(b, h, lq, lk)
@@ -483,7 +458,7 @@ def test_dropout_functional_matches_philox_reference(dtype):
 @pytest.mark.cuda
 def test_dropout_reproducible_and_p0_exact():
     q, k, v, dout, gen = _inputs(2, 4, 96, 96, 64, torch.bfloat16, "cuda")
-    kpm, _, _ = _masks(2, 96, 96, "pad", gen, "cuda")
+    kpm, _, _ = attention_masks(2, 96, 96, "pad", gen, "cuda")
 
     def run():
         return _run(lambda q, k, v: attention(q, k, v, kpm, True, 0.3), q, k, v, dout)
@@ -514,7 +489,7 @@ def test_backward_is_deterministic(dtype):
     ext = _backend.ext()
     b, h, l, d = 2, 4, 1024, 64
     q, k, v, dout, gen = _inputs(b, h, l, l, d, dtype, "cuda", seed=9)
-    kpm, causal, _ = _masks(b, l, l, "pad", gen, "cuda")
+    kpm, causal, _ = attention_masks(b, l, l, "pad", gen, "cuda")
     out, lse = ext.attention_fwd(q, k, v, kpm, causal, P, 0.125, RNG)
     first = ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, 0.125, RNG)
     for _ in range(2):

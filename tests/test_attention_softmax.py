@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import lsmini
 from lsmini.ops.attention_softmax import (MAX_K_LEN, AttentionSoftmaxFunction, attention_softmax,
                                           attention_softmax_ref)
-from util import (LOWP, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, philox4x32_10,
+from util import (attention_masks, LOWP, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, philox4x32_10,
                   philox_keep_mask)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -16,31 +16,6 @@ K_LENS = [1, 3, 7, 31, 32, 33, 64, 127, 128, 255, 1000, 1024, 2049, 4096, 8192, 
 
 
 # ------------------------------------------------------------------------------------- helpers ---
-
-def _padding_mask(b, k, gen):
-    """Batch 0 unpadded, batch 1 random ~30 % pads, batch 2 (if any) fully padded, the rest suffix pads."""
-    kpm = torch.zeros(b, k, dtype=torch.bool)
-    if b > 1:
-        kpm[1] = torch.rand(k, generator=gen) < 0.3
-    if b > 2:
-        kpm[2] = True
-    for i in range(3, b):
-        kpm[i, int(torch.randint(1, k + 1, (1,), generator=gen)):] = True
-    return kpm
-
-
-def _masks(b, q, k, kind, gen, device):
-    """(key_padding_mask or None, causal, masked) where masked [b, 1, q, k] (True = masked) is built
-    independently of the op under test: the causal part is tril(diagonal=k − q) (bottom-right)."""
-    kpm = _padding_mask(b, k, gen).to(device) if kind in ("pad", "both") else None
-    causal = kind in ("causal", "both")
-    masked = torch.zeros(b, 1, q, k, dtype=torch.bool, device=device)
-    if kpm is not None:
-        masked |= kpm.view(b, 1, 1, k)
-    if causal:
-        masked |= ~torch.ones(q, k, dtype=torch.bool, device=device).tril(diagonal=k - q)
-    return kpm, causal, (masked if kind != "none" else None)
-
 
 def _inputs(shape, dtype, device, seed=0, scale=2.0):
     gen = torch.Generator().manual_seed(seed)
@@ -76,7 +51,7 @@ def _dead_rows(masked, shape):
 def test_reference_matches_torch(shape, kind):
     b, h, q, k = shape
     scores, grad, gen = _inputs(shape, torch.float32, "cpu")
-    kpm, causal, masked = _masks(b, q, k, kind, gen, "cpu")
+    kpm, causal, masked = attention_masks(b, q, k, kind, gen, "cpu")
     y, dx = _run(lambda x: attention_softmax_ref(x, kpm, causal), scores, grad)
     yt, dxt = _run(lambda x: torch.softmax(x if masked is None else x.masked_fill(masked, float("-inf")), -1),
                    scores.double(), grad.double())
@@ -146,7 +121,7 @@ def test_reference_keeps_dtype():
 
 def test_functional_on_cpu_uses_reference():
     scores, _, gen = _inputs((3, 2, 4, 6), torch.float32, "cpu")
-    kpm, _, _ = _masks(3, 4, 6, "pad", gen, "cpu")
+    kpm, _, _ = attention_masks(3, 4, 6, "pad", gen, "cpu")
     torch.testing.assert_close(attention_softmax(scores, kpm, causal=True),
                                attention_softmax_ref(scores, kpm, causal=True))
     torch.manual_seed(3)
@@ -196,7 +171,7 @@ def test_bad_input_errors():
 def _kernel_case(shape, dtype, kind, seed=0, scale=2.0):
     b, h, q, k = shape
     scores, grad, gen = _inputs(shape, dtype, "cuda", seed=seed, scale=scale)
-    kpm, causal, masked = _masks(b, q, k, kind, gen, "cuda")
+    kpm, causal, masked = attention_masks(b, q, k, kind, gen, "cuda")
     y, dx = _run(lambda x: attention_softmax(x, kpm, causal), scores, grad)
     assert y.dtype == dtype and dx.dtype == dtype and y.shape == shape
     yr, dxr = _run(lambda x: attention_softmax_ref(x, kpm, causal), scores.float(), grad.float())
@@ -265,7 +240,7 @@ def test_kernel_misaligned_and_strided_inputs(k, dtype):
     # a misaligned mask must give the same numbers as the aligned, contiguous call
     b, h, q = 3, 2, 5
     scores, _, gen = _inputs((b, h, q, k), dtype, "cuda")
-    kpm, _, _ = _masks(b, q, k, "pad", gen, "cuda")
+    kpm, _, _ = attention_masks(b, q, k, "pad", gen, "cuda")
     want = attention_softmax(scores, kpm, causal=True)
     buf = torch.empty(scores.numel() + 1, dtype=dtype, device="cuda")
     buf[1:].copy_(scores.reshape(-1))
@@ -289,7 +264,7 @@ def test_kernel_writes_every_output(k):
     ext = lsmini._backend.ext()
     shape = (3, 2, 9, k)
     scores, grad, gen = _inputs(shape, torch.float16, "cuda")
-    kpm, _, _ = _masks(3, 9, k, "pad", gen, "cuda")
+    kpm, _, _ = attention_masks(3, 9, k, "pad", gen, "cuda")
     for causal in (False, True):
         junk = torch.full((4 * scores.numel(),), float("nan"), dtype=torch.float16, device="cuda")
         del junk
@@ -340,7 +315,7 @@ def test_dropout_mask_is_philox_of_flat_index(k, dtype, p):
     b, h, q = 3, 2, max(1, 2048 // k + 1)
     shape = (b, h, q, k)
     scores, grad, gen = _inputs(shape, dtype, "cuda")
-    kpm, _, _ = _masks(b, q, k, "pad", gen, "cuda")
+    kpm, _, _ = attention_masks(b, q, k, "pad", gen, "cuda")
     seed, offset = 0x9E3779B97F4A7C15, (1 << 33) + 44  # both 32-bit halves in use
     probs, sm = ext.attention_softmax_fwd(scores, kpm, True, p, (seed, offset, 0, 0))
     keep = philox_keep_mask(scores.numel(), p, seed, offset, "cuda").view(shape)
@@ -388,7 +363,7 @@ def test_dropout_forward_backward_same_mask(k, dtype):
     # Through autograd: infer the kept set from the output, and check the gradient used exactly it.
     shape = (3, 2, 8, k)
     scores, grad, gen = _inputs(shape, dtype, "cuda")
-    kpm, _, _ = _masks(3, 8, k, "pad", gen, "cuda")
+    kpm, _, _ = attention_masks(3, 8, k, "pad", gen, "cuda")
     torch.manual_seed(11)
     out, dx = _run(lambda x: attention_softmax(x, kpm, True, 0.5), scores, grad)
     y = attention_softmax(scores, kpm, True).float()  # the kernel's own pre-dropout softmax
@@ -402,7 +377,7 @@ def test_dropout_forward_backward_same_mask(k, dtype):
 @pytest.mark.cuda
 def test_dropout_reproducible_and_p0_exact():
     scores, grad, gen = _inputs((2, 4, 16, 96), torch.bfloat16, "cuda")
-    kpm, _, _ = _masks(2, 16, 96, "pad", gen, "cuda")
+    kpm, _, _ = attention_masks(2, 16, 96, "pad", gen, "cuda")
     torch.manual_seed(7)
     a, da = _run(lambda x: attention_softmax(x, kpm, True, 0.3), scores, grad)
     torch.manual_seed(7)

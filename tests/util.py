@@ -133,3 +133,29 @@ def next_seed_offset(s):
     assert (seed_ptr, offset_ptr) == (0, 0)
     torch.manual_seed(s)
     return seed, offset
+
+
+# ---- attention masks shared by the attention op tests ----
+def padding_mask_kinds(b, k, gen):
+    """Batch 0 unpadded, batch 1 random ~30 % pads, batch 2 (if any) fully padded, the rest suffix pads."""
+    kpm = torch.zeros(b, k, dtype=torch.bool)
+    if b > 1:
+        kpm[1] = torch.rand(k, generator=gen) < 0.3
+    if b > 2:
+        kpm[2] = True
+    for i in range(3, b):
+        kpm[i, int(torch.randint(1, k + 1, (1,), generator=gen)):] = True
+    return kpm
+
+
+def attention_masks(b, q, k, kind, gen, device):
+    """(key_padding_mask or None, causal, masked) where masked [b, 1, q, k] (True = masked) is built
+    independently of the op under test: the causal part is tril(diagonal=k − q) (bottom-right)."""
+    kpm = padding_mask_kinds(b, k, gen).to(device) if kind in ("pad", "both") else None
+    causal = kind in ("causal", "both")
+    masked = torch.zeros(b, 1, q, k, dtype=torch.bool, device=device)
+    if kpm is not None:
+        masked |= kpm.view(b, 1, 1, k)
+    if causal:
+        masked |= ~torch.ones(q, k, dtype=torch.bool, device=device).tril(diagonal=k - q)
+    return kpm, causal, (masked if kind != "none" else None)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lsmini import _backend
-from lsmini.ops.attention_softmax import attention_softmax_ref
+from lsmini.ops.attention_softmax import attention_softmax_ref, check_key_padding_mask
 
 HEAD_DIMS = (16, 32, 64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -110,18 +110,7 @@ def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
                              f"got shape {tuple(t.shape)}")
     if v.shape[2] != lk:
         raise ValueError(f"{name}: v must have k's length k_len = {lk}, got {v.shape[2]}")
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor):
-            raise TypeError(f"{name}: key_padding_mask must be a bool Tensor or None, "
-                            f"got {type(key_padding_mask).__name__}")
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"{name}: key_padding_mask must have dtype torch.bool (True = pad), "
-                            f"got {key_padding_mask.dtype}")
-        if tuple(key_padding_mask.shape) != (b, lk):
-            raise ValueError(f"{name}: key_padding_mask must have shape (batch, k_len) = ({b}, {lk}), "
-                             f"got {tuple(key_padding_mask.shape)}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"{name}: key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+    check_key_padding_mask(name, key_padding_mask, b, lk, q.device, "q")
     if not isinstance(causal, bool):
         raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):

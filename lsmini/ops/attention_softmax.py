@@ -78,6 +78,21 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
         return grad, None, None, None
 
 
+def check_key_padding_mask(name, mask, batch, k_len, device, ref_name):
+    """None, or a bool [batch, k_len] tensor on device (True = pad); otherwise an error naming the problem."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name}: key_padding_mask must be a bool Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name}: key_padding_mask must have dtype torch.bool (True = pad), got {mask.dtype}")
+    if tuple(mask.shape) != (batch, k_len):
+        raise ValueError(f"{name}: key_padding_mask must have shape (batch, k_len) = ({batch}, {k_len}), "
+                         f"got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"{name}: key_padding_mask is on {mask.device} but {ref_name} is on {device}")
+
+
 def _check_args(scores, key_padding_mask, causal, dropout_p):
     name = "attention_softmax"
     if not isinstance(scores, torch.Tensor):
@@ -89,19 +104,7 @@ def _check_args(scores, key_padding_mask, causal, dropout_p):
     b, _, _, k = scores.shape
     if k > MAX_K_LEN:
         raise ValueError(f"{name}: k_len (last dim of scores) must be at most {MAX_K_LEN}, got {k}")
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor):
-            raise TypeError(f"{name}: key_padding_mask must be a bool Tensor or None, "
-                            f"got {type(key_padding_mask).__name__}")
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"{name}: key_padding_mask must have dtype torch.bool (True = pad), "
-                            f"got {key_padding_mask.dtype}")
-        if tuple(key_padding_mask.shape) != (b, k):
-            raise ValueError(f"{name}: key_padding_mask must have shape (batch, k_len) = ({b}, {k}), "
-                             f"got {tuple(key_padding_mask.shape)}")
-        if key_padding_mask.device != scores.device:
-            raise ValueError(f"{name}: key_padding_mask is on {key_padding_mask.device} but scores is on "
-                             f"{scores.device}")
+    check_key_padding_mask(name, key_padding_mask, b, k, scores.device, "scores")
     if not isinstance(causal, bool):
         raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
