@@ -260,7 +260,8 @@ def test_bad_input_errors():
 # ----------------------------------------------------------------------------------------- CUDA ---
 
 # (lq, lk) pairs; each pair runs with every head dim, the mask kind cycling so that each pair also sees
-# every kind: causal with lq < lk (a decode-like step over more keys) and lq > lk (leading queries dead)
+# every kind: causal with lq < lk (a decode-like step over more keys) and lq > lk (leading queries dead).
+# lk ≤ 64, and ≤ 128 for d ≥ 32, take the one-CTA-per-head backward; the rest the two tiled kernels.
 LENS = [(1, 1), (7, 7), (63, 65), (64, 64), (65, 63), (128, 128), (200, 200), (1, 200), (200, 7), (7, 128),
         (65, 200), (128, 63)]
 KERNEL_CASES = [(lq, lk, d, MASK_KINDS[(i + j) % len(MASK_KINDS)])
@@ -387,7 +388,7 @@ def test_kernel_backward_of_sum_and_partial_grads():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("lq,lk,d,kind", [(64, 64, 64, "pad"), (65, 200, 32, "both"), (200, 63, 128, "both"),
-                                          (7, 7, 16, "none")])
+                                          (7, 7, 16, "none"), (100, 128, 64, "both")])
 def test_dropout_mask_is_attention_softmax_mask(lq, lk, d, kind, dtype, monkeypatch):
     # With the same rng, fused attention = attention_softmax(scale·q@kᵀ) @ v, forward and backward.
     # Both functionals get RNG through the patched _backend.dropout_rng; the oracle runs the softmax
@@ -485,9 +486,10 @@ def test_dropout_reproducible_and_p0_exact():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_backward_is_deterministic(dtype):
+@pytest.mark.parametrize("l", [128, 1024])  # one CTA per (batch, head) / the two tiled kernels
+def test_backward_is_deterministic(dtype, l):
     ext = _backend.ext()
-    b, h, l, d = 2, 4, 1024, 64
+    b, h, d = 2, 4, 64
     q, k, v, dout, gen = _inputs(b, h, l, l, d, dtype, "cuda", seed=9)
     kpm, causal, _ = attention_masks(b, l, l, "pad", gen, "cuda")
     out, lse = ext.attention_fwd(q, k, v, kpm, causal, P, 0.125, RNG)

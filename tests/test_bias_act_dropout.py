@@ -243,6 +243,52 @@ def test_binding_act_ids_and_grad_bias_dtype(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_binding_out_and_in_place(dtype, has_bias):
+    """out / grad_x: written and returned, bitwise equal to a fresh output, also in place (out = x,
+    grad_x = grad_out or x)."""
+    ext = lsmini._backend.ext()
+    x, bias, grad = _inputs((333, 1032), dtype, "cuda", "same" if has_bias else None)
+    rng = (5, 8, 0, 0)
+    fresh = ext.bias_act_dropout_fwd(x, bias, "gelu", 0.2, rng)
+    buf = torch.empty_like(x)
+    assert ext.bias_act_dropout_fwd(x, bias, "gelu", 0.2, rng, out=buf).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf, fresh)
+    xx = x.clone()
+    assert torch.equal(ext.bias_act_dropout_fwd(xx, bias, "gelu", 0.2, rng, out=xx), fresh)
+    gx, gb = ext.bias_act_dropout_bwd(grad, x, bias, "gelu", 0.2, rng)
+    for into in ("buffer", "grad_out", "x"):
+        g2, x2 = grad.clone(), x.clone()
+        dst = {"buffer": torch.empty_like(x), "grad_out": g2, "x": x2}[into]
+        gx2, gb2 = ext.bias_act_dropout_bwd(g2, x2, bias, "gelu", 0.2, rng, grad_x=dst)
+        assert gx2.data_ptr() == dst.data_ptr() and torch.equal(gx2, gx), into
+        assert (gb2 is None and gb is None) or torch.equal(gb2, gb), into
+
+
+@pytest.mark.cuda
+def test_binding_out_checks():
+    ext = lsmini._backend.ext()
+    x, bias, grad = _inputs((4, 8), torch.float16, "cuda")
+    rng = (0, 0, 0, 0)
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype, device="cuda")
+    bad = [(torch.empty(4, 9, dtype=x.dtype, device="cuda"), RuntimeError, r"out must have shape \[4, 8\]"),
+           (torch.empty_like(x, dtype=torch.float32), RuntimeError, "out must be Half"),
+           (torch.empty(8, 4, dtype=x.dtype, device="cuda").t(), RuntimeError, "out must be contiguous"),
+           (torch.empty_like(x, device="cpu"), RuntimeError, "out must be a CUDA tensor")]
+    for out, exc, match in bad:
+        with pytest.raises(exc, match="bias_act_dropout_fwd: " + match):
+            ext.bias_act_dropout_fwd(x, bias, "relu", 0.0, rng, out=out)
+    flat[:-1].copy_(x.flatten())
+    with pytest.raises(RuntimeError, match="bias_act_dropout_fwd: out partially overlaps x"):
+        ext.bias_act_dropout_fwd(flat[:-1].view(4, 8), bias, "relu", 0.0, rng, out=flat[1:].view(4, 8))
+    with pytest.raises(RuntimeError, match="bias_act_dropout_bwd: grad_x partially overlaps grad_out"):
+        ext.bias_act_dropout_bwd(flat[:-1].view(4, 8), x, bias, "relu", 0.0, rng, grad_x=flat[1:].view(4, 8))
+    with pytest.raises(RuntimeError, match=r"bias_act_dropout_bwd: grad_x must have shape \[4, 8\]"):
+        ext.bias_act_dropout_bwd(grad, x, bias, "relu", 0.0, rng, grad_x=x[:2])
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("p", [0.1, 0.5])

@@ -167,17 +167,25 @@ class FakeExt:
     def _act(y, act):
         return {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act](y)
 
-    def bias_act_dropout_fwd(self, x, bias, act, p, rng):
+    @staticmethod
+    def _into(out, y, like):
+        """y written into out (the bindings' optional output: like's shape and dtype, contiguous)."""
+        if out is None:
+            return y
+        assert out.shape == like.shape and out.dtype == like.dtype and out.is_contiguous()
+        return out.copy_(y)
+
+    def bias_act_dropout_fwd(self, x, bias, act, p, rng, out=None):
         assert x.dim() == 2
         self._vec(bias, x, "bias")
-        return self._drop(self._act(x.float() + bias.float(), act), p, rng).to(x.dtype)
+        return self._into(out, self._drop(self._act(x.float() + bias.float(), act), p, rng).to(x.dtype), x)
 
-    def bias_act_dropout_bwd(self, g, x, bias, act, p, rng):
+    def bias_act_dropout_bwd(self, g, x, bias, act, p, rng, grad_x=None):
         assert g.shape == x.shape and g.dtype == x.dtype and x.dim() == 2
         y = (x.float() + bias.float()).requires_grad_(True)
         with torch.enable_grad():
             (gy,) = torch.autograd.grad(self._act(y, act), y, self._drop(g.float(), p, rng))
-        return gy.to(x.dtype), gy.sum(0).to(bias.dtype)
+        return self._into(grad_x, gy.to(x.dtype), g), gy.sum(0).to(bias.dtype)
 
     def split_heads_fwd(self, x, bias, heads, parts):
         assert x.dim() == 3 and x.shape[2] % (parts * heads) == 0

@@ -33,7 +33,8 @@
  *   bwd_dkv: per key block, over query tiles: S, dP, dS as in bwd_dq; P̃ and dS go through shared
  *            memory to be read transposed: dV += P̃ᵀ·dO, dK += dSᵀ·Q.
  * S and dP are recomputed in both backward kernels instead of accumulating dQ with atomics: two more
- * small GEMMs, deterministic results.
+ * small GEMMs, deterministic results. Up to 128 keys (the usual training lengths), bwd_short does it all
+ * in one kernel instead: one CTA holds every key of its (batch, head), so its dQ needs no other CTA.
  * Napkin math (64×16 heads of 128×128, d = 64, fp16): ~17 M score elements; fwd reads Q, K, V and
  * writes O (67 MB), bwd ~3× that — tens of µs where the unfused path moves the 34 MB score matrix
  * through memory ~14 times.
@@ -177,15 +178,17 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // Issue (not wait for) the copy of a [64 × D] tile of a strided operand into shared memory (pitch
 // D + kPad); rows ≥ valid are zero-filled (src-size 0: nothing is read, but the source operand must still
 // be a valid global address, so those rows name the tile's base row, which callers guarantee exists).
+// The copy is made by the 128 threads tid ∈ [0, kThreads) (threadIdx.x, or one 128-thread group's index).
 template <typename T, int D>
-__device__ __forceinline__ void load_tile_async(T* s, const T* g, int64_t row_stride, int valid) {
+__device__ __forceinline__ void load_tile_async(T* s, const T* g, int64_t row_stride, int valid,
+                                                int tid = threadIdx.x) {
   constexpr int kChunks = D / 8;                 // 16-byte chunks per row
   constexpr int kRowsPerPass = kThreads / kChunks;  // rows one pass of the block covers
   static_assert(kThreads % kChunks == 0 && kBlock % kRowsPerPass == 0, "every thread issues the same chunks");
-  // A thread copies column chunk threadIdx.x % kChunks of rows r, r + kRowsPerPass, ...: one source
+  // A thread copies column chunk tid % kChunks of rows r, r + kRowsPerPass, ...: one source
   // pointer stepped by a row stride multiple (not one 64-bit offset per chunk, which the compiler would
   // keep live across the whole key loop).
-  const int r = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+  const int r = tid / kChunks, col = (tid % kChunks) * 8;
   const T* src = g + r * row_stride + col;
   const int64_t step = kRowsPerPass * row_stride;
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(s + r * (D + kPad) + col));
@@ -206,11 +209,11 @@ struct Visibility {
   bool causal;
   // 0 for a visible key, −inf for a padded one or one past k_len: added to the scaled score. Threads
   // [0, kBlock) fill the block of keys [k0, k0 + kBlock).
+  __device__ __forceinline__ float key_bias(int j) const {
+    return j >= k_len || (pad != nullptr && pad[j]) ? -kInf : 0.f;
+  }
   __device__ __forceinline__ void fill_key_bias(float* bias, int k0) const {
-    if (threadIdx.x < kBlock) {
-      const int j = k0 + threadIdx.x;
-      bias[threadIdx.x] = j >= k_len || (pad != nullptr && pad[j]) ? -kInf : 0.f;
-    }
+    if (threadIdx.x < kBlock) bias[threadIdx.x] = key_bias(k0 + threadIdx.x);
   }
   // Some (query, key) of the rows [i0, i0 + 16) × keys [k0, k0 + kBlock) is above the causal diagonal.
   __device__ __forceinline__ bool crosses_diagonal(int i0, int k0) const {
@@ -313,8 +316,10 @@ struct Setup {
 };
 
 // ---- forward ---------------------------------------------------------------------------------------
+// D ≤ 64: three CTAs per SM (≤ 168 registers; at 170 the allocation granularity leaves room for two).
+// D = 128: shared memory allows two anyway.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_fwd_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kernel(const AttentionArgs<T> a) {
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;  // elements of one [64 × D] shared tile
   // Q, then K and V double-buffered (buffer b of K at sK + b·kTile), then the key bias of each buffer.
@@ -704,15 +709,223 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
   }
 }
 
+// ---- backward, every key in one CTA: dQ, dK and dV in one pass ----------------------------------------
+// For k_len ≤ 64·KB: a CTA of KB·4 warps owns all keys of one (batch, head) — warp group grp = warp / 4
+// the key block [64·grp, 64·grp + 64), each warp 16 of its keys for dK/dV — and walks every query tile:
+//   S and dP of the warp's 16 queries × its group's 64 keys (as bwd_dkv), then
+//   Δ_i = Σ_j p̃_ij·dp_ij summed over the CTA's keys — equal to dout_i·out_i, so no Δ pass and no read of
+//   out (and computed from the fp32 probabilities rather than the rounded output), then
+//   dS, P̃ → shared memory; dV += P̃ᵀ·dO, dK += dSᵀ·Q per warp; dQ = dS·K over all keys, written once
+//   per tile — complete, since no other CTA holds keys of this (batch, head).
+// One launch instead of two, Q and dO read once, and 5 instead of 7 tile GEMMs per 16 × 64 tile.
+template <typename T, int D, int KB>
+__global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(const AttentionArgs<T> a) {
+  constexpr int ld = D + kPad;
+  constexpr int kTile = kBlock * ld;
+  constexpr int kKeys = KB * kBlock;
+  constexpr int kLdS = kKeys + kPad;  // pitch of the [64 queries][kKeys] P̃ and dS tiles
+  constexpr int kDq = D / KB;         // dQ columns per warp
+  constexpr int kDqChunk = kDq < 64 ? kDq : 64;
+  static_assert(kDq % 16 == 0, "dQ column slices are pairs of 8-wide n-tiles");
+  // K, V [kKeys rows each], Q and dO double-buffered, P̃, dS, lse double-buffered, Δ parts [KB][64], key bias.
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + KB * kTile;
+  T* sQ = sV + KB * kTile;     // [2] tiles
+  T* sdO = sQ + 2 * kTile;     // [2] tiles
+  T* sP = sdO + 2 * kTile;     // [64][kLdS]
+  T* sdS = sP + kBlock * kLdS;  // [64][kLdS]
+  float* sLse = reinterpret_cast<float*>(sdS + kBlock * kLdS);  // [2][kBlock]
+  float* sPart = sLse + 2 * kBlock;                             // [KB][kBlock]
+  float* sBias = sPart + KB * kBlock;                           // [kKeys]
+
+  const Setup<T> st(a, blockIdx.x);
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  const int grp = warp >> 2, tid = threadIdx.x & (kThreads - 1);
+  const int r0 = (warp & 3) * 16;  // the warp's query rows of a tile, and its key rows of the group's block
+  const int kg = grp * kBlock;     // the group's first key
+  T* const gK = sK + grp * kTile;
+  T* const gV = sV + grp * kTile;
+
+  const T* q = st.at(a.q);
+  const T* dout = st.at(a.dout);
+  // Query tile t into buffer t & 1: Q (group 0) and dO (the last group) asynchronously, lse plain.
+  auto issue_q = [&](int t) {
+    const int qt = t * kBlock, buf = t & 1;
+    const int qvalid = min(kBlock, a.q_len - qt);
+    if (grp == 0) load_tile_async<T, D>(sQ + buf * kTile, q + int64_t(qt) * a.q.row, a.q.row, qvalid, tid);
+    if (grp == KB - 1)
+      load_tile_async<T, D>(sdO + buf * kTile, dout + int64_t(qt) * a.dout.row, a.dout.row, qvalid, tid);
+    if (threadIdx.x < kBlock) {
+      const int r = threadIdx.x;
+      sLse[buf * kBlock + r] = r < qvalid ? a.lse[st.bh * a.q_len + qt + r] * kLog2e : kInf;
+    }
+  };
+  const int n_tiles = (a.q_len + kBlock - 1) / kBlock;
+  // Prologue: group 0 = every key block's K and V and query tile 0, group 1 = query tile 1.
+  if (n_tiles > 0) {
+    load_tile_async<T, D>(gK, st.at(a.k) + int64_t(kg) * a.k.row, a.k.row, min(kBlock, a.k_len - kg), tid);
+    load_tile_async<T, D>(gV, st.at(a.v) + int64_t(kg) * a.v.row, a.v.row, min(kBlock, a.k_len - kg), tid);
+    if (threadIdx.x < kKeys) sBias[threadIdx.x] = st.vis.key_bias(threadIdx.x);
+    issue_q(0);
+    cp_async_commit();
+    if (n_tiles > 1) {
+      issue_q(1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+  }
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  // At the top of iteration t, query tile t is visible in buffer t & 1 and only tile t + 1 may be in
+  // flight. Barriers: Δ parts written → read, P̃/dS written → read, and the pipeline barrier.
+  for (int t = 0; t < n_tiles; ++t) {
+    const int q0 = t * kBlock;
+    const T* cQ = sQ + (t & 1) * kTile;
+    const T* cdO = sdO + (t & 1) * kTile;
+    const int key_end = st.vis.key_end(q0);  // no query of the tile sees a key ≥ key_end
+    const bool active = kg < key_end;        // uniform per warp group
+    const float* cLse = sLse + (t & 1) * kBlock;
+    const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
+    float s[8][4] = {}, dp[8][4] = {};
+    uint32_t bits = 0xFFFFFFFFu;
+    float part[2] = {0.f, 0.f};
+    if (active) {
+      uint32_t fa[D / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], cQ, ld, r0, kk * 16);
+      tile_abt<T, D>(s, fa, gK);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], cdO, ld, r0, kk * 16);
+      tile_abt<T, D>(dp, fa, gV);
+      mask_scores(s, sBias + kg, st.scale2, st.vis, q0 + r0, kg);
+      if (st.dropout) bits = st.drop.keep_bits(st.bh * a.q_len + q0 + r0, kg);
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] = exp2f(s[n][e] - lse2[e >> 1]);  // p
+          const float z = st.dropout ? ((bits >> (4 * n + e)) & 1u ? st.inv_keep : 0.f) : 1.f;
+          dp[n][e] *= z;                            // z·dp
+          part[e >> 1] += s[n][e] * dp[n][e];       // p̃·dp = p·(z·dp)
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      part[r] += __shfl_xor_sync(0xffffffffu, part[r], 1);
+      part[r] += __shfl_xor_sync(0xffffffffu, part[r], 2);
+    }
+    if (c == 0) {
+      sPart[kg + r0 + g] = part[0];
+      sPart[kg + r0 + g + 8] = part[1];
+    }
+    __syncthreads();  // every group's part of Δ is written (and the last tile's P̃/dS readers are done)
+    if (active) {
+      float delta[2] = {0.f, 0.f};
+#pragma unroll
+      for (int b = 0; b < KB; ++b) {
+        delta[0] += sPart[b * kBlock + r0 + g];
+        delta[1] += sPart[b * kBlock + r0 + g + 8];
+      }
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float z0 = st.dropout ? ((bits >> (4 * n + 2 * r)) & 1u ? st.inv_keep : 0.f) : 1.f;
+          const float z1 = st.dropout ? ((bits >> (4 * n + 2 * r + 1)) & 1u ? st.inv_keep : 0.f) : 1.f;
+          const float p0 = s[n][2 * r], p1 = s[n][2 * r + 1];
+          const int off = (r0 + g + 8 * r) * kLdS + kg + n * 8 + 2 * c;
+          *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(p0 * z0, p1 * z1);
+          *reinterpret_cast<uint32_t*>(sdS + off) =
+              pack2<T>(p0 * (dp[n][2 * r] - delta[r]), p1 * (dp[n][2 * r + 1] - delta[r]));
+        }
+    }
+    __syncthreads();  // P̃ and dS of every active group are written
+    if (active) {  // the warp's 16 keys: dV += p̃ᵀ·dO, dK += dSᵀ·Q over the tile's 64 queries
+#pragma unroll
+      for (int kk = 0; kk < kBlock / 16; ++kk) {
+        uint32_t pa[4], sa[4];
+        frag_a_t(pa, sP, kLdS, kg + r0, kk * 16);
+        frag_a_t(sa, sdS, kLdS, kg + r0, kk * 16);
+#pragma unroll
+        for (int n = 0; n < D / 8; n += 2) {
+          uint32_t b[4];
+          frag_b_cols(b, cdO, ld, n * 8, kk * 16);
+          mma16816<T>(dv[n], pa, b[0], b[1]);
+          mma16816<T>(dv[n + 1], pa, b[2], b[3]);
+          frag_b_cols(b, cQ, ld, n * 8, kk * 16);
+          mma16816<T>(dk[n], sa, b[0], b[1]);
+          mma16816<T>(dk[n + 1], sa, b[2], b[3]);
+        }
+      }
+    }
+    // dQ of the warp's 16 queries, columns [grp·kDq, grp·kDq + kDq) in chunks of ≤ 64 (registers):
+    // dS·K over the visible keys.
+#pragma unroll
+    for (int col = grp * kDq; col < (grp + 1) * kDq; col += kDqChunk) {
+      float dq[kDqChunk / 8][4] = {};
+      const int kk_end = (min(key_end, kKeys) + 15) / 16;
+      for (int kk = 0; kk < kk_end; ++kk) {
+        uint32_t sa[4];
+        frag_a(sa, sdS, kLdS, r0, kk * 16);
+#pragma unroll
+        for (int n = 0; n < kDqChunk / 8; n += 2) {
+          uint32_t b[4];
+          frag_b_cols(b, sK, ld, col + n * 8, kk * 16);
+          mma16816<T>(dq[n], sa, b[0], b[1]);
+          mma16816<T>(dq[n + 1], sa, b[2], b[3]);
+        }
+      }
+      T* gdq = st.at(a.dq);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = q0 + r0 + g + 8 * r;
+        if (i >= a.q_len) continue;
+#pragma unroll
+        for (int n = 0; n < kDqChunk / 8; ++n)
+          *reinterpret_cast<uint32_t*>(gdq + int64_t(i) * a.dq.row + col + n * 8 + 2 * c) =
+              pack2<T>(dq[n][2 * r] * a.scale, dq[n][2 * r + 1] * a.scale);
+      }
+    }
+    if (t + 1 < n_tiles) {
+      cp_async_wait<0>();
+      // Query tile t + 1 visible to all; buffer t & 1, P̃, dS and the Δ parts no longer read.
+      __syncthreads();
+      if (t + 2 < n_tiles) {
+        issue_q(t + 2);
+        cp_async_commit();
+      }
+    }
+  }
+
+  T* gk = st.at(a.dk);
+  T* gv = st.at(a.dv);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = kg + r0 + g + 8 * r;
+    if (j >= a.k_len) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<uint32_t*>(gk + int64_t(j) * a.dk.row + n * 8 + 2 * c) =
+          pack2<T>(dk[n][2 * r] * a.scale, dk[n][2 * r + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(gv + int64_t(j) * a.dv.row + n * 8 + 2 * c) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+    }
+  }
+}
+
 // Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed).
 template <typename Kernel, typename T>
-cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a, cudaStream_t stream) {
+cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a, cudaStream_t stream,
+                   int threads = kThreads) {
   if (blocks == 0) return cudaSuccess;
   if (bytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(a);
+  kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -725,8 +938,22 @@ cudaError_t fwd(const AttentionArgs<T>& a, cudaStream_t stream) {
   return launch(attention_fwd_kernel<T, D>, blocks, bytes, a, stream);
 }
 
+template <typename T, int D, int KB>
+cudaError_t bwd_short(const AttentionArgs<T>& a, cudaStream_t stream) {
+  // K + V (KB tiles each) + 2×Q + 2×dO tiles, P̃ and dS [64][64·KB + 8], 2 lse + KB Δ-part arrays, key bias;
+  // fp16/bf16, D = 64: KB = 1 → 74 496 B, KB = 2 → 110 080 B.
+  constexpr int kKeys = KB * kBlock;
+  const size_t bytes = (2 * KB + 4) * kBlock * (D + kPad) * sizeof(T) + 2 * kBlock * (kKeys + kPad) * sizeof(T) +
+                       (2 * kBlock + KB * kBlock + kKeys) * sizeof(float);
+  return launch(attention_bwd_short_kernel<T, D, KB>, int64_t(a.batch) * a.heads, bytes, a, stream, KB * kThreads);
+}
+
 template <typename T, int D>
 cudaError_t bwd(const AttentionArgs<T>& a, cudaStream_t stream) {
+  if (a.k_len <= kBlock) return bwd_short<T, D, 1>(a, stream);
+  if constexpr (D >= 32) {  // two 64-key groups split dQ's columns: D / 2 must be a multiple of 16
+    if (a.k_len <= 2 * kBlock) return bwd_short<T, D, 2>(a, stream);
+  }
   const int64_t bh = int64_t(a.batch) * a.heads;
   // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: 6·64·(D + 8)·sizeof(T) + 4·64·4 bytes;
   // fp16/bf16: D = 64 → 56 320 B, D = 128 → 105 472 B.

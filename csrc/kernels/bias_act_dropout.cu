@@ -10,7 +10,9 @@
  * the input is needed anyway for act', so this keeps one [rows, hidden] tensor alive instead of two.
  *
  * Layout: x, out, grad_out, grad_x are row-major [rows, hidden]; bias is [hidden] in T or fp32, or
- * absent. Math in fp32, one rounding per stored value.
+ * absent. Math in fp32, one rounding per stored value. out may be x and grad_x may be grad_out or x
+ * (in place: a thread reads each of its elements before it writes it, and no other thread touches
+ * them), so those pointers are not __restrict__.
  *
  * Dropout: common.cuh's Philox convention with the flat element index i = r · hidden + c, keyed by
  * (seed, offset); the backward regenerates the same keep bits. p == 0 compiles to a variant with no
@@ -140,7 +142,7 @@ cudaError_t with_act(int act, F&& f) {
 // ---------------------------------------------------------------------------------------------
 template <typename T, typename BT, int V, int ACT, bool DROPOUT>
 __global__ void __launch_bounds__(kFwdThreads)
-    bias_act_dropout_fwd_kernel(const T* __restrict__ x, const BT* __restrict__ bias, T* __restrict__ out,
+    bias_act_dropout_fwd_kernel(const T* x, const BT* __restrict__ bias, T* out,
                                 int64_t rows, int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
@@ -192,8 +194,8 @@ cudaError_t fwd_impl(const T* x, const BT* bias, T* out, int64_t rows, int64_t h
 // ---------------------------------------------------------------------------------------------
 template <typename T, typename BT, int V, int ACT, bool DROPOUT>
 __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
-    bias_act_dropout_bwd_kernel(const T* __restrict__ grad_out, const T* __restrict__ x,
-                                const BT* __restrict__ bias, T* __restrict__ grad_x, float* __restrict__ partials,
+    bias_act_dropout_bwd_kernel(const T* grad_out, const T* x, const BT* __restrict__ bias, T* grad_x,
+                                float* __restrict__ partials,
                                 int64_t rows, int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
   extern __shared__ float fold[];  // [by][bx * V] column sums, only when partials && by > 1
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};

@@ -1,11 +1,15 @@
 // Bindings for bias_act_dropout: out = dropout(act(x + bias)) on [rows, hidden] tensors.
-//   bias_act_dropout_fwd(x, bias|None, act, p, rng) -> out
-//   bias_act_dropout_bwd(grad_out, x, bias|None, act, p, rng) -> (grad_x, grad_bias|None)
+//   bias_act_dropout_fwd(x, bias|None, act, p, rng, out=None) -> out
+//   bias_act_dropout_bwd(grad_out, x, bias|None, act, p, rng, grad_x=None) -> (grad_x, grad_bias|None)
+// out / grad_x: where to write (contiguous, x's shape and dtype), else a fresh tensor; they may BE an input
+// (elementwise, each element is read before it is written) but may not partially overlap one.
 // rng: the 4-tuple of lsmini._backend.philox_seed_offset() (common.h's PhiloxTuple), ignored when p == 0.
 // act is a name ("relu", "gelu", "gelu_tanh") or its id (0, 1, 2). The backward takes the forward's
 // input x (not its output): act'(x + bias) is recomputed.
 #include "common.h"
 #include "bias_act_dropout.h"
+
+#include <ATen/MemoryOverlap.h>
 
 #include <optional>
 #include <string>
@@ -55,8 +59,27 @@ void check_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
                    msg(op, ": bias must be ", x.scalar_type(), " (x's dtype) or float32, got ", bias.scalar_type()));
 }
 
+// The output: `out` checked against `like` (the contiguous input it mirrors) and the inputs it may alias
+// fully but not in part, or a fresh tensor.
+at::Tensor output(const std::optional<at::Tensor>& out, const at::Tensor& like,
+                  std::initializer_list<std::pair<const at::Tensor*, const char*>> inputs, const char* op,
+                  const char* name) {
+  if (!out) return at::empty_like(like, at::MemoryFormat::Contiguous);
+  check_cuda(*out, op, name);
+  check_same_device(*out, like, op, name, "x");
+  check_dtype(*out, like.scalar_type(), op, name);
+  check_shape(*out, like.sizes(), op, name);
+  LSMINI_CHECK(out->is_contiguous(), op, ": ", name, " must be contiguous, got strides ", out->strides());
+  for (const auto& [t, tname] : inputs) {
+    LSMINI_CHECK(at::get_overlap_status(*out, *t) != at::MemOverlapStatus::Partial, op, ": ", name,
+                 " partially overlaps ", tname, " (it may be ", tname, " itself, in place, or separate memory)");
+  }
+  return *out;
+}
+
 at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                const pybind11::object& act, double p, const PhiloxTuple& rng) {
+                                const pybind11::object& act, double p, const PhiloxTuple& rng,
+                                const std::optional<at::Tensor>& out_in) {
   const char* op = kFwdName;
   check_cuda(x, op, "x");
   check_2d(x, op, "x");
@@ -69,7 +92,7 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
   c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
   const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  at::Tensor out = output(out_in, xc, {{&xc, "x"}}, op, "out");
   const int64_t rows = xc.size(0), hidden = xc.size(1);
   cudaError_t err = cudaSuccess;
   dispatch_float(xc.scalar_type(), op, [&](auto tag) {
@@ -91,7 +114,8 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at::Tensor& grad_out, const at::Tensor& x,
                                                                        const std::optional<at::Tensor>& bias,
                                                                        const pybind11::object& act, double p,
-                                                                       const PhiloxTuple& rng) {
+                                                                       const PhiloxTuple& rng,
+                                                                       const std::optional<at::Tensor>& grad_x_in) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
   check_2d(grad_out, op, "grad_out");
@@ -110,7 +134,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
   const at::Tensor xc = x.contiguous();
   const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
   const int64_t rows = g.size(0), hidden = g.size(1);
-  at::Tensor grad_x = at::empty_like(g, at::MemoryFormat::Contiguous);
+  at::Tensor grad_x = output(grad_x_in, g, {{&g, "grad_out"}, {&xc, "x"}}, op, "grad_x");
   std::optional<at::Tensor> grad_bias;
   at::Tensor partials;
   if (bc.defined()) {
@@ -147,10 +171,11 @@ static void register_bias_act_dropout(pybind11::module_& m) {
   m.def("bias_act_dropout_fwd", &bias_act_dropout_fwd,
         "out = dropout(act(x + bias)); x [rows, hidden], bias [hidden] (x's dtype or float32) or None, "
         "act 'relu' | 'gelu' | 'gelu_tanh' (or 0 | 1 | 2)",
-        py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"));
+        py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"), py::arg("out") = py::none());
   m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd,
         "(grad_x, grad_bias or None) of bias_act_dropout, recomputing act' from x and bias; grad_bias in bias's dtype",
-        py::arg("grad_out"), py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"));
+        py::arg("grad_out"), py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"),
+        py::arg("grad_x") = py::none());
 }
 
 LSMINI_REGISTER_OPS(register_bias_act_dropout);

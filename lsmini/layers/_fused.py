@@ -27,7 +27,8 @@ Backward temporaries are views into the arena of (device, dtype) (``arena.py``),
 
     self:   [0, TH) d(context), then d(core input); [TH', TH' + 3TH) d(QKV projection) (TH' = TH aligned)
     cross:  [0, TH) as above; [TH', TH' + TH) d(Q projection). dK/dV go to KVGradSlots.
-    ffn:    [0, TF) d(activation output), then [0, TH) d(core input).
+    ffn:    [0, TF) the recomputed activation, then its gradient, then (in place) d(first GEMM output);
+            [TF', TF' + TH) d(core input).
 
 Regions overlap only where one is dead before the other is written (stream order). Everything that
 backward returns is a fresh tensor: the input gradient comes out of a LayerNorm backward (fresh) plus
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lsmini.layers import _prims as P
+from lsmini.layers._common import cast_block
 from lsmini.layers.arena import align, get_arena, region
 from lsmini.ops.attention_softmax import attention_softmax
 from lsmini.ops.bias_act_dropout import bias_act_dropout
@@ -85,7 +87,7 @@ class LayerSpec:
             return 0
         t, H = self.b * self.lq, self.H
         parts = {"self": 3, "cross": 1}
-        return max(align(t * H) + parts[k] * t * H if k in parts else t * max(self.F, H) for k in self.kinds)
+        return max(align(t * H) + parts[k] * t * H if k in parts else align(t * self.F) + t * H for k in self.kinds)
 
 
 class KVGradSlots:
@@ -134,6 +136,14 @@ def _proj(u, W, bias):
     return torch.addmm(bias.to(u.dtype), u, W.t())
 
 
+def _wgrad(a, b, dtype):
+    """a·b, a weight gradient, in the parameter's dtype: with fp16/bf16 operands and float32 parameters
+    (autocast) the GEMM writes float32 itself on CUDA, instead of a half-precision result plus a cast pass."""
+    if dtype == torch.float32 and a.dtype != dtype and a.is_cuda:
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b).to(dtype)
+
+
 def _attn_block_fwd(u, q, k, v, kpm, causal, W_out, spec):
     ctxm, ast = P.attn_fwd(q, k, v, kpm, causal, spec.p_attn, spec.scale, spec.fused)
     ctxm = ctxm.view(u.shape[0], spec.H)
@@ -156,7 +166,7 @@ def _attn_block_bwd(dc, prm, st, spec, flat, parts, kv_grads):
     (None: the projection's own K/V parts)."""
     W_in, b_in, W_out = prm[0], prm[1], prm[2]
     t, H = dc.shape[0], spec.H
-    dW_out = torch.mm(dc.t(), st["ctxm"])
+    dW_out = _wgrad(dc.t(), st["ctxm"], spec.wdtype)
     dctxm = region(flat, 0, (t, H))
     torch.mm(dc, W_out, out=dctxm)
     dproj = region(flat, align(t * H), (t, parts * H))
@@ -164,7 +174,7 @@ def _attn_block_bwd(dc, prm, st, spec, flat, parts, kv_grads):
     dq, dk, dv = views if kv_grads is None else (views[0], *kv_grads)
     P.attn_bwd(dctxm, st["attn"], dq, dk, dv, spec.fused)
     db_in = P.bias_grad(dproj, b_in.dtype, spec.k)
-    dW_in = torch.mm(dproj.t(), st["u"])
+    dW_in = _wgrad(dproj.t(), st["u"], spec.wdtype)
     du = region(flat, 0, (t, H))  # d(context) is dead
     torch.mm(dproj, W_in, out=du)
     return du, dW_in, db_in, dW_out
@@ -187,16 +197,18 @@ def _ffn_fwd(u, prm, spec, flat, ins):
 def _ffn_bwd(dc, prm, st, spec, flat):
     W_in, b_in, W_out = prm[0], prm[1], prm[2]
     t = dc.shape[0]
+    # [0, TF) of the arena holds the activation (recomputed), then its gradient, then — in place — the
+    # gradient of the first GEMM's output: each is dead before the next is written (stream order).
+    act = region(flat, 0, (t, spec.F))
     a = st["a"]
     if a is None:  # recompute the activation from its saved input, same dropout mask
-        a = P.bad_fwd(st["act"]["x"], b_in, spec.act, st["act"]["p"], spec.k, replay=st["act"])[0]
-    dW_out = torch.mm(dc.t(), a)
+        a = P.bad_fwd(st["act"]["x"], b_in, spec.act, st["act"]["p"], spec.k, replay=st["act"], out=act)[0]
+    dW_out = _wgrad(dc.t(), a, spec.wdtype)
     del a
-    da = region(flat, 0, (t, spec.F))
-    torch.mm(dc, W_out, out=da)
-    dh, db_in = P.bad_bwd(da, b_in, spec.act, st["act"], spec.k)
-    dW_in = torch.mm(dh.t(), st["u"])
-    du = region(flat, 0, (t, spec.H))
+    torch.mm(dc, W_out, out=act)
+    dh, db_in = P.bad_bwd(act, b_in, spec.act, st["act"], spec.k, out=act)
+    dW_in = _wgrad(dh.t(), st["u"], spec.wdtype)
+    du = region(flat, align(t * spec.F), (t, spec.H))
     torch.mm(dh, W_in, out=du)
     return du, dW_in, db_in, dW_out
 
@@ -273,10 +285,18 @@ def _unpack(obj, tensors):
     return obj
 
 
+def _cast_params(params, dtype):
+    """The layer's parameters as its kernels and GEMMs take them (``cast_block``), block by block."""
+    return [p for i in range(0, len(params), PARAMS_PER_BLOCK)
+            for p in cast_block(params[i:i + PARAMS_PER_BLOCK], dtype)]
+
+
 class LayerFunction(torch.autograd.Function):
     """apply(spec, x, kpm, k_enc, v_enc, enc_kpm, *params) → y, all [b, l, H]; 6 params per block.
 
-    x contiguous; params already in x's dtype (GEMM weights) or float32/x's dtype (biases, LayerNorm).
+    x contiguous, in the compute dtype; params as the module holds them (e.g. float32 under autocast):
+    forward casts the GEMM weights itself and backward returns every gradient in its parameter's dtype —
+    the weight gradients straight out of their GEMMs (``_wgrad``), so no cast pass runs either way.
     k_enc/v_enc [b, heads, ls, d] and enc_kpm only for layers with a "cross" block.
     """
 
@@ -286,6 +306,9 @@ class LayerFunction(torch.autograd.Function):
         spec.b, spec.lq = b, l
         spec.ls = 0 if k_enc is None else k_enc.shape[2]
         spec.fused = spec.k and fused_attention_supported(x.dtype, spec.d)
+        spec.wdtype = params[0].dtype
+        ctx.param_dtypes = [p.dtype for p in params]
+        params = _cast_params(params, x.dtype)
         need = spec.scratch_numel(backward=False)
         if any(ctx.needs_input_grad):  # training: size the arena for the backward now, in one growth
             need = max(need, spec.scratch_numel(backward=True))
@@ -318,6 +341,7 @@ class LayerFunction(torch.autograd.Function):
             for i in reversed(range(len(spec.kinds))):
                 sl = slice(PARAMS_PER_BLOCK * i, PARAMS_PER_BLOCK * (i + 1))
                 g, pgrads[sl] = _block_bwd(spec.kinds[i], g, params[sl], states[i], spec, flat)
+            pgrads = [g_.to(dt) for g_, dt in zip(pgrads, ctx.param_dtypes)]  # no-ops but for mixed dtypes
         dk = dv = None
         if "cross" in spec.kinds:
             dk, dv = spec.slots.slot(spec.index)
@@ -326,15 +350,18 @@ class LayerFunction(torch.autograd.Function):
 
 class CrossKVFunction(torch.autograd.Function):
     """apply(enc, weight [P·H, H], bias [P·H], heads, slots, kernels) → P views [b, heads, ls, d] of ONE
-    [b·ls, P·H] GEMM over the encoder output: the K/V of every decoder layer."""
+    [b·ls, P·H] GEMM over the encoder output: the K/V of every decoder layer. weight/bias as the module
+    holds them (cast here, gradients in their dtypes, as LayerFunction)."""
 
     @staticmethod
     def forward(ctx, enc, weight, bias, heads, slots, kernels):
         b, ls, H = enc.shape
         e2d = enc.reshape(b * ls, H)
-        kv = _proj(e2d, weight, bias)
+        w, bias_c = cast_block((weight, bias), enc.dtype)
+        kv = _proj(e2d, w, bias_c)
         slots.dims, slots.dtype, slots.device = (b, ls, heads, H // heads), kv.dtype, kv.device
-        ctx.save_for_backward(e2d, weight, bias)
+        ctx.save_for_backward(e2d, w)
+        ctx.dtypes = weight.dtype, bias.dtype, bias_c.dtype
         ctx.slots, ctx.k, ctx.enc_shape = slots, kernels, enc.shape
         ctx.set_materialize_grads(False)
         return heads_of(kv, b, ls, slots.parts, heads, H // heads)
@@ -342,14 +369,15 @@ class CrossKVFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        e2d, weight, bias = ctx.saved_tensors
+        e2d, w = ctx.saved_tensors
         if all(g is None for g in grads):
             return None, None, None, None, None, None
+        w_dtype, b_dtype, bc_dtype = ctx.dtypes
         with torch.autocast(e2d.device.type, enabled=False):
             dkv = ctx.slots.collect(grads)
-            dbias = P.bias_grad(dkv, bias.dtype, ctx.k)
-            denc = torch.mm(dkv, weight).view(ctx.enc_shape) if ctx.needs_input_grad[0] else None
-            dweight = torch.mm(dkv.t(), e2d) if ctx.needs_input_grad[1] else None
+            dbias = P.bias_grad(dkv, bc_dtype, ctx.k).to(b_dtype)
+            denc = torch.mm(dkv, w).view(ctx.enc_shape) if ctx.needs_input_grad[0] else None
+            dweight = _wgrad(dkv.t(), e2d, w_dtype) if ctx.needs_input_grad[1] else None
         return denc, dweight, dbias, None, None, None
 
 

@@ -78,27 +78,28 @@ def bdr_bwd(g2d, bias, st, k):
 
 
 # ---- dropout(act(x + bias)): x2d [rows, ffn] ------------------------------------------------------
-def bad_fwd(x2d, bias, act, p, k, replay=None):
+def bad_fwd(x2d, bias, act, p, k, replay=None, out=None):
     """replay: the state of an earlier call on the same x2d — recompute exactly that output (same
-    dropout mask) instead of drawing a new one."""
+    dropout mask) instead of drawing a new one. out: where to write the output (else fresh)."""
     if k:
         rng = replay["rng"] if replay is not None else _backend.dropout_rng(p, x2d.device)
-        out = _backend.ext().bias_act_dropout_fwd(x2d, bias, act, p, rng)
-        return out, {"x": x2d, "p": p, "rng": rng}
+        y = _backend.ext().bias_act_dropout_fwd(x2d, bias, act, p, rng, out)
+        return y, {"x": x2d, "p": p, "rng": rng}
     keep = replay["keep"] if replay is not None else _keep_mask(x2d.shape, p, x2d.device)
-    return bias_act_dropout_ref(x2d, bias, act, p, True, keep), {"x": x2d, "p": p, "keep": keep}
+    y = bias_act_dropout_ref(x2d, bias, act, p, True, keep)
+    return y if out is None else out.copy_(y), {"x": x2d, "p": p, "keep": keep}
 
 
-def bad_bwd(g2d, bias, act, st, k):
-    """(grad_x fresh, grad_bias)."""
+def bad_bwd(g2d, bias, act, st, k, out=None):
+    """(grad_x, grad_bias); grad_x into out when given (out may be g2d itself), else fresh."""
     if k:
-        gx, gb = _backend.ext().bias_act_dropout_bwd(g2d, st["x"], bias, act, st["p"], st["rng"])
+        gx, gb = _backend.ext().bias_act_dropout_bwd(g2d, st["x"], bias, act, st["p"], st["rng"], out)
         return gx, gb
     with torch.enable_grad():
         xs, bs = _leaf(st["x"]), _leaf(bias)
-        out = bias_act_dropout_ref(xs, bs, act, st["p"], True, st["keep"])
-        gx, gb = _grads(out, [xs, bs], g2d)
-    return gx, gb
+        out_ = bias_act_dropout_ref(xs, bs, act, st["p"], True, st["keep"])
+        gx, gb = _grads(out_, [xs, bs], g2d)
+    return gx if out is None else out.copy_(gx), gb
 
 
 def bias_grad(g2d, dtype, k):

@@ -31,10 +31,6 @@ def _check_cache(owner, cache):
         raise TypeError(f"{owner}: cache must be a dict (start with {{}}) or None, got {type(cache).__name__}")
 
 
-def _vector(p, dtype):
-    return p if p.dtype in (torch.float32, dtype) else p.to(dtype)
-
-
 def _check_encoder(owner, encoder_out, mask, batch, config, ref, cached_kv):
     """Checks encoder_out (may be None once its K/V are cached) and the mask; returns the source length."""
     if encoder_out is None:
@@ -106,16 +102,14 @@ class TransformerDecoderLayer(nn.Module):
         return spec.scratch_numel(backward=True)
 
     # the two ways to run the layer once the K/V of the encoder output exist (used by the decoder stack)
-    def _params(self, dtype):
-        return [p for blk in self.blocks() for p in cast_block(blk, dtype)]
-
-    def _fused(self, y, k_enc, v_enc, enc_mask, slots, index, dtype, kernels):
+    def _fused(self, y, k_enc, v_enc, enc_mask, slots, index, kernels):
         spec = LayerSpec(_KINDS, self.config, self.training, True, kernels, slots, index, self.recompute)
-        return LayerFunction.apply(spec, y, None, k_enc, v_enc, enc_mask, *self._params(dtype))
+        return LayerFunction.apply(spec, y, None, k_enc, v_enc, enc_mask, *(p for blk in self.blocks() for p in blk))
 
     def _incremental(self, y, enc_kv, enc_mask, cache, dtype, kernels):
         spec = LayerSpec(_KINDS, self.config, self.training, True, kernels)
-        return incremental_layer(spec, y, self._params(dtype), None, enc_kv, enc_mask, cache)
+        params = [p for blk in self.blocks() for p in cast_block(blk, dtype)]
+        return incremental_layer(spec, y, params, None, enc_kv, enc_mask, cache)
 
     def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None):
         owner = "TransformerDecoderLayer"
@@ -134,13 +128,13 @@ class TransformerDecoderLayer(nn.Module):
         with no_autocast(y.device.type):
             y = y.to(dtype).contiguous()
             kernels = use_kernels(y)
-            w_kv, b_kv = ca.kv_proj_weight.to(dtype), _vector(ca.kv_proj_bias, dtype)
             if cache is None:
                 slots = KVGradSlots(2)
-                k_enc, v_enc = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), w_kv, b_kv, heads, slots,
-                                                     kernels)
-                return self._fused(y, k_enc, v_enc, encoder_padding_mask, slots, 0, dtype, kernels)
+                k_enc, v_enc = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), ca.kv_proj_weight,
+                                                     ca.kv_proj_bias, heads, slots, kernels)
+                return self._fused(y, k_enc, v_enc, encoder_padding_mask, slots, 0, kernels)
             if cached_kv is None:
+                w_kv, b_kv = cast_block((ca.kv_proj_weight, ca.kv_proj_bias), dtype)
                 cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, 2)
             return self._incremental(y, cached_kv, encoder_padding_mask, cache, dtype, kernels)
 
@@ -263,14 +257,15 @@ class TransformerDecoder(nn.Module):
         with no_autocast(y.device.type):
             y = y.to(dtype).contiguous()
             kernels = use_kernels(y)
-            w_kv, b_kv = w.to(dtype), _vector(self.cross_attn_kv_bias, dtype)
             if cache is None:
                 slots = KVGradSlots(parts)
-                kv = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), w_kv, b_kv, heads, slots, kernels)
+                kv = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), w, self.cross_attn_kv_bias, heads,
+                                           slots, kernels)
                 for i, layer in enumerate(self.layers):
-                    y = layer._fused(y, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i, dtype, kernels)
+                    y = layer._fused(y, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i, kernels)
             else:
                 if cached_kv is None:
+                    w_kv, b_kv = cast_block((w, self.cross_attn_kv_bias), dtype)
                     cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, parts)
                 layer_caches = cache.setdefault("layers", [{} for _ in self.layers])
                 for i, layer in enumerate(self.layers):

@@ -87,12 +87,12 @@ class TransformerEncoderLayer(nn.Module):
         dtype = compute_dtype(owner, x, w)
         with no_autocast(x.device.type):
             x = x.to(dtype).contiguous()
-            params = [p for blk in self.blocks() for p in cast_block(blk, dtype)]
             spec = LayerSpec(("self", "ffn"), self.config, self.training, causal, use_kernels(x),
                              recompute=self.recompute)
             if cache is not None:
+                params = [p for blk in self.blocks() for p in cast_block(blk, dtype)]
                 return incremental_layer(spec, x, params, padding_mask, None, None, cache)
-            return LayerFunction.apply(spec, x, padding_mask, None, None, None, *params)
+            return LayerFunction.apply(spec, x, padding_mask, None, None, None, *(p for blk in self.blocks() for p in blk))
 
     def reorder_cache(self, cache, new_order):
         check_new_order("TransformerEncoderLayer.reorder_cache", new_order)
