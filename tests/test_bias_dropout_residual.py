@@ -213,6 +213,16 @@ def test_binding_outputs_and_grad_bias_dtype(dtype):
     assert gb.dtype == dtype and gx.data_ptr() != grad.data_ptr()
     gx, gb = ext.bias_dropout_residual_bwd(grad, 0.3, (5, 8, 0, 0), False)
     assert gb is None
+    # grad_x: written there with p > 0 (the same bits), untouched with p == 0 (grad_out passes through)
+    buf = torch.full_like(grad, float("nan"))
+    gx2, _ = ext.bias_dropout_residual_bwd(grad, 0.3, (5, 8, 0, 0), False, None, buf)
+    assert gx2.data_ptr() == buf.data_ptr() and torch.equal(gx2, gx)
+    gx3, _ = ext.bias_dropout_residual_bwd(grad, 0.0, (0, 0, 0, 0), False, None, buf)
+    assert gx3.data_ptr() == grad.data_ptr() and torch.equal(buf, gx)
+    with pytest.raises(RuntimeError, match="bias_dropout_residual_bwd: grad_x overlaps grad_out"):
+        ext.bias_dropout_residual_bwd(grad, 0.3, (5, 8, 0, 0), False, None, grad)
+    with pytest.raises(RuntimeError, match=r"bias_dropout_residual_bwd: grad_x must have shape"):
+        ext.bias_dropout_residual_bwd(grad, 0.3, (5, 8, 0, 0), False, None, buf[:3])
 
 
 @pytest.mark.cuda

@@ -135,7 +135,7 @@ class FakeExt:
         assert v.shape == (x.shape[-1],), f"{name} shape {tuple(v.shape)}"
         assert v.dtype in (torch.float32, x.dtype), f"{name} dtype {v.dtype} with x {x.dtype}"
 
-    def layernorm_fwd(self, x, w, b, eps):
+    def layernorm_fwd(self, x, w, b, eps, out=None):
         self.calls.append("layernorm_fwd")
         assert x.dim() == 2
         self._vec(w, x, "weight"), self._vec(b, x, "bias")
@@ -143,14 +143,20 @@ class FakeExt:
         mean = xf.mean(1)
         rstd = (xf.var(1, unbiased=False) + eps).rsqrt()
         y = (xf - mean[:, None]) * rstd[:, None] * w.float() + b.float()
-        return [y.to(x.dtype), mean, rstd]
+        if out is not None:
+            assert out.data_ptr() != x.data_ptr()
+        return [self._into(out, y.to(x.dtype), x), mean, rstd]
 
-    def layernorm_bwd(self, dy, x, w, b, mean, rstd):
+    def layernorm_bwd(self, dy, x, w, b, mean, rstd, accumulate=None):
         self.calls.append("layernorm_bwd")
         assert dy.shape == x.shape and dy.dtype == x.dtype and x.dim() == 2
         xhat = (x.float() - mean[:, None]) * rstd[:, None]
         g = dy.float() * w.float()
         dx = rstd[:, None] * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True))
+        if accumulate is not None:
+            assert accumulate.shape == x.shape and accumulate.dtype == x.dtype and accumulate.is_contiguous()
+            assert accumulate.data_ptr() not in (dy.data_ptr(), x.data_ptr())
+            dx = accumulate.copy_((dx + accumulate.float()).to(x.dtype))
         return [dx.to(x.dtype), (dy.float() * xhat).sum(0).to(w.dtype), dy.float().sum(0).to(b.dtype)]
 
     def bias_dropout_residual_fwd(self, x, bias, residual, p, rng):
@@ -158,9 +164,11 @@ class FakeExt:
         self._vec(bias, x, "bias")
         return (residual.float() + self._drop(x.float() + bias.float(), p, rng)).to(x.dtype)
 
-    def bias_dropout_residual_bwd(self, g, p, rng, has_bias, bias_dtype=None):
+    def bias_dropout_residual_bwd(self, g, p, rng, has_bias, bias_dtype=None, grad_x=None):
         assert g.dim() == 2
-        gx = g if p == 0 else self._drop(g.float(), p, rng).to(g.dtype)
+        if grad_x is not None:
+            assert grad_x.data_ptr() != g.data_ptr()
+        gx = g if p == 0 else self._into(grad_x, self._drop(g.float(), p, rng).to(g.dtype), g)
         return gx, (gx.float().sum(0).to(bias_dtype or g.dtype) if has_bias else None)
 
     @staticmethod

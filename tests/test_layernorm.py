@@ -198,6 +198,40 @@ def test_kernel_writes_every_output():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(257, 1032), (9, 1001)])  # vectorized and scalar kernels
+def test_kernel_out_and_accumulate_in_place(rows, hidden, dtype):
+    """forward's out; backward's accumulate: dx is added into it in place (a residual branch's gradient) and it is returned — the
+    same values as the fresh dx plus accumulate, rounded once; dw/db unchanged."""
+    ext = lsmini._backend.ext()
+    x, w, b, dy = _inputs(rows, hidden, dtype, "cuda")
+    y, mean, rstd = ext.layernorm_fwd(x, w, b, 1e-5)
+    buf = torch.full_like(x, float("nan"))  # forward's out: the same bits, written there
+    y2, mean2, rstd2 = ext.layernorm_fwd(x, w, b, 1e-5, out=buf)
+    assert y2.data_ptr() == buf.data_ptr() and torch.equal(y2, y) and torch.equal(rstd2, rstd)
+    with pytest.raises(RuntimeError, match="layernorm_fwd: out overlaps x"):
+        ext.layernorm_fwd(x, w, b, 1e-5, out=x)
+    dx, dw, db = ext.layernorm_bwd(dy, x, w, b, mean, rstd)
+    res = torch.randn(rows, hidden, device="cuda").to(dtype)
+    acc = res.clone()
+    got, dw2, db2 = ext.layernorm_bwd(dy, x, w, b, mean, rstd, accumulate=acc)
+    assert got.data_ptr() == acc.data_ptr()
+    assert torch.equal(dw2, dw) and torch.equal(db2, db)
+    ref = _grads(lambda x, w, b: layer_norm_ref(x, w, b), x.float(), w.float(), b.float(), dy.float())[1]
+    want = ref + res.float()
+    tol = 1e-5 if dtype == torch.float32 else (4e-3 if dtype == torch.float16 else 3e-2)
+    assert max_err(got, want) <= tol * (1 + want.abs().max().item())
+    # dx + res in the output dtype: at most one rounding apart from the fused sum
+    assert max_err(got, (dx.float() + res.float())) <= 2 * tol * (1 + want.abs().max().item())
+    with pytest.raises(RuntimeError, match="layernorm_bwd: accumulate overlaps dy"):
+        ext.layernorm_bwd(dy, x, w, b, mean, rstd, accumulate=dy)
+    with pytest.raises(RuntimeError, match=r"layernorm_bwd: accumulate must have shape"):
+        ext.layernorm_bwd(dy, x, w, b, mean, rstd, accumulate=acc[:1])
+    with pytest.raises(RuntimeError, match="layernorm_bwd: accumulate must be contiguous"):
+        ext.layernorm_bwd(dy, x, w, b, mean, rstd, accumulate=torch.empty(hidden, rows, dtype=dtype, device="cuda").t())
+
+
+@pytest.mark.cuda
 def test_kernel_empty_batch():
     x = torch.randn(0, 64, device="cuda", requires_grad=True)
     w = torch.randn(64, device="cuda", requires_grad=True)

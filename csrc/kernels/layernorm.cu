@@ -3,11 +3,12 @@
  *
  *   forward:  y = (x − μ)·r·γ + β,  r = 1/sqrt(σ² + eps)  (biased σ²), saves μ and r (fp32) per row
  *   backward: x̂ = (x − μ)·r,  g = γ·dy
- *             dx = r·(g − mean(g) − x̂·mean(g·x̂))
+ *             dx = r·(g − mean(g) − x̂·mean(g·x̂)) [+ add, a residual branch's gradient, when given]
  *             dγ = Σ_rows dy·x̂,  dβ = Σ_rows dy
  *
- * Layout: x, y, dy, dx are row-major [rows, hidden]; γ/β/dγ/dβ are [hidden] of type W (float or the
- * element type T); either of γ/β may be null (1 and 0).
+ * Layout: x, y, dy, dx, add are row-major [rows, hidden]; γ/β/dγ/dβ are [hidden] of type W (float or
+ * the element type T); either of γ/β may be null (1 and 0). add may be dx itself (dx += in place: each
+ * element is read by the thread that then writes it), so neither is __restrict__.
  *
  * How: a row is owned by a group of G threads (blockDim.x = G, a multiple of 32; blockDim.y = R rows
  * per block) that holds the whole row in registers as packed T — one read of x in forward, one read of
@@ -119,7 +120,7 @@ layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, cons
 template <typename T, typename W, int VEC, int VPT>
 __global__ void __launch_bounds__(kBwdMaxThreads)
 layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
-                     const float* __restrict__ mean, const float* __restrict__ rstd, T* __restrict__ dx,
+                     const float* __restrict__ mean, const float* __restrict__ rstd, const T* add, T* dx,
                      float* __restrict__ part_g, float* __restrict__ part_b, int64_t rows, int hidden) {
   __shared__ float2 smem[32];
   extern __shared__ float fold[];  // [2][R][hidden] when R > 1 and partials are wanted
@@ -189,16 +190,18 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
     if (valid) {
       const float a = s.x * inv_h, b = s.y * inv_h;
       T* dxr = dx + row * hidden;
+      const T* addr = add + row * hidden;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         if (c < nvec) {
-          float xf[VEC], df[VEC], w[VEC];
+          float xf[VEC], df[VEC], w[VEC], af[VEC];
           unpack(xv[k], xf);
           unpack(dv[k], df);
           load_or<W, VEC>(weight, c, 1.f, w);
+          load_or<T, VEC>(add ? addr : nullptr, c, 0.f, af);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) xf[j] = rs * (df[j] * w[j] - a - (xf[j] - mu) * rs * b);
+          for (int j = 0; j < VEC; ++j) xf[j] = rs * (df[j] * w[j] - a - (xf[j] - mu) * rs * b) + af[j];
           store_pack<T, VEC>(dxr + c * VEC, xf);
         }
       }
@@ -315,8 +318,8 @@ cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, 
 }
 
 template <typename T, typename W, int VEC>
-cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* mean, const float* rstd, T* dx,
-                         float* part_g, float* part_b, int64_t rows, int hidden, int64_t max_parts,
+cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* mean, const float* rstd, const T* add,
+                         T* dx, float* part_g, float* part_b, int64_t rows, int hidden, int64_t max_parts,
                          int64_t* parts_used, cudaStream_t stream) {
   const LnConfig cfg = ln_config(hidden, VEC, kBwdMaxThreads, 16);
   const dim3 block(cfg.G, cfg.R);
@@ -330,7 +333,7 @@ cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* mean,
     const int64_t need = (rows + cfg.R - 1) / cfg.R;
     grid = grid < need ? grid : need;
     *parts_used = grid;
-    kernel<<<grid, block, fold_bytes, stream>>>(dy, x, w, mean, rstd, dx, part_g, part_b, rows, hidden);
+    kernel<<<grid, block, fold_bytes, stream>>>(dy, x, w, mean, rstd, add, dx, part_g, part_b, rows, hidden);
     return cudaGetLastError();
   });
 }
@@ -354,7 +357,7 @@ cudaError_t launch_layernorm_fwd(const T* x, const W* weight, const W* bias, T* 
 
 template <typename T, typename W>
 cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const float* mean, const float* rstd,
-                                 T* dx, W* dweight, W* dbias, float* partials, int64_t rows, int hidden,
+                                 const T* add, T* dx, W* dweight, W* dbias, float* partials, int64_t rows, int hidden,
                                  cudaStream_t stream) {
   if (hidden <= 0 || hidden > kLayerNormMaxHidden) return cudaErrorInvalidValue;
   const bool want_params = dweight || dbias;
@@ -367,12 +370,13 @@ cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const
   float* part_g = want_params ? partials : nullptr;
   float* part_b = want_params ? partials + max_parts * hidden : nullptr;
   int64_t parts = 0;
-  const bool vec = vectorizable<T, W>(dy, x, weight, nullptr, hidden) && is_aligned(dx, 16);
+  const bool vec = vectorizable<T, W>(dy, x, weight, nullptr, hidden) && is_aligned(dx, 16) &&
+                   (!add || is_aligned(add, 16));
   cudaError_t err =
-      vec ? bwd_dispatch<T, W, Vec16<T>::value>(dy, x, weight, mean, rstd, dx, part_g, part_b, rows, hidden,
+      vec ? bwd_dispatch<T, W, Vec16<T>::value>(dy, x, weight, mean, rstd, add, dx, part_g, part_b, rows, hidden,
                                                 max_parts, &parts, stream)
-          : bwd_dispatch<T, W, 1>(dy, x, weight, mean, rstd, dx, part_g, part_b, rows, hidden, max_parts, &parts,
-                                  stream);
+          : bwd_dispatch<T, W, 1>(dy, x, weight, mean, rstd, add, dx, part_g, part_b, rows, hidden, max_parts,
+                                  &parts, stream);
   if (err != cudaSuccess || !want_params) return err;
   layernorm_bwd_reduce_kernel<W><<<(hidden + 31) / 32, dim3(32, 16), 0, stream>>>(part_g, part_b, parts, hidden,
                                                                                   dweight, dbias);
@@ -383,7 +387,7 @@ cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const
   template cudaError_t launch_layernorm_fwd<T, W>(const T*, const W*, const W*, T*, float*, float*, int64_t, \
                                                   int, float, cudaStream_t);                                 \
   template cudaError_t launch_layernorm_bwd<T, W>(const T*, const T*, const W*, const float*, const float*,  \
-                                                  T*, W*, W*, float*, int64_t, int, cudaStream_t);
+                                                  const T*, T*, W*, W*, float*, int64_t, int, cudaStream_t);
 
 LSMINI_INSTANTIATE_LN(float, float)
 LSMINI_INSTANTIATE_LN(__half, __half)

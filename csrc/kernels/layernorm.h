@@ -21,10 +21,11 @@ cudaError_t launch_layernorm_fwd(const T* x, const W* weight, const W* bias, T* 
 // 2·layernorm_bwd_partial_rows(rows)·hidden floats.
 int64_t layernorm_bwd_partial_rows(int64_t rows);
 
-// dx, and dweight/dbias (when non-null, type W) from dy, x and the saved mean/rstd. weight may be null.
+// dx (+ add when non-null; add may be dx, in place), and dweight/dbias (when non-null, type W) from dy, x
+// and the saved mean/rstd. weight may be null.
 template <typename T, typename W>
 cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const float* mean, const float* rstd,
-                                 T* dx, W* dweight, W* dbias, float* partials, int64_t rows, int hidden,
-                                 cudaStream_t stream);
+                                 const T* add, T* dx, W* dweight, W* dbias, float* partials, int64_t rows,
+                                 int hidden, cudaStream_t stream);
 
 }  // namespace lsmini

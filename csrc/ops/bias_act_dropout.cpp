@@ -9,8 +9,6 @@
 #include "common.h"
 #include "bias_act_dropout.h"
 
-#include <ATen/MemoryOverlap.h>
-
 #include <optional>
 #include <string>
 
@@ -59,21 +57,13 @@ void check_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
                    msg(op, ": bias must be ", x.scalar_type(), " (x's dtype) or float32, got ", bias.scalar_type()));
 }
 
-// The output: `out` checked against `like` (the contiguous input it mirrors) and the inputs it may alias
-// fully but not in part, or a fresh tensor.
+// The output: `out` (checked; it may be one of `inputs` itself, not part of one) or a fresh tensor.
 at::Tensor output(const std::optional<at::Tensor>& out, const at::Tensor& like,
                   std::initializer_list<std::pair<const at::Tensor*, const char*>> inputs, const char* op,
                   const char* name) {
   if (!out) return at::empty_like(like, at::MemoryFormat::Contiguous);
-  check_cuda(*out, op, name);
-  check_same_device(*out, like, op, name, "x");
-  check_dtype(*out, like.scalar_type(), op, name);
-  check_shape(*out, like.sizes(), op, name);
-  LSMINI_CHECK(out->is_contiguous(), op, ": ", name, " must be contiguous, got strides ", out->strides());
-  for (const auto& [t, tname] : inputs) {
-    LSMINI_CHECK(at::get_overlap_status(*out, *t) != at::MemOverlapStatus::Partial, op, ": ", name,
-                 " partially overlaps ", tname, " (it may be ", tname, " itself, in place, or separate memory)");
-  }
+  check_written(*out, like, op, name);
+  for (const auto& [t, tname] : inputs) check_overlap(*out, *t, true, op, name, tname);
   return *out;
 }
 

@@ -72,7 +72,8 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(const at::Tensor& grad_out, double p,
                                                                             const PhiloxTuple& rng, bool has_bias,
-                                                                            std::optional<at::ScalarType> bias_dtype) {
+                                                                            std::optional<at::ScalarType> bias_dtype,
+                                                                            const std::optional<at::Tensor>& grad_x_in) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
   check_2d(grad_out, op, "grad_out");
@@ -88,8 +89,18 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(cons
   const at::Tensor g = grad_out.contiguous();
   const int64_t rows = g.size(0), hidden = g.size(1);
   const bool dropout = p > 0.0;
-  // Without dropout the gradient passes through unchanged: hand back grad_out, no copy.
-  at::Tensor grad_x = dropout ? at::empty_like(g, at::MemoryFormat::Contiguous) : g;
+  // Without dropout the gradient passes through unchanged: hand back grad_out, no copy (grad_x, when
+  // given, is then left untouched).
+  at::Tensor grad_x = g;
+  if (dropout) {
+    if (grad_x_in) {
+      check_written(*grad_x_in, g, op, "grad_x");
+      check_overlap(*grad_x_in, g, false, op, "grad_x", "grad_out");
+      grad_x = *grad_x_in;
+    } else {
+      grad_x = at::empty_like(g, at::MemoryFormat::Contiguous);
+    }
+  }
   if (!dropout && !has_bias) return {grad_x, std::nullopt};
 
   std::optional<at::Tensor> grad_bias;
@@ -129,8 +140,10 @@ static void register_bias_dropout_residual(pybind11::module_& m) {
         "or None",
         py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("rng"));
   m.def("bias_dropout_residual_bwd", &bias_dropout_residual_bwd,
-        "(grad_x, grad_bias or None) of bias_dropout_residual; grad_bias in bias_dtype (default grad_out's dtype)",
-        py::arg("grad_out"), py::arg("p"), py::arg("rng"), py::arg("has_bias"), py::arg("bias_dtype") = py::none());
+        "(grad_x, grad_bias or None) of bias_dropout_residual; grad_bias in bias_dtype (default grad_out's dtype); "
+        "with p > 0 grad_x is written into grad_x when given (else fresh), with p == 0 it is grad_out itself",
+        py::arg("grad_out"), py::arg("p"), py::arg("rng"), py::arg("has_bias"), py::arg("bias_dtype") = py::none(),
+        py::arg("grad_x") = py::none());
 }
 
 LSMINI_REGISTER_OPS(register_bias_dropout_residual);

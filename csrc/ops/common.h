@@ -4,6 +4,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -82,6 +83,25 @@ inline void check_dtype(const at::Tensor& t, at::ScalarType expected, const char
 
 inline void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* op, const char* name) {
   LSMINI_CHECK(t.sizes() == expected, op, ": ", name, " must have shape ", expected, ", got ", t.sizes());
+}
+
+// A tensor a binding writes into (an optional output argument): like's device, dtype and shape, contiguous.
+inline void check_written(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
+  check_cuda(t, op, name);
+  check_same_device(t, like, op, name, "x");
+  check_dtype(t, like.scalar_type(), op, name);
+  check_shape(t, like.sizes(), op, name);
+  LSMINI_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
+}
+
+// A written tensor against one the kernel reads: no shared memory at all, or (same_ok, for elementwise
+// kernels that read each element before writing it) exactly the same elements.
+inline void check_overlap(const at::Tensor& written, const at::Tensor& read, bool same_ok, const char* op,
+                          const char* name, const char* read_name) {
+  const at::MemOverlapStatus o = at::get_overlap_status(written, read);
+  LSMINI_CHECK(o == at::MemOverlapStatus::No || (same_ok && o == at::MemOverlapStatus::Full), op, ": ", name,
+               same_ok ? " partially overlaps " : " overlaps ", read_name,
+               same_ok ? " (it may be that tensor itself, in place, or separate memory)" : "");
 }
 
 // ---- launch errors ----

@@ -41,8 +41,10 @@ const W* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? reinterpret_cast<const W*>(t->data_ptr()) : nullptr;
 }
 
+// Returns (y, mean, rstd); y written into `out` when given.
 std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
-                                      const c10::optional<at::Tensor>& bias_in, double eps) {
+                                      const c10::optional<at::Tensor>& bias_in, double eps,
+                                      const c10::optional<at::Tensor>& out) {
   const char* op = "layernorm_fwd";
   check_x(x_in, op, "x");
   LSMINI_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
@@ -54,7 +56,14 @@ std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optiona
   if (bias_in) bias = bias_in->contiguous();
   const int64_t rows = x.size(0);
   const int hidden = static_cast<int>(x.size(1));
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y;
+  if (out) {
+    check_written(*out, x, op, "out");
+    check_overlap(*out, x, false, op, "out", "x");
+    y = *out;
+  } else {
+    y = at::empty_like(x);
+  }
   at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
   at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
   dispatch_float(x.scalar_type(), op, [&](auto tag) {
@@ -75,11 +84,13 @@ std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optiona
   return {y, mean, rstd};
 }
 
-// Returns (dx, dweight or None, dbias or None). bias is only read for its presence and dtype.
+// Returns (dx, dweight or None, dbias or None). bias is only read for its presence and dtype. With
+// `accumulate` (a residual branch's gradient) dx is added into it, in place, and it is returned as dx.
 std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
                                                      const c10::optional<at::Tensor>& weight_in,
                                                      const c10::optional<at::Tensor>& bias,
-                                                     const at::Tensor& mean, const at::Tensor& rstd) {
+                                                     const at::Tensor& mean, const at::Tensor& rstd,
+                                                     const c10::optional<at::Tensor>& accumulate) {
   const char* op = "layernorm_bwd";
   check_x(x_in, op, "x");
   check_cuda(dy_in, op, "dy");
@@ -103,7 +114,16 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
   const int hidden = static_cast<int>(x.size(1));
   const at::TensorOptions popt = x.options().dtype(pt);
 
-  at::Tensor dx = at::empty_like(x);
+  at::Tensor dx;
+  if (accumulate) {
+    check_written(*accumulate, x, op, "accumulate");
+    check_overlap(*accumulate, dy, false, op, "accumulate", "dy");
+    check_overlap(*accumulate, x, false, op, "accumulate", "x");
+    dx = *accumulate;
+  } else {
+    dx = at::empty_like(x);
+  }
+  const void* add = accumulate ? dx.data_ptr() : nullptr;
   c10::optional<at::Tensor> dweight, dbias;
   if (weight) dweight = at::empty({hidden}, popt);
   if (bias) dbias = at::empty({hidden}, popt);
@@ -119,13 +139,15 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
     if (pt == at::kFloat) {
       auto out = [](c10::optional<at::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; };
       err = launch_layernorm_bwd<K, float>(kptr<scalar_t>(dy), kptr<scalar_t>(x), opt_ptr<float>(weight),
-                                           m.data_ptr<float>(), r.data_ptr<float>(), kptr<scalar_t>(dx),
-                                           out(dweight), out(dbias), part_ptr, rows, hidden, current_stream());
+                                           m.data_ptr<float>(), r.data_ptr<float>(), static_cast<const K*>(add),
+                                           kptr<scalar_t>(dx), out(dweight), out(dbias), part_ptr, rows, hidden,
+                                           current_stream());
     } else {
       auto out = [](c10::optional<at::Tensor>& t) { return t ? reinterpret_cast<K*>(t->data_ptr()) : nullptr; };
       err = launch_layernorm_bwd<K, K>(kptr<scalar_t>(dy), kptr<scalar_t>(x), opt_ptr<K>(weight),
-                                       m.data_ptr<float>(), r.data_ptr<float>(), kptr<scalar_t>(dx), out(dweight),
-                                       out(dbias), part_ptr, rows, hidden, current_stream());
+                                       m.data_ptr<float>(), r.data_ptr<float>(), static_cast<const K*>(add),
+                                       kptr<scalar_t>(dx), out(dweight), out(dbias), part_ptr, rows, hidden,
+                                       current_stream());
     }
     check_launch(err, op);
   });
@@ -133,11 +155,13 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
 }
 
 void register_layernorm(pybind11::module_& m) {
-  m.def("layernorm_fwd", &layernorm_fwd, "LayerNorm forward: (y, mean, rstd)", pybind11::arg("x"),
-        pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"));
-  m.def("layernorm_bwd", &layernorm_bwd, "LayerNorm backward: (dx, dweight, dbias)", pybind11::arg("dy"),
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("mean"),
-        pybind11::arg("rstd"));
+  m.def("layernorm_fwd", &layernorm_fwd, "LayerNorm forward: (y, mean, rstd), y into out when given",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"),
+        pybind11::arg("out") = pybind11::none());
+  m.def("layernorm_bwd", &layernorm_bwd,
+        "LayerNorm backward: (dx, dweight, dbias); with accumulate, dx is added into it in place and returned",
+        pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
+        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("accumulate") = pybind11::none());
 }
 
 }  // namespace

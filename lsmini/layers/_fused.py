@@ -25,14 +25,17 @@ backward of one replay share one mask and every replay draws a new one.
 
 Backward temporaries are views into the arena of (device, dtype) (``arena.py``), laid out per core:
 
-    self:   [0, TH) d(context), then d(core input); [TH', TH' + 3TH) d(QKV projection) (TH' = TH aligned)
-    cross:  [0, TH) as above; [TH', TH' + TH) d(Q projection). dK/dV go to KVGradSlots.
+    self:   [0, TH) d(context), then the recomputed pre-LN input, then d(core input);
+            [TH', TH' + 3TH) d(core output) (dc: bias_dropout_residual's input gradient), then
+            d(QKV projection) (TH' = TH aligned)
+    cross:  [0, TH) as above; [TH', TH' + TH) dc, then d(Q projection). dK/dV go to KVGradSlots.
     ffn:    [0, TF) the recomputed activation, then its gradient, then (in place) d(first GEMM output);
-            [TF', TF' + TH) d(core input).
+            its [t, H] temporaries are fresh (see _ffn_bwd).
 
 Regions overlap only where one is dead before the other is written (stream order). Everything that
 backward returns is a fresh tensor: the input gradient comes out of a LayerNorm backward (fresh) plus
-an in-place residual add into it.
+an in-place residual add into it (pre-LN: inside the LayerNorm backward, into the gradient the block
+above produced, once that is backward's own tensor).
 
 Cross-attention of a decoder stack: CrossKVFunction projects the encoder output with the K/V weights
 of ALL layers at once ([b·ls, H] × [H, L·2H], one GEMM) and hands each layer its K and V as views. In
@@ -87,7 +90,7 @@ class LayerSpec:
             return 0
         t, H = self.b * self.lq, self.H
         parts = {"self": 3, "cross": 1}
-        return max(align(t * H) + parts[k] * t * H if k in parts else align(t * self.F) + t * H for k in self.kinds)
+        return max(align(t * H) + parts[k] * t * H if k in parts else t * self.F for k in self.kinds)
 
 
 class KVGradSlots:
@@ -160,10 +163,10 @@ def _cross_fwd(u, prm, spec, flat, ins):
     return _attn_block_fwd(u, q, ins["k_enc"], ins["v_enc"], ins["enc_kpm"], False, prm[2], spec)
 
 
-def _attn_block_bwd(dc, prm, st, spec, flat, parts, kv_grads):
+def _attn_block_bwd(dc, prm, st, spec, flat, u_of, parts, kv_grads):
     """Backward of an attention block whose input projection has ``parts`` parts (3: QKV, 1: Q). The
     projection's gradient [t, parts·H] lives in scratch after d(context); kv_grads: where dK/dV go
-    (None: the projection's own K/V parts)."""
+    (None: the projection's own K/V parts). u_of(out): the core's input (recomputed into out, or saved)."""
     W_in, b_in, W_out = prm[0], prm[1], prm[2]
     t, H = dc.shape[0], spec.H
     dW_out = _wgrad(dc.t(), st["ctxm"], spec.wdtype)
@@ -174,18 +177,18 @@ def _attn_block_bwd(dc, prm, st, spec, flat, parts, kv_grads):
     dq, dk, dv = views if kv_grads is None else (views[0], *kv_grads)
     P.attn_bwd(dctxm, st["attn"], dq, dk, dv, spec.fused)
     db_in = P.bias_grad(dproj, b_in.dtype, spec.k)
-    dW_in = _wgrad(dproj.t(), st["u"], spec.wdtype)
-    du = region(flat, 0, (t, H))  # d(context) is dead
+    dW_in = _wgrad(dproj.t(), u_of(region(flat, 0, (t, H))), spec.wdtype)  # d(context) is dead
+    du = region(flat, 0, (t, H))  # so is a recomputed input, once dW_in's GEMM has read it
     torch.mm(dproj, W_in, out=du)
     return du, dW_in, db_in, dW_out
 
 
-def _self_bwd(dc, prm, st, spec, flat):
-    return _attn_block_bwd(dc, prm, st, spec, flat, 3, None)
+def _self_bwd(dc, prm, st, spec, flat, u_of):
+    return _attn_block_bwd(dc, prm, st, spec, flat, u_of, 3, None)
 
 
-def _cross_bwd(dc, prm, st, spec, flat):
-    return _attn_block_bwd(dc, prm, st, spec, flat, 1, spec.slots.slot(spec.index))
+def _cross_bwd(dc, prm, st, spec, flat, u_of):
+    return _attn_block_bwd(dc, prm, st, spec, flat, u_of, 1, spec.slots.slot(spec.index))
 
 
 def _ffn_fwd(u, prm, spec, flat, ins):
@@ -194,11 +197,13 @@ def _ffn_fwd(u, prm, spec, flat, ins):
     return torch.mm(a, W_out.t()), {"u": u, "a": None if spec.recompute else a, "act": ast}
 
 
-def _ffn_bwd(dc, prm, st, spec, flat):
+def _ffn_bwd(dc, prm, st, spec, flat, u_of):
     W_in, b_in, W_out = prm[0], prm[1], prm[2]
     t = dc.shape[0]
-    # [0, TF) of the arena holds the activation (recomputed), then its gradient, then — in place — the
-    # gradient of the first GEMM's output: each is dead before the next is written (stream order).
+    # The arena holds the activation (recomputed), then its gradient, then — in place — the gradient of
+    # the first GEMM's output: each is dead before the next is written (stream order). The [t, H]
+    # temporaries are fresh: that keeps the arena at t·F (the attention blocks fit in it at F ≥ 4H) and
+    # they are freed before the attention blocks' backward, where a layer's memory peaks.
     act = region(flat, 0, (t, spec.F))
     a = st["a"]
     if a is None:  # recompute the activation from its saved input, same dropout mask
@@ -207,10 +212,8 @@ def _ffn_bwd(dc, prm, st, spec, flat):
     del a
     torch.mm(dc, W_out, out=act)
     dh, db_in = P.bad_bwd(act, b_in, spec.act, st["act"], spec.k, out=act)
-    dW_in = _wgrad(dh.t(), st["u"], spec.wdtype)
-    du = region(flat, align(t * spec.F), (t, spec.H))
-    torch.mm(dh, W_in, out=du)
-    return du, dW_in, db_in, dW_out
+    dW_in = _wgrad(dh.t(), u_of(None), spec.wdtype)
+    return torch.mm(dh, W_in), dW_in, db_in, dW_out
 
 
 _CORES = {"self": (_self_fwd, _self_bwd), "cross": (_cross_fwd, _cross_bwd), "ffn": (_ffn_fwd, _ffn_bwd)}
@@ -233,25 +236,31 @@ def _block_fwd(kind, r, prm, spec, flat, ins):
     return out, {"ln": lnst, "core": cst, "bdr": bst}
 
 
-def _block_bwd(kind, g, prm, st, spec, flat):
-    """g: gradient of the block output (not modified). Returns (fresh gradient of the block input,
-    the six parameter gradients)."""
+def _block_bwd(kind, g, prm, st, spec, flat, own_g):
+    """g: gradient of the block output; own_g: g is this backward's own tensor, which may become the
+    result (else it is not modified). Returns (the gradient of the block input — g itself or a fresh
+    tensor —, the six parameter gradients)."""
     b_out, ln_w, ln_b = prm[3], prm[4], prm[5]
     core = _CORES[kind][1]
+    cst = st["core"]
+    # An attention core's dc goes into its projection-gradient region, dead until dc is (module docstring).
+    dc_out = None if kind == "ffn" else region(flat, align(g.shape[0] * spec.H), g.shape)
     if spec.pre_ln:
-        cst = st["core"]
-        if cst["u"] is None:
-            cst = dict(cst, u=P.ln_fwd(st["ln"]["x"], ln_w, ln_b, spec.eps, spec.k)[0])
-        dc, db_out = P.bdr_bwd(g, b_out, st["bdr"], spec.k)
-        du, dW_in, db_in, dW_out = core(dc, prm, cst, spec, flat)
-        del cst
-        dr, dln_w, dln_b = P.ln_bwd(du, ln_w, ln_b, spec.eps, st["ln"], spec.k)
-        dr.add_(g)  # the residual path
+        def u_of(out):  # the core's input: saved, or LN(block input) recomputed when the core needs it
+            u = cst["u"]
+            return P.ln_fwd(st["ln"]["x"], ln_w, ln_b, spec.eps, spec.k, out=out)[0] if u is None else u
+
+        dc, db_out = P.bdr_bwd(g, b_out, st["bdr"], spec.k, out=dc_out)
+        du, dW_in, db_in, dW_out = core(dc, prm, cst, spec, flat, u_of)
+        # the residual path: LN's input gradient added to g in the same kernel when g may be written
+        dr, dln_w, dln_b = P.ln_bwd(du, ln_w, ln_b, spec.eps, st["ln"], spec.k, acc=g if own_g else None)
+        if not own_g:
+            dr.add_(g)
     else:
         dr, dln_w, dln_b = P.ln_bwd(g, ln_w, ln_b, spec.eps, st["ln"], spec.k)
         # without dropout dc IS dr; the core has finished reading it before dr is updated below
-        dc, db_out = P.bdr_bwd(dr, b_out, st["bdr"], spec.k)
-        du, dW_in, db_in, dW_out = core(dc, prm, st["core"], spec, flat)
+        dc, db_out = P.bdr_bwd(dr, b_out, st["bdr"], spec.k, out=dc_out)
+        du, dW_in, db_in, dW_out = core(dc, prm, cst, spec, flat, lambda out: cst["u"])
         dr.add_(du)
     return dr, (dW_in, db_in, dW_out, db_out, dln_w, dln_b)
 
@@ -340,7 +349,8 @@ class LayerFunction(torch.autograd.Function):
             pgrads = [None] * len(params)
             for i in reversed(range(len(spec.kinds))):
                 sl = slice(PARAMS_PER_BLOCK * i, PARAMS_PER_BLOCK * (i + 1))
-                g, pgrads[sl] = _block_bwd(spec.kinds[i], g, params[sl], states[i], spec, flat)
+                own = i < len(spec.kinds) - 1  # the incoming gradient is autograd's, the others ours
+                g, pgrads[sl] = _block_bwd(spec.kinds[i], g, params[sl], states[i], spec, flat, own)
             pgrads = [g_.to(dt) for g_, dt in zip(pgrads, ctx.param_dtypes)]  # no-ops but for mixed dtypes
         dk = dv = None
         if "cross" in spec.kinds:

@@ -35,21 +35,25 @@ def _leaf(t):
 
 
 # ---- LayerNorm over rows: x2d [rows, hidden] ------------------------------------------------------
-def ln_fwd(x2d, w, b, eps, k):
+def ln_fwd(x2d, w, b, eps, k, out=None):
+    """out: where to write the output (else fresh)."""
     if k:
-        y, mean, rstd = _backend.ext().layernorm_fwd(x2d, w, b, eps)
+        y, mean, rstd = _backend.ext().layernorm_fwd(x2d, w, b, eps, out)
         return y, {"x": x2d, "mean": mean, "rstd": rstd}
-    return layer_norm_ref(x2d, w, b, eps), {"x": x2d}
+    y = layer_norm_ref(x2d, w, b, eps)
+    return y if out is None else out.copy_(y), {"x": x2d}
 
 
-def ln_bwd(dy, w, b, eps, st, k):
-    """(dx, dw, db), all fresh tensors."""
+def ln_bwd(dy, w, b, eps, st, k, acc=None):
+    """(dx, dw, db), fresh tensors — except with acc (a gradient of the same shape): dx is added into
+    acc in place, and acc is returned as dx."""
     if k:
-        dx, dw, db = _backend.ext().layernorm_bwd(dy, st["x"], w, b, st["mean"], st["rstd"])
+        dx, dw, db = _backend.ext().layernorm_bwd(dy, st["x"], w, b, st["mean"], st["rstd"], acc)
         return dx, dw, db
     with torch.enable_grad():
         xs, ws, bs = _leaf(st["x"]), _leaf(w), _leaf(b)
-        return tuple(_grads(layer_norm_ref(xs, ws, bs, eps), [xs, ws, bs], dy))
+        dx, dw, db = _grads(layer_norm_ref(xs, ws, bs, eps), [xs, ws, bs], dy)
+    return dx if acc is None else acc.add_(dx), dw, db
 
 
 # ---- residual + dropout(x + bias): x2d, res2d [rows, hidden] ---------------------------------------
@@ -65,15 +69,17 @@ def bdr_fwd(x2d, bias, res2d, p, k):
     return (res2d.float() + y).to(x2d.dtype), {"p": p, "keep": keep}
 
 
-def bdr_bwd(g2d, bias, st, k):
-    """(grad_x, grad_bias); grad_residual is g2d itself. Without dropout grad_x may BE g2d."""
+def bdr_bwd(g2d, bias, st, k, out=None):
+    """(grad_x, grad_bias); grad_residual is g2d itself. Without dropout grad_x IS g2d; with dropout it is
+    written into out when given (else fresh)."""
     p = st["p"]
     if k:
-        gx, gb = _backend.ext().bias_dropout_residual_bwd(g2d, p, st["rng"], True, bias.dtype)
+        gx, gb = _backend.ext().bias_dropout_residual_bwd(g2d, p, st["rng"], True, bias.dtype, out)
         return gx, gb
     gx = g2d
-    if st["keep"] is not None:
+    if p > 0:
         gx = torch.where(st["keep"], g2d.float() * (1.0 / (1.0 - p)), torch.zeros((), device=g2d.device)).to(g2d.dtype)
+        gx = gx if out is None else out.copy_(gx)
     return gx, gx.float().sum(0).to(bias.dtype)
 
 
