@@ -201,8 +201,8 @@ def test_kernel_writes_every_output():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(257, 1032), (9, 1001)])  # vectorized and scalar kernels
 def test_kernel_out_and_accumulate_in_place(rows, hidden, dtype):
-    """forward's out; backward's accumulate: dx is added into it in place (a residual branch's gradient) and it is returned — the
-    same values as the fresh dx plus accumulate, rounded once; dw/db unchanged."""
+    """forward's out; backward's accumulate: dx is added into it in place (a residual branch's gradient)
+    and it is returned — the fresh dx plus accumulate, rounded once; dw/db unchanged."""
     ext = lsmini._backend.ext()
     x, w, b, dy = _inputs(rows, hidden, dtype, "cuda")
     y, mean, rstd = ext.layernorm_fwd(x, w, b, 1e-5)

@@ -573,6 +573,27 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
   }
 }
 
+// The dK (scaled) and dV of a warp's 16 keys [j0, j0 + 16), from their m16n8 accumulators.
+template <typename T, int D>
+__device__ __forceinline__ void store_dkv(const AttentionArgs<T>& a, const Setup<T>& st, int j0,
+                                          const float (&dk)[D / 8][4], const float (&dv)[D / 8][4]) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  T* gk = st.at(a.dk);
+  T* gv = st.at(a.dv);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = j0 + g + 8 * r;
+    if (j >= a.k_len) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      *reinterpret_cast<uint32_t*>(gk + int64_t(j) * a.dk.row + n * 8 + 2 * c) =
+          pack2<T>(dk[n][2 * r] * a.scale, dk[n][2 * r + 1] * a.scale);
+      *reinterpret_cast<uint32_t*>(gv + int64_t(j) * a.dv.row + n * 8 + 2 * c) =
+          pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+    }
+  }
+}
+
 // ---- backward: dK and dV -----------------------------------------------------------------------------
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const AttentionArgs<T> a) {
@@ -694,19 +715,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     }
   }
 
-  T* gk = st.at(a.dk);
-  T* gv = st.at(a.dv);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = k0 + r0 + g + 8 * r;
-    if (j >= a.k_len) continue;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<uint32_t*>(gk + int64_t(j) * a.dk.row + n * 8 + 2 * c) =
-          pack2<T>(dk[n][2 * r] * a.scale, dk[n][2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(gv + int64_t(j) * a.dv.row + n * 8 + 2 * c) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
-    }
-  }
+  store_dkv<T, D>(a, st, k0 + r0, dk, dv);
 }
 
 // ---- backward, every key in one CTA: dQ, dK and dV in one pass ----------------------------------------
@@ -901,19 +910,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
     }
   }
 
-  T* gk = st.at(a.dk);
-  T* gv = st.at(a.dv);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = kg + r0 + g + 8 * r;
-    if (j >= a.k_len) continue;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<uint32_t*>(gk + int64_t(j) * a.dk.row + n * 8 + 2 * c) =
-          pack2<T>(dk[n][2 * r] * a.scale, dk[n][2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(gv + int64_t(j) * a.dv.row + n * 8 + 2 * c) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
-    }
-  }
+  store_dkv<T, D>(a, st, kg + r0, dk, dv);
 }
 
 // Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed).

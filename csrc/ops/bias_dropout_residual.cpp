@@ -70,10 +70,9 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
   return out;
 }
 
-std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(const at::Tensor& grad_out, double p,
-                                                                            const PhiloxTuple& rng, bool has_bias,
-                                                                            std::optional<at::ScalarType> bias_dtype,
-                                                                            const std::optional<at::Tensor>& grad_x_in) {
+std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
+    const at::Tensor& grad_out, double p, const PhiloxTuple& rng, bool has_bias,
+    std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& grad_x_in) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
   check_2d(grad_out, op, "grad_out");

@@ -202,8 +202,8 @@ def _ffn_bwd(dc, prm, st, spec, flat, u_of):
     t = dc.shape[0]
     # The arena holds the activation (recomputed), then its gradient, then — in place — the gradient of
     # the first GEMM's output: each is dead before the next is written (stream order). The [t, H]
-    # temporaries are fresh: that keeps the arena at t·F (the attention blocks fit in it at F ≥ 4H) and
-    # they are freed before the attention blocks' backward, where a layer's memory peaks.
+    # temporaries are fresh: that keeps the arena at t·F, and they are freed before the attention
+    # blocks' backward, where a layer's memory peaks.
     act = region(flat, 0, (t, spec.F))
     a = st["a"]
     if a is None:  # recompute the activation from its saved input, same dropout mask
@@ -243,7 +243,7 @@ def _block_bwd(kind, g, prm, st, spec, flat, own_g):
     b_out, ln_w, ln_b = prm[3], prm[4], prm[5]
     core = _CORES[kind][1]
     cst = st["core"]
-    # An attention core's dc goes into its projection-gradient region, dead until dc is (module docstring).
+    # An attention core's dc goes into its projection-gradient region, not written before dc is dead.
     dc_out = None if kind == "ffn" else region(flat, align(g.shape[0] * spec.H), g.shape)
     if spec.pre_ln:
         def u_of(out):  # the core's input: saved, or LN(block input) recomputed when the core needs it

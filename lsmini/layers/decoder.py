@@ -104,7 +104,8 @@ class TransformerDecoderLayer(nn.Module):
     # the two ways to run the layer once the K/V of the encoder output exist (used by the decoder stack)
     def _fused(self, y, k_enc, v_enc, enc_mask, slots, index, kernels):
         spec = LayerSpec(_KINDS, self.config, self.training, True, kernels, slots, index, self.recompute)
-        return LayerFunction.apply(spec, y, None, k_enc, v_enc, enc_mask, *(p for blk in self.blocks() for p in blk))
+        params = [p for blk in self.blocks() for p in blk]  # cast inside, gradients in their dtypes
+        return LayerFunction.apply(spec, y, None, k_enc, v_enc, enc_mask, *params)
 
     def _incremental(self, y, enc_kv, enc_mask, cache, dtype, kernels):
         spec = LayerSpec(_KINDS, self.config, self.training, True, kernels)

@@ -92,7 +92,8 @@ class TransformerEncoderLayer(nn.Module):
             if cache is not None:
                 params = [p for blk in self.blocks() for p in cast_block(blk, dtype)]
                 return incremental_layer(spec, x, params, padding_mask, None, None, cache)
-            return LayerFunction.apply(spec, x, padding_mask, None, None, None, *(p for blk in self.blocks() for p in blk))
+            params = [p for blk in self.blocks() for p in blk]  # cast inside, gradients in their dtypes
+            return LayerFunction.apply(spec, x, padding_mask, None, None, None, *params)
 
     def reorder_cache(self, cache, new_order):
         check_new_order("TransformerEncoderLayer.reorder_cache", new_order)
