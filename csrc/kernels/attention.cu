@@ -166,6 +166,61 @@ __device__ __forceinline__ void tile_xb(float (&acc)[D / 8][4], const float (&x)
   }
 }
 
+// s = rows [r0, r0+16) of Q·Kᵀ and dp = the same rows of dO·Vᵀ: the two 16×64 score tiles of the backward.
+template <typename T, int D>
+__device__ __forceinline__ void tile_s_dp(float (&s)[8][4], float (&dp)[8][4], const T* sQ, const T* sdO, int r0,
+                                          const T* sK, const T* sV) {
+  constexpr int ld = D + kPad;
+  uint32_t fa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], sQ, ld, r0, kk * 16);
+  tile_abt<T, D>(s, fa, sK);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], sdO, ld, r0, kk * 16);
+  tile_abt<T, D>(dp, fa, sV);
+}
+
+// The warp's 16 keys (columns [m0, m0+16) of the [64 queries][lds] tiles sP/sdS): dV += p̃ᵀ·dO, dK += dSᵀ·Q
+// over a query tile's 64 rows.
+template <typename T, int D>
+__device__ __forceinline__ void tile_dkv(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const T* sP, const T* sdS,
+                                         int lds, int m0, const T* sQ, const T* sdO) {
+  constexpr int ld = D + kPad;
+#pragma unroll
+  for (int kk = 0; kk < kBlock / 16; ++kk) {
+    uint32_t pa[4], sa[4];
+    frag_a_t(pa, sP, lds, m0, kk * 16);
+    frag_a_t(sa, sdS, lds, m0, kk * 16);
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      uint32_t b[4];
+      frag_b_cols(b, sdO, ld, n * 8, kk * 16);
+      mma16816<T>(dv[n], pa, b[0], b[1]);
+      mma16816<T>(dv[n + 1], pa, b[2], b[3]);
+      frag_b_cols(b, sQ, ld, n * 8, kk * 16);
+      mma16816<T>(dk[n], sa, b[0], b[1]);
+      mma16816<T>(dk[n + 1], sa, b[2], b[3]);
+    }
+  }
+}
+
+// Rows [i0, i0+16) (those < rows) × columns [col, col + 8N) of a row-major output with `stride`, from a warp's
+// m16n8 accumulators, times scale.
+template <typename T, int N>
+__device__ __forceinline__ void store_tile(T* out, int64_t stride, int i0, int rows, int col, const float (&acc)[N][4],
+                                           float scale) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i0 + g + 8 * r;
+    if (i >= rows) continue;
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+      *reinterpret_cast<uint32_t*>(out + int64_t(i) * stride + col + n * 8 + 2 * c) =
+          pack2<T>(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
+  }
+}
+
 // ---- asynchronous global → shared copies (cp.async, sm_80+) ------------------------------------------
 // The copies bypass registers, so a thread issues every chunk of a tile back-to-back (no load → store
 // dependency per chunk) and goes on computing on the other buffer while they land. Each thread waits for
@@ -481,7 +536,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
   const int nqb = (a.q_len + kBlock - 1) / kBlock;
   const int q0 = (blockIdx.x % nqb) * kBlock;
   const Setup<T> st(a, blockIdx.x / nqb);
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int i0 = q0 + warp * 16;
   const int valid = min(kBlock, a.q_len - q0);
 
@@ -561,37 +616,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
     }
   }
 
-  T* out = st.at(a.dq);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = i0 + g + 8 * r;
-    if (i >= a.q_len) continue;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<uint32_t*>(out + int64_t(i) * a.dq.row + n * 8 + 2 * c) =
-          pack2<T>(dq[n][2 * r] * a.scale, dq[n][2 * r + 1] * a.scale);
-  }
-}
-
-// The dK (scaled) and dV of a warp's 16 keys [j0, j0 + 16), from their m16n8 accumulators.
-template <typename T, int D>
-__device__ __forceinline__ void store_dkv(const AttentionArgs<T>& a, const Setup<T>& st, int j0,
-                                          const float (&dk)[D / 8][4], const float (&dv)[D / 8][4]) {
-  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
-  T* gk = st.at(a.dk);
-  T* gv = st.at(a.dv);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = j0 + g + 8 * r;
-    if (j >= a.k_len) continue;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      *reinterpret_cast<uint32_t*>(gk + int64_t(j) * a.dk.row + n * 8 + 2 * c) =
-          pack2<T>(dk[n][2 * r] * a.scale, dk[n][2 * r + 1] * a.scale);
-      *reinterpret_cast<uint32_t*>(gv + int64_t(j) * a.dv.row + n * 8 + 2 * c) =
-          pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
-    }
-  }
+  store_tile<T, D / 8>(st.at(a.dq), a.dq.row, i0, a.q_len, 0, dq, a.scale);
 }
 
 // ---- backward: dK and dV -----------------------------------------------------------------------------
@@ -662,15 +687,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     const T* cQ = sQ + (t & 1) * kTile;
     const T* cdO = sdO + (t & 1) * kTile;
     float s[8][4] = {}, dp[8][4] = {};
-    {
-      uint32_t fa[D / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], cQ, ld, r0, kk * 16);
-      tile_abt<T, D>(s, fa, sK);
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], cdO, ld, r0, kk * 16);
-      tile_abt<T, D>(dp, fa, sV);
-    }
+    tile_s_dp<T, D>(s, dp, cQ, cdO, r0, sK, sV);
     const float* cLse = sLse + (t & 1) * kBlock;
     const float* cDelta = sDelta + (t & 1) * kBlock;
     const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
@@ -686,23 +703,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
         *reinterpret_cast<uint32_t*>(sdS + off) = pack2<T>(s[n][2 * r], s[n][2 * r + 1]);
       }
     __syncthreads();  // every warp's rows of P̃ and dS are written
-    // the warp's 16 keys [r0, r0 + 16) of the block: dV += p̃ᵀ·dO, dK += dSᵀ·Q over the tile's 64 queries
-#pragma unroll
-    for (int kk = 0; kk < kBlock / 16; ++kk) {
-      uint32_t pa[4], sa[4];
-      frag_a_t(pa, sP, kTileLd, r0, kk * 16);
-      frag_a_t(sa, sdS, kTileLd, r0, kk * 16);
-#pragma unroll
-      for (int n = 0; n < D / 8; n += 2) {
-        uint32_t b[4];
-        frag_b_cols(b, cdO, ld, n * 8, kk * 16);
-        mma16816<T>(dv[n], pa, b[0], b[1]);
-        mma16816<T>(dv[n + 1], pa, b[2], b[3]);
-        frag_b_cols(b, cQ, ld, n * 8, kk * 16);
-        mma16816<T>(dk[n], sa, b[0], b[1]);
-        mma16816<T>(dk[n + 1], sa, b[2], b[3]);
-      }
-    }
+    tile_dkv<T, D>(dk, dv, sP, sdS, kTileLd, r0, cQ, cdO);  // the warp's 16 keys [r0, r0 + 16) of the block
     if (t + 1 < n_tiles) {
       cp_async_wait<0>();
       // Query tile t + 1 (and its lse/Δ) visible to all; buffer t & 1 and sP/sdS no longer read, so
@@ -715,7 +716,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     }
   }
 
-  store_dkv<T, D>(a, st, k0 + r0, dk, dv);
+  store_tile<T, D / 8>(st.at(a.dk), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
+  store_tile<T, D / 8>(st.at(a.dv), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
 }
 
 // ---- backward, every key in one CTA: dQ, dK and dV in one pass ----------------------------------------
@@ -803,13 +805,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
     uint32_t bits = 0xFFFFFFFFu;
     float part[2] = {0.f, 0.f};
     if (active) {
-      uint32_t fa[D / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], cQ, ld, r0, kk * 16);
-      tile_abt<T, D>(s, fa, gK);
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], cdO, ld, r0, kk * 16);
-      tile_abt<T, D>(dp, fa, gV);
+      tile_s_dp<T, D>(s, dp, cQ, cdO, r0, gK, gV);
       mask_scores(s, sBias + kg, st.scale2, st.vis, q0 + r0, kg);
       if (st.dropout) bits = st.drop.keep_bits(st.bh * a.q_len + q0 + r0, kg);
 #pragma unroll
@@ -853,24 +849,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
         }
     }
     __syncthreads();  // P̃ and dS of every active group are written
-    if (active) {  // the warp's 16 keys: dV += p̃ᵀ·dO, dK += dSᵀ·Q over the tile's 64 queries
-#pragma unroll
-      for (int kk = 0; kk < kBlock / 16; ++kk) {
-        uint32_t pa[4], sa[4];
-        frag_a_t(pa, sP, kLdS, kg + r0, kk * 16);
-        frag_a_t(sa, sdS, kLdS, kg + r0, kk * 16);
-#pragma unroll
-        for (int n = 0; n < D / 8; n += 2) {
-          uint32_t b[4];
-          frag_b_cols(b, cdO, ld, n * 8, kk * 16);
-          mma16816<T>(dv[n], pa, b[0], b[1]);
-          mma16816<T>(dv[n + 1], pa, b[2], b[3]);
-          frag_b_cols(b, cQ, ld, n * 8, kk * 16);
-          mma16816<T>(dk[n], sa, b[0], b[1]);
-          mma16816<T>(dk[n + 1], sa, b[2], b[3]);
-        }
-      }
-    }
+    if (active) tile_dkv<T, D>(dk, dv, sP, sdS, kLdS, kg + r0, cQ, cdO);  // the warp's 16 keys
     // dQ of the warp's 16 queries, columns [grp·kDq, grp·kDq + kDq) in chunks of ≤ 64 (registers):
     // dS·K over the visible keys.
 #pragma unroll
@@ -888,16 +867,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
           mma16816<T>(dq[n + 1], sa, b[2], b[3]);
         }
       }
-      T* gdq = st.at(a.dq);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int i = q0 + r0 + g + 8 * r;
-        if (i >= a.q_len) continue;
-#pragma unroll
-        for (int n = 0; n < kDqChunk / 8; ++n)
-          *reinterpret_cast<uint32_t*>(gdq + int64_t(i) * a.dq.row + col + n * 8 + 2 * c) =
-              pack2<T>(dq[n][2 * r] * a.scale, dq[n][2 * r + 1] * a.scale);
-      }
+      store_tile<T, kDqChunk / 8>(st.at(a.dq), a.dq.row, q0 + r0, a.q_len, col, dq, a.scale);
     }
     if (t + 1 < n_tiles) {
       cp_async_wait<0>();
@@ -910,7 +880,8 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
     }
   }
 
-  store_dkv<T, D>(a, st, kg + r0, dk, dv);
+  store_tile<T, D / 8>(st.at(a.dk), a.dk.row, kg + r0, a.k_len, 0, dk, a.scale);
+  store_tile<T, D / 8>(st.at(a.dv), a.dv.row, kg + r0, a.k_len, 0, dv, 1.f);
 }
 
 // Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed).

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lsmini import _backend
-from lsmini.ops.attention_softmax import attention_softmax_ref, check_key_padding_mask
+from lsmini.ops.attention_softmax import attention_softmax_ref, check_causal_and_dropout, check_key_padding_mask
 
 HEAD_DIMS = (16, 32, 64, 128)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -111,12 +111,7 @@ def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
     if v.shape[2] != lk:
         raise ValueError(f"{name}: v must have k's length k_len = {lk}, got {v.shape[2]}")
     check_key_padding_mask(name, key_padding_mask, b, lk, q.device, "q")
-    if not isinstance(causal, bool):
-        raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"{name}: dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{name}: dropout_p must be in [0, 1], got {dropout_p}")
+    check_causal_and_dropout(name, causal, dropout_p)
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"{name}: scale must be a float or None, got {type(scale).__name__}")

@@ -93,6 +93,16 @@ def check_key_padding_mask(name, mask, batch, k_len, device, ref_name):
         raise ValueError(f"{name}: key_padding_mask is on {mask.device} but {ref_name} is on {device}")
 
 
+def check_causal_and_dropout(name, causal, dropout_p):
+    """causal a bool, dropout_p a float in [0, 1]; otherwise an error naming the problem."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{name}: dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{name}: dropout_p must be in [0, 1], got {dropout_p}")
+
+
 def _check_args(scores, key_padding_mask, causal, dropout_p):
     name = "attention_softmax"
     if not isinstance(scores, torch.Tensor):
@@ -105,12 +115,7 @@ def _check_args(scores, key_padding_mask, causal, dropout_p):
     if k > MAX_K_LEN:
         raise ValueError(f"{name}: k_len (last dim of scores) must be at most {MAX_K_LEN}, got {k}")
     check_key_padding_mask(name, key_padding_mask, b, k, scores.device, "scores")
-    if not isinstance(causal, bool):
-        raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"{name}: dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{name}: dropout_p must be in [0, 1], got {dropout_p}")
+    check_causal_and_dropout(name, causal, dropout_p)
 
 
 def attention_softmax(scores, key_padding_mask=None, causal=False, dropout_p=0.0, training=True):
