@@ -40,6 +40,8 @@ def peak_breakdown(step, top):
     """What is alive at the peak of one step, above what was allocated before it: the allocator's trace
     replayed, live blocks grouped by the innermost frame in lsmini/ or benchmarks/."""
     step()
+    for t in step.leaves:  # as the step's own reset, before the trace starts
+        t.grad = None
     torch.cuda.synchronize()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     step()
@@ -93,10 +95,10 @@ def main():
     ap.add_argument("--no-compiled", action="store_true")
     args = ap.parse_args()
     heads, ffn = next((hd, f) for h, hd, f in layers._SHAPES if h == args.hidden)
-    _, theirs, torch_call, ours_call, grad = layers._setup(args.row, args.hidden, heads, ffn)
-    variants = [("lsmini", layers._step(ours_call, grad)), ("eager", layers._step(torch_call(theirs), grad))]
+    _, theirs, torch_step, ours_step = layers._setup(args.row, args.hidden, heads, ffn)
+    variants = [("lsmini", ours_step), ("eager", torch_step(theirs))]
     if not args.no_compiled:
-        variants.append(("compiled", layers._step(torch_call(torch.compile(theirs, dynamic=False)), grad)))
+        variants.append(("compiled", torch_step(torch.compile(theirs, dynamic=False))))
     for name, step in variants:
         step()
         print(f"== {name}: {args.row} h{args.hidden}, saved for backward {saved_mb(step):.0f} MB")

@@ -267,6 +267,32 @@ def test_binding_out_and_in_place(dtype, has_bias):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.0, 0.2, 1.0])
+@pytest.mark.parametrize("shape", [(333, 1032), (5, 7)])  # vectorized, and one element per thread
+def test_binding_relu_from_output(dtype, p, shape):
+    """relu's backward from the forward's output (from_output=True) equals the one recomputed from the
+    input — same mask, same gradient bits (grad_bias: the same fp32 column sums, possibly taken in
+    another order, as the two kernel variants may size their grids differently) — also into
+    grad_x = grad_out, the layers' in-place use."""
+    ext = lsmini._backend.ext()
+    x, bias, grad = _inputs(shape, dtype, "cuda", torch.float32)
+    x[0, :3] = torch.tensor([float("nan"), 0.0, -0.0], dtype=dtype)
+    bias[:3] = 0.0
+    rng = (7, 3, 0, 0)
+    y = ext.bias_act_dropout_fwd(x, bias, "relu", p, rng)
+    want_gx, want_gb = ext.bias_act_dropout_bwd(grad, x, bias, "relu", p, rng)
+    gx, gb = ext.bias_act_dropout_bwd(grad, y, bias, "relu", p, (0, 0, 0, 0), from_output=True)
+    assert torch.equal(gx, want_gx)
+    assert_column_sum_close(gb, want_gb, want_gx.float().abs().sum(0), shape[0])
+    g2 = grad.clone()
+    gx2, _ = ext.bias_act_dropout_bwd(g2, y, bias, 0, p, (0, 0, 0, 0), grad_x=g2, from_output=True)
+    assert gx2.data_ptr() == g2.data_ptr() and torch.equal(gx2, want_gx)
+    with pytest.raises(ValueError, match="bias_act_dropout_bwd: from_output=True needs act 'relu'.*got 'gelu'"):
+        ext.bias_act_dropout_bwd(grad, y, bias, "gelu", p, rng, from_output=True)
+
+
+@pytest.mark.cuda
 def test_binding_out_checks():
     ext = lsmini._backend.ext()
     x, bias, grad = _inputs((4, 8), torch.float16, "cuda")

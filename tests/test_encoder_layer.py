@@ -147,17 +147,19 @@ class FakeExt:
             assert out.data_ptr() != x.data_ptr()
         return [self._into(out, y.to(x.dtype), x), mean, rstd]
 
-    def layernorm_bwd(self, dy, x, w, b, mean, rstd, accumulate=None):
+    def layernorm_bwd(self, dy, x, w, b, mean, rstd, add=None, out=None):
         self.calls.append("layernorm_bwd")
         assert dy.shape == x.shape and dy.dtype == x.dtype and x.dim() == 2
         xhat = (x.float() - mean[:, None]) * rstd[:, None]
         g = dy.float() * w.float()
         dx = rstd[:, None] * (g - g.mean(1, keepdim=True) - xhat * (g * xhat).mean(1, keepdim=True))
-        if accumulate is not None:
-            assert accumulate.shape == x.shape and accumulate.dtype == x.dtype and accumulate.is_contiguous()
-            assert accumulate.data_ptr() not in (dy.data_ptr(), x.data_ptr())
-            dx = accumulate.copy_((dx + accumulate.float()).to(x.dtype))
-        return [dx.to(x.dtype), (dy.float() * xhat).sum(0).to(w.dtype), dy.float().sum(0).to(b.dtype)]
+        if add is not None:
+            assert add.shape == x.shape and add.dtype == x.dtype
+            dx = dx + add.float()
+        if out is not None:
+            assert out.data_ptr() not in (dy.data_ptr(), x.data_ptr())
+        return [self._into(out, dx.to(x.dtype), x), (dy.float() * xhat).sum(0).to(w.dtype),
+                dy.float().sum(0).to(b.dtype)]
 
     def bias_dropout_residual_fwd(self, x, bias, residual, p, rng):
         assert x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
@@ -188,8 +190,12 @@ class FakeExt:
         self._vec(bias, x, "bias")
         return self._into(out, self._drop(self._act(x.float() + bias.float(), act), p, rng).to(x.dtype), x)
 
-    def bias_act_dropout_bwd(self, g, x, bias, act, p, rng, grad_x=None):
+    def bias_act_dropout_bwd(self, g, x, bias, act, p, rng, grad_x=None, from_output=False):
         assert g.shape == x.shape and g.dtype == x.dtype and x.dim() == 2
+        if from_output:  # x is relu's output: the gradient passes where it is > 0, scaled as the dropout
+            assert act == "relu"
+            gy = torch.where(x > 0, g.float() / (1 - p), 0.0)
+            return self._into(grad_x, gy.to(x.dtype), g), gy.sum(0).to(bias.dtype)
         y = (x.float() + bias.float()).requires_grad_(True)
         with torch.enable_grad():
             (gy,) = torch.autograd.grad(self._act(y, act), y, self._drop(g.float(), p, rng))
@@ -592,14 +598,16 @@ def test_arena_sized_once_and_returns_fresh_grads(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("pre", [True, False])
-def test_saves_only_what_backward_needs(device, pre, recompute):
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_saves_only_what_backward_needs(device, pre, recompute, act):
     """The bytes a layer saves for backward (parameters aside), counted with saved-tensor hooks, are
     exactly: input, Q/K/V, attention context, the second block's input (pre-LN) or the two residual
-    sums and the first LayerNorm's output (post-LN), the first FFN GEMM's output, the padding mask
-    (+ per-row LayerNorm statistics on the kernel path); without recompute also the LayerNorm outputs
-    (pre-LN) and the FFN activation. Attention saves no [len, len] tensor at all."""
+    sums and the first LayerNorm's output (post-LN), the first FFN GEMM's output — relu: its activation
+    instead —, the padding mask (+ per-row LayerNorm statistics on the kernel path); without recompute
+    also the LayerNorm outputs (pre-LN) and (gelu) the FFN activation. Attention saves no [len, len]
+    tensor at all."""
     b, l, h, heads, ffn = 4, 16, 32, 4, 64
-    m = _layer(device, pre, h, heads, ffn)
+    m = _layer(device, pre, h, heads, ffn, activation=act)
     m.recompute = recompute
     x = torch.randn(b, l, h, device=device, requires_grad=True)
     mask = padding_mask(b, l, "suffix").to(device)
@@ -616,7 +624,7 @@ def test_saves_only_what_backward_needs(device, pre, recompute):
     t, e = b * l, 4
     units = (6 if pre else 8) * t * h + t * ffn  # x, qkv (3), ctx, r1 | x, qkv, ctx, s1, ln1 out, s2; + f1
     if not recompute:
-        units += (2 * t * h if pre else 0) + t * ffn  # LN outputs, activation
+        units += (2 * t * h if pre else 0) + (t * ffn if act != "relu" else 0)  # LN outputs, activation
     expect = units * e + b * l  # + the bool mask
     if device == "cuda":
         expect += 2 * 2 * t * 4  # mean and rstd of two LayerNorms, float32

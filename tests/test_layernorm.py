@@ -200,9 +200,10 @@ def test_kernel_writes_every_output():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(257, 1032), (9, 1001)])  # vectorized and scalar kernels
-def test_kernel_out_and_accumulate_in_place(rows, hidden, dtype):
-    """forward's out; backward's accumulate: dx is added into it in place (a residual branch's gradient)
-    and it is returned — the fresh dx plus accumulate, rounded once; dw/db unchanged."""
+def test_kernel_out_and_add(rows, hidden, dtype):
+    """forward's out; backward's add and out: dx = the input gradient plus add (a residual branch's
+    gradient), rounded once, into a fresh tensor, a given buffer or add itself (in place); dw/db
+    unchanged."""
     ext = lsmini._backend.ext()
     x, w, b, dy = _inputs(rows, hidden, dtype, "cuda")
     y, mean, rstd = ext.layernorm_fwd(x, w, b, 1e-5)
@@ -213,22 +214,31 @@ def test_kernel_out_and_accumulate_in_place(rows, hidden, dtype):
         ext.layernorm_fwd(x, w, b, 1e-5, out=x)
     dx, dw, db = ext.layernorm_bwd(dy, x, w, b, mean, rstd)
     res = torch.randn(rows, hidden, device="cuda").to(dtype)
-    acc = res.clone()
-    got, dw2, db2 = ext.layernorm_bwd(dy, x, w, b, mean, rstd, accumulate=acc)
-    assert got.data_ptr() == acc.data_ptr()
+    fresh, dw2, db2 = ext.layernorm_bwd(dy, x, w, b, mean, rstd, add=res)
     assert torch.equal(dw2, dw) and torch.equal(db2, db)
     ref = _grads(lambda x, w, b: layer_norm_ref(x, w, b), x.float(), w.float(), b.float(), dy.float())[1]
     want = ref + res.float()
     tol = 1e-5 if dtype == torch.float32 else (4e-3 if dtype == torch.float16 else 3e-2)
-    assert max_err(got, want) <= tol * (1 + want.abs().max().item())
+    assert max_err(fresh, want) <= tol * (1 + want.abs().max().item())
     # dx + res in the output dtype: at most one rounding apart from the fused sum
-    assert max_err(got, (dx.float() + res.float())) <= 2 * tol * (1 + want.abs().max().item())
-    with pytest.raises(RuntimeError, match="layernorm_bwd: accumulate overlaps dy"):
-        ext.layernorm_bwd(dy, x, w, b, mean, rstd, accumulate=dy)
-    with pytest.raises(RuntimeError, match=r"layernorm_bwd: accumulate must have shape"):
-        ext.layernorm_bwd(dy, x, w, b, mean, rstd, accumulate=acc[:1])
-    with pytest.raises(RuntimeError, match="layernorm_bwd: accumulate must be contiguous"):
-        ext.layernorm_bwd(dy, x, w, b, mean, rstd, accumulate=torch.empty(hidden, rows, dtype=dtype, device="cuda").t())
+    assert max_err(fresh, (dx.float() + res.float())) <= 2 * tol * (1 + want.abs().max().item())
+    into = torch.full_like(x, float("nan"))
+    acc, res0 = res.clone(), res.clone()
+    for dst, add in ((into, res), (acc, acc)):
+        got = ext.layernorm_bwd(dy, x, w, b, mean, rstd, add=add, out=dst)[0]
+        assert got.data_ptr() == dst.data_ptr() and torch.equal(got, fresh)
+    assert torch.equal(res, res0)  # add is only read unless it is out
+    with pytest.raises(RuntimeError, match="layernorm_bwd: out overlaps dy"):
+        ext.layernorm_bwd(dy, x, w, b, mean, rstd, add=res, out=dy)
+    with pytest.raises(RuntimeError, match="layernorm_bwd: out partially overlaps add"):
+        flat = torch.empty(rows * hidden + 1, dtype=dtype, device="cuda")
+        ext.layernorm_bwd(dy, x, w, b, mean, rstd, add=flat[1:].view(rows, hidden), out=flat[:-1].view(rows, hidden))
+    with pytest.raises(RuntimeError, match=r"layernorm_bwd: out must have shape"):
+        ext.layernorm_bwd(dy, x, w, b, mean, rstd, out=acc[:1])
+    with pytest.raises(RuntimeError, match=r"layernorm_bwd: add must have shape"):
+        ext.layernorm_bwd(dy, x, w, b, mean, rstd, add=acc[:1])
+    with pytest.raises(RuntimeError, match="layernorm_bwd: out must be contiguous"):
+        ext.layernorm_bwd(dy, x, w, b, mean, rstd, out=torch.empty(hidden, rows, dtype=dtype, device="cuda").t())
 
 
 @pytest.mark.cuda

@@ -8,6 +8,9 @@
  *
  * The backward recomputes v = x + bias and act'(v) from the saved input instead of saving act(v):
  * the input is needed anyway for act', so this keeps one [rows, hidden] tensor alive instead of two.
+ * For relu it can take the output instead (from_output): out > 0 exactly where the element was kept
+ * and relu' = 1, so grad_x = grad_out / (1 − p) there and 0 elsewhere — no mask regeneration, and a
+ * caller that keeps the output (the next GEMM's operand) needs neither the input nor a recompute.
  *
  * Layout: x, out, grad_out, grad_x are row-major [rows, hidden]; bias is [hidden] in T or fp32, or
  * absent. Math in fp32, one rounding per stored value. out may be x and grad_x may be grad_out or x
@@ -192,7 +195,8 @@ cudaError_t fwd_impl(const T* x, const BT* bias, T* out, int64_t rows, int64_t h
 // ---------------------------------------------------------------------------------------------
 // Backward: grad_x and per-slab column sums in one pass over grad_out and x.
 // ---------------------------------------------------------------------------------------------
-template <typename T, typename BT, int V, int ACT, bool DROPOUT>
+// FROM_OUT: x is relu's forward output (see the top of the file); bias and rng are not read.
+template <typename T, typename BT, int V, int ACT, bool DROPOUT, bool FROM_OUT>
 __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
     bias_act_dropout_bwd_kernel(const T* grad_out, const T* x, const BT* __restrict__ bias, T* grad_x,
                                 float* __restrict__ partials,
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
   if (col < hidden) {  // idle threads of the last column tile still take part in the fold below
     float b[V];
 #pragma unroll
-    for (int k = 0; k < V; ++k) b[k] = bias != nullptr ? to_float(bias[col + k]) : 0.f;
+    for (int k = 0; k < V; ++k) b[k] = bias != nullptr && !FROM_OUT ? to_float(bias[col + k]) : 0.f;
     // Software pipelining as in the forward: the next row's loads are in flight during this row's math.
     const int64_t row_step = int64_t(gridDim.y) * blockDim.y;
     const int64_t step = row_step * hidden;
@@ -230,8 +234,12 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
       if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        const float d = g[k] * act_grad<ACT>(v[k] + b[k]);
-        g[k] = DROPOUT ? (((keep >> k) & 1u) ? d * scale : 0.f) : d;
+        if (FROM_OUT) {
+          g[k] = v[k] <= 0.f ? 0.f : g[k] * scale;  // NaN passes the gradient, as act_grad<Relu>
+        } else {
+          const float d = g[k] * act_grad<ACT>(v[k] + b[k]);
+          g[k] = DROPOUT ? (((keep >> k) & 1u) ? d * scale : 0.f) : d;
+        }
         acc[k] += g[k];
       }
       store_pack<T, V>(grad_x + i, g);
@@ -261,7 +269,7 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
 }
 
 
-template <typename T, typename BT, int V, int ACT, bool DROPOUT>
+template <typename T, typename BT, int V, int ACT, bool DROPOUT, bool FROM_OUT>
 cudaError_t bwd_main_impl(const T* grad_out, const T* x, const BT* bias, T* grad_x, float* partials,
                           int64_t partial_slabs, int64_t rows, int64_t hidden, float p, PhiloxArgs rng,
                           int64_t* slabs_used, cudaStream_t stream) {
@@ -270,7 +278,7 @@ cudaError_t bwd_main_impl(const T* grad_out, const T* x, const BT* bias, T* grad
   dropout_params(p, &threshold, &scale);
   Tiling t = column_tiling(rows, hidden / V, kBwdThreads);
   const size_t smem = (partials != nullptr && t.by > 1) ? size_t(t.by) * t.bx * V * sizeof(float) : 0;
-  auto kernel = bias_act_dropout_bwd_kernel<T, BT, V, ACT, DROPOUT>;
+  auto kernel = bias_act_dropout_bwd_kernel<T, BT, V, ACT, DROPOUT, FROM_OUT>;
   t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, smem),
                        partials != nullptr ? partial_slabs : INT64_MAX);
   *slabs_used = t.slabs;
@@ -310,8 +318,8 @@ int64_t bias_act_dropout_bwd_partial_slabs(int64_t rows, int64_t hidden) {
 template <typename T, typename BT>
 cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT* bias, T* grad_x, BT* grad_bias,
                                         float* partials, int64_t partial_slabs, int64_t rows, int64_t hidden,
-                                        int act, float p, PhiloxArgs rng, cudaStream_t stream) {
-  if (act < 0 || act >= kBiasActCount) return cudaErrorInvalidValue;
+                                        int act, float p, PhiloxArgs rng, bool from_output, cudaStream_t stream) {
+  if (act < 0 || act >= kBiasActCount || (from_output && act != int(BiasAct::Relu))) return cudaErrorInvalidValue;
   if (hidden <= 0) return cudaSuccess;
   if (grad_bias == nullptr) partials = nullptr;
   if (grad_bias != nullptr && (partials == nullptr || partial_slabs < 1) && rows > 0) return cudaErrorInvalidValue;
@@ -320,20 +328,26 @@ cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT*
     constexpr int VW = Vec16<T>::value;
     const bool vec =
         hidden % VW == 0 && is_aligned(grad_out, 16) && is_aligned(x, 16) && is_aligned(grad_x, 16);
-    const bool dropout = p > 0.f;
-    const cudaError_t err = with_act(act, [&](auto a) -> cudaError_t {
-      constexpr int ACT = decltype(a)::value;
-      if (vec) {
-        return dropout ? bwd_main_impl<T, BT, VW, ACT, true>(grad_out, x, bias, grad_x, partials, partial_slabs,
-                                                             rows, hidden, p, rng, &slabs, stream)
-                       : bwd_main_impl<T, BT, VW, ACT, false>(grad_out, x, bias, grad_x, partials, partial_slabs,
-                                                              rows, hidden, p, rng, &slabs, stream);
-      }
-      return dropout ? bwd_main_impl<T, BT, 1, ACT, true>(grad_out, x, bias, grad_x, partials, partial_slabs,
-                                                          rows, hidden, p, rng, &slabs, stream)
-                     : bwd_main_impl<T, BT, 1, ACT, false>(grad_out, x, bias, grad_x, partials, partial_slabs,
-                                                           rows, hidden, p, rng, &slabs, stream);
-    });
+    const bool dropout = p > 0.f && !from_output;
+    // V, ACT, DROPOUT and FROM_OUT as compile-time constants of the kernel
+    auto run = [&](auto v, auto a, auto d, auto f) {
+      return bwd_main_impl<T, BT, decltype(v)::value, decltype(a)::value, decltype(d)::value, decltype(f)::value>(
+          grad_out, x, bias, grad_x, partials, partial_slabs, rows, hidden, p, rng, &slabs, stream);
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
+    using VecW = std::integral_constant<int, VW>;
+    using One = std::integral_constant<int, 1>;
+    cudaError_t err;
+    if (from_output) {
+      using Relu = std::integral_constant<int, int(BiasAct::Relu)>;
+      err = vec ? run(VecW{}, Relu{}, No{}, Yes{}) : run(One{}, Relu{}, No{}, Yes{});
+    } else {
+      err = with_act(act, [&](auto a) -> cudaError_t {
+        if (vec) return dropout ? run(VecW{}, a, Yes{}, No{}) : run(VecW{}, a, No{}, No{});
+        return dropout ? run(One{}, a, Yes{}, No{}) : run(One{}, a, No{}, No{});
+      });
+    }
     if (err != cudaSuccess) return err;
   }
   if (grad_bias != nullptr) {
@@ -353,7 +367,7 @@ cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT*
                                                           PhiloxArgs, cudaStream_t);                            \
   template cudaError_t launch_bias_act_dropout_bwd<T, BT>(const T*, const T*, const BT*, T*, BT*, float*,        \
                                                           int64_t, int64_t, int64_t, int, float, PhiloxArgs,    \
-                                                          cudaStream_t);
+                                                          bool, cudaStream_t);
 
 LSMINI_INSTANTIATE_BAD(float, float)
 LSMINI_INSTANTIATE_BAD(__half, __half)

@@ -30,9 +30,11 @@ int64_t bias_act_dropout_bwd_partial_slabs(int64_t rows, int64_t hidden);
 
 // grad_x = act'(x + bias) · dropout backward of grad_out (mask regenerated from rng);
 // grad_bias[c] = sum over rows of grad_x[:, c] (skipped when grad_bias == nullptr).
+// from_output (relu only, else cudaErrorInvalidValue): x is the forward's output instead of its input,
+// grad_x = grad_out / (1 − p) where x > 0, else 0; bias and rng are not read.
 template <typename T, typename BT>
 cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT* bias, T* grad_x, BT* grad_bias,
                                         float* partials, int64_t partial_slabs, int64_t rows, int64_t hidden,
-                                        int act, float p, PhiloxArgs rng, cudaStream_t stream);
+                                        int act, float p, PhiloxArgs rng, bool from_output, cudaStream_t stream);
 
 }  // namespace lsmini

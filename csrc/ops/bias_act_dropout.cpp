@@ -1,11 +1,14 @@
 // Bindings for bias_act_dropout: out = dropout(act(x + bias)) on [rows, hidden] tensors.
 //   bias_act_dropout_fwd(x, bias|None, act, p, rng, out=None) -> out
-//   bias_act_dropout_bwd(grad_out, x, bias|None, act, p, rng, grad_x=None) -> (grad_x, grad_bias|None)
+//   bias_act_dropout_bwd(grad_out, x, bias|None, act, p, rng, grad_x=None, from_output=False)
+//     -> (grad_x, grad_bias|None)
 // out / grad_x: where to write (contiguous, x's shape and dtype), else a fresh tensor; they may BE an input
 // (elementwise, each element is read before it is written) but may not partially overlap one.
 // rng: the 4-tuple of lsmini._backend.philox_seed_offset() (common.h's PhiloxTuple), ignored when p == 0.
 // act is a name ("relu", "gelu", "gelu_tanh") or its id (0, 1, 2). The backward takes the forward's
-// input x (not its output): act'(x + bias) is recomputed.
+// input x (not its output): act'(x + bias) is recomputed — or, relu only, with from_output=True the
+// forward's output as x: it is > 0 exactly where the gradient passes (then bias only sets grad_bias's
+// dtype and rng is not read).
 #include "common.h"
 #include "bias_act_dropout.h"
 
@@ -105,7 +108,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
                                                                        const std::optional<at::Tensor>& bias,
                                                                        const pybind11::object& act, double p,
                                                                        const PhiloxTuple& rng,
-                                                                       const std::optional<at::Tensor>& grad_x_in) {
+                                                                       const std::optional<at::Tensor>& grad_x_in,
+                                                                       bool from_output) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
   check_2d(grad_out, op, "grad_out");
@@ -116,6 +120,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
   check_shape(x, grad_out.sizes(), op, "x");
   if (bias) check_bias(*bias, x, op);
   const int act_id = parse_act(act, op);
+  TORCH_CHECK_VALUE(!from_output || act_id == int(BiasAct::Relu),
+                    msg(op, ": from_output=True needs act 'relu' (its derivative is readable from the output), got '",
+                        kActNames[act_id], "'"));
   check_p(p, op);
   const PhiloxArgs philox = philox_args(rng, op);
 
@@ -142,12 +149,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
       T* gb = bc.defined() ? kptr<scalar_t>(*grad_bias) : nullptr;
       err = launch_bias_act_dropout_bwd<T, T>(kptr<scalar_t>(g), kptr<scalar_t>(xc), b, kptr<scalar_t>(grad_x), gb,
                                               part, slabs, rows, hidden, act_id, static_cast<float>(p), philox,
-                                              current_stream());
+                                              from_output, current_stream());
     } else {
       err = launch_bias_act_dropout_bwd<T, float>(kptr<scalar_t>(g), kptr<scalar_t>(xc), bc.data_ptr<float>(),
                                                   kptr<scalar_t>(grad_x), grad_bias->data_ptr<float>(), part, slabs,
                                                   rows, hidden, act_id, static_cast<float>(p), philox,
-                                                  current_stream());
+                                                  from_output, current_stream());
     }
   });
   check_launch(err, op);
@@ -163,9 +170,10 @@ static void register_bias_act_dropout(pybind11::module_& m) {
         "act 'relu' | 'gelu' | 'gelu_tanh' (or 0 | 1 | 2)",
         py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"), py::arg("out") = py::none());
   m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd,
-        "(grad_x, grad_bias or None) of bias_act_dropout, recomputing act' from x and bias; grad_bias in bias's dtype",
+        "(grad_x, grad_bias or None) of bias_act_dropout, recomputing act' from x and bias (or, relu with "
+        "from_output=True, reading it from the forward's output passed as x); grad_bias in bias's dtype",
         py::arg("grad_out"), py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"),
-        py::arg("grad_x") = py::none());
+        py::arg("grad_x") = py::none(), py::arg("from_output") = false);
 }
 
 LSMINI_REGISTER_OPS(register_bias_act_dropout);

@@ -85,12 +85,14 @@ std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optiona
 }
 
 // Returns (dx, dweight or None, dbias or None). bias is only read for its presence and dtype. With
-// `accumulate` (a residual branch's gradient) dx is added into it, in place, and it is returned as dx.
+// `add` (a residual branch's gradient) dx is LayerNorm's input gradient plus add, rounded once; dx goes
+// into `out` when given (else a fresh tensor), which may be add itself (in place).
 std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
                                                      const c10::optional<at::Tensor>& weight_in,
                                                      const c10::optional<at::Tensor>& bias,
                                                      const at::Tensor& mean, const at::Tensor& rstd,
-                                                     const c10::optional<at::Tensor>& accumulate) {
+                                                     const c10::optional<at::Tensor>& add_in,
+                                                     const c10::optional<at::Tensor>& out) {
   const char* op = "layernorm_bwd";
   check_x(x_in, op, "x");
   check_cuda(dy_in, op, "dy");
@@ -114,16 +116,25 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
   const int hidden = static_cast<int>(x.size(1));
   const at::TensorOptions popt = x.options().dtype(pt);
 
+  at::Tensor add;
+  if (add_in) {
+    check_cuda(*add_in, op, "add");
+    check_same_device(*add_in, x, op, "add", "x");
+    check_dtype(*add_in, x.scalar_type(), op, "add");
+    check_shape(*add_in, x.sizes(), op, "add");
+    add = add_in->contiguous();
+  }
   at::Tensor dx;
-  if (accumulate) {
-    check_written(*accumulate, x, op, "accumulate");
-    check_overlap(*accumulate, dy, false, op, "accumulate", "dy");
-    check_overlap(*accumulate, x, false, op, "accumulate", "x");
-    dx = *accumulate;
+  if (out) {
+    check_written(*out, x, op, "out");
+    check_overlap(*out, dy, false, op, "out", "dy");
+    check_overlap(*out, x, false, op, "out", "x");
+    if (add.defined()) check_overlap(*out, add, true, op, "out", "add");
+    dx = *out;
   } else {
     dx = at::empty_like(x);
   }
-  const void* add = accumulate ? dx.data_ptr() : nullptr;
+  const void* add_ptr = add.defined() ? add.data_ptr() : nullptr;
   c10::optional<at::Tensor> dweight, dbias;
   if (weight) dweight = at::empty({hidden}, popt);
   if (bias) dbias = at::empty({hidden}, popt);
@@ -139,13 +150,13 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
     if (pt == at::kFloat) {
       auto out = [](c10::optional<at::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; };
       err = launch_layernorm_bwd<K, float>(kptr<scalar_t>(dy), kptr<scalar_t>(x), opt_ptr<float>(weight),
-                                           m.data_ptr<float>(), r.data_ptr<float>(), static_cast<const K*>(add),
+                                           m.data_ptr<float>(), r.data_ptr<float>(), static_cast<const K*>(add_ptr),
                                            kptr<scalar_t>(dx), out(dweight), out(dbias), part_ptr, rows, hidden,
                                            current_stream());
     } else {
       auto out = [](c10::optional<at::Tensor>& t) { return t ? reinterpret_cast<K*>(t->data_ptr()) : nullptr; };
       err = launch_layernorm_bwd<K, K>(kptr<scalar_t>(dy), kptr<scalar_t>(x), opt_ptr<K>(weight),
-                                       m.data_ptr<float>(), r.data_ptr<float>(), static_cast<const K*>(add),
+                                       m.data_ptr<float>(), r.data_ptr<float>(), static_cast<const K*>(add_ptr),
                                        kptr<scalar_t>(dx), out(dweight), out(dbias), part_ptr, rows, hidden,
                                        current_stream());
     }
@@ -159,9 +170,11 @@ void register_layernorm(pybind11::module_& m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"),
         pybind11::arg("out") = pybind11::none());
   m.def("layernorm_bwd", &layernorm_bwd,
-        "LayerNorm backward: (dx, dweight, dbias); with accumulate, dx is added into it in place and returned",
+        "LayerNorm backward: (dx, dweight, dbias); with add, dx = input gradient + add; dx into out when given "
+        "(out may be add)",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),
-        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("accumulate") = pybind11::none());
+        pybind11::arg("mean"), pybind11::arg("rstd"), pybind11::arg("add") = pybind11::none(),
+        pybind11::arg("out") = pybind11::none());
 }
 
 }  // namespace

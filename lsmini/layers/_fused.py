@@ -19,7 +19,9 @@ reading Q/K/V as per-head views of the projection output and writing the context
 Saved for backward (spec.recompute, the default): each block's input, the Q/K/V projection, the attention
 context and its per-row log-sum-exp, the first FFN GEMM's output, LayerNorm statistics, each dropout's
 Philox state ``rng``; backward recomputes the FFN activation (bias_act_dropout forward again, same
-mask) and, for pre-LN, the LayerNorm outputs. spec.recompute = False saves those instead. Under CUDA
+mask) and, for pre-LN, the LayerNorm outputs. spec.recompute = False saves those instead. With relu
+the FFN keeps its activation instead of the GEMM output either way (same size): relu's derivative and
+the dropout mask can be read off it, so there is nothing to recompute. Under CUDA
 graph capture ``rng`` holds device pointers that each replay refills, so forward, recompute and
 backward of one replay share one mask and every replay draws a new one.
 
@@ -29,13 +31,13 @@ Backward temporaries are views into the arena of (device, dtype) (``arena.py``),
             [TH', TH' + 3TH) d(core output) (dc: bias_dropout_residual's input gradient), then
             d(QKV projection) (TH' = TH aligned)
     cross:  [0, TH) as above; [TH', TH' + TH) dc, then d(Q projection). dK/dV go to KVGradSlots.
-    ffn:    [0, TF) the recomputed activation, then its gradient, then (in place) d(first GEMM output);
+    ffn:    [0, TF) the recomputed activation (not with relu), then its gradient, then (in place) d(first GEMM output);
             its [t, H] temporaries are fresh (see _ffn_bwd).
 
 Regions overlap only where one is dead before the other is written (stream order). Everything that
-backward returns is a fresh tensor: the input gradient comes out of a LayerNorm backward (fresh) plus
-an in-place residual add into it (pre-LN: inside the LayerNorm backward, into the gradient the block
-above produced, once that is backward's own tensor).
+backward returns is a fresh tensor: the input gradient comes out of a LayerNorm backward plus the
+residual branch's gradient (pre-LN: added inside the LayerNorm backward, written into the gradient the
+block above produced once that is backward's own tensor; post-LN: an in-place add).
 
 Cross-attention of a decoder stack: CrossKVFunction projects the encoder output with the K/V weights
 of ALL layers at once ([b·ls, H] × [H, L·2H], one GEMM) and hands each layer its K and V as views. In
@@ -194,18 +196,22 @@ def _cross_bwd(dc, prm, st, spec, flat, u_of):
 def _ffn_fwd(u, prm, spec, flat, ins):
     W_in, b_in, W_out = prm[0], prm[1], prm[2]
     a, ast = P.bad_fwd(torch.mm(u, W_in.t()), b_in, spec.act, spec.p_act, spec.k)
-    return torch.mm(a, W_out.t()), {"u": u, "a": None if spec.recompute else a, "act": ast}
+    if spec.act == "relu":  # relu's derivative is read off its output: keep that, not the GEMM output
+        ast, keep_a = {"y": a, "p": ast["p"]}, None
+    else:
+        keep_a = None if spec.recompute else a
+    return torch.mm(a, W_out.t()), {"u": u, "a": keep_a, "act": ast}
 
 
 def _ffn_bwd(dc, prm, st, spec, flat, u_of):
     W_in, b_in, W_out = prm[0], prm[1], prm[2]
     t = dc.shape[0]
-    # The arena holds the activation (recomputed), then its gradient, then — in place — the gradient of
-    # the first GEMM's output: each is dead before the next is written (stream order). The [t, H]
-    # temporaries are fresh: that keeps the arena at t·F, and they are freed before the attention
+    # The arena holds the activation (recomputed, unless kept), then its gradient, then — in place — the
+    # gradient of the first GEMM's output: each is dead before the next is written (stream order). The
+    # [t, H] temporaries are fresh: that keeps the arena at t·F, and they are freed before the attention
     # blocks' backward, where a layer's memory peaks.
     act = region(flat, 0, (t, spec.F))
-    a = st["a"]
+    a = st["act"]["y"] if "y" in st["act"] else st["a"]
     if a is None:  # recompute the activation from its saved input, same dropout mask
         a = P.bad_fwd(st["act"]["x"], b_in, spec.act, st["act"]["p"], spec.k, replay=st["act"], out=act)[0]
     dW_out = _wgrad(dc.t(), a, spec.wdtype)
@@ -252,10 +258,8 @@ def _block_bwd(kind, g, prm, st, spec, flat, own_g):
 
         dc, db_out = P.bdr_bwd(g, b_out, st["bdr"], spec.k, out=dc_out)
         du, dW_in, db_in, dW_out = core(dc, prm, cst, spec, flat, u_of)
-        # the residual path: LN's input gradient added to g in the same kernel when g may be written
-        dr, dln_w, dln_b = P.ln_bwd(du, ln_w, ln_b, spec.eps, st["ln"], spec.k, acc=g if own_g else None)
-        if not own_g:
-            dr.add_(g)
+        # the residual path: g added to LN's input gradient in the same kernel, into g when it is ours
+        dr, dln_w, dln_b = P.ln_bwd(du, ln_w, ln_b, spec.eps, st["ln"], spec.k, add=g, out=g if own_g else None)
     else:
         dr, dln_w, dln_b = P.ln_bwd(g, ln_w, ln_b, spec.eps, st["ln"], spec.k)
         # without dropout dc IS dr; the core has finished reading it before dr is updated below

@@ -44,16 +44,18 @@ def ln_fwd(x2d, w, b, eps, k, out=None):
     return y if out is None else out.copy_(y), {"x": x2d}
 
 
-def ln_bwd(dy, w, b, eps, st, k, acc=None):
-    """(dx, dw, db), fresh tensors — except with acc (a gradient of the same shape): dx is added into
-    acc in place, and acc is returned as dx."""
+def ln_bwd(dy, w, b, eps, st, k, add=None, out=None):
+    """(dx, dw, db), fresh tensors; with add (a gradient of the same shape) dx is the input gradient plus
+    add; dx goes into out when given (out may be add: in place)."""
     if k:
-        dx, dw, db = _backend.ext().layernorm_bwd(dy, st["x"], w, b, st["mean"], st["rstd"], acc)
+        dx, dw, db = _backend.ext().layernorm_bwd(dy, st["x"], w, b, st["mean"], st["rstd"], add, out)
         return dx, dw, db
     with torch.enable_grad():
         xs, ws, bs = _leaf(st["x"]), _leaf(w), _leaf(b)
         dx, dw, db = _grads(layer_norm_ref(xs, ws, bs, eps), [xs, ws, bs], dy)
-    return dx if acc is None else acc.add_(dx), dw, db
+    if add is not None:
+        dx = dx + add
+    return dx if out is None else out.copy_(dx), dw, db
 
 
 # ---- residual + dropout(x + bias): x2d, res2d [rows, hidden] ---------------------------------------
@@ -97,7 +99,16 @@ def bad_fwd(x2d, bias, act, p, k, replay=None, out=None):
 
 
 def bad_bwd(g2d, bias, act, st, k, out=None):
-    """(grad_x, grad_bias); grad_x into out when given (out may be g2d itself), else fresh."""
+    """(grad_x, grad_bias); grad_x into out when given (out may be g2d itself), else fresh. st: bad_fwd's
+    state, or — relu only — {"y": the forward's output, "p": p}: relu's derivative read off the output
+    (y > 0 exactly where the gradient passes), so neither the input nor the mask is needed."""
+    if "y" in st:
+        if k:
+            return _backend.ext().bias_act_dropout_bwd(g2d, st["y"], bias, "relu", st["p"], _backend.NO_RNG, out,
+                                                       True)
+        scale = 1.0 / (1.0 - st["p"]) if st["p"] < 1 else 0.0
+        gx = torch.where(st["y"] <= 0, 0.0, g2d.float() * scale).to(g2d.dtype)  # NaN passes, as the kernel
+        return gx if out is None else out.copy_(gx), gx.float().sum(0).to(bias.dtype)
     if k:
         gx, gb = _backend.ext().bias_act_dropout_bwd(g2d, st["x"], bias, act, st["p"], st["rng"], out)
         return gx, gb
