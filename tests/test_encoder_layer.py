@@ -631,6 +631,27 @@ def test_saves_only_what_backward_needs(device, pre, recompute, act):
     assert sum(seen.values()) == expect, (sum(seen.values()), expect)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cast_blocks_batched_equals_cast_block(device, dtype):
+    """The layer's one-launch parameter cast gives what cast_block gives per tensor: GEMM weights in the
+    compute dtype, float32 vectors as they are (the same tensors), others cast; on CUDA every cast
+    lands 128-byte aligned in one buffer."""
+    from lsmini.layers._common import cast_block, cast_blocks_batched
+
+    m = TransformerEncoderLayer(TransformerConfig(32, 4, 72)).to(device)
+    params = [p for blk in m.blocks() for p in blk]
+    params[3] = params[3].double()  # a vector neither float32 nor dtype: cast too
+    got = cast_blocks_batched(params, dtype)
+    want = cast_block(params[:6], dtype) + cast_block(params[6:], dtype)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and torch.equal(g, w), i
+        if w is params[i]:
+            assert g is params[i], i
+        elif device == "cuda":
+            assert g.data_ptr() % 128 == 0 and g.untyped_storage().data_ptr() == got[0].untyped_storage().data_ptr()
+
+
 # ------------------------------------------------------------------------------------------- bad input ---
 def test_bad_inputs():
     m = _layer("cpu", max_seq_len=16, max_batch_tokens=40)

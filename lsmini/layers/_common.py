@@ -7,8 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lsmini import _backend
+from lsmini.layers.arena import align
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PARAMS_PER_BLOCK = 6  # (W_in, b_in, W_out, b_out, ln_w, ln_b) of each sub-block, see _fused.py
 
 
 def uniform_(t, fan_in, fan_out):
@@ -134,14 +136,33 @@ def compute_dtype(owner, x, weight):
     return weight.dtype
 
 
+def _needs_cast(i, p, dtype):
+    return p is not None and p.dtype != dtype and (i in (0, 2) or p.dtype != torch.float32)
+
+
 def cast_block(block, dtype):
     """(W_in, b_in, W_out, b_out, ln_w, ln_b) with the GEMM weights in dtype; vectors cast only when they
     are neither float32 nor dtype (the kernels take float32 or the activations' dtype)."""
-    out = []
-    for i, p in enumerate(block):
-        if p is not None and p.dtype != dtype and (i in (0, 2) or p.dtype != torch.float32):
-            p = p.to(dtype)
-        out.append(p)
+    return [p.to(dtype) if _needs_cast(i, p, dtype) else p for i, p in enumerate(block)]
+
+
+def cast_blocks_batched(params, dtype):
+    """cast_block over consecutive blocks, for use without autograd (inside an autograd Function's
+    forward): on CUDA the casts run as one multi-tensor copy into one buffer — one launch per layer
+    instead of one per weight."""
+    todo = [i for i, p in enumerate(params) if _needs_cast(i % PARAMS_PER_BLOCK, p, dtype)]
+    out = list(params)
+    if len(todo) < 2 or not params[todo[0]].is_cuda:
+        for i in todo:
+            out[i] = params[i].to(dtype)
+        return out
+    starts = [0]
+    for i in todo:
+        starts.append(starts[-1] + align(params[i].numel()))  # each view 128-byte aligned, for the GEMMs
+    buf = torch.empty(starts[-1], dtype=dtype, device=params[todo[0]].device)
+    for i, s in zip(todo, starts):
+        out[i] = buf[s:s + params[i].numel()].view(params[i].shape)
+    torch._foreach_copy_([out[i] for i in todo], [params[i] for i in todo])
     return out
 
 

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from lsmini.layers import _prims as P
-from lsmini.layers._common import cast_block
+from lsmini.layers._common import PARAMS_PER_BLOCK, cast_block, cast_blocks_batched
 from lsmini.layers.arena import align, get_arena, region
 from lsmini.ops.attention_softmax import attention_softmax
 from lsmini.ops.bias_act_dropout import bias_act_dropout
@@ -60,8 +60,6 @@ from lsmini.ops.bias_dropout_residual import bias_dropout_residual
 from lsmini.ops.attention import fused_attention_supported
 from lsmini.ops.heads import merge_heads, split_heads
 from lsmini.ops.layernorm import layer_norm
-
-PARAMS_PER_BLOCK = 6
 
 
 class LayerSpec:
@@ -298,12 +296,6 @@ def _unpack(obj, tensors):
     return obj
 
 
-def _cast_params(params, dtype):
-    """The layer's parameters as its kernels and GEMMs take them (``cast_block``), block by block."""
-    return [p for i in range(0, len(params), PARAMS_PER_BLOCK)
-            for p in cast_block(params[i:i + PARAMS_PER_BLOCK], dtype)]
-
-
 class LayerFunction(torch.autograd.Function):
     """apply(spec, x, kpm, k_enc, v_enc, enc_kpm, *params) → y, all [b, l, H]; 6 params per block.
 
@@ -321,7 +313,7 @@ class LayerFunction(torch.autograd.Function):
         spec.fused = spec.k and fused_attention_supported(x.dtype, spec.d)
         spec.wdtype = params[0].dtype
         ctx.param_dtypes = [p.dtype for p in params]
-        params = _cast_params(params, x.dtype)
+        params = cast_blocks_batched(params, x.dtype)  # as the kernels and GEMMs take them
         need = spec.scratch_numel(backward=False)
         if any(ctx.needs_input_grad):  # training: size the arena for the backward now, in one growth
             need = max(need, spec.scratch_numel(backward=True))
