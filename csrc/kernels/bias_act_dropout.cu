@@ -328,7 +328,7 @@ cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT*
     constexpr int VW = Vec16<T>::value;
     const bool vec =
         hidden % VW == 0 && is_aligned(grad_out, 16) && is_aligned(x, 16) && is_aligned(grad_x, 16);
-    const bool dropout = p > 0.f && !from_output;
+    const bool dropout = p > 0.f;
     // V, ACT, DROPOUT and FROM_OUT as compile-time constants of the kernel
     auto run = [&](auto v, auto a, auto d, auto f) {
       return bwd_main_impl<T, BT, decltype(v)::value, decltype(a)::value, decltype(d)::value, decltype(f)::value>(

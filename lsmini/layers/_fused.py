@@ -21,9 +21,9 @@ context and its per-row log-sum-exp, the first FFN GEMM's output, LayerNorm stat
 Philox state ``rng``; backward recomputes the FFN activation (bias_act_dropout forward again, same
 mask) and, for pre-LN, the LayerNorm outputs. spec.recompute = False saves those instead. With relu
 the FFN keeps its activation instead of the GEMM output either way (same size): relu's derivative and
-the dropout mask can be read off it, so there is nothing to recompute. Under CUDA
-graph capture ``rng`` holds device pointers that each replay refills, so forward, recompute and
-backward of one replay share one mask and every replay draws a new one.
+the dropout mask can be read off it, so there is nothing to recompute. Under CUDA graph capture
+``rng`` holds device pointers that each replay refills, so forward, recompute and backward of one
+replay share one mask and every replay draws a new one.
 
 Backward temporaries are views into the arena of (device, dtype) (``arena.py``), laid out per core:
 
@@ -31,8 +31,8 @@ Backward temporaries are views into the arena of (device, dtype) (``arena.py``),
             [TH', TH' + 3TH) d(core output) (dc: bias_dropout_residual's input gradient), then
             d(QKV projection) (TH' = TH aligned)
     cross:  [0, TH) as above; [TH', TH' + TH) dc, then d(Q projection). dK/dV go to KVGradSlots.
-    ffn:    [0, TF) the recomputed activation (not with relu), then its gradient, then (in place) d(first GEMM output);
-            its [t, H] temporaries are fresh (see _ffn_bwd).
+    ffn:    [0, TF) the recomputed activation (not with relu), then its gradient, then (in place)
+            d(first GEMM output); its [t, H] temporaries are fresh (see _ffn_bwd).
 
 Regions overlap only where one is dead before the other is written (stream order). Everything that
 backward returns is a fresh tensor: the input gradient comes out of a LayerNorm backward plus the

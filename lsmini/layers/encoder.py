@@ -43,10 +43,10 @@ class TransformerEncoderLayer(nn.Module):
     without autocast the input must have the parameters' dtype.
 
     Memory: with ``recompute = True`` (attribute, the default) forward keeps per layer only its input,
-    Q/K/V, the attention context, the FFN input and the first FFN GEMM's output (relu: its activation
-    instead) (≈ 10·tokens·hidden elements at ffn = 4·hidden); backward recomputes the attention
-    probabilities (QKᵀ + softmax with the same dropout mask), the FFN activation (gelu) and the pre-LN
-    LayerNorm outputs. ``recompute = False`` saves those instead (+ 2·batch·heads·len² +
+    Q/K/V, the attention context, the FFN input and the first FFN GEMM's output — with relu its
+    activation instead — (≈ 10·tokens·hidden elements at ffn = 4·hidden); backward recomputes the
+    attention probabilities (QKᵀ + softmax with the same dropout mask), the FFN activation (gelu) and
+    the pre-LN LayerNorm outputs. ``recompute = False`` saves those instead (+ 2·batch·heads·len² +
     tokens·(ffn + 2·hidden) elements), for a little less time.
     """
 
