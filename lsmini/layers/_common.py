@@ -8,6 +8,7 @@ from torch import nn
 
 from lsmini import _backend
 from lsmini.layers.arena import align
+from lsmini.ops.attention_softmax import check_key_padding_mask
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PARAMS_PER_BLOCK = 6  # (W_in, b_in, W_out, b_out, ln_w, ln_b) of each sub-block, see _fused.py
@@ -108,16 +109,7 @@ def check_states(owner, name, x, config, ref_param, past=0):
 
 def check_mask(owner, name, mask, b, l, device):
     """None, or a bool [b, l] tensor on device (True = pad)."""
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{owner}: {name} must be a bool Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"{owner}: {name} must have dtype torch.bool (True = pad), got {mask.dtype}")
-    if tuple(mask.shape) != (b, l):
-        raise ValueError(f"{owner}: {name} must have shape (batch, len) = ({b}, {l}), got {tuple(mask.shape)}")
-    if mask.device != device:
-        raise ValueError(f"{owner}: {name} is on {mask.device} but the input is on {device}")
+    check_key_padding_mask(owner, mask, b, l, device, "the input", name=name, dims="batch, len")
 
 
 def compute_dtype(owner, x, weight):

@@ -78,19 +78,20 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
         return grad, None, None, None
 
 
-def check_key_padding_mask(name, mask, batch, k_len, device, ref_name):
-    """None, or a bool [batch, k_len] tensor on device (True = pad); otherwise an error naming the problem."""
+def check_key_padding_mask(owner, mask, batch, k_len, device, ref_name, name="key_padding_mask",
+                           dims="batch, k_len"):
+    """None, or a bool [batch, k_len] tensor on device (True = pad); otherwise an error naming the problem
+    (``owner: name ...``; dims: how the message names the two dimensions)."""
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name}: key_padding_mask must be a bool Tensor or None, got {type(mask).__name__}")
+        raise TypeError(f"{owner}: {name} must be a bool Tensor or None, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise TypeError(f"{name}: key_padding_mask must have dtype torch.bool (True = pad), got {mask.dtype}")
+        raise TypeError(f"{owner}: {name} must have dtype torch.bool (True = pad), got {mask.dtype}")
     if tuple(mask.shape) != (batch, k_len):
-        raise ValueError(f"{name}: key_padding_mask must have shape (batch, k_len) = ({batch}, {k_len}), "
-                         f"got {tuple(mask.shape)}")
+        raise ValueError(f"{owner}: {name} must have shape ({dims}) = ({batch}, {k_len}), got {tuple(mask.shape)}")
     if mask.device != device:
-        raise ValueError(f"{name}: key_padding_mask is on {mask.device} but {ref_name} is on {device}")
+        raise ValueError(f"{owner}: {name} is on {mask.device} but {ref_name} is on {device}")
 
 
 def check_causal_and_dropout(name, causal, dropout_p):
