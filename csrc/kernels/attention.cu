@@ -230,6 +230,39 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// The two-buffer tile pipeline of every kernel here; issue(t) starts the copies (and plain shared-memory
+// stores) of tile t into buffer t & 1. Start: what the caller issued before, plus tile 0 when there is
+// one, is group 0, tile 1 group 1; returns once group 0 is visible to all threads, tile 1 still in flight.
+// With n_tiles == 0 and nothing issued before, nothing is left in flight at exit.
+template <typename Issue>
+__device__ __forceinline__ void pipeline_start(int n_tiles, Issue&& issue) {
+  if (n_tiles > 0) issue(0);
+  cp_async_commit();
+  if (n_tiles > 1) {
+    issue(1);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
+// End of iteration t (block-uniform): tile t + 1 becomes visible to all, and no thread reads buffer
+// t & 1 — nor anything else iteration t read — any more, so tile t + 2 goes there, in flight while
+// tile t + 1 is computed on. After the last tile shared memory is no longer touched.
+template <typename Issue>
+__device__ __forceinline__ void pipeline_next(int t, int n_tiles, Issue&& issue) {
+  if (t + 1 < n_tiles) {
+    cp_async_wait<0>();
+    __syncthreads();
+    if (t + 2 < n_tiles) {
+      issue(t + 2);
+      cp_async_commit();
+    }
+  }
+}
+
 // Issue (not wait for) the copy of a [64 × D] tile of a strided operand into shared memory (pitch
 // D + kPad); rows ≥ valid are zero-filled (src-size 0: nothing is read, but the source operand must still
 // be a valid global address, so those rows name the tile's base row, which callers guarantee exists).
@@ -408,16 +441,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
   uint32_t qa[D / 16][4];
   if (n_tiles > 0) {
     load_tile_async<T, D>(sQ, st.at(a.q) + int64_t(q0) * a.q.row, a.q.row, min(kBlock, a.q_len - q0));
-    issue_kv(0);
-    cp_async_commit();
-    if (n_tiles > 1) {
-      issue_kv(1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // Q, key tile 0 and bias 0 of every thread are in shared memory
+    pipeline_start(n_tiles, issue_kv);  // Q, key tile 0 and bias 0 of every thread are in shared memory
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) frag_a(qa[kk], sQ, ld, warp * 16, kk * 16);
   }
@@ -471,16 +495,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
         for (int e = 0; e < 4; ++e) s[n][e] = (bits >> (4 * n + e)) & 1u ? s[n][e] * st.inv_keep : 0.f;
     }
     tile_xb<T, D>(o, s, cV);
-    if (t + 1 < n_tiles) {  // (block-uniform; after the last tile shared memory is no longer touched)
-      cp_async_wait<0>();  // this thread's chunks of tile t + 1 have landed
-      // Publishes every thread's chunks (and bias) of tile t + 1, and no thread reads buffer t & 1 any
-      // more: tile t + 2 may go there, in flight while tile t + 1 is computed on.
-      __syncthreads();
-      if (t + 2 < n_tiles) {
-        issue_kv(t + 2);
-        cp_async_commit();
-      }
-    }
+    pipeline_next(t, n_tiles, issue_kv);
   }
 
   T* out = st.at(a.out);
@@ -554,16 +569,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
   // in flight during Δ and tile 0.
   load_tile_async<T, D>(sQ, st.at(a.q) + int64_t(q0) * a.q.row, a.q.row, valid);
   load_tile_async<T, D>(sdO, st.at(a.dout) + int64_t(q0) * a.dout.row, a.dout.row, valid);
-  if (n_tiles > 0) issue_kv(0);
-  cp_async_commit();
-  if (n_tiles > 1) {
-    issue_kv(1);
-    cp_async_commit();
-    cp_async_wait<1>();
-  } else {
-    cp_async_wait<0>();
-  }
-  __syncthreads();
+  pipeline_start(n_tiles, issue_kv);
   {  // Δ_i = dout_i·out_i: two threads per row
     const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
     float acc = 0.f;
@@ -606,14 +612,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
     tile_abt<T, D>(dp, da, cV);
     tile_ds<T, false>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, st.bh * a.q_len + i0, i0, k0);
     tile_xb<T, D>(dq, s, cK);
-    if (t + 1 < n_tiles) {
-      cp_async_wait<0>();
-      __syncthreads();  // tile t + 1 visible to all; buffer t & 1 no longer read: tile t + 2 goes there
-      if (t + 2 < n_tiles) {
-        issue_kv(t + 2);
-        cp_async_commit();
-      }
-    }
+    pipeline_next(t, n_tiles, issue_kv);
   }
 
   store_tile<T, D / 8>(st.at(a.dq), a.dq.row, i0, a.q_len, 0, dq, a.scale);
@@ -667,17 +666,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     const int kvalid = min(kBlock, a.k_len - k0);
     load_tile_async<T, D>(sK, st.at(a.k) + int64_t(k0) * a.k.row, a.k.row, kvalid);
     load_tile_async<T, D>(sV, st.at(a.v) + int64_t(k0) * a.v.row, a.v.row, kvalid);
-    issue_q(0);
     st.vis.fill_key_bias(sBias, k0);
-    cp_async_commit();
-    if (n_tiles > 1) {
-      issue_q(1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    pipeline_start(n_tiles, issue_q);
   }
 
   // At the top of iteration t, query tile t is visible in buffer t & 1 and only tile t + 1 may be in
@@ -704,16 +694,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
       }
     __syncthreads();  // every warp's rows of P̃ and dS are written
     tile_dkv<T, D>(dk, dv, sP, sdS, kTileLd, r0, cQ, cdO);  // the warp's 16 keys [r0, r0 + 16) of the block
-    if (t + 1 < n_tiles) {
-      cp_async_wait<0>();
-      // Query tile t + 1 (and its lse/Δ) visible to all; buffer t & 1 and sP/sdS no longer read, so
-      // tile t + 2 may go into the one and iteration t + 1 may overwrite the others.
-      __syncthreads();
-      if (t + 2 < n_tiles) {
-        issue_q(t + 2);
-        cp_async_commit();
-      }
-    }
+    pipeline_next(t, n_tiles, issue_q);  // (sP/sdS free for iteration t + 1 too)
   }
 
   store_tile<T, D / 8>(st.at(a.dk), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
@@ -778,16 +759,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
     load_tile_async<T, D>(gK, st.at(a.k) + int64_t(kg) * a.k.row, a.k.row, min(kBlock, a.k_len - kg), tid);
     load_tile_async<T, D>(gV, st.at(a.v) + int64_t(kg) * a.v.row, a.v.row, min(kBlock, a.k_len - kg), tid);
     if (threadIdx.x < kKeys) sBias[threadIdx.x] = st.vis.key_bias(threadIdx.x);
-    issue_q(0);
-    cp_async_commit();
-    if (n_tiles > 1) {
-      issue_q(1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+    pipeline_start(n_tiles, issue_q);
   }
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
@@ -869,15 +841,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
       }
       store_tile<T, kDqChunk / 8>(st.at(a.dq), a.dq.row, q0 + r0, a.q_len, col, dq, a.scale);
     }
-    if (t + 1 < n_tiles) {
-      cp_async_wait<0>();
-      // Query tile t + 1 visible to all; buffer t & 1, P̃, dS and the Δ parts no longer read.
-      __syncthreads();
-      if (t + 2 < n_tiles) {
-        issue_q(t + 2);
-        cp_async_commit();
-      }
-    }
+    pipeline_next(t, n_tiles, issue_q);  // (P̃, dS and the Δ parts free for iteration t + 1 too)
   }
 
   store_tile<T, D / 8>(st.at(a.dk), a.dk.row, kg + r0, a.k_len, 0, dk, a.scale);
