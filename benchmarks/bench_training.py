@@ -14,11 +14,12 @@ All pre-LN, ReLU, dropout 0.1 (embedding, attention, activation, residual), labe
 
 Variants:
     lsmini    lsmini.models.Transformer / TransformerLM with fp16 parameters, FusedAdam (fp32 masters, the
-              whole update in one launch), LossScaler, the fused label-smoothed criterion.
+              whole update in one launch), LossScaler, the fused label-smoothed criterion, stepped by
+              lsmini.train.TrainStep (the training examples' step).
     eager     torch.nn.Transformer (batch_first, norm_first) / nn.TransformerEncoder with a causal mask, fp32
               parameters, torch.autocast(fp16) + GradScaler, AdamW(fused=True), F.cross_entropy.
     lsmini+graph  the lsmini variant with the whole step (forward, backward, FusedAdam, LossScaler) replayed
-              as one CUDA graph (lsmini.graph.CUDAGraphStep).
+              as one CUDA graph (TrainStep with cuda_graph=True).
     lsmini+graph+saved  the same with the layers' ``recompute = False``: backward reads saved attention
               probabilities, FFN activations and LayerNorm outputs instead of recomputing them.
     compiled  the eager variant with the model and loss under torch.compile.
@@ -63,6 +64,7 @@ LABEL_SMOOTHING = 0.1
 DROPOUT = 0.1
 LR, BETAS, EPS, WEIGHT_DECAY = 5e-4, (0.9, 0.98), 1e-8, 0.01
 CHECK_STEPS, CHECK_WINDOW, CHECK_WARMUP = 200, 20, 50
+GRAPH_WARMUP = 3  # eager steps before a graph records (the count behind the published numbers)
 
 CONFIGS = {
     "base": dict(kind="seq2seq", layers=6, hidden=512, heads=8, ffn=2048, vocab=32000, batch=128, len=64),
@@ -215,6 +217,7 @@ def build_lsmini_model(cfg, tm):
 def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_parallel=False):
     from lsmini.layers import CrossEntropyLoss
     from lsmini.optim import FusedAdam, LossScaler
+    from lsmini.train import TrainStep
 
     model = build_lsmini_model(cfg, tm).cuda().half().train()
     del tm
@@ -225,31 +228,23 @@ def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_paral
     crit = CrossEntropyLoss(LABEL_SMOOTHING, ignore_index=PAD, inplace_backward=True, check_targets=False)
     opt = FusedAdam(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adam_w_mode=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
-    scaler = LossScaler()
     if data_parallel:  # buckets of the flat gradient buffer all-reduced while backward runs
         from lsmini.distributed import GradientReducer
         GradientReducer(opt)  # the workspace keeps it
 
-    def train_step(*batch):
-        loss = crit(model(*batch[:-1]), batch[-1])
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        return loss.detach()
+    def loss_fn(*batch):
+        return crit(model(*batch[:-1]), batch[-1])
 
-    if graph:
-        from lsmini.graph import CUDAGraphStep
-        train_step = CUDAGraphStep(train_step, optimizers=[opt])
+    train_step = TrainStep(loss_fn, opt, LossScaler(), cuda_graph=graph, graph_warmup=GRAPH_WARMUP)
 
     def step(*batch):
-        loss = train_step(*batch)
+        loss = train_step(batch)
         if sched is not None:
             sched.step()
         return loss
 
     step.optimizer = opt  # for the data-parallel check in run_worker
-    step.graph = train_step if graph else None
+    step.train_step = train_step  # reset before the process group is destroyed
     return step
 
 
@@ -394,8 +389,7 @@ def run_worker(config, variant, steps, warmup, check, profile):
         if any(not torch.equal(e, every[0]) for e in every):
             raise RuntimeError("data-parallel run: the ranks' parameters differ after training; the gradients "
                                "were not all-reduced")
-        if step.graph is not None:
-            step.graph.reset()  # a live graph with recorded collectives keeps the group from shutting down
+        step.train_step.reset()  # a live graph with recorded collectives keeps the group from shutting down
         torch.distributed.destroy_process_group()
     return r
 

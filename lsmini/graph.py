@@ -11,6 +11,9 @@ recorded kernels back to back with no host work in between.
         loss = step(*batch)                        # overwritten by the next call: .clone() to keep it
         scheduler.step()                           # host-side state changes go outside the step
 
+``lsmini.train.TrainStep(..., cuda_graph=True)`` builds such a step for lsmini training (one recording per
+batch shape, sharing one memory pool); use CUDAGraphStep directly for a step of your own.
+
 The first ``warmup`` calls run ``step_fn`` eagerly (on a side stream, as capture requires: libraries set up
 their workspaces there); the next call records it and then replays it; later calls copy their inputs into
 the recorded input tensors and replay. Every call is one real training step.
@@ -18,8 +21,10 @@ the recorded input tensors and replay. Every call is one real training step.
 What the step function must respect (it runs once, at capture; replays repeat its kernels only):
 - Static shapes: each call's inputs have the shapes, dtypes and device of the first call's (checked).
 - No host synchronisation (``.item()``, ``.cpu()``, data-dependent Python branches); capture fails on most.
-  lsmini's layers, criterion (``check_targets=False``), embedding (``check_tokens=False``), FusedAdam and
-  LossScaler qualify; their dropout draws graph-safe random numbers, fresh at every replay.
+  lsmini's layers, criterion, embedding, FusedAdam and LossScaler qualify: the embedding's token-range
+  check and the criterion's target check synchronise, so they skip themselves while the stream is
+  capturing (eager calls still check; replays do not). Their dropout draws graph-safe random numbers,
+  fresh at every replay.
 - State the host changes between steps must live on the device: FusedAdam reads its learning rates from
   device memory refreshed before each replay (``prepare_graph_replay``), so LR schedulers work; its other
   hyperparameters, and the model's structure, are frozen at capture. After ``load_state_dict`` on the model

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 import lsmini
 from lsmini import _backend
-from lsmini.ops.attention import (HEAD_DIMS, KERNEL_DTYPES, AttentionFunction, attention, attention_ref,
-                                  fused_attention_supported)
+from lsmini.limits import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
+from lsmini.ops.attention import AttentionFunction, attention, attention_ref, fused_attention_supported
 from lsmini.ops.attention_softmax import attention_softmax
 from util import (attention_masks, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err,
                   next_seed_offset, philox_keep_mask, poison)
@@ -175,8 +175,8 @@ def test_reference_keeps_dtype():
 
 
 def test_fused_attention_supported():
-    for dtype in KERNEL_DTYPES:
-        for d in HEAD_DIMS:
+    for dtype in ATTENTION_DTYPES:
+        for d in ATTENTION_HEAD_DIMS:
             assert fused_attention_supported(dtype, d)
         for d in (8, 24, 48, 96, 256):
             assert not fused_attention_supported(dtype, d)
@@ -265,7 +265,7 @@ def test_bad_input_errors():
 LENS = [(1, 1), (7, 7), (63, 65), (64, 64), (65, 63), (128, 128), (200, 200), (1, 200), (200, 7), (7, 128),
         (65, 200), (128, 63)]
 KERNEL_CASES = [(lq, lk, d, MASK_KINDS[(i + j) % len(MASK_KINDS)])
-                for i, (lq, lk) in enumerate(LENS) for j, d in enumerate(HEAD_DIMS)]
+                for i, (lq, lk) in enumerate(LENS) for j, d in enumerate(ATTENTION_HEAD_DIMS)]
 
 
 def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None):
@@ -294,15 +294,15 @@ def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("lq,lk,d,kind", KERNEL_CASES)
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 def test_kernel_matches_reference(dtype, lq, lk, d, kind):
     # b = 3: with a padding mask, one unpadded, one randomly padded and one fully padded sequence
     _kernel_case(3, 2, lq, lk, d, dtype, kind)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize("d", ATTENTION_HEAD_DIMS)
 def test_kernel_long_peaked_and_custom_scale(d, dtype):
     _kernel_case(2, 3, 1000, 1000, d, dtype, "both", seed=1)
     _kernel_case(2, 2, 130, 257, d, dtype, "pad", seed=2, q_scale=6.0)  # near one-hot softmax rows
@@ -310,7 +310,7 @@ def test_kernel_long_peaked_and_custom_scale(d, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 def test_kernel_uses_the_fused_path_and_lse(dtype):
     ext = _backend.ext()
     b, h, lq, lk, d = 3, 2, 65, 63, 64
@@ -328,8 +328,8 @@ def test_kernel_uses_the_fused_path_and_lse(dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize("d", ATTENTION_HEAD_DIMS)
 @pytest.mark.parametrize("p", [0.0, P])
 def test_kernel_strided_inputs_and_out_params(p, d, dtype):
     # q/k/v as views into one [b, l, 3, h, d] projection output, gradients written into views of one
@@ -386,7 +386,7 @@ def test_kernel_backward_of_sum_and_partial_grads():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("lq,lk,d,kind", [(64, 64, 64, "pad"), (65, 200, 32, "both"), (200, 63, 128, "both"),
                                           (7, 7, 16, "none"), (100, 128, 64, "both")])
 def test_dropout_mask_is_attention_softmax_mask(lq, lk, d, kind, dtype, monkeypatch):
@@ -439,7 +439,7 @@ def test_dropout_keep_rate_via_one_hot_values(p):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 def test_dropout_functional_matches_philox_reference(dtype):
     # torch.manual_seed → (seed, offset) of the next call → the reference with that Philox mask
     b, h, lq, lk, d = 3, 2, 65, 128, 64
@@ -485,7 +485,7 @@ def test_dropout_reproducible_and_p0_exact():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("l", [128, 1024])  # one CTA per (batch, head) / the two tiled kernels
 def test_backward_is_deterministic(dtype, l):
     ext = _backend.ext()

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import lsmini
-from lsmini.ops.attention_softmax import (MAX_K_LEN, AttentionSoftmaxFunction, attention_softmax,
-                                          attention_softmax_ref)
+from lsmini.limits import ATTENTION_SOFTMAX_MAX_KEYS as MAX_KEYS
+from lsmini.ops.attention_softmax import AttentionSoftmaxFunction, attention_softmax, attention_softmax_ref
 from util import (attention_masks, LOWP, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, philox4x32_10,
                   philox_keep_mask)
 
@@ -162,8 +162,8 @@ def test_bad_input_errors():
         attention_softmax(x, dropout_p=1.5)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"):
         attention_softmax(x, dropout_p=-0.1)
-    with pytest.raises(ValueError, match=f"k_len .* at most {MAX_K_LEN}, got {MAX_K_LEN + 1}"):
-        attention_softmax(torch.randn(1, 1, 1, MAX_K_LEN + 1))
+    with pytest.raises(ValueError, match=f"k_len .* at most {MAX_KEYS}, got {MAX_KEYS + 1}"):
+        attention_softmax(torch.randn(1, 1, 1, MAX_KEYS + 1))
 
 
 # ---------------------------------------------------------------------------------------- CUDA ---
@@ -411,8 +411,8 @@ def test_kernel_bad_input_errors():
         ext.attention_softmax_fwd(x.cpu(), None, False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="scores must be 4-D"):
         ext.attention_softmax_fwd(x[0], None, False, 0.0, (0, 0, 0, 0))
-    with pytest.raises(RuntimeError, match=f"must be at most {MAX_K_LEN}, got {MAX_K_LEN + 1}"):
-        ext.attention_softmax_fwd(torch.randn(1, 1, 1, MAX_K_LEN + 1, device="cuda"), None, False, 0.0, (0, 0, 0, 0))
+    with pytest.raises(RuntimeError, match=f"must be at most {MAX_KEYS}, got {MAX_KEYS + 1}"):
+        ext.attention_softmax_fwd(torch.randn(1, 1, 1, MAX_KEYS + 1, device="cuda"), None, False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="key_padding_mask must be a CUDA tensor"):
         ext.attention_softmax_fwd(x, kpm.cpu(), False, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match="key_padding_mask must be Bool"):
@@ -433,8 +433,8 @@ def test_kernel_bad_input_errors():
     # the functional names the argument before anything reaches the kernel
     with pytest.raises(ValueError, match="key_padding_mask is on cpu but scores is on cuda"):
         attention_softmax(x, kpm.cpu())
-    with pytest.raises(ValueError, match=f"at most {MAX_K_LEN}"):
-        attention_softmax(torch.randn(1, 1, 2, MAX_K_LEN + 8, device="cuda"))
+    with pytest.raises(ValueError, match=f"at most {MAX_KEYS}"):
+        attention_softmax(torch.randn(1, 1, 2, MAX_KEYS + 8, device="cuda"))
 
 
 @pytest.mark.cuda

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from fake_ext import fake_kernels  # noqa: F401  (fixture)
+from layer_testing import (DEVICES, _one_thread, _poison_arena, no_tf32,  # noqa: F401  (fixtures)
+                           assert_close_scaled, padding_mask, param_grads, perturb_, plain_attention, run)
 from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerDecoderLayer
-from test_encoder_layer import (assert_close_scaled, fake_kernels, padding_mask, param_grads, perturb_,  # noqa: F401
-                                plain_attention, run)
-from layer_testing import DEVICES, _one_thread, _poison_arena, no_tf32  # noqa: F401  (fixtures)
 from util import assert_dropout_keep_stats, assert_lowp_rule
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
@@ -40,7 +40,7 @@ def torch_decoder_grads(t):
     return g
 
 
-def compare_with_torch(t, m, y, mem, mask, g, tol):
+def compare_decoder_with_torch(t, m, y, mem, mask, g, tol):
     """Forward and every gradient of our layer m vs torch layer t (same weights) run in float64."""
     t = copy.deepcopy(t).double()
     t.zero_grad(set_to_none=True)
@@ -74,7 +74,7 @@ def test_matches_torch_cpu(pre, act, case, mask_kind, recompute):
     gen = torch.Generator().manual_seed(1)
     y, mem, g = (torch.randn(b, n, h, generator=gen) for n in (lt, ls, lt))
     mask = None if mask_kind == "none" else padding_mask(b, ls, mask_kind)
-    compare_with_torch(t, m, y, mem, mask, g, tol=2e-5)
+    compare_decoder_with_torch(t, m, y, mem, mask, g, tol=2e-5)
 
 
 def test_to_torch_roundtrip_and_layer_kv():
@@ -193,14 +193,14 @@ def test_gemm_count_cuda(num_layers, recompute):
 @pytest.mark.parametrize("pre", [True, False])
 def test_kernel_path_glue(fake_kernels, pre, recompute):
     """The kernel path (binding calls, stacked K/V through split_heads with 2L parts, the gradient slots)
-    with the extension replaced by the CPU stand-in of test_encoder_layer: a standalone layer against
+    with the extension replaced by the CPU stand-in of fake_ext: a standalone layer against
     torch.nn, and a 3-layer stack against its layers run one by one."""
     t = torch_decoder_layer(24, 3, 40, "gelu", pre)
     m = TransformerDecoderLayer.from_torch(t)
     m.recompute = recompute
     gen = torch.Generator().manual_seed(1)
     y, mem, g = (torch.randn(3, n, 24, generator=gen) for n in (5, 8, 5))
-    compare_with_torch(t, m, y, mem, padding_mask(3, 8, "random"), g, tol=2e-5)
+    compare_decoder_with_torch(t, m, y, mem, padding_mask(3, 8, "random"), g, tol=2e-5)
 
     dec, layers = _stack_and_layers("cpu", pre)
     for layer in list(dec.layers) + layers:
@@ -214,6 +214,7 @@ def test_kernel_path_glue(fake_kernels, pre, recompute):
     assert_close_scaled(dm_d, dm_s, 2e-5, "grad encoder_out")
     kv = torch.cat([l.multihead_attn.kv_proj_weight.grad for l in layers])
     assert_close_scaled(dec.cross_attn_kv_weight.grad, kv, 2e-5, "stacked kv grad")
+    assert "layernorm_bwd" in [name for name, _ in fake_kernels.calls]
 
 
 # ------------------------------------------------------------------------------------------- properties ---
@@ -366,7 +367,7 @@ def test_cuda_matches_torch_fp32(pre, act, case, recompute, no_tf32):
     m.recompute = recompute
     gen = torch.Generator().manual_seed(1)
     y, mem, g = (torch.randn(b, n, h, generator=gen).cuda() for n in (lt, ls, lt))
-    compare_with_torch(t, m, y, mem, padding_mask(b, ls, "random").cuda(), g, tol=5e-5)
+    compare_decoder_with_torch(t, m, y, mem, padding_mask(b, ls, "random").cuda(), g, tol=5e-5)
 
 
 @pytest.mark.cuda

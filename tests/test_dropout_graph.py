@@ -7,13 +7,12 @@ from that state gives: at replay torch writes the generator's current (seed, off
 then advances the offset by the graph's whole increment, the sum of the increments its calls drew
 during capture, which is what the same calls advance it by in eager mode.
 """
-import contextlib
-
 import pytest
 import torch
 
 from lsmini import _backend
 from lsmini.ops import attention_softmax, bias_act_dropout, bias_dropout_residual, embedding, sinusoidal_positions
+from fake_ext import fake_kernels  # noqa: F401  (fixture)
 from util import assert_dropout_keep_stats
 
 P = 0.5
@@ -216,54 +215,6 @@ def test_philox_seed_offset_eager_and_captured_forms():
 
 
 # -------------------------------------------------------------------------------------- CPU (CI) ---
-class _RecordingExt:
-    """Stands in for lsmini._C on CPU: hands out rng tuples in the captured form (device addresses) and
-    records the rng that each dropout binding receives. Outputs are placeholders of the right shapes."""
-
-    def __init__(self):
-        self.drawn, self.calls = [], []
-
-    def philox_seed_offset(self):
-        rng = (0, 4 * len(self.drawn), 0x7F0000001000, 0x7F0000001008)
-        self.drawn.append(rng)
-        return rng
-
-    def embedding_fwd(self, tokens, weight, pos_table, scale, padding_idx, step, dropout_p, rng):
-        self.calls.append(("embedding_fwd", rng))
-        return torch.zeros(*tokens.shape, weight.shape[1], dtype=weight.dtype)
-
-    def embedding_bwd(self, grad, tokens, vocab, max_positions, need_weight, need_pos, scale, padding_idx, step,
-                      dropout_p, rng):
-        self.calls.append(("embedding_bwd", rng))
-        hidden = grad.shape[-1]
-        return (torch.zeros(vocab, hidden) if need_weight else None,
-                torch.zeros(max_positions, hidden) if need_pos else None)
-
-    def attention_softmax_fwd(self, scores, key_padding_mask, causal, p, rng):
-        self.calls.append(("attention_softmax_fwd", rng))
-        return torch.softmax(scores, -1), torch.softmax(scores, -1)
-
-    def attention_softmax_bwd(self, grad_probs, softmax, p, rng, inplace):
-        self.calls.append(("attention_softmax_bwd", rng))
-        return torch.zeros_like(softmax)
-
-    def bias_dropout_residual_fwd(self, x, bias, residual, p, rng):
-        self.calls.append(("bias_dropout_residual_fwd", rng))
-        return x + residual
-
-    def bias_dropout_residual_bwd(self, grad, p, rng, has_bias, bias_dtype=None):
-        self.calls.append(("bias_dropout_residual_bwd", rng))
-        return grad.clone(), (grad.sum(0) if has_bias else None)
-
-    def bias_act_dropout_fwd(self, x, bias, act, p, rng):
-        self.calls.append(("bias_act_dropout_fwd", rng))
-        return x.clone()
-
-    def bias_act_dropout_bwd(self, grad, x, bias, act, p, rng):
-        self.calls.append(("bias_act_dropout_bwd", rng))
-        return grad.clone(), (grad.sum(0) if bias is not None else None)
-
-
 def _cpu_forward(op, p):
     """A forward of the public op on small CPU tensors (taking its kernel path); returns the output."""
     g = _gen()
@@ -282,18 +233,16 @@ def _cpu_forward(op, p):
 
 @pytest.mark.parametrize("p", [0.0, P])
 @pytest.mark.parametrize("op", list(CASES))
-def test_ops_hand_the_drawn_rng_to_forward_and_backward(op, p, monkeypatch):
+def test_ops_hand_the_drawn_rng_to_forward_and_backward(op, p, fake_kernels):
     """The Python side of every dropout op: the rng tuple drawn once per call goes to the forward
     binding and, unchanged, to the backward binding (the captured form included); p == 0 draws
     nothing and passes NO_RNG."""
-    fake = _RecordingExt()
-    monkeypatch.setattr(_backend, "ext", lambda: fake)
-    monkeypatch.setattr(_backend, "use_kernels", lambda *tensors: True)
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # CPU tensors here
+    fake_kernels.captured = True  # rng tuples in the captured form (device addresses), as inside a graph
     out = _cpu_forward(op, p)
     out.backward(torch.ones_like(out))
-    assert [name for name, _ in fake.calls] == [f"{op}_fwd", f"{op}_bwd"]
-    assert len(fake.drawn) == (1 if p > 0 else 0)
-    want = fake.drawn[0] if p > 0 else _backend.NO_RNG
-    for name, rng in fake.calls:
+    assert [name for name, _ in fake_kernels.calls] == [f"{op}_fwd", f"{op}_bwd"]
+    assert len(fake_kernels.drawn) == (1 if p > 0 else 0)
+    want = fake_kernels.drawn[0] if p > 0 else _backend.NO_RNG
+    for name, args in fake_kernels.calls:
+        rng = args["rng"]
         assert type(rng) is tuple and rng == want, f"{name} got rng {rng!r}, expected {want!r}"

@@ -7,6 +7,7 @@ import lsmini
 from lsmini import _backend
 from lsmini.ops import heads as heads_mod
 from lsmini.ops.heads import merge_heads, merge_heads_ref, split_heads, split_heads_ref
+from fake_ext import fake_kernels  # noqa: F401  (fixture)
 from util import assert_close_fp32, assert_lowp_rule
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -220,44 +221,11 @@ def test_public_exports():
 
 
 # ----------------------------------------------------------------------------------------------------
-# CPU: the autograd Functions' glue, with a stand-in for lsmini._C built from the slicing formulation
+# CPU: the autograd Functions' glue, with fake_ext's stand-in for lsmini._C
 # ----------------------------------------------------------------------------------------------------
-class FakeExt:
-    """Implements the four bindings' contracts in plain PyTorch and records backward calls."""
-
-    def __init__(self):
-        self.bwd_calls = []
-
-    def split_heads_fwd(self, x, bias, num_heads, parts):
-        return torch.stack(split_by_slicing(x, bias, num_heads, parts))
-
-    def split_heads_bwd(self, grad, has_bias, bias_fp32=False):
-        self.bwd_calls.append((grad, has_bias, bias_fp32))
-        assert grad.dim() == 5 and grad.is_contiguous()
-        gx = tokens_from_part_grads(grad.unbind(0))
-        gb = None
-        if has_bias:
-            gb = gx.double().sum(dim=(0, 1)).to(torch.float32 if bias_fp32 else grad.dtype)
-        return gx, gb
-
-    def merge_heads_fwd(self, x):
-        return merge_by_slicing(x)
-
-    def merge_heads_bwd(self, grad, num_heads):
-        batch, length, width = grad.shape
-        return grad.view(batch, length, num_heads, width // num_heads).transpose(1, 2).contiguous()
-
-
-@pytest.fixture
-def fake_ext(monkeypatch):
-    fake = FakeExt()
-    monkeypatch.setattr(_backend, "ext", lambda: fake)
-    return fake
-
-
 @pytest.mark.parametrize("grad_kind", ["separate", "one_buffer", "some_none"])
 @pytest.mark.parametrize("bias_kind", ["none", "same", "fp32", "frozen"])
-def test_split_heads_function_glue(fake_ext, grad_kind, bias_kind):
+def test_split_heads_function_glue(fake_kernels, grad_kind, bias_kind):
     torch.manual_seed(3)
     batch, length, parts, num_heads, head_dim = 2, 5, 3, 2, 4
     width = parts * num_heads * head_dim
@@ -287,7 +255,9 @@ def test_split_heads_function_glue(fake_ext, grad_kind, bias_kind):
     inputs = [x] if bias is None or bias_kind == "frozen" else [x, bias]
     got = torch.autograd.grad(used, inputs, grads)
 
-    (g_seen, has_bias, bias_fp32), = fake_ext.bwd_calls
+    (bwd_args,) = [args for name, args in fake_kernels.calls if name == "split_heads_bwd"]
+    g_seen, has_bias, bias_fp32 = bwd_args["grad"], bwd_args["has_bias"], bwd_args["bias_fp32"]
+    assert g_seen.dim() == 5 and g_seen.is_contiguous()
     assert torch.equal(g_seen, g5)
     if grad_kind == "one_buffer":  # read in place, no stacking copy
         assert g_seen.data_ptr() == g5.data_ptr()
@@ -300,7 +270,7 @@ def test_split_heads_function_glue(fake_ext, grad_kind, bias_kind):
         assert torch.equal(got[1], g_tokens.double().sum(dim=(0, 1)).to(bias.dtype))
 
 
-def test_merge_heads_function_glue(fake_ext):
+def test_merge_heads_function_glue(fake_kernels):
     torch.manual_seed(4)
     x = torch.randn(2, 3, 5, 4, requires_grad=True)
     out = heads_mod.MergeHeadsFunction.apply(x)

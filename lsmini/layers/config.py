@@ -2,10 +2,8 @@
 import numbers
 from dataclasses import dataclass
 
-from lsmini.ops.attention_softmax import MAX_K_LEN
-
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-MAX_HIDDEN = 32768  # the LayerNorm kernel keeps a row in registers (kLayerNormMaxHidden)
+from lsmini import limits
+from lsmini.ops.bias_act_dropout import ACTIVATIONS
 
 
 def _check_int(name, v, lo=1, hi=None):
@@ -51,7 +49,7 @@ class TransformerConfig:
     max_seq_len: int = 512
 
     def __post_init__(self):
-        _check_int("hidden_size", self.hidden_size, 1, MAX_HIDDEN)
+        _check_int("hidden_size", self.hidden_size, 1, limits.LAYERNORM_MAX_HIDDEN)
         _check_int("num_heads", self.num_heads, 1)
         _check_int("ffn_size", self.ffn_size, 1)
         if self.hidden_size % self.num_heads:
@@ -69,7 +67,7 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig: layer_norm_eps must be a float > 0, got {self.layer_norm_eps!r}")
         _check_int("max_batch_tokens", self.max_batch_tokens, 1)
         # the attention softmax kernel holds one row of keys in registers
-        _check_int("max_seq_len", self.max_seq_len, 1, MAX_K_LEN)
+        _check_int("max_seq_len", self.max_seq_len, 1, limits.ATTENTION_SOFTMAX_MAX_KEYS)
 
     @property
     def head_dim(self):

@@ -3,7 +3,7 @@ import numbers
 
 from torch import nn
 
-from lsmini.ops.cross_entropy import _REDUCTIONS, cross_entropy
+from lsmini.ops.cross_entropy import REDUCTIONS, cross_entropy
 
 
 class CrossEntropyLoss(nn.Module):
@@ -29,8 +29,8 @@ class CrossEntropyLoss(nn.Module):
             raise ValueError(f"CrossEntropyLoss: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
             raise TypeError(f"CrossEntropyLoss: ignore_index must be an int, got {type(ignore_index).__name__}")
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"CrossEntropyLoss: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"CrossEntropyLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.label_smoothing = float(label_smoothing)
         self.ignore_index = int(ignore_index)
         self.reduction = reduction

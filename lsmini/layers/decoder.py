@@ -1,4 +1,5 @@
-"""Transformer decoder layer and stack on lsmini's fused kernels (see _fused.py for the computation).
+"""Transformer decoder layer and stack on lsmini's fused kernels (blocks.py has the computation,
+function.py the autograd Functions, base.py what the decoder shares with the encoder).
 
 A TransformerDecoder holds the cross-attention K/V projections of all its layers as ONE parameter
 ``cross_attn_kv_weight`` [num_layers·2·hidden, hidden] (rows of layer i: K at [2i·H, (2i+1)·H), V at
@@ -10,25 +11,14 @@ gradient. A standalone TransformerDecoderLayer holds its own [2H, H] projection 
 import torch
 from torch import nn
 
-from lsmini.layers._common import (CrossAttentionParams, SelfAttentionParams, cast_block, check_mask, check_new_order,
-                                   check_states, check_torch_attention, check_torch_linear_norm, compute_dtype,
-                                   config_from_torch, copy_params, describe, no_autocast, reorder, reset_ffn,
-                                   torch_layer, uniform_, use_kernels)
-from lsmini.layers._fused import CrossKVFunction, KVGradSlots, LayerFunction, LayerSpec, incremental_layer, project_kv
-from lsmini.layers.config import TransformerConfig
-from lsmini.layers.layernorm import LayerNorm
-
-_KINDS = ("self", "cross", "ffn")
-
-
-def _check_config(owner, config):
-    if not isinstance(config, TransformerConfig):
-        raise TypeError(f"{owner}: config must be a TransformerConfig, got {type(config).__name__}")
-
-
-def _check_cache(owner, cache):
-    if cache is not None and not isinstance(cache, dict):
-        raise TypeError(f"{owner}: cache must be a dict (start with {{}}) or None, got {type(cache).__name__}")
+from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
+                                kernels_for)
+from lsmini.layers.function import CrossKVFunction, KVGradSlots, LayerFunction
+from lsmini.layers.incremental import incremental_layer, project_kv
+from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch, copy_params,
+                                   torch_layer)
+from lsmini.layers.params import CrossAttentionParams, uniform_
+from lsmini.layers.precision import cast_block, compute_dtype, no_autocast
 
 
 def _check_encoder(owner, encoder_out, mask, batch, config, ref, cached_kv):
@@ -52,7 +42,7 @@ def _check_encoder(owner, encoder_out, mask, batch, config, ref, cached_kv):
     return ls
 
 
-class TransformerDecoderLayer(nn.Module):
+class TransformerDecoderLayer(TransformerLayerBase):
     """One Transformer decoder layer: causal self-attention, cross-attention over the encoder output,
     feed-forward; pre- or post-LayerNorm.
 
@@ -69,48 +59,33 @@ class TransformerDecoderLayer(nn.Module):
     Dtypes and the ``recompute`` attribute as TransformerEncoderLayer.
     """
 
+    KINDS = ("self", "cross", "ffn")
+
     def __init__(self, config, own_kv=True, device=None, dtype=None):
-        super().__init__()
-        _check_config("TransformerDecoderLayer", config)
-        self.config = config
-        kw = {"device": device, "dtype": dtype}
-        h, f = config.hidden_size, config.ffn_size
-        self.self_attn = SelfAttentionParams(h, **kw)
-        self.multihead_attn = CrossAttentionParams(h, own_kv=own_kv, **kw)
-        self.linear1 = nn.Linear(h, f, **kw)
-        self.linear2 = nn.Linear(f, h, **kw)
-        self.norm1 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.norm2 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.norm3 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        reset_ffn(self.linear1, self.linear2)
-        self.recompute = True
+        super().__init__(config, device, dtype)
+        self.multihead_attn = CrossAttentionParams(config.hidden_size, own_kv=own_kv, device=device, dtype=dtype)
+        self._add_ffn_and_norms(device, dtype)
 
     def blocks(self):
-        """Per sub-block (W_in, b_in, W_out, b_out, ln_w, ln_b), in the order the layer runs them."""
-        sa, ca = self.self_attn, self.multihead_attn
-        return [(sa.in_proj_weight, sa.in_proj_bias, sa.out_proj.weight, sa.out_proj.bias, self.norm1.weight,
-                 self.norm1.bias),
-                (ca.q_proj_weight, ca.q_proj_bias, ca.out_proj.weight, ca.out_proj.bias, self.norm2.weight,
-                 self.norm2.bias),
-                (self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, self.norm3.weight,
-                 self.norm3.bias)]
+        ca = self.multihead_attn
+        cross = (ca.q_proj_weight, ca.q_proj_bias, ca.out_proj.weight, ca.out_proj.bias, self.norm2.weight,
+                 self.norm2.bias)
+        return [self._self_block(), cross, self._ffn_block()]
 
     def scratch_numel(self, batch, tgt_len, src_len):
         """Arena elements this layer's backward needs."""
-        spec = LayerSpec(_KINDS, self.config, True, True, False)
-        spec.b, spec.lq, spec.ls = batch, tgt_len, src_len
-        return spec.scratch_numel(backward=True)
+        return self._scratch_numel(batch, tgt_len)
 
     # the two ways to run the layer once the K/V of the encoder output exist (used by the decoder stack)
-    def _fused(self, y, k_enc, v_enc, enc_mask, slots, index, kernels):
-        spec = LayerSpec(_KINDS, self.config, self.training, True, kernels, slots, index, self.recompute)
-        params = [p for blk in self.blocks() for p in blk]  # cast inside, gradients in their dtypes
-        return LayerFunction.apply(spec, y, None, k_enc, v_enc, enc_mask, *params)
+    def _forward_with_kv(self, y, encoder_k, encoder_v, encoder_padding_mask, kv_slots, index, kernels):
+        params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
+        return LayerFunction.apply(self.options(True, kernels), kv_slots, index, y, None, encoder_k, encoder_v,
+                                   encoder_padding_mask, *params)
 
-    def _incremental(self, y, enc_kv, enc_mask, cache, dtype, kernels):
-        spec = LayerSpec(_KINDS, self.config, self.training, True, kernels)
-        params = [p for blk in self.blocks() for p in cast_block(blk, dtype)]
-        return incremental_layer(spec, y, params, None, enc_kv, enc_mask, cache)
+    def _forward_incremental(self, y, encoder_kv, encoder_padding_mask, cache, dtype, kernels):
+        params = [p for block in self.blocks() for p in cast_block(block, dtype)]
+        return incremental_layer(self.options(True, kernels), y, params, None, encoder_kv, encoder_padding_mask,
+                                 cache)
 
     def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None):
         owner = "TransformerDecoderLayer"
@@ -118,7 +93,7 @@ class TransformerDecoderLayer(nn.Module):
         if not ca.owns_kv:
             raise RuntimeError(f"{owner}: this layer belongs to a TransformerDecoder, which holds its cross-attention "
                                f"K/V projection; run the decoder, or build a standalone layer")
-        _check_cache(owner, cache)
+        check_cache(owner, cache)
         w = self.self_attn.in_proj_weight
         past = cache["k"].shape[2] if cache is not None and "k" in cache else 0
         check_states(owner, "y", y, self.config, w, past)
@@ -128,20 +103,16 @@ class TransformerDecoderLayer(nn.Module):
         heads = self.config.num_heads
         with no_autocast(y.device.type):
             y = y.to(dtype).contiguous()
-            kernels = use_kernels(y)
+            kernels = kernels_for(y)
             if cache is None:
                 slots = KVGradSlots(2)
                 k_enc, v_enc = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), ca.kv_proj_weight,
                                                      ca.kv_proj_bias, heads, slots, kernels)
-                return self._fused(y, k_enc, v_enc, encoder_padding_mask, slots, 0, kernels)
+                return self._forward_with_kv(y, k_enc, v_enc, encoder_padding_mask, slots, 0, kernels)
             if cached_kv is None:
                 w_kv, b_kv = cast_block((ca.kv_proj_weight, ca.kv_proj_bias), dtype)
                 cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, 2)
-            return self._incremental(y, cached_kv, encoder_padding_mask, cache, dtype, kernels)
-
-    def reorder_cache(self, cache, new_order):
-        check_new_order("TransformerDecoderLayer.reorder_cache", new_order)
-        return reorder(cache, new_order)
+            return self._forward_incremental(y, cached_kv, encoder_padding_mask, cache, dtype, kernels)
 
     @classmethod
     def from_torch(cls, layer, max_batch_tokens=8192, max_seq_len=512):
@@ -186,10 +157,10 @@ class TransformerDecoderLayer(nn.Module):
         return t.train(self.training)
 
     def extra_repr(self):
-        return f"{describe(self.config)}, own_kv={self.multihead_attn.owns_kv}"
+        return f"{super().extra_repr()}, own_kv={self.multihead_attn.owns_kv}"
 
 
-class TransformerDecoder(nn.Module):
+class TransformerDecoder(TransformerStackBase):
     """``num_layers`` TransformerDecoderLayers sharing one cross-attention K/V projection parameter
     (``cross_attn_kv_weight`` [num_layers·2·hidden, hidden], ``cross_attn_kv_bias``), plus a final
     LayerNorm when pre_layer_norm.
@@ -203,18 +174,13 @@ class TransformerDecoder(nn.Module):
     """
 
     def __init__(self, config, num_layers, device=None, dtype=None):
-        super().__init__()
-        _check_config("TransformerDecoder", config)
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"TransformerDecoder: num_layers must be an int >= 1, got {num_layers!r}")
-        self.config = config
-        h = config.hidden_size
         kw = {"device": device, "dtype": dtype}
-        self.layers = nn.ModuleList(TransformerDecoderLayer(config, own_kv=False, **kw) for _ in range(num_layers))
+        super().__init__(config, num_layers, lambda: TransformerDecoderLayer(config, own_kv=False, **kw))
+        h = config.hidden_size
         self.cross_attn_kv_weight = nn.Parameter(torch.empty(num_layers * 2 * h, h, **kw))
         self.cross_attn_kv_bias = nn.Parameter(torch.zeros(num_layers * 2 * h, **kw))
         uniform_(self.cross_attn_kv_weight, h, 3 * h)
-        self.norm = LayerNorm(h, eps=config.layer_norm_eps, **kw) if config.pre_layer_norm else None
+        self._add_final_norm(device, dtype)
 
     def layer_kv(self, i):
         """(weight [2H, H], bias [2H]): views of layer i's rows of the stacked K/V projection."""
@@ -247,7 +213,7 @@ class TransformerDecoder(nn.Module):
 
     def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None):
         owner = "TransformerDecoder"
-        _check_cache(owner, cache)
+        check_cache(owner, cache)
         w = self.cross_attn_kv_weight
         past = cache.get("step", 0) if cache is not None else 0
         check_states(owner, "y", y, self.config, w, past)
@@ -257,25 +223,20 @@ class TransformerDecoder(nn.Module):
         heads, parts = self.config.num_heads, 2 * len(self.layers)
         with no_autocast(y.device.type):
             y = y.to(dtype).contiguous()
-            kernels = use_kernels(y)
+            kernels = kernels_for(y)
             if cache is None:
                 slots = KVGradSlots(parts)
                 kv = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), w, self.cross_attn_kv_bias, heads,
                                            slots, kernels)
                 for i, layer in enumerate(self.layers):
-                    y = layer._fused(y, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i, kernels)
+                    y = layer._forward_with_kv(y, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i, kernels)
             else:
                 if cached_kv is None:
                     w_kv, b_kv = cast_block((w, self.cross_attn_kv_bias), dtype)
                     cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, parts)
                 layer_caches = cache.setdefault("layers", [{} for _ in self.layers])
                 for i, layer in enumerate(self.layers):
-                    y = layer._incremental(y, cached_kv[2 * i:2 * i + 2], encoder_padding_mask, layer_caches[i],
-                                           dtype, kernels)
+                    y = layer._forward_incremental(y, cached_kv[2 * i:2 * i + 2], encoder_padding_mask,
+                                                   layer_caches[i], dtype, kernels)
                 cache["step"] = past + y.shape[1]
-        return y if self.norm is None else self.norm(y)
-
-    def reorder_cache(self, cache, new_order):
-        """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""
-        check_new_order("TransformerDecoder.reorder_cache", new_order)
-        return reorder(cache, new_order)
+        return self._final_norm(y)

@@ -1,17 +1,14 @@
-"""Transformer encoder layer and stack on lsmini's fused kernels (see _fused.py for the computation)."""
+"""Transformer encoder layer and stack on lsmini's fused kernels (blocks.py has the computation,
+function.py the autograd Function, base.py what the encoder shares with the decoder)."""
 from torch import nn
 
-from lsmini.layers._common import (SelfAttentionParams, cast_block, check_mask, check_new_order, check_states,
-                                   check_torch_attention, check_torch_linear_norm, compute_dtype, config_from_torch,
-                                   copy_params, describe, no_autocast, reorder, reset_ffn, torch_layer, use_kernels)
-from lsmini.layers._fused import LayerFunction, LayerSpec, incremental_layer
-from lsmini.layers.config import TransformerConfig
-from lsmini.layers.layernorm import LayerNorm
-
-
-def _check_config(owner, config):
-    if not isinstance(config, TransformerConfig):
-        raise TypeError(f"{owner}: config must be a TransformerConfig, got {type(config).__name__}")
+from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_mask, check_states,
+                                kernels_for)
+from lsmini.layers.function import LayerFunction
+from lsmini.layers.incremental import incremental_layer
+from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch, copy_params,
+                                   torch_layer)
+from lsmini.layers.precision import cast_block, compute_dtype, no_autocast
 
 
 def _check_causal(owner, causal, cache):
@@ -25,7 +22,7 @@ def _check_causal(owner, causal, cache):
                              f"cached positions would have to see the new ones")
 
 
-class TransformerEncoderLayer(nn.Module):
+class TransformerEncoderLayer(TransformerLayerBase):
     """One Transformer encoder layer (self-attention + feed-forward), pre- or post-LayerNorm.
 
     forward(x [batch, len, hidden], padding_mask [batch, len] bool (True = pad) or None, causal=False)
@@ -50,33 +47,18 @@ class TransformerEncoderLayer(nn.Module):
     tokens·(ffn + 2·hidden) elements), for a little less time.
     """
 
+    KINDS = ("self", "ffn")
+
     def __init__(self, config, device=None, dtype=None):
-        super().__init__()
-        _check_config("TransformerEncoderLayer", config)
-        self.config = config
-        kw = {"device": device, "dtype": dtype}
-        h, f = config.hidden_size, config.ffn_size
-        self.self_attn = SelfAttentionParams(h, **kw)
-        self.linear1 = nn.Linear(h, f, **kw)
-        self.linear2 = nn.Linear(f, h, **kw)
-        self.norm1 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        self.norm2 = LayerNorm(h, eps=config.layer_norm_eps, **kw)
-        reset_ffn(self.linear1, self.linear2)
-        self.recompute = True
+        super().__init__(config, device, dtype)
+        self._add_ffn_and_norms(device, dtype)
 
     def blocks(self):
-        """Per sub-block (W_in, b_in, W_out, b_out, ln_w, ln_b), in the order the layer runs them."""
-        sa = self.self_attn
-        return [(sa.in_proj_weight, sa.in_proj_bias, sa.out_proj.weight, sa.out_proj.bias, self.norm1.weight,
-                 self.norm1.bias),
-                (self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, self.norm2.weight,
-                 self.norm2.bias)]
+        return [self._self_block(), self._ffn_block()]
 
     def scratch_numel(self, batch, seq_len):
         """Arena elements this layer's backward needs for [batch, seq_len] inputs."""
-        spec = LayerSpec(("self", "ffn"), self.config, True, False, False)
-        spec.b, spec.lq = batch, seq_len
-        return spec.scratch_numel(backward=True)
+        return self._scratch_numel(batch, seq_len)
 
     def forward(self, x, padding_mask=None, causal=False, cache=None):
         owner = "TransformerEncoderLayer"
@@ -88,17 +70,12 @@ class TransformerEncoderLayer(nn.Module):
         dtype = compute_dtype(owner, x, w)
         with no_autocast(x.device.type):
             x = x.to(dtype).contiguous()
-            spec = LayerSpec(("self", "ffn"), self.config, self.training, causal, use_kernels(x),
-                             recompute=self.recompute)
+            options = self.options(causal, kernels_for(x))
             if cache is not None:
-                params = [p for blk in self.blocks() for p in cast_block(blk, dtype)]
-                return incremental_layer(spec, x, params, padding_mask, None, None, cache)
-            params = [p for blk in self.blocks() for p in blk]  # cast inside, gradients in their dtypes
-            return LayerFunction.apply(spec, x, padding_mask, None, None, None, *params)
-
-    def reorder_cache(self, cache, new_order):
-        check_new_order("TransformerEncoderLayer.reorder_cache", new_order)
-        return reorder(cache, new_order)
+                params = [p for block in self.blocks() for p in cast_block(block, dtype)]
+                return incremental_layer(options, x, params, padding_mask, None, None, cache)
+            params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
+            return LayerFunction.apply(options, None, 0, x, padding_mask, None, None, None, *params)
 
     @classmethod
     def from_torch(cls, layer, max_batch_tokens=8192, max_seq_len=512):
@@ -122,11 +99,8 @@ class TransformerEncoderLayer(nn.Module):
         copy_params(t, dict(self.named_parameters()))
         return t.train(self.training)
 
-    def extra_repr(self):
-        return describe(self.config)
 
-
-class TransformerEncoder(nn.Module):
+class TransformerEncoder(TransformerStackBase):
     """``num_layers`` TransformerEncoderLayers, plus a final LayerNorm when pre_layer_norm.
 
     forward(x [batch, len, hidden], padding_mask [batch, len] bool (True = pad) or None, causal=False,
@@ -136,15 +110,8 @@ class TransformerEncoder(nn.Module):
     """
 
     def __init__(self, config, num_layers, device=None, dtype=None):
-        super().__init__()
-        _check_config("TransformerEncoder", config)
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"TransformerEncoder: num_layers must be an int >= 1, got {num_layers!r}")
-        self.config = config
-        self.layers = nn.ModuleList(TransformerEncoderLayer(config, device=device, dtype=dtype)
-                                    for _ in range(num_layers))
-        self.norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, device=device, dtype=dtype) \
-            if config.pre_layer_norm else None
+        super().__init__(config, num_layers, lambda: TransformerEncoderLayer(config, device=device, dtype=dtype))
+        self._add_final_norm(device, dtype)
 
     def scratch_numel(self, batch, seq_len):
         return self.layers[0].scratch_numel(batch, seq_len)
@@ -158,9 +125,4 @@ class TransformerEncoder(nn.Module):
             x = layer(x, padding_mask, causal, c)
         if cache is not None:
             cache["step"] = cache.get("step", 0) + x.shape[1]
-        return x if self.norm is None else self.norm(x)
-
-    def reorder_cache(self, cache, new_order):
-        """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""
-        check_new_order("TransformerEncoder.reorder_cache", new_order)
-        return reorder(cache, new_order)
+        return self._final_norm(x)

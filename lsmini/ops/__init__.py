@@ -1,5 +1,12 @@
 """Fused ops. Each ``lsmini.ops.<op>(...)`` runs the CUDA kernel for CUDA tensors when the extension is
-built, and its pure-PyTorch reference ``<op>_ref`` otherwise."""
+built, and its pure-PyTorch reference ``<op>_ref`` otherwise.
+
+``lsmini/ops/<op>.py`` holds everything of one op: the public function, the reference, the autograd
+Function and, for the ops inside the fused layers, the forward/backward primitives the layers' hand-written
+backward is built on. What several ops share lives in modules named by their role: ``checks`` (argument
+checks), ``dropout`` (the references' dropout masks) and ``reference_grads`` (a reference's backward by
+autograd). Kernel dtypes and size limits come from ``lsmini.limits``.
+"""
 from lsmini.ops.layernorm import layer_norm, layer_norm_ref
 from lsmini.ops.heads import merge_heads, merge_heads_ref, split_heads, split_heads_ref
 from lsmini.ops.attention_softmax import attention_softmax, attention_softmax_ref

@@ -1,4 +1,5 @@
-"""Attention: fused scaled-dot-product attention (FlashAttention-style; the scores never reach memory).
+"""Attention: fused scaled-dot-product attention (FlashAttention-style; the scores never reach memory): the
+public op, its reference, its autograd Function and the forward/backward primitives of the fused layers.
 
     s[b, h, i, j]  = scale · q[b, h, i] · k[b, h, j]                       (scale defaults to 1/sqrt(d))
     masked[b, h, i, j] = key_padding_mask[b, j]  or  (causal and j > i + k_len − q_len)
@@ -20,8 +21,17 @@ k_len] probabilities draws Philox at flat index ((b·heads + h)·q_len + i)·k_l
 rng, the fused op equals ``attention_softmax(scale·q@kᵀ, ...) @ v``. Backward regenerates the mask
 from rng; the kernel saves only out and the row log-sum-exp (fp32 [b, h, q_len]).
 
-The CUDA kernel covers float16/bfloat16 with head_dim d in HEAD_DIMS; anything else (float32,
-float64, other d, CPU tensors) runs ``attention_ref``. Backward is deterministic (no atomics).
+The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) with head_dim d in
+``lsmini.limits.ATTENTION_HEAD_DIMS``; anything else (float32, float64, other d, CPU tensors) runs
+``attention_ref``. Backward is deterministic (no atomics).
+
+- ``attention(q, k, v, key_padding_mask, causal, dropout_p, training, scale)``: the op; the kernel where
+  ``fused_attention_supported`` and the tensors are on CUDA, ``attention_ref`` elsewhere.
+- ``attention_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
+- ``AttentionFunction``: autograd over the kernels.
+- ``attention_fwd`` / ``attention_bwd``: the primitives a layer's hand-written backward is built on: a
+  forward that returns the merged-heads output and its saved state, a backward that writes the
+  gradients into given views (e.g. of one projection-gradient buffer); fused kernel or reference.
 """
 import math
 
@@ -29,16 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from lsmini import _backend
-from lsmini.ops.attention_softmax import attention_softmax_ref, check_causal_and_dropout, check_key_padding_mask
-
-HEAD_DIMS = (16, 32, 64, 128)
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+from lsmini import _backend, limits
+from lsmini.ops.attention_softmax import attention_softmax_ref
+from lsmini.ops.checks import (check_causal_and_dropout, check_floating, check_key_padding_mask, check_same_device,
+                               check_tensor)
+from lsmini.ops.dropout import keep_mask
+from lsmini.ops.reference_grads import reference_grads
 
 
 def fused_attention_supported(dtype, head_dim):
     """True when the fused CUDA kernel handles this dtype and head_dim (the device is checked apart)."""
-    return dtype in KERNEL_DTYPES and head_dim in HEAD_DIMS
+    return dtype in limits.ATTENTION_DTYPES and head_dim in limits.ATTENTION_HEAD_DIMS
 
 
 def attention_ref(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, training=True, scale=None,
@@ -65,6 +76,53 @@ def attention_ref(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, t
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
+def attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, fused):
+    """Attention of q [b, h, lq, d] over k, v [b, h, lk, d] (views into the projections, say) → (out, saved)
+    for ``attention_bwd``, with out [b, lq, h·d] contiguous: heads already merged.
+
+    Always draws a dropout mask when dropout_p > 0 (training); scale is a float. fused: run the flash kernel
+    (CUDA, ``fused_attention_supported``); out is then its merged-heads buffer, with no copy. Otherwise
+    ``attention_ref`` runs and its bool keep-mask goes into saved. saved holds the inputs and arguments,
+    "out", and the kernel's "rng" and row log-sum-exp "lse" or the reference's "keep".
+    """
+    batch, heads, q_len, head_dim = q.shape
+    saved = {"q": q, "k": k, "v": v, "key_padding_mask": key_padding_mask, "causal": causal, "p": dropout_p,
+             "scale": scale}
+    if fused:
+        saved["rng"] = _backend.dropout_rng(dropout_p, q.device)
+        out, saved["lse"] = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale,
+                                                         saved["rng"])
+    else:
+        saved["keep"] = keep_mask((batch, heads, q_len, k.shape[2]), dropout_p, q.device)
+        out = attention_ref(q, k, v, key_padding_mask, causal, dropout_p, True, scale, saved["keep"])
+    out = out.transpose(1, 2).reshape(batch, q_len, heads * head_dim)  # free for the kernel's [b, lq, h, d] buffer
+    saved["out"] = out
+    return out, saved
+
+
+def attention_bwd(grad_out, saved, grad_q, grad_k, grad_v, fused):
+    """Writes the gradients of q, k, v into grad_q, grad_k, grad_v (views shaped like q, k, v), from the
+    gradient grad_out [b, lq, h·d] of ``attention_fwd``'s output and its saved state; returns None."""
+    batch, heads, q_len, head_dim = saved["q"].shape
+
+    def split(merged):
+        return merged.view(batch, q_len, heads, head_dim).transpose(1, 2)
+
+    if fused:
+        _backend.ext().attention_bwd(split(grad_out), saved["q"], saved["k"], saved["v"], split(saved["out"]),
+                                     saved["lse"], saved["key_padding_mask"], saved["causal"], saved["p"],
+                                     saved["scale"], saved["rng"], grad_q, grad_k, grad_v)
+        return
+
+    def reference(q, k, v):
+        return attention_ref(q, k, v, saved["key_padding_mask"], saved["causal"], saved["p"], True, saved["scale"],
+                             saved["keep"])
+
+    grads = reference_grads(reference, [saved["q"], saved["k"], saved["v"]], split(grad_out))
+    for grad, result in zip((grad_q, grad_k, grad_v), grads):
+        grad.copy_(result)
+
+
 class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, causal, p, scale):
@@ -89,18 +147,15 @@ class AttentionFunction(torch.autograd.Function):
 def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
     name = "attention"
     for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: {arg} must be a floating-point tensor, got {t.dtype}")
+        check_tensor(name, arg, t)
+        check_floating(name, arg, t)
         if t.dim() != 4:
             what = "[batch, heads, q_len, head_dim]" if arg == "q" else "[batch, heads, k_len, head_dim]"
             raise ValueError(f"{name}: {arg} must be 4-D {what}, got shape {tuple(t.shape)}")
     for arg, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: {arg} must have q's dtype {q.dtype}, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: {arg} is on {t.device} but q is on {q.device}")
+        check_same_device(name, arg, t, "q", q.device)
     b, h, _, d = q.shape
     lk = k.shape[2]
     for arg, t in (("k", k), ("v", v)):

@@ -1,4 +1,5 @@
-"""Attention softmax: masked softmax over the keys of attention scores, fused with dropout.
+"""Attention softmax: masked softmax over the keys of attention scores, fused with dropout: the public op,
+its reference (and the reference attention mask) and its autograd Function.
 
     masked[b, h, i, j] = key_padding_mask[b, j]  or  (causal and j > i + k_len − q_len)
     y   = softmax(scores.masked_fill(masked, −inf), dim=−1)     (a row with every key masked → 0)
@@ -17,16 +18,15 @@ pre-dropout softmax) and regenerates the dropout mask from the call's Philox sta
 (``_backend.philox_seed_offset``), which the kernels read at run time: the op can be captured in a CUDA
 graph and every replay draws a fresh mask.
 
-The CUDA kernel covers float32/float16/bfloat16 (fp32 math) and k_len ≤ 16384; other dtypes
-(e.g. float64) and non-CUDA tensors run ``attention_softmax_ref``.
+The CUDA kernel covers float32/float16/bfloat16 (fp32 math) and k_len ≤ 16384
+(``lsmini.limits.ATTENTION_SOFTMAX_MAX_KEYS``, on every backend); other dtypes (e.g. float64) and non-CUDA
+tensors run ``attention_softmax_ref``.
 """
 import torch
 import torch.nn.functional as F
 
-from lsmini import _backend
-
-MAX_K_LEN = 16384  # the kernels keep a row in registers: 32 values × 512 threads
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from lsmini import _backend, limits
+from lsmini.ops.checks import check_causal_and_dropout, check_floating, check_key_padding_mask, check_tensor
 
 
 def attention_mask_ref(batch, q_len, k_len, key_padding_mask=None, causal=False, device=None):
@@ -78,43 +78,16 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
         return grad, None, None, None
 
 
-def check_key_padding_mask(owner, mask, batch, k_len, device, ref_name, name="key_padding_mask",
-                           dims="batch, k_len"):
-    """None, or a bool [batch, k_len] tensor on device (True = pad); otherwise an error naming the problem
-    (``owner: name ...``; dims: how the message names the two dimensions)."""
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{owner}: {name} must be a bool Tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"{owner}: {name} must have dtype torch.bool (True = pad), got {mask.dtype}")
-    if tuple(mask.shape) != (batch, k_len):
-        raise ValueError(f"{owner}: {name} must have shape ({dims}) = ({batch}, {k_len}), got {tuple(mask.shape)}")
-    if mask.device != device:
-        raise ValueError(f"{owner}: {name} is on {mask.device} but {ref_name} is on {device}")
-
-
-def check_causal_and_dropout(name, causal, dropout_p):
-    """causal a bool, dropout_p a float in [0, 1]; otherwise an error naming the problem."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"{name}: causal must be a bool, got {type(causal).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"{name}: dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{name}: dropout_p must be in [0, 1], got {dropout_p}")
-
-
 def _check_args(scores, key_padding_mask, causal, dropout_p):
     name = "attention_softmax"
-    if not isinstance(scores, torch.Tensor):
-        raise TypeError(f"{name}: scores must be a Tensor, got {type(scores).__name__}")
-    if not scores.is_floating_point():
-        raise TypeError(f"{name}: scores must be a floating-point tensor, got {scores.dtype}")
+    check_tensor(name, "scores", scores)
+    check_floating(name, "scores", scores)
     if scores.dim() != 4:
         raise ValueError(f"{name}: scores must be 4-D [batch, heads, q_len, k_len], got shape {tuple(scores.shape)}")
     b, _, _, k = scores.shape
-    if k > MAX_K_LEN:
-        raise ValueError(f"{name}: k_len (last dim of scores) must be at most {MAX_K_LEN}, got {k}")
+    if k > limits.ATTENTION_SOFTMAX_MAX_KEYS:
+        raise ValueError(f"{name}: k_len (last dim of scores) must be at most {limits.ATTENTION_SOFTMAX_MAX_KEYS}, "
+                         f"got {k}")
     check_key_padding_mask(name, key_padding_mask, b, k, scores.device, "scores")
     check_causal_and_dropout(name, causal, dropout_p)
 
@@ -130,6 +103,6 @@ def attention_softmax(scores, key_padding_mask=None, causal=False, dropout_p=0.0
     """
     _check_args(scores, key_padding_mask, causal, dropout_p)
     p = float(dropout_p) if training else 0.0
-    if scores.dtype in _KERNEL_DTYPES and _backend.use_kernels(scores, key_padding_mask):
+    if scores.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(scores, key_padding_mask):
         return AttentionSoftmaxFunction.apply(scores, key_padding_mask, causal, p)
     return attention_softmax_ref(scores, key_padding_mask, causal, p, training)

@@ -1,4 +1,5 @@
-"""Fused bias + activation + dropout, the step after the first FFN GEMM of a Transformer layer.
+"""Fused bias + activation + dropout, the step after the first FFN GEMM of a Transformer layer: the public
+op, its reference, its autograd Function and the forward/backward primitives of the fused layers.
 
     out = dropout(act(x + bias)),   act ∈ {"relu", "gelu" (exact, erf), "gelu_tanh"}
 
@@ -15,15 +16,25 @@ fresh mask.
 Backward: grad_x = act'(x + bias) · dropout backward of grad_out, recomputed from the saved input x
 (and bias), not from a saved activation; grad_bias = grad_x summed over all rows (fp32 accumulation,
 returned in bias's dtype).
+
+- ``bias_act_dropout(x, bias, activation, dropout_p, training)``: the op; the kernel for CUDA tensors,
+  ``bias_act_dropout_ref`` elsewhere.
+- ``bias_act_dropout_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
+- ``BiasActDropoutFunction``: autograd over the kernels.
+- ``bias_act_dropout_fwd`` / ``bias_act_dropout_bwd``: the primitives a layer's hand-written backward is
+  built on (forward returns its saved state, backward takes it; kernels or reference). The forward can
+  replay an earlier call (same dropout mask) to recompute an output instead of keeping it; for relu,
+  ``relu_output_saved`` lets the backward read the derivative off the forward's output instead.
 """
 import torch
 import torch.nn.functional as F
 
-from lsmini import _backend
-from lsmini.ops.bias_dropout_residual import _check_bias, _check_p, _check_x, _dropout_ref
+from lsmini import _backend, limits
+from lsmini.ops.checks import check_bias, check_dropout_p, check_x
+from lsmini.ops.dropout import dropout_ref, keep_mask
+from lsmini.ops.reference_grads import reference_grads
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _act_ref(y, activation):
@@ -41,18 +52,64 @@ def bias_act_dropout_ref(x, bias, activation="relu", dropout_p=0.0, training=Tru
     y = x.float()
     if bias is not None:
         y = y + bias.float()
-    y = _dropout_ref(_act_ref(y, activation), dropout_p, training, mask)
+    y = dropout_ref(_act_ref(y, activation), dropout_p, training, mask)
     return y.to(x.dtype)
+
+
+def bias_act_dropout_fwd(x2d, bias, activation, dropout_p, kernels, replay=None, out=None):
+    """``dropout(act(x2d + bias))`` for x2d [rows, ffn] → (y, saved) for ``bias_act_dropout_bwd``.
+
+    kernels: run the CUDA kernel (else the reference). replay: the saved state of an earlier call on the
+    same x2d; recompute exactly that output (same dropout mask) instead of drawing a new mask. out: where
+    to write y (else a fresh tensor). saved: {"x": x2d, "p": dropout_p} plus the kernel's Philox state
+    "rng" or the reference's bool keep-mask "keep" (None without dropout).
+    """
+    if kernels:
+        rng = replay["rng"] if replay is not None else _backend.dropout_rng(dropout_p, x2d.device)
+        y = _backend.ext().bias_act_dropout_fwd(x2d, bias, activation, dropout_p, rng, out)
+        return y, {"x": x2d, "p": dropout_p, "rng": rng}
+    keep = replay["keep"] if replay is not None else keep_mask(x2d.shape, dropout_p, x2d.device)
+    y = bias_act_dropout_ref(x2d, bias, activation, dropout_p, True, keep)
+    return y if out is None else out.copy_(y), {"x": x2d, "p": dropout_p, "keep": keep}
+
+
+def relu_output_saved(y, dropout_p):
+    """The saved state of a relu ``bias_act_dropout_bwd`` that reads relu's derivative off the forward's
+    output y: y > 0 exactly where the gradient passes (kept and positive), so neither the input nor the
+    dropout mask needs keeping. Replaces ``bias_act_dropout_fwd``'s saved state (which holds the input)."""
+    return {"y": y, "p": dropout_p}
+
+
+def bias_act_dropout_bwd(grad2d, bias, activation, saved, kernels, out=None):
+    """(grad_x, grad_bias) from the gradient grad2d [rows, ffn] of the output and the forward's saved
+    state (``bias_act_dropout_fwd``'s, or ``relu_output_saved``). grad_x goes into out when given (out
+    may be grad2d itself), else into a fresh tensor; grad_bias is fresh, in bias's dtype."""
+    if "y" in saved:
+        if kernels:
+            return _backend.ext().bias_act_dropout_bwd(grad2d, saved["y"], bias, "relu", saved["p"], _backend.NO_RNG,
+                                                       out, True)
+        scale = 1.0 / (1.0 - saved["p"]) if saved["p"] < 1 else 0.0
+        grad_x = torch.where(saved["y"] <= 0, 0.0, grad2d.float() * scale).to(grad2d.dtype)  # NaN passes, as the kernel
+        return grad_x if out is None else out.copy_(grad_x), grad_x.float().sum(0).to(bias.dtype)
+    if kernels:
+        grad_x, grad_bias = _backend.ext().bias_act_dropout_bwd(grad2d, saved["x"], bias, activation, saved["p"],
+                                                                saved["rng"], out)
+        return grad_x, grad_bias
+
+    def reference(x, b):
+        return bias_act_dropout_ref(x, b, activation, saved["p"], True, saved["keep"])
+
+    grad_x, grad_bias = reference_grads(reference, [saved["x"], bias], grad2d)
+    return grad_x if out is None else out.copy_(grad_x), grad_bias
 
 
 class BiasActDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, activation, p):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        rng = _backend.dropout_rng(p, x.device)
-        out = _backend.ext().bias_act_dropout_fwd(x2d, bias, activation, p, rng)
+        out, saved = bias_act_dropout_fwd(x2d, bias, activation, p, kernels=True)
         ctx.save_for_backward(x2d, bias)
-        ctx.activation, ctx.p, ctx.rng = activation, p, rng
+        ctx.activation, ctx.p, ctx.rng = activation, p, saved["rng"]
         return out.view(x.shape)
 
     @staticmethod
@@ -71,14 +128,14 @@ class BiasActDropoutFunction(torch.autograd.Function):
 
 def _check_args(x, bias, activation, dropout_p):
     op = "bias_act_dropout"
-    _check_x(op, x)
-    _check_bias(op, bias, x)
+    check_x(op, x)
+    check_bias(op, bias, x)
     allowed = ", ".join(repr(a) for a in ACTIVATIONS)
     if not isinstance(activation, str):
         raise TypeError(f"{op}: activation must be one of {allowed} (a str), got {type(activation).__name__}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"{op}: unknown activation {activation!r}, expected one of {allowed}")
-    _check_p(op, dropout_p)
+    check_dropout_p(op, dropout_p)
 
 
 def bias_act_dropout(x, bias, activation="relu", dropout_p=0.0, training=True):
@@ -91,6 +148,6 @@ def bias_act_dropout(x, bias, activation="relu", dropout_p=0.0, training=True):
     """
     _check_args(x, bias, activation, dropout_p)
     p = float(dropout_p) if training else 0.0
-    if x.dtype in _KERNEL_DTYPES and _backend.use_kernels(x, bias):
+    if x.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(x, bias):
         return BiasActDropoutFunction.apply(x, bias, activation, p)
     return bias_act_dropout_ref(x, bias, activation, p, bool(training))

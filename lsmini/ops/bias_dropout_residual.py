@@ -1,4 +1,5 @@
-"""Fused bias + dropout + residual add, the step after each projection GEMM of a Transformer layer.
+"""Fused bias + dropout + residual add, the step after each projection GEMM of a Transformer layer: the
+public op, its reference, its autograd Function and the forward/backward primitives of the fused layers.
 
     out = residual + dropout(x + bias)
 
@@ -14,25 +15,20 @@ CUDA graph and every replay draws a fresh mask.
 
 Backward: grad_x = dropout backward of grad_out; grad_bias = grad_x summed over all rows (fp32
 accumulation, returned in bias's dtype); grad_residual = grad_out (the same tensor).
+
+- ``bias_dropout_residual(x, bias, residual, dropout_p, training)``: the op; the kernel for CUDA tensors,
+  ``bias_dropout_residual_ref`` elsewhere.
+- ``bias_dropout_residual_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
+- ``BiasDropoutResidualFunction``: autograd over the kernels.
+- ``bias_dropout_residual_fwd`` / ``bias_dropout_residual_bwd``: the primitives a layer's hand-written
+  backward is built on (forward returns its saved state, backward takes it; kernels or reference), and
+  ``bias_grad``: a bias gradient (fp32 column sums) on its own, from this op's backward kernel.
 """
-import numbers
-
 import torch
-import torch.nn.functional as F
 
-from lsmini import _backend
-
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _dropout_ref(y, p, training, mask):
-    if not training or p == 0:
-        return y
-    if mask is None:
-        return F.dropout(y, p, training=True)
-    if p >= 1:
-        return torch.zeros_like(y)
-    return torch.where(mask, y * (1.0 / (1.0 - p)), torch.zeros_like(y))
+from lsmini import _backend, limits
+from lsmini.ops.checks import check_bias, check_dropout_p, check_same_device, check_tensor, check_x
+from lsmini.ops.dropout import dropout_ref, keep_mask
 
 
 def bias_dropout_residual_ref(x, bias, residual, dropout_p=0.0, training=True, mask=None):
@@ -42,18 +38,58 @@ def bias_dropout_residual_ref(x, bias, residual, dropout_p=0.0, training=True, m
     y = x.float()
     if bias is not None:
         y = y + bias.float()
-    y = _dropout_ref(y, dropout_p, training, mask)
+    y = dropout_ref(y, dropout_p, training, mask)
     return (residual.float() + y).to(x.dtype)
+
+
+def bias_dropout_residual_fwd(x2d, bias, residual2d, dropout_p, kernels):
+    """``residual2d + dropout(x2d + bias)`` for x2d, residual2d [rows, hidden] → (out, saved) for
+    ``bias_dropout_residual_bwd``; always draws a dropout mask when dropout_p > 0 (training).
+
+    kernels: run the CUDA kernel (else the reference). saved: {"p": dropout_p} plus the kernel's Philox
+    state "rng" or the reference's bool keep-mask "keep" (None without dropout).
+    """
+    if kernels:
+        rng = _backend.dropout_rng(dropout_p, x2d.device)
+        out = _backend.ext().bias_dropout_residual_fwd(x2d, bias, residual2d, dropout_p, rng)
+        return out, {"p": dropout_p, "rng": rng}
+    keep = keep_mask(x2d.shape, dropout_p, x2d.device)
+    return bias_dropout_residual_ref(x2d, bias, residual2d, dropout_p, True, keep), {"p": dropout_p, "keep": keep}
+
+
+def bias_dropout_residual_bwd(grad2d, bias, saved, kernels, out=None):
+    """(grad_x, grad_bias) from the gradient grad2d [rows, hidden] of the output and the forward's saved
+    state; grad_residual is grad2d itself. grad_bias is fresh, in bias's dtype.
+
+    Without dropout grad_x IS grad2d; with dropout it is written into out when given (else fresh).
+    """
+    dropout_p = saved["p"]
+    if kernels:
+        grad_x, grad_bias = _backend.ext().bias_dropout_residual_bwd(grad2d, dropout_p, saved["rng"], True,
+                                                                     bias.dtype, out)
+        return grad_x, grad_bias
+    grad_x = grad2d
+    if dropout_p > 0:
+        grad_x = dropout_ref(grad2d.float(), dropout_p, True, saved["keep"]).to(grad2d.dtype)
+        grad_x = grad_x if out is None else out.copy_(grad_x)
+    return grad_x, bias_grad(grad_x, bias.dtype, kernels=False)
+
+
+def bias_grad(grad2d, dtype, kernels):
+    """Column sums of grad2d [rows, n] accumulated in fp32, returned as dtype (a bias gradient), without
+    an fp32 copy of grad2d on the kernel path (``sum(dtype=float32)`` would make one)."""
+    if kernels:
+        return _backend.ext().bias_dropout_residual_bwd(grad2d, 0.0, _backend.NO_RNG, True, dtype)[1]
+    return grad2d.float().sum(0).to(dtype)
 
 
 class BiasDropoutResidualFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, p):
         hidden = x.shape[-1]
-        rng = _backend.dropout_rng(p, x.device)
-        out = _backend.ext().bias_dropout_residual_fwd(x.reshape(-1, hidden), bias, residual.reshape(-1, hidden),
-                                                        p, rng)
-        ctx.p, ctx.rng = p, rng
+        out, saved = bias_dropout_residual_fwd(x.reshape(-1, hidden), bias, residual.reshape(-1, hidden), p,
+                                               kernels=True)
+        ctx.p, ctx.rng = p, saved["rng"]
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.view(x.shape)
 
@@ -69,49 +105,17 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
         return grad_x, grad_bias, grad, None
 
 
-def _check_p(op, dropout_p):
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"{op}: dropout_p must be a float in [0, 1], got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) <= 1.0:
-        raise ValueError(f"{op}: dropout_p must be in [0, 1], got {dropout_p}")
-
-
-def _check_bias(op, bias, x):
-    if bias is None:
-        return
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"{op}: bias must be a Tensor or None, got {type(bias).__name__}")
-    if bias.shape != x.shape[-1:]:
-        raise ValueError(f"{op}: bias must have shape ({x.shape[-1]},) to match the last dimension of x, "
-                         f"got {tuple(bias.shape)}")
-    if bias.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"{op}: bias must be {x.dtype} (x's dtype) or torch.float32, got {bias.dtype}")
-    if bias.device != x.device:
-        raise ValueError(f"{op}: bias is on {bias.device} but x is on {x.device}")
-
-
-def _check_x(op, x):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: x must be a Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{op}: x must be a floating-point tensor, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"{op}: x must have a non-empty last dimension, got shape {tuple(x.shape)}")
-
-
 def _check_args(x, bias, residual, dropout_p):
     op = "bias_dropout_residual"
-    _check_x(op, x)
-    if not isinstance(residual, torch.Tensor):
-        raise TypeError(f"{op}: residual must be a Tensor, got {type(residual).__name__}")
+    check_x(op, x)
+    check_tensor(op, "residual", residual)
     if residual.shape != x.shape:
         raise ValueError(f"{op}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     if residual.dtype != x.dtype:
         raise TypeError(f"{op}: residual must have x's dtype {x.dtype}, got {residual.dtype}")
-    if residual.device != x.device:
-        raise ValueError(f"{op}: residual is on {residual.device} but x is on {x.device}")
-    _check_bias(op, bias, x)
-    _check_p(op, dropout_p)
+    check_same_device(op, "residual", residual, "x", x.device)
+    check_bias(op, bias, x)
+    check_dropout_p(op, dropout_p)
 
 
 def bias_dropout_residual(x, bias, residual, dropout_p=0.0, training=True):
@@ -123,6 +127,6 @@ def bias_dropout_residual(x, bias, residual, dropout_p=0.0, training=True):
     """
     _check_args(x, bias, residual, dropout_p)
     p = float(dropout_p) if training else 0.0
-    if x.dtype in _KERNEL_DTYPES and _backend.use_kernels(x, bias, residual):
+    if x.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(x, bias, residual):
         return BiasDropoutResidualFunction.apply(x, bias, residual, p)
     return bias_dropout_residual_ref(x, bias, residual, p, bool(training))

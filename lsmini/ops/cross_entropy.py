@@ -1,4 +1,5 @@
-"""Softmax cross-entropy with label smoothing over the last dimension of the logits.
+"""Softmax cross-entropy with label smoothing over the last dimension of the logits: the public op, its
+reference and its autograd Function.
 
 For logits x [..., V] (rows x_i, i < N = prod(...)) and class ids t [...] (int64), ε = label_smoothing:
 
@@ -28,10 +29,10 @@ import numbers
 import torch
 from torch.autograd.function import once_differentiable
 
-from lsmini import _backend
+from lsmini import _backend, limits
+from lsmini.ops.checks import check_floating, check_same_device, check_tensor
 
-_REDUCTIONS = ("mean", "sum", "none")
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def _reduce(rows, count, reduction, shape):
@@ -116,12 +117,10 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 def _check_args(logits, target, label_smoothing, ignore_index, reduction):
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"cross_entropy: logits must be a Tensor, got {type(logits).__name__}")
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"cross_entropy: target must be a Tensor, got {type(target).__name__}")
-    if not logits.is_floating_point():
-        raise TypeError(f"cross_entropy: logits must be a floating-point tensor, got {logits.dtype}")
+    op = "cross_entropy"
+    check_tensor(op, "logits", logits)
+    check_tensor(op, "target", target)
+    check_floating(op, "logits", logits)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"cross_entropy: logits must have shape [..., vocab] with vocab >= 1, got shape "
                          f"{tuple(logits.shape)}")
@@ -131,10 +130,9 @@ def _check_args(logits, target, label_smoothing, ignore_index, reduction):
     if target.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: target must have shape {tuple(logits.shape[:-1])} (logits' shape without "
                          f"its last, class dimension), got {tuple(target.shape)}")
-    if target.device != logits.device:
-        raise ValueError(f"cross_entropy: target is on {target.device} but logits is on {logits.device}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"cross_entropy: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    check_same_device(op, "target", target, "logits", logits.device)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
         raise TypeError(f"cross_entropy: label_smoothing must be a float, got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -144,7 +142,11 @@ def _check_args(logits, target, label_smoothing, ignore_index, reduction):
 
 
 def _check_target_values(target, vocab, ignore_index):
-    """Raise when a target is outside [0, vocab) and not ignore_index. Costs one device→host sync."""
+    """Raise when a target is outside [0, vocab) and not ignore_index. Costs one device→host sync, so it
+    skips itself while the current CUDA stream is capturing a graph (a sync would abort the capture;
+    replays are not checked, and a bad target gives a NaN loss row there, never an out-of-bounds read)."""
+    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bool(bad.any()):
         first = bad.reshape(-1).nonzero()[0, 0].item()
@@ -179,7 +181,7 @@ def cross_entropy(logits, target, label_smoothing=0.0, ignore_index=-100, reduct
     _check_args(logits, target, label_smoothing, ignore_index, reduction)
     if check_targets:
         _check_target_values(target, logits.shape[-1], ignore_index)
-    if logits.dtype in _KERNEL_DTYPES and _backend.use_kernels(logits, target):
+    if logits.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(logits, target):
         loss, nll = CrossEntropyFunction.apply(logits, target, float(label_smoothing), int(ignore_index), reduction,
                                                bool(inplace_backward))
         return (loss, nll) if return_nll else loss

@@ -1,4 +1,5 @@
-"""Token embedding with scale, positions and dropout in one pass.
+"""Token embedding with scale, positions and dropout in one pass: the public op, its reference, its
+autograd Function, the sinusoidal position table and the token-range check.
 
     out[b, j] = dropout(scale · weight[tokens[b, j]] + pos_table[step + j])   for non-pad tokens
     out[b, j] = 0                                                              for tokens == padding_idx
@@ -15,15 +16,21 @@ Dropout element i is the flat index into the [batch, len, hidden] output; the CU
 regenerates the mask from the call's Philox state ``rng`` (``_backend.philox_seed_offset``), nothing
 per element is stored. The kernels read ``rng`` at run time, so the op can be captured in a CUDA graph
 and every replay draws a fresh mask.
+
+- ``embedding(tokens, weight, pos_table, ...)``: the op; the kernel for CUDA tensors, ``embedding_ref``
+  elsewhere.
+- ``embedding_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
+- ``EmbeddingFunction``: autograd over the kernels.
+- ``sinusoidal_positions``: the fixed positional table; ``check_token_range``: the id range check.
 """
 import math
 
 import torch
 import torch.nn.functional as F
 
-from lsmini import _backend
+from lsmini import _backend, limits
+from lsmini.ops.checks import check_dropout_p, check_floating, check_same_device, check_tensor
 
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TOKEN_DTYPES = (torch.int64, torch.int32)
 
 
@@ -90,37 +97,31 @@ class EmbeddingFunction(torch.autograd.Function):
 
 
 def _check_args(tokens, weight, pos_table, step, dropout_p, learned_positions):
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"embedding: tokens must be a Tensor, got {type(tokens).__name__}")
+    op = "embedding"
+    check_tensor(op, "tokens", tokens)
     if tokens.dtype not in _TOKEN_DTYPES:
         raise TypeError(f"embedding: tokens must be int64 or int32, got {tokens.dtype}")
     if tokens.dim() != 2:
         raise ValueError(f"embedding: tokens must be 2-D [batch, len], got shape {tuple(tokens.shape)}")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"embedding: weight must be a Tensor, got {type(weight).__name__}")
-    if not weight.is_floating_point():
-        raise TypeError(f"embedding: weight must be a floating-point tensor, got {weight.dtype}")
+    check_tensor(op, "weight", weight)
+    check_floating(op, "weight", weight)
     if weight.dim() != 2:
         raise ValueError(f"embedding: weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
     if tokens.device != weight.device:
         raise ValueError(f"embedding: tokens are on {tokens.device} but weight is on {weight.device}")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"embedding: step must be an int >= 0, got {step!r}")
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"embedding: dropout_p must be in [0, 1], got {dropout_p}")
+    check_dropout_p(op, dropout_p)
     if pos_table is None:
         if learned_positions:
             raise ValueError("embedding: learned_positions=True needs the learned pos_table, got None")
         return
-    if not isinstance(pos_table, torch.Tensor):
-        raise TypeError(f"embedding: pos_table must be a Tensor or None, got {type(pos_table).__name__}")
-    if not pos_table.is_floating_point():
-        raise TypeError(f"embedding: pos_table must be a floating-point tensor, got {pos_table.dtype}")
+    check_tensor(op, "pos_table", pos_table, or_none=True)
+    check_floating(op, "pos_table", pos_table)
     if pos_table.dim() != 2 or pos_table.shape[1] != weight.shape[1]:
         raise ValueError(f"embedding: pos_table must have shape [max_positions, {weight.shape[1]}] to match "
                          f"weight's hidden size, got {tuple(pos_table.shape)}")
-    if pos_table.device != weight.device:
-        raise ValueError(f"embedding: pos_table is on {pos_table.device} but weight is on {weight.device}")
+    check_same_device(op, "pos_table", pos_table, "weight", weight.device)
     if step + tokens.shape[1] > pos_table.shape[0]:
         raise ValueError(f"embedding: step + len = {step} + {tokens.shape[1]} = {step + tokens.shape[1]} exceeds "
                          f"max_positions = {pos_table.shape[0]} (rows of pos_table)")
@@ -130,8 +131,10 @@ def _check_args(tokens, weight, pos_table, step, dropout_p, learned_positions):
 
 
 def check_token_range(tokens, vocab):
-    """Raise ValueError when a token id is outside [0, vocab). Costs one host-device sync."""
-    if tokens.numel() == 0:
+    """Raise ValueError when a token id is outside [0, vocab). Costs one host-device sync, so it skips
+    itself while the current CUDA stream is capturing a graph (a sync would abort the capture; replays
+    are not checked, and bad ids give zero rows there, never an out-of-bounds read)."""
+    if tokens.numel() == 0 or (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     lo, hi = (int(v) for v in torch.stack([tokens.min(), tokens.max()]).tolist())
     if lo < 0 or hi >= vocab:
@@ -171,7 +174,7 @@ def embedding(tokens, weight, pos_table, scale=None, padding_idx=None, step=0, d
         pos_table = sinusoidal_positions(step + tokens.shape[1], hidden, weight.dtype, weight.device)
     if check_tokens:
         check_token_range(tokens, vocab)
-    if weight.dtype in _KERNEL_DTYPES and _backend.use_kernels(tokens, weight, pos_table):
+    if weight.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(tokens, weight, pos_table):
         if pos_table.dtype != weight.dtype:
             # The kernel reads one dtype; cast only the rows in use (autograd carries a gradient back).
             pos_table, step_k = pos_table[step:step + tokens.shape[1]].to(weight.dtype), 0

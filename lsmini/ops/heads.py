@@ -1,4 +1,5 @@
-"""Head transforms on both sides of attention.
+"""Head transforms on both sides of attention: the public ops ``split_heads`` and ``merge_heads``, their
+references and their autograd Functions.
 
 split_heads — bias add + split of a fused projection into per-head tensors:
 
@@ -24,6 +25,7 @@ move the data bit-exactly.
 import torch
 
 from lsmini import _backend
+from lsmini.ops.checks import check_floating, check_last_dim_vector, check_same_device, check_tensor
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -126,10 +128,8 @@ def _check_positive_int(name, v, op):
 
 def _check_split_args(x, bias, num_heads, parts):
     op = "split_heads"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: x must be a Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{op}: x must be a floating-point tensor, got {x.dtype}")
+    check_tensor(op, "x", x)
+    check_floating(op, "x", x)
     if x.dim() != 3:
         raise ValueError(f"{op}: x must be 3-D [batch, len, parts*hidden], got shape {tuple(x.shape)}")
     _check_positive_int("num_heads", num_heads, op)
@@ -138,17 +138,13 @@ def _check_split_args(x, bias, num_heads, parts):
     if width % (parts * num_heads) != 0:
         raise ValueError(f"{op}: the last dimension of x ({width}) must be divisible by parts*num_heads = "
                          f"{parts}*{num_heads} = {parts * num_heads}")
+    check_tensor(op, "bias", bias, or_none=True)
     if bias is None:
         return
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"{op}: bias must be a Tensor or None, got {type(bias).__name__}")
-    if tuple(bias.shape) != (width,):
-        raise ValueError(f"{op}: bias must have shape ({width},) to match the last dimension of x, "
-                         f"got {tuple(bias.shape)}")
+    check_last_dim_vector(op, "bias", bias, x)
     if bias.dtype not in (torch.float32, x.dtype):
         raise TypeError(f"{op}: bias must be float32 or x's dtype ({x.dtype}), got {bias.dtype}")
-    if bias.device != x.device:
-        raise ValueError(f"{op}: bias is on {bias.device} but x is on {x.device}")
+    check_same_device(op, "bias", bias, "x", x.device)
 
 
 def split_heads(x, bias, num_heads, parts=3):
@@ -172,10 +168,8 @@ def merge_heads(x):
     tensors (float32/float16/bfloat16) and ``merge_heads_ref`` elsewhere.
     """
     op = "merge_heads"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: x must be a Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{op}: x must be a floating-point tensor, got {x.dtype}")
+    check_tensor(op, "x", x)
+    check_floating(op, "x", x)
     if x.dim() != 4:
         raise ValueError(f"{op}: x must be 4-D [batch, num_heads, len, head_dim], got shape {tuple(x.shape)}")
     if _backend.use_kernels(x):

@@ -1,14 +1,24 @@
-"""LayerNorm over the last dimension.
+"""LayerNorm over the last dimension: the public op, its reference, its autograd Function and the
+forward/backward primitives of the fused layers.
 
     y = (x − mean) · rstd · weight + bias,   rstd = 1 / sqrt(var + eps)   (biased variance)
 
 Shapes: x [..., hidden]; weight, bias [hidden] or None; y like x. The kernel computes in fp32 for
 fp32/fp16/bf16 inputs, with weight/bias in fp32 or in x's dtype, and saves per-row mean and rstd
 (fp32) for backward.
+
+- ``layer_norm(x, weight, bias, eps)``: the op; the kernel for CUDA tensors, ``layer_norm_ref`` elsewhere.
+- ``layer_norm_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
+- ``LayerNormFunction``: autograd over the kernels.
+- ``layer_norm_fwd`` / ``layer_norm_bwd``: the primitives a layer's hand-written backward is built on:
+  a forward that returns its saved state and a backward that takes it, on the kernels or on the
+  reference, with optional output buffers and a fused gradient add (the residual path).
 """
 import torch
 
 from lsmini import _backend
+from lsmini.ops.checks import check_last_dim_vector, check_same_device, check_x
+from lsmini.ops.reference_grads import reference_grads
 
 
 def layer_norm_ref(x, weight=None, bias=None, eps=1e-5):
@@ -24,14 +34,43 @@ def layer_norm_ref(x, weight=None, bias=None, eps=1e-5):
     return y.to(x.dtype)
 
 
+def layer_norm_fwd(x2d, weight, bias, eps, kernels, out=None):
+    """LayerNorm of x2d [rows, hidden] → (y, saved) for ``layer_norm_bwd``.
+
+    kernels: run the CUDA kernel (else ``layer_norm_ref``). out: where to write y (else a fresh tensor).
+    saved: {"x": x2d} plus, from the kernel, the per-row fp32 "mean" and "rstd".
+    """
+    if kernels:
+        y, mean, rstd = _backend.ext().layernorm_fwd(x2d, weight, bias, eps, out)
+        return y, {"x": x2d, "mean": mean, "rstd": rstd}
+    y = layer_norm_ref(x2d, weight, bias, eps)
+    return y if out is None else out.copy_(y), {"x": x2d}
+
+
+def layer_norm_bwd(grad_y, weight, bias, eps, saved, kernels, add=None, out=None):
+    """(grad_x, grad_weight, grad_bias) of LayerNorm from the gradient of its output and the forward's saved
+    state; the parameter gradients are fresh tensors.
+
+    add: a gradient shaped like x that is added to grad_x in the same pass (the residual path of a
+    pre-LN block). out: where to write grad_x (else a fresh tensor); it may be add itself (in place).
+    """
+    if kernels:
+        grad_x, grad_weight, grad_bias = _backend.ext().layernorm_bwd(grad_y, saved["x"], weight, bias, saved["mean"],
+                                                                       saved["rstd"], add, out)
+        return grad_x, grad_weight, grad_bias
+    grad_x, grad_weight, grad_bias = reference_grads(lambda x, w, b: layer_norm_ref(x, w, b, eps),
+                                                     [saved["x"], weight, bias], grad_y)
+    if add is not None:
+        grad_x = grad_x + add
+    return grad_x if out is None else out.copy_(grad_x), grad_weight, grad_bias
+
+
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        shape = x.shape
-        x2d = x.reshape(-1, shape[-1])
-        y, mean, rstd = _backend.ext().layernorm_fwd(x2d, weight, bias, eps)
-        ctx.save_for_backward(x2d, weight, bias, mean, rstd)
-        return y.view(shape)
+        y, saved = layer_norm_fwd(x.reshape(-1, x.shape[-1]), weight, bias, eps, kernels=True)
+        ctx.save_for_backward(saved["x"], weight, bias, saved["mean"], saved["rstd"])
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
@@ -41,20 +80,12 @@ class LayerNormFunction(torch.autograd.Function):
 
 
 def _check_args(x, weight, bias):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"layer_norm: x must be a Tensor, got {type(x).__name__}")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"layer_norm: x must have a non-empty last dimension, got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise TypeError(f"layer_norm: x must be a floating-point tensor, got {x.dtype}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        if p.shape != x.shape[-1:]:
-            raise ValueError(f"layer_norm: {name} must have shape ({x.shape[-1]},) to match the last "
-                             f"dimension of x, got {tuple(p.shape)}")
-        if p.device != x.device:
-            raise ValueError(f"layer_norm: {name} is on {p.device} but x is on {x.device}")
+    op = "layer_norm"
+    check_x(op, x)
+    for name, vector in (("weight", weight), ("bias", bias)):
+        if vector is not None:
+            check_last_dim_vector(op, name, vector, x)
+            check_same_device(op, name, vector, "x", x.device)
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):

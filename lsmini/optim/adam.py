@@ -35,13 +35,12 @@ import weakref
 import torch
 from torch import nn
 
-from lsmini import _backend
+from lsmini import _backend, limits
 from lsmini.optim.workspace import ParameterWorkspace, workspace_of
 
 __all__ = ["FusedAdam", "MAX_GROUPS"]
 
-MAX_GROUPS = 16  # matches kAdamMaxGroups in csrc/kernels/adam.h
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_GROUPS = limits.ADAM_MAX_GROUPS  # the kernel's limit, under the name this module exports
 _LOWP = (torch.float16, torch.bfloat16)
 
 
@@ -338,7 +337,7 @@ class FusedAdam(torch.optim.Optimizer):
         return 1.0 / s, None
 
     def _use_kernels(self):
-        return (all(b.dtype in _KERNEL_DTYPES for b in self._bufs)
+        return (all(b.dtype in limits.KERNEL_DTYPES for b in self._bufs)
                 and _backend.use_kernels(*(b.param for b in self._bufs)))
 
     @torch.no_grad()

@@ -1,0 +1,141 @@
+"""What the encoder and decoder share: a base for their layers (config check, self-attention and FFN
+parameters, LayerNorms, the input checks, the choice between kernels and references, the options of a
+call, ``recompute``, extra_repr, reorder_cache) and a base for their stacks (layer count, final LayerNorm,
+scratch sizing, reorder_cache)."""
+import torch
+from torch import nn
+
+from lsmini import _backend
+from lsmini.layers.config import TransformerConfig
+from lsmini.layers.incremental import reorder_cache
+from lsmini.layers.layernorm import LayerNorm
+from lsmini.layers.params import SelfAttentionParams, reset_ffn
+from lsmini.layers.spec import LayerOptions, scratch_numel
+from lsmini.limits import KERNEL_DTYPES
+from lsmini.ops.checks import check_key_padding_mask
+
+
+def check_config(owner, config):
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"{owner}: config must be a TransformerConfig, got {type(config).__name__}")
+
+
+def check_states(owner, name, x, config, ref_param, past=0):
+    """x [batch, len, hidden] floating, on the parameters' device, within the config's limits."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{owner}: {name} must be a Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{owner}: {name} must be a floating-point tensor, got {x.dtype}")
+    if x.dim() != 3 or x.shape[-1] != config.hidden_size:
+        raise ValueError(f"{owner}: {name} must have shape [batch, len, hidden_size={config.hidden_size}], "
+                         f"got {tuple(x.shape)}")
+    b, l = x.shape[0], x.shape[1]
+    if b == 0 or l == 0:
+        raise ValueError(f"{owner}: {name} must have batch >= 1 and len >= 1, got shape {tuple(x.shape)}")
+    if x.device != ref_param.device:
+        raise ValueError(f"{owner}: {name} is on {x.device} but the parameters are on {ref_param.device}")
+    if past + l > config.max_seq_len:
+        what = f"len {l}" if not past else f"cached {past} + new {l} = {past + l} positions"
+        raise ValueError(f"{owner}: {name} has {what} > config.max_seq_len = {config.max_seq_len}")
+    if b * l > config.max_batch_tokens:
+        raise ValueError(f"{owner}: {name} has batch*len = {b}*{l} = {b * l} tokens > config.max_batch_tokens = "
+                         f"{config.max_batch_tokens}")
+
+
+def check_mask(owner, name, mask, batch, length, device):
+    """None, or a bool [batch, length] tensor on device (True = pad)."""
+    check_key_padding_mask(owner, mask, batch, length, device, "the input", name=name, dims="batch, len")
+
+
+def check_cache(owner, cache):
+    if cache is not None and not isinstance(cache, dict):
+        raise TypeError(f"{owner}: cache must be a dict (start with {{}}) or None, got {type(cache).__name__}")
+
+
+def kernels_for(x):
+    """True when a layer call on x runs lsmini's kernels (decided at call time: tests may redirect it)."""
+    return x.dtype in KERNEL_DTYPES and _backend.use_kernels(x)
+
+
+class TransformerLayerBase(nn.Module):
+    """A layer with self-attention (``self_attn``), an FFN (``linear1``, ``linear2``) and one LayerNorm per
+    sub-block (``norm1``...); subclasses add their own blocks in between and say which ones they run
+    (``KINDS``, in order)."""
+
+    KINDS = ()
+
+    def __init__(self, config, device=None, dtype=None):
+        super().__init__()
+        check_config(type(self).__name__, config)
+        self.config = config
+        self.self_attn = SelfAttentionParams(config.hidden_size, device=device, dtype=dtype)
+
+    def _add_ffn_and_norms(self, device, dtype):
+        """linear1/linear2, then norm1..normN (one per block): after the attention parameters, so the
+        parameter order (and the optimizer's layout) stays that of torch.nn's layers."""
+        c, kw = self.config, {"device": device, "dtype": dtype}
+        self.linear1 = nn.Linear(c.hidden_size, c.ffn_size, **kw)
+        self.linear2 = nn.Linear(c.ffn_size, c.hidden_size, **kw)
+        for i in range(len(self.KINDS)):
+            self.add_module(f"norm{i + 1}", LayerNorm(c.hidden_size, eps=c.layer_norm_eps, **kw))
+        reset_ffn(self.linear1, self.linear2)
+        # Backward recomputes attention probabilities, gelu activations and pre-LN outputs (less memory);
+        # False saves them instead (a little faster).
+        self.recompute = True
+
+    def _self_block(self):
+        sa = self.self_attn
+        return (sa.in_proj_weight, sa.in_proj_bias, sa.out_proj.weight, sa.out_proj.bias, self.norm1.weight,
+                self.norm1.bias)
+
+    def _ffn_block(self):
+        norm = getattr(self, f"norm{len(self.KINDS)}")
+        return (self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, norm.weight,
+                norm.bias)
+
+    def blocks(self):
+        """Per sub-block its parameters in spec.BLOCK_PARAMS order, in the order the layer runs them."""
+        raise NotImplementedError
+
+    def options(self, causal, kernels):
+        """The LayerOptions of a call of this layer now (training mode, recompute)."""
+        return LayerOptions.of(self.KINDS, self.config, self.training, causal, kernels, self.recompute)
+
+    def _scratch_numel(self, batch, q_len):
+        return scratch_numel(LayerOptions.of(self.KINDS, self.config, True, False, False), batch, q_len)
+
+    def reorder_cache(self, cache, new_order):
+        """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""
+        return reorder_cache(type(self).__name__, cache, new_order)
+
+    def extra_repr(self):
+        c = self.config
+        return (f"hidden={c.hidden_size}, heads={c.num_heads}, ffn={c.ffn_size}, activation={c.activation}, "
+                f"pre_layer_norm={c.pre_layer_norm}, dropout=({c.dropout}, attn {c.attn_dropout}, "
+                f"act {c.activation_dropout})")
+
+
+class TransformerStackBase(nn.Module):
+    """``num_layers`` layers of one class sharing a config, plus a final LayerNorm when pre_layer_norm."""
+
+    def __init__(self, config, num_layers, make_layer):
+        super().__init__()
+        owner = type(self).__name__
+        check_config(owner, config)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"{owner}: num_layers must be an int >= 1, got {num_layers!r}")
+        self.config = config
+        self.layers = nn.ModuleList(make_layer() for _ in range(num_layers))
+
+    def _add_final_norm(self, device, dtype):
+        """After the stack's own parameters, as the stacks have always registered it."""
+        c = self.config
+        self.norm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps, device=device, dtype=dtype) \
+            if c.pre_layer_norm else None
+
+    def _final_norm(self, x):
+        return x if self.norm is None else self.norm(x)
+
+    def reorder_cache(self, cache, new_order):
+        """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""
+        return reorder_cache(type(self).__name__, cache, new_order)
