@@ -10,25 +10,18 @@ side of the translation example's grammar), written to <save-dir>/data. Text is 
 sentencepiece model trained on the training file; every non-blank line becomes BOS + tokens + EOS in one
 stream, cut into training sequences of --block-size tokens (the model predicts each next token).
 """
-import argparse
 import os
 import sys
-import time
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import builtin_data  # noqa: E402
-from train_common import (BOS, CHECKPOINT_NAME, EOS, PAD, SPM_NAME, DataError, Distributed, RunSettings,  # noqa: E402
-                          add_common_args, add_layer_args, build_layer_config, describe_backend, encode_cached,
-                          layer_config, load_checkpoint, load_sentencepiece, make_criteria, place_model,
-                          prepare_save_dir, read_lines, resolve_common_args, round_up, run_main, run_metrics,
-                          start_distributed, start_trainer, train_and_validate, train_sentencepiece, write_metrics)
-
-DEFAULT_SAVE_DIR = os.path.join("checkpoints", "lm")
+from training import batching, cli, run, tokenizer  # noqa: E402
+from training.data import DataError, encode_cached, read_lines  # noqa: E402
+from training.tokenizer import BOS, EOS, PAD  # noqa: E402
 
 # layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens
 ARCHS = {
@@ -37,49 +30,6 @@ ARCHS = {
     "base": dict(layers=12, hidden=768, heads=12, ffn=3072, dropout=0.1, lr=5e-4, warmup=4000, max_tokens=8192),
     "big": dict(layers=24, hidden=1024, heads=16, ffn=4096, dropout=0.1, lr=3e-4, warmup=4000, max_tokens=8192),
 }
-DEFAULT_EPOCHS = 3
-
-
-def build_parser():
-    p = argparse.ArgumentParser(
-        description="Train an lsmini Transformer language model (no arguments: the built-in English corpus).")
-    g = p.add_argument_group("data (plain UTF-8 text; none given: the built-in corpus)")
-    g.add_argument("--train", help="training text")
-    g.add_argument("--valid", help="validation text")
-    g.add_argument("--block-size", type=int, default=128, help="tokens per training sequence (default 128)")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--arch", choices=sorted(ARCHS), default="tiny",
-                   help="model size (default tiny): tiny: 2 layers, 128 hidden; small: 6, 512, 8 heads; "
-                        "base: 12, 768, 12 heads (GPT-2 small); big: 24, 1024, 16 heads")
-    add_layer_args(g, label_smoothing=0.0)
-
-    add_common_args(p, DEFAULT_SAVE_DIR)
-
-    g = p.add_argument_group("sampling")
-    g.add_argument("--generate", metavar="PROMPT", default=None,
-                   help="sample continuations of PROMPT with the model in --save-dir (no training)")
-    g.add_argument("--num-samples", type=int, default=3, help="samples to print (also after training; default 3)")
-    g.add_argument("--max-new-tokens", type=int, default=60, help="(default 60)")
-    g.add_argument("--temperature", type=float, default=1.0, help="(default 1.0)")
-    g.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (default 50; 0: all)")
-    return p
-
-
-def parse_args(argv):
-    p = build_parser()
-    args = p.parse_args(argv)
-    args.builtin = args.train is None and args.valid is None
-    if not args.builtin and args.generate is None and not (args.train and args.valid):
-        p.error("real data needs both --train and --valid")
-    resolve_common_args(p, args, DEFAULT_SAVE_DIR, args.builtin, ARCHS[args.arch], DEFAULT_EPOCHS)
-    if args.block_size < 2:
-        p.error(f"--block-size must be >= 2, got {args.block_size}")
-    if args.max_tokens < round_up(args.block_size):
-        p.error(f"--max-tokens ({args.max_tokens}) must hold one --block-size ({args.block_size}) sequence")
-    if args.num_samples < 0 or args.max_new_tokens < 1 or args.temperature <= 0 or args.top_k < 0:
-        p.error("--num-samples >= 0, --max-new-tokens >= 1, --temperature > 0 and --top-k >= 0 are required")
-    return args
 
 
 # ---- data ---------------------------------------------------------------------------------------------
@@ -103,7 +53,7 @@ class StreamBatches:
 
     def __init__(self, stream, block, max_tokens):
         self.stream, self.block = stream, block
-        self.width = round_up(block)
+        self.width = batching.round_up(block)
         n_seq = max(1, -(-(len(stream) - 1) // block))
         rows = max(1, max_tokens // self.width)
         self.batches = [np.arange(s, min(s + rows, n_seq)) for s in range(0, n_seq, rows)]
@@ -140,34 +90,7 @@ class StreamBatches:
         return x, y
 
 
-def load_data(args, log, dist=None):
-    """Read and check the text files; the built-in corpus is written by rank 0 alone."""
-    dist = dist or Distributed()
-    if args.builtin:
-        data_dir = os.path.join(args.save_dir, "data")
-        paths = dist.from_main(lambda: builtin_data.write_lm_corpus(data_dir))
-        log(f"data: built-in English corpus in {data_dir}")
-    else:
-        paths = {"train": args.train, "valid": args.valid}
-    lines = {split: read_lines(path, f"--{split}") for split, path in paths.items()}
-    return lines, paths
-
-
-# ---- model --------------------------------------------------------------------------------------------
-def model_config(args, vocab_size, max_seq_len):
-    a = ARCHS[args.arch]
-    return {"arch": args.arch, "vocab_size": vocab_size, "layers": a["layers"],
-            "config": layer_config(args, a, "gelu", max_seq_len)}
-
-
-def build_model(mc, max_batch_tokens, device, dtype):
-    from lsmini.models import TransformerLM
-
-    config = build_layer_config(mc, max_batch_tokens)
-    model = TransformerLM(mc["vocab_size"], config, mc["layers"], padding_idx=PAD, tie_output=True)
-    return place_model(model, device, dtype)
-
-
+# ---- sampling -----------------------------------------------------------------------------------------
 @torch.no_grad()
 def sample(model, prompt_ids, num, max_new_tokens, temperature, top_k, max_seq_len, generator):
     """`num` continuations of BOS + prompt_ids, sampled with incremental decoding until EOS, max_new_tokens,
@@ -211,92 +134,129 @@ def print_samples(model, sp, args, prompt, max_seq_len, device, log):
         log(f"sample: {text}")
 
 
-def generate_mode(args, device, dtype):
-    ckpt_path = os.path.join(args.save_dir, CHECKPOINT_NAME)
-    if not os.path.isfile(ckpt_path):
-        raise DataError(f"--generate: no trained model at {ckpt_path}; train one first (same --save-dir)")
-    ckpt = load_checkpoint(ckpt_path)
-    sp = load_sentencepiece(os.path.join(args.save_dir, SPM_NAME))
-    mc = ckpt["model_config"]
-    model = build_model(mc, max(args.max_tokens, args.num_samples * mc["config"]["max_seq_len"]), device, dtype)
-    model.load_state_dict(ckpt["trainer"]["model"])
-    print_samples(model, sp, args, args.generate, mc["config"]["max_seq_len"], device, print)
+# ---- the task -----------------------------------------------------------------------------------------
+class LanguageModelTask(run.Task):
+    description = "Train an lsmini Transformer language model (no arguments: the built-in English corpus)."
+    archs = ARCHS
+    arch_sizes = ("tiny: 2 layers, 128 hidden; small: 6, 512, 8 heads; base: 12, 768, 12 heads (GPT-2 small); "
+                  "big: 24, 1024, 16 heads")
+    label_smoothing = 0.0
+    default_save_dir = os.path.join("checkpoints", "lm")
+
+    def add_data_args(self, parser):
+        g = parser.add_argument_group("data (plain UTF-8 text; none given: the built-in corpus)")
+        g.add_argument("--train", help="training text")
+        g.add_argument("--valid", help="validation text")
+        g.add_argument("--block-size", type=int, default=128, help="tokens per training sequence (default 128)")
+
+    def add_mode_args(self, parser):
+        g = parser.add_argument_group("sampling")
+        g.add_argument("--generate", metavar="PROMPT", default=None,
+                       help="sample continuations of PROMPT with the model in --save-dir (no training)")
+        g.add_argument("--num-samples", type=int, default=3, help="samples to print (also after training; default 3)")
+        g.add_argument("--max-new-tokens", type=int, default=60, help="(default 60)")
+        g.add_argument("--temperature", type=float, default=1.0, help="(default 1.0)")
+        g.add_argument("--top-k", type=int, default=50,
+                       help="sample among the k most likely tokens (default 50; 0: all)")
+
+    def check_data_flags(self, parser, args):
+        builtin = args.train is None and args.valid is None
+        if not builtin and args.generate is None and not (args.train and args.valid):
+            parser.error("real data needs both --train and --valid")
+        return builtin
+
+    def check_args(self, parser, args):
+        if args.block_size < 2:
+            parser.error(f"--block-size must be >= 2, got {args.block_size}")
+        if args.max_tokens < batching.round_up(args.block_size):
+            parser.error(f"--max-tokens ({args.max_tokens}) must hold one --block-size ({args.block_size}) sequence")
+        if args.num_samples < 0 or args.max_new_tokens < 1 or args.temperature <= 0 or args.top_k < 0:
+            parser.error("--num-samples >= 0, --max-new-tokens >= 1, --temperature > 0 and --top-k >= 0 are required")
+
+    def inference_mode(self, args):
+        return "--generate" if args.generate is not None else None
+
+    def decoding_rows(self, args):
+        return args.num_samples
+
+    def infer(self, args, model, sp, max_seq_len, device):
+        print_samples(model, sp, args, args.generate, max_seq_len, device, print)
+
+    def read_data(self, args, log, dist):
+        """{split: lines} and {split: path}: one text file per split."""
+        if args.builtin:
+            data_dir = os.path.join(args.save_dir, "data")
+            paths = dist.from_main(lambda: builtin_data.write_lm_corpus(data_dir))
+            log(f"data: built-in English corpus in {data_dir}")
+        else:
+            paths = {"train": args.train, "valid": args.valid}
+        lines = {split: read_lines(path, f"--{split}") for split, path in paths.items()}
+        return lines, paths
+
+    def tokenize(self, args, lines, paths, log, train):
+        """A vocabulary learnt from the training text; ids {split: the token stream of token_stream()}."""
+        sp, spm_path = tokenizer.train_or_load(args, lines["train"], log, train)
+        cache_dir = os.path.join(args.save_dir, "cache")
+        streams = {split: token_stream(encode_cached(sp, spm_path, lines[split], paths[split], cache_dir))
+                   for split in lines}
+        return sp, streams
+
+    def make_batches(self, args, lines, paths, sp, streams, log):
+        for split, s in streams.items():
+            if len(s) < 2:
+                raise DataError(f"--{split}: {paths[split]} has no text to learn from after tokenization")
+        train_batches = StreamBatches(streams["train"], args.block_size, args.max_tokens)
+        valid_batches = StreamBatches(streams["valid"], args.block_size, args.max_tokens)
+        log(f"data: {len(streams['train']):,} training tokens in {len(train_batches)} batches of "
+            f"{train_batches.batches[0].size} x {args.block_size}, {len(streams['valid']):,} valid tokens; "
+            f"vocabulary {sp.get_piece_size()}")
+        return run.TaskData(sp, train_batches, valid_batches, batching.round_up(args.block_size))
+
+    def model_config(self, args, vocab_size, max_seq_len):
+        arch = ARCHS[args.arch]
+        return {"arch": args.arch, "vocab_size": vocab_size, "layers": arch["layers"],
+                "config": cli.layer_config(args, arch, "gelu", max_seq_len)}
+
+    def make_model(self, mc, config):
+        from lsmini.models import TransformerLM
+
+        return TransformerLM(mc["vocab_size"], config, mc["layers"], padding_idx=PAD, tie_output=True)
+
+    def reserve_scratch(self, model, data, device, dtype):
+        from lsmini.layers import arena
+
+        # one batch shape throughout
+        arena.reserve(device, dtype, model.decoder.scratch_numel(data.train.batches[0].size, data.train.width))
+
+    def logits_and_target(self, model, batch):
+        x, y = batch
+        return model(x), y
+
+    def loss(self, criterion, model, batch):
+        if criterion.label_smoothing == 0:  # no smoothing: the loss is the NLL itself
+            loss = criterion(*self.logits_and_target(model, batch))
+            return loss, loss.detach()
+        return super().loss(criterion, model, batch)
+
+    def after_training(self, args, model, data, device, dist, log):
+        if dist.is_main and args.num_samples:
+            print_samples(model, data.tokenizer, args, "", data.max_seq_len, device, log)
+        return {}
+
+    def summary(self, metrics):
+        tps = metrics["tokens_per_s"]
+        return (f"valid loss {metrics['valid_loss']:.3f} (ppl {metrics['valid_ppl']:.2f})" +
+                (f", {tps:,.0f} tokens/s" if tps else ""))
+
+
+TASK = LanguageModelTask()
 
 
 def main(argv=None):
     """Run the example; returns the metrics dict (None with --generate). Under torchrun every rank runs
     it; rank 0 prints and writes the files."""
-    start = time.perf_counter()
-    args = parse_args(argv)
-
-    with RunSettings(args.reference):
-        dist, device, dtype = start_distributed(args, "--generate" if args.generate is not None else None)
-
-        def log(msg):
-            if dist.is_main:
-                tqdm.write(msg)
-
-        if args.generate is not None:
-            generate_mode(args, device, dtype)
-            return None
-        torch.manual_seed(args.seed)
-        ckpt_path = prepare_save_dir(args, log)
-        lines, paths = load_data(args, log, dist)
-        spm_path = os.path.join(args.save_dir, SPM_NAME)
-        with dist.main_first():  # rank 0 trains the tokenizer and fills the token cache, the others read them
-            if not args.resume and dist.is_main:
-                t0 = time.perf_counter()
-                train_sentencepiece(lines["train"], spm_path, args.vocab_size, args.spm_type, args.seed)
-                log(f"tokenizer: sentencepiece {args.spm_type} trained in {time.perf_counter() - t0:.1f}s -> "
-                    f"{spm_path}")
-            sp = load_sentencepiece(spm_path)
-            cache_dir = os.path.join(args.save_dir, "cache")
-            streams = {split: token_stream(encode_cached(sp, spm_path, lines[split], paths[split], cache_dir))
-                       for split in lines}
-        vocab = sp.get_piece_size()
-        for split, s in streams.items():
-            if len(s) < 2:
-                raise DataError(f"--{split}: {paths[split]} has no text to learn from after tokenization")
-        max_seq_len = round_up(args.block_size)
-        train_batches = StreamBatches(streams["train"], args.block_size, args.max_tokens)
-        valid_batches = StreamBatches(streams["valid"], args.block_size, args.max_tokens)
-        log(f"data: {len(streams['train']):,} training tokens in {len(train_batches)} batches of "
-            f"{train_batches.batches[0].size} x {args.block_size}, {len(streams['valid']):,} valid tokens; "
-            f"vocabulary {vocab}")
-
-        mc = model_config(args, vocab, max_seq_len)
-        model = build_model(mc, max(args.max_tokens, args.num_samples * max_seq_len), device, dtype)
-        log(f"model: {args.arch} TransformerLM, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-            f"{args.precision} on {device}; backend {describe_backend(device)}" +
-            (f"; {dist.world} processes" if dist.active else ""))
-        # one batch shape throughout: size the layers' shared scratch arena once, up front
-        from lsmini.layers import arena
-
-        arena.reserve(device, dtype, model.decoder.scratch_numel(train_batches.batches[0].size, train_batches.width))
-        trainer = start_trainer(args, model, mc, ckpt_path, device, dtype, log, dist)
-        criterion, nll_criterion = make_criteria(args.label_smoothing)
-
-        def loss_fn(model, batch):
-            x, y = batch
-            if args.label_smoothing == 0:
-                loss = criterion(model(x), y)
-                return loss, loss.detach()
-            return criterion(model(x), y, return_nll=True)
-
-        train_and_validate(trainer, args, model, mc, ckpt_path, train_batches, valid_batches, loss_fn,
-                           lambda model, batch: (model(batch[0]), batch[1]), nll_criterion, device, log)
-        metrics = None
-        if dist.is_main:
-            if args.num_samples:
-                print_samples(model, sp, args, "", max_seq_len, device, log)
-            metrics = run_metrics(trainer, args, device, start, None)
-            path = write_metrics(args.save_dir, metrics)
-            tps = metrics["tokens_per_s"]
-            log(f"done: {trainer.step} steps, valid loss {trainer.valid_loss:.3f} (ppl {metrics['valid_ppl']:.2f})" +
-                (f", {tps:,.0f} tokens/s" if tps else "") + f", {metrics['wall_s']:.0f}s -> {path}")
-        dist.close()
-        return metrics
+    return run.run_task(TASK, argv)
 
 
 if __name__ == "__main__":
-    run_main(main)
+    run.run_main(main)

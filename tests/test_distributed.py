@@ -24,7 +24,7 @@ import lsmini
 from lsmini.distributed import GradientReducer
 from lsmini.optim import FusedAdam, LossScaler, ParameterWorkspace
 # the example tests' corpus fixture and helpers (importing them makes `corpus` available here)
-from test_examples import (SMALL, builtin_data, check_metrics, corpus, data_args, run, train_common,  # noqa: F401
+from test_examples import (SMALL, DataError, builtin_data, check_metrics, corpus, data_args, run,  # noqa: F401
                            train_lm, train_translation, write_lines)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -549,14 +549,15 @@ def test_translation_two_gpus_cuda_graph_follows_eager(corpus, tmp_path):  # noq
 FAILING = """
 import os, sys
 sys.path.insert(0, {examples!r})
-import train_common, train_lm
+import train_lm
+from training import run, trainer
 
 mode, argv = sys.argv[1], sys.argv[2:]
 if os.environ["RANK"] == "1":
     if mode == "missing-data":  # the validation file does not exist for rank 1
         argv = [a + ".missing" if a.endswith("valid.txt") else a for a in argv]
     else:  # rank 1 fails in its third batch, while rank 0 waits for it in the gradient all-reduce
-        train = train_common.Trainer.train
+        train = trainer.Trainer.train
 
         def failing_train(self, batches, loss_fn, *rest):
             calls = []
@@ -567,8 +568,8 @@ if os.environ["RANK"] == "1":
                     raise RuntimeError("injected failure on rank 1")
                 return loss_fn(model, batch)
             return train(self, batches, loss, *rest)
-        train_common.Trainer.train = failing_train
-train_common.run_main(lambda: train_lm.main(argv))
+        trainer.Trainer.train = failing_train
+run.run_main(lambda: train_lm.main(argv))
 """
 
 
@@ -592,7 +593,7 @@ def test_a_failing_rank_ends_the_job(tmp_path, mode, message):
 
 def test_single_process_modes_refuse_torchrun(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(train_common.DataError, match="--generate runs in one process"):
+    with pytest.raises(DataError, match="--generate runs in one process"):
         run(train_lm.main, ["--save-dir", str(tmp_path), "--generate", "The"])
-    with pytest.raises(train_common.DataError, match="--translate runs in one process"):
+    with pytest.raises(DataError, match="--translate runs in one process"):
         run(train_translation.main, ["--save-dir", str(tmp_path), "--translate"])

@@ -14,9 +14,10 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, EXAMPLES)
 
 import builtin_data  # noqa: E402
-import train_common  # noqa: E402
 import train_lm  # noqa: E402
 import train_translation  # noqa: E402
+from training import batching, tokenizer  # noqa: E402
+from training.data import DataError  # noqa: E402
 
 METRIC_KEYS = ("train_loss", "valid_loss", "valid_ppl", "bleu", "tokens_per_s", "steps", "wall_s")
 # tiny settings: a few hundred pairs, a small vocabulary, a few steps
@@ -160,9 +161,9 @@ def test_builtin_lm_short_run(tmp_path):
 
 
 def test_default_arguments_pick_the_builtin_task():
-    args = train_translation.parse_args([])
+    args = train_translation.TASK.parse_args([])
     assert args.builtin and args.arch == "tiny" and args.vocab_size == 2000 and args.epochs is not None
-    args = train_lm.parse_args([])
+    args = train_lm.TASK.parse_args([])
     assert args.builtin and args.arch == "tiny"
 
 
@@ -207,7 +208,7 @@ def test_lm_resume_gives_the_same_parameters(tmp_path):
 
 
 def test_resume_without_checkpoint_is_an_error(corpus, tmp_path):
-    with pytest.raises(train_common.DataError, match="no checkpoint"):
+    with pytest.raises(DataError, match="no checkpoint"):
         run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--resume"])
 
 
@@ -217,7 +218,7 @@ def small_model(seed=0):
     mc = {"arch": "tiny", "vocab_size": 50, "encoder_layers": 2, "decoder_layers": 2, "share_embeddings": True,
           "config": dict(hidden_size=32, num_heads=4, ffn_size=64, dropout=0.1, attn_dropout=0.0,
                          activation_dropout=0.0, activation="relu", pre_layer_norm=True, max_seq_len=64)}
-    model = train_translation.build_model(mc, 4096, torch.device("cpu"), torch.float32)
+    model = train_translation.TASK.build_model(mc, 4096, torch.device("cpu"), torch.float32)
     return model.eval()
 
 
@@ -225,8 +226,8 @@ def random_sources(n=7, seed=1):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 12, (n,), generator=g).tolist()
     rows = [torch.randint(4, 50, (k,), generator=g).tolist() for k in lengths]
-    width = train_common.round_up(max(lengths) + 1)
-    return rows, train_common.padded_tensor(rows, width, False, suffix=train_common.EOS)
+    width = batching.round_up(max(lengths) + 1)
+    return rows, batching.padded_tensor(rows, width, False, suffix=tokenizer.EOS)
 
 
 def test_beam_1_equals_greedy():
@@ -246,14 +247,14 @@ def test_incremental_greedy_matches_full_recompute():
     cached = train_translation.greedy_search(model, src, [steps] * len(rows))
     with torch.no_grad():
         enc, mask = model.encode(src)
-        prefix = torch.full((len(rows), 1), train_common.BOS, dtype=torch.long)
+        prefix = torch.full((len(rows), 1), tokenizer.BOS, dtype=torch.long)
         for _ in range(steps):
             lp = torch.log_softmax(model.decode(prefix, enc, mask)[:, -1].float(), -1)
-            lp[:, train_common.PAD] = lp[:, train_common.BOS] = -math.inf
+            lp[:, tokenizer.PAD] = lp[:, tokenizer.BOS] = -math.inf
             prefix = torch.cat([prefix, lp.argmax(-1, keepdim=True)], 1)
     for i, h in enumerate(cached):
         full = prefix[i, 1:].tolist()
-        expect = full[:full.index(train_common.EOS)] if train_common.EOS in full else full
+        expect = full[:full.index(tokenizer.EOS)] if tokenizer.EOS in full else full
         assert h == expect[:len(h)] and (len(h) == len(expect) or len(h) == steps), (h, expect)
 
 
@@ -275,13 +276,13 @@ def test_translate_rejects_undecodable_stdin(trained, monkeypatch):
     save_dir, _ = trained
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"The dog runs.\nA cat\xff sleeps.\n"),
                                                        encoding="utf-8"))
-    with pytest.raises(train_common.DataError, match="stdin is not valid UTF-8 text: line 2, byte 6 is 0xff"):
+    with pytest.raises(DataError, match="stdin is not valid UTF-8 text: line 2, byte 6 is 0xff"):
         run(train_translation.main, ["--translate", "--save-dir", save_dir])
 
 
 def test_translate_without_model_is_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n"), encoding="utf-8"))
-    with pytest.raises(train_common.DataError, match="no trained model"):
+    with pytest.raises(DataError, match="no trained model"):
         run(train_translation.main, ["--translate", "--save-dir", str(tmp_path)])
 
 
@@ -320,7 +321,7 @@ def bad_case(kind, tmp_path, corpus):
 def test_translation_bad_data_is_rejected_before_training(kind, tmp_path, corpus):
     argv, expect = bad_case(kind, tmp_path, corpus)
     save_dir = tmp_path / "run"
-    with pytest.raises(train_common.DataError, match=expect):
+    with pytest.raises(DataError, match=expect):
         run(train_translation.main, argv + SMALL + ["--save-dir", str(save_dir), "--max-steps", "1"])
     assert not (save_dir / "spm.model").exists() and not (save_dir / "checkpoint_last.pt").exists()
 
@@ -337,7 +338,7 @@ def test_lm_bad_data_is_rejected_before_training(kind, tmp_path):
         p.write_bytes(b"ok\n\xff\xfe broken\n")
         bad, expect = str(p), "--valid: .* is not valid UTF-8 text: line 2, byte 1 is 0xff"
     save_dir = tmp_path / "run"
-    with pytest.raises(train_common.DataError, match=expect):
+    with pytest.raises(DataError, match=expect):
         run(train_lm.main, ["--train", good, "--valid", bad, "--save-dir", str(save_dir), "--max-steps", "1",
                             "--no-progress"])
     assert not (save_dir / "spm.model").exists()
@@ -345,20 +346,20 @@ def test_lm_bad_data_is_rejected_before_training(kind, tmp_path):
 
 def test_partial_data_flags_are_a_usage_error(corpus, capsys):
     with pytest.raises(SystemExit):
-        train_translation.parse_args(["--train-src", corpus["train"][0], "--train-tgt", corpus["train"][1]])
+        train_translation.TASK.parse_args(["--train-src", corpus["train"][0], "--train-tgt", corpus["train"][1]])
     assert "--valid-src" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        train_lm.parse_args(["--train", corpus["train"][0]])
+        train_lm.TASK.parse_args(["--train", corpus["train"][0]])
 
 
 def test_fp16_on_cpu_is_refused(corpus, tmp_path):
-    with pytest.raises(train_common.DataError, match="--fp16 needs a CUDA device"):
+    with pytest.raises(DataError, match="--fp16 needs a CUDA device"):
         run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--fp16",
                                                                  "--device", "cpu"])
 
 
 def test_cuda_graph_needs_cuda(corpus, tmp_path):
-    with pytest.raises(train_common.DataError, match="--cuda-graph needs a CUDA device"):
+    with pytest.raises(DataError, match="--cuda-graph needs a CUDA device"):
         run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--cuda-graph",
                                                                  "--device", "cpu"])
 
@@ -374,5 +375,5 @@ def test_cuda_graph_run_follows_the_eager_run(corpus, tmp_path):
     assert graph["steps"] == eager["steps"] == 24
     assert graph["valid_loss"] == pytest.approx(eager["valid_loss"], rel=0.02)
     assert graph["train_loss"] == pytest.approx(eager["train_loss"], rel=0.02)
-    with pytest.raises(train_common.DataError, match="--update-freq 1"):
+    with pytest.raises(DataError, match="--update-freq 1"):
         run(train_translation.main, common + ["--save-dir", str(tmp_path / "x"), "--cuda-graph", "--update-freq", "2"])

@@ -1,0 +1,112 @@
+"""The command-line options both examples take (model size and layers, tokenizer, training, progress and
+checkpoints), the defaults that depend on other flags (an --arch table row gives --dropout, --lr, --warmup
+and --max-tokens), the checks that reject values making no sense, and the layer configuration those flags
+describe (what a checkpoint stores to rebuild the model)."""
+from .checkpoints import CHECKPOINT_NAME
+
+DEFAULT_EPOCHS = 3
+
+
+def add_arch_arg(group, archs, sizes):
+    """--arch, one of the rows of the `archs` table; `sizes` describes them for --help."""
+    group.add_argument("--arch", choices=sorted(archs), default="tiny", help="model size (default tiny): " + sizes)
+
+
+def add_layer_args(g, label_smoothing):
+    """The layer options both examples share, into the argument group g."""
+    ln = g.add_mutually_exclusive_group()
+    ln.add_argument("--pre-ln", dest="pre_ln", action="store_true", default=True,
+                    help="LayerNorm before each block (default)")
+    ln.add_argument("--post-ln", dest="pre_ln", action="store_false", help="LayerNorm after each residual add")
+    g.add_argument("--dropout", type=float, default=None, help="residual/embedding dropout (default per --arch)")
+    g.add_argument("--attn-dropout", type=float, default=0.0, help="dropout on attention probabilities (default 0)")
+    g.add_argument("--activation-dropout", type=float, default=0.0, help="dropout after the FFN activation (default 0)")
+    g.add_argument("--label-smoothing", type=float, default=label_smoothing, help=f"(default {label_smoothing:g})")
+
+
+def add_common_args(parser, default_save_dir):
+    """The tokenizer, training and progress/checkpoint options, each group in the parser."""
+    g = parser.add_argument_group("tokenizer")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="sentencepiece vocabulary size, an upper bound for small corpora (default 8000; 2000 for "
+                        "the built-in data)")
+    g.add_argument("--spm-type", choices=["bpe", "unigram"], default="bpe",
+                   help="sentencepiece model type (default bpe)")
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="padded tokens per batch (default per --arch: 2048 for tiny, 4096 otherwise)")
+    g.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps in total (default: no limit)")
+    g.add_argument("--update-freq", type=int, default=1,
+                   help="accumulate the gradients of N batches (per process) into each optimizer step (default 1)")
+    g.add_argument("--epochs", type=int, default=None,
+                   help=f"stop after this many passes over the training data (default {DEFAULT_EPOCHS} unless "
+                        "--max-steps is given)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default per --arch)")
+    g.add_argument("--warmup", type=int, default=None,
+                   help="linear warmup steps, then lr ∝ 1/sqrt(step) (default per --arch)")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled (AdamW) weight decay (default 0)")
+    g.add_argument("--clip-norm", type=float, default=1.0, help="clip the global gradient norm (default 1.0; 0: off)")
+    g.add_argument("--seed", type=int, default=1, help="seeds initialisation, dropout and the batch order (default 1)")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
+                      help="fp16 parameters with fp32 master weights and dynamic loss scaling (default on CUDA)")
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                      help="bf16 parameters with fp32 master weights")
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="fp32 (default on CPU)")
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda when available)")
+    g.add_argument("--reference", action="store_true",
+                   help="run the same model on lsmini's pure-PyTorch path instead of the fused kernels, for a "
+                        "side-by-side comparison (its default --save-dir gets a _reference suffix)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="replay each training step as one CUDA graph (lsmini.graph), recorded once per batch "
+                        "shape: less launch overhead for small models; --update-freq 1, the kernels (under "
+                        "torchrun the gradient all-reduces are recorded too)")
+
+    g = parser.add_argument_group("progress, validation and checkpoints")
+    g.add_argument("--save-dir", default=None,
+                   help=f"tokenizer, checkpoints, metrics.json (default {default_save_dir})")
+    g.add_argument("--resume", action="store_true", help="continue from <save-dir>/" + CHECKPOINT_NAME)
+    g.add_argument("--eval-every", type=int, default=None,
+                   help="validation loss/perplexity and a checkpoint every N steps (default: once per epoch)")
+    g.add_argument("--log-every", type=int, default=50,
+                   help="read the loss back from the device and refresh the progress bar every N steps (default 50)")
+    g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+
+
+def resolve_common_args(parser, args, default_save_dir, builtin, arch):
+    """Fill the defaults that depend on other flags (the --arch table row `arch` gives dropout, lr, warmup
+    and max_tokens); reject values that make no sense (parser.error names the flag)."""
+    if args.save_dir is None:
+        args.save_dir = default_save_dir + ("_reference" if args.reference else "")
+    if args.vocab_size is None:
+        args.vocab_size = 2000 if builtin else 8000
+    for name in ("dropout", "lr", "warmup", "max_tokens"):
+        if getattr(args, name) is None:
+            setattr(args, name, arch[name])
+    if args.max_steps is None and args.epochs is None:
+        args.epochs = DEFAULT_EPOCHS
+    for name in ("max_tokens", "log_every", "lr", "update_freq"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    for name in ("max_steps", "epochs", "eval_every", "warmup"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if args.vocab_size < 8:
+        parser.error(f"--vocab-size must be at least 8, got {args.vocab_size}")
+    for name in ("clip_norm", "weight_decay"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("dropout", "attn_dropout", "activation_dropout", "label_smoothing"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+
+
+def layer_config(args, arch, activation, max_seq_len):
+    """The TransformerConfig fields a checkpoint's model_config stores (max_batch_tokens is per run), from
+    the layer flags and the --arch table row `arch`."""
+    return dict(hidden_size=arch["hidden"], num_heads=arch["heads"], ffn_size=arch["ffn"], dropout=args.dropout,
+                attn_dropout=args.attn_dropout, activation_dropout=args.activation_dropout, activation=activation,
+                pre_layer_norm=args.pre_ln, max_seq_len=max_seq_len)

@@ -1,0 +1,282 @@
+"""The one main() both examples run, and Task: what an example adds to it.
+
+run_task(task, argv) parses the command line, then either loads the trained model for the task's
+inference mode (--translate, --generate) or trains: seed, save directory, the task's data, the tokenizer
+(rank 0 first), the task's batches and model, the shared scratch memory sized once, the Trainer (resumed
+with --resume), training with validation and checkpoints, the task's work after training (translating
+and scoring, sampling), metrics.json. A Task subclass holds only what differs between the examples: its
+--arch table, its options, data, model, loss and decoding. run_main wraps a script's main() into exit codes.
+"""
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed
+from tqdm import tqdm
+
+from . import cli
+from .checkpoints import CHECKPOINT_NAME, load_checkpoint, prepare_save_dir
+from .data import DataError
+from .runtime import RunSettings, describe_backend, place_model, start_distributed
+from .tokenizer import SPM_NAME, load_sentencepiece
+from .trainer import make_criteria, safe_exp, start_trainer, train_and_validate
+
+
+@dataclasses.dataclass
+class TaskData:
+    """What a task's make_batches hook prepared: the tokenizer (a sentencepiece processor), the training
+    and validation batches (`len()`, `get(i, pin) -> tuple of CPU tensors`, `tokens(i)`: the target tokens
+    of batch i) and the longest sequence the model must take. A task may subclass it with more fields for
+    its later hooks."""
+    tokenizer: object
+    train: object
+    valid: object
+    max_seq_len: int
+
+
+class Task:
+    """One example, as the hooks run_task calls. Subclasses set the class attributes and implement every
+    hook that raises NotImplementedError here."""
+
+    description = None  # what the script does, for --help
+    # the --arch table: name -> layers, hidden, heads, ffn, and the defaults of --dropout --lr --warmup --max-tokens
+    archs = None
+    arch_sizes = None  # the rows of the table in words, for --help
+    label_smoothing = None  # the default of --label-smoothing
+    default_save_dir = None
+
+    # -- command line --
+    def add_data_args(self, parser):
+        """The data options, in an argument group of their own."""
+        raise NotImplementedError
+
+    def add_model_args(self, group):
+        """Model options besides --arch and the layer options, into the "model" group."""
+
+    def add_mode_args(self, parser):
+        """The options of decoding and of the inference mode, in an argument group of their own."""
+        raise NotImplementedError
+
+    def check_data_flags(self, parser, args):
+        """Reject an incomplete set of data flags (parser.error); return True when none is given (the
+        built-in corpus)."""
+        raise NotImplementedError
+
+    def check_args(self, parser, args):
+        """Reject task option values that make no sense, once the defaults are filled in (parser.error)."""
+        raise NotImplementedError
+
+    def build_parser(self):
+        parser = argparse.ArgumentParser(description=self.description)
+        self.add_data_args(parser)
+        group = parser.add_argument_group("model")
+        cli.add_arch_arg(group, self.archs, self.arch_sizes)
+        self.add_model_args(group)
+        cli.add_layer_args(group, self.label_smoothing)
+        cli.add_common_args(parser, self.default_save_dir)
+        self.add_mode_args(parser)
+        return parser
+
+    def parse_args(self, argv=None):
+        """The command line (sys.argv when argv is None), with every default filled in and checked."""
+        parser = self.build_parser()
+        args = parser.parse_args(argv)
+        args.builtin = self.check_data_flags(parser, args)
+        cli.resolve_common_args(parser, args, self.default_save_dir, args.builtin, self.archs[args.arch])
+        self.check_args(parser, args)
+        return args
+
+    # -- inference mode --
+    def inference_mode(self, args):
+        """The flag of the inference mode when args ask for it ("--translate"), else None."""
+        raise NotImplementedError
+
+    def decoding_rows(self, args):
+        """How many sequences decoding runs side by side for one input (beams, samples): the model's batch
+        budget covers that many sequences of max_seq_len positions."""
+        raise NotImplementedError
+
+    def infer(self, args, model, tokenizer, max_seq_len, device):
+        """The inference mode, with the trained model of --save-dir (in eval mode)."""
+        raise NotImplementedError
+
+    # -- data --
+    def read_data(self, args, log, dist):
+        """(lines, paths) of every split, read and checked (DataError before anything is trained); the
+        built-in corpus is written by rank 0 alone (dist.from_main)."""
+        raise NotImplementedError
+
+    def tokenize(self, args, lines, paths, log, train):
+        """(sentencepiece processor, token ids of every split); trains the tokenizer when `train`
+        (tokenizer.train_or_load). Runs on rank 0 first: the others then read its tokenizer and cache."""
+        raise NotImplementedError
+
+    def make_batches(self, args, lines, paths, tokenizer, ids, log):
+        """The TaskData (batches built once, up front) for training."""
+        raise NotImplementedError
+
+    # -- model --
+    def model_config(self, args, vocab_size, max_seq_len):
+        """The dict a checkpoint stores to rebuild the model; its "config" holds the TransformerConfig fields
+        (cli.layer_config)."""
+        raise NotImplementedError
+
+    def make_model(self, model_config, layer_config):
+        """The model (on CPU, fp32) of model_config, its layers built with the TransformerConfig layer_config."""
+        raise NotImplementedError
+
+    def build_model(self, model_config, max_batch_tokens, device, dtype):
+        """The model of model_config on `device` in `dtype`, its layers sized for max_batch_tokens tokens."""
+        from lsmini.layers import TransformerConfig
+
+        try:
+            config = TransformerConfig(**model_config["config"], max_batch_tokens=max_batch_tokens)
+        except ValueError as e:
+            raise DataError(f"model configuration: {e}") from None
+        return place_model(self.make_model(model_config, config), device, dtype)
+
+    def reserve_scratch(self, model, data, device, dtype):
+        """Size the layers' shared scratch arena once, for the most demanding batch of `data`, so it never
+        regrows (and never reallocates device memory) during training."""
+        raise NotImplementedError
+
+    # -- loss --
+    def logits_and_target(self, model, batch):
+        """(logits, target) of a batch on the device; validation scores them."""
+        raise NotImplementedError
+
+    def loss(self, criterion, model, batch):
+        """(training loss, plain NLL) of a batch, both summed over its target tokens; the NLL detached."""
+        return criterion(*self.logits_and_target(model, batch), return_nll=True)
+
+    # -- after training --
+    def after_training(self, args, model, data, device, dist, log):
+        """Use the trained model (on every rank); returns the metrics.json fields it adds (rank 0)."""
+        raise NotImplementedError
+
+    def summary(self, metrics):
+        """The results on the last line of a run ("done: N steps, <summary>, <seconds> -> metrics.json")."""
+        raise NotImplementedError
+
+
+def run_task(task, argv=None):
+    """Run the example `task` with the command line argv; returns the metrics dict (None in the inference
+    mode). Under torchrun every rank runs it; rank 0 prints and writes the files."""
+    start = time.perf_counter()
+    args = task.parse_args(argv)
+
+    with RunSettings(args.reference):
+        inference = task.inference_mode(args)
+        dist, device, dtype = start_distributed(args, inference)
+
+        def log(msg):
+            if dist.is_main:
+                tqdm.write(msg)
+
+        if inference is not None:
+            model, sp, max_seq_len = load_trained_model(task, args, inference, device, dtype)
+            task.infer(args, model, sp, max_seq_len, device)
+            return None
+        torch.manual_seed(args.seed)
+        ckpt_path = prepare_save_dir(args, log)
+        lines, paths = task.read_data(args, log, dist)
+        with dist.main_first():  # rank 0 trains the tokenizer and fills the token cache, the others read them
+            sp, ids = task.tokenize(args, lines, paths, log, train=dist.is_main)
+        data = task.make_batches(args, lines, paths, sp, ids, log)
+
+        model_config = task.model_config(args, sp.get_piece_size(), data.max_seq_len)
+        # the batch limit also covers decoding's rows (beams, samples) of up to max_seq_len positions
+        max_batch_tokens = max(args.max_tokens, task.decoding_rows(args) * data.max_seq_len)
+        model = task.build_model(model_config, max_batch_tokens, device, dtype)
+        log(f"model: {args.arch} {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+            f"parameters, {args.precision} on {device}; backend {describe_backend(device)}" +
+            (f"; {dist.world} processes" if dist.active else ""))
+        task.reserve_scratch(model, data, device, dtype)
+        trainer = start_trainer(args, model, model_config, ckpt_path, device, dtype, log, dist)
+        criterion, nll_criterion = make_criteria(args.label_smoothing)
+        train_and_validate(trainer, args, model, model_config, ckpt_path, data.train, data.valid,
+                           functools.partial(task.loss, criterion), task.logits_and_target, nll_criterion, device,
+                           log)
+        results = task.after_training(args, model, data, device, dist, log)
+        metrics = None
+        if dist.is_main:
+            metrics = run_metrics(trainer, args, device, start, **results)
+            path = write_metrics(args.save_dir, metrics)
+            log(f"done: {trainer.step} steps, {task.summary(metrics)}, {metrics['wall_s']:.0f}s -> {path}")
+        dist.close()
+        return metrics
+
+
+def load_trained_model(task, args, mode, device, dtype):
+    """(model in eval mode, tokenizer, max_seq_len) of the run in --save-dir, for the inference mode `mode`."""
+    ckpt_path = os.path.join(args.save_dir, CHECKPOINT_NAME)
+    if not os.path.isfile(ckpt_path):
+        raise DataError(f"{mode}: no trained model at {ckpt_path}; train one first (same --save-dir)")
+    ckpt = load_checkpoint(ckpt_path)
+    sp = load_sentencepiece(os.path.join(args.save_dir, SPM_NAME))
+    model_config = ckpt["model_config"]
+    max_seq_len = model_config["config"]["max_seq_len"]
+    model = task.build_model(model_config, max(args.max_tokens, task.decoding_rows(args) * max_seq_len), device,
+                             dtype)
+    model.load_state_dict(ckpt["trainer"]["model"])
+    model.eval()
+    return model, sp, max_seq_len
+
+
+def run_metrics(trainer, args, device, start, bleu=None, **extra):
+    """The metrics.json fields every example writes (plus `extra`)."""
+    return {
+        "train_loss": trainer.train_loss, "valid_loss": trainer.valid_loss,
+        "valid_ppl": safe_exp(trainer.valid_loss), "bleu": bleu,
+        "tokens_per_s": trainer.session_tokens / trainer.session_time if trainer.session_time > 0 else None,
+        "steps": trainer.step, "wall_s": time.perf_counter() - start,
+        **extra, "arch": args.arch, "device": str(device), "precision": args.precision,
+        "backend": str(describe_backend(device)), "world_size": trainer.dist.world, "update_freq": args.update_freq,
+    }
+
+
+def write_metrics(save_dir, metrics):
+    path = os.path.join(save_dir, "metrics.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(metrics, f, indent=2)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def run_main(main):
+    """Script entry: DataError and KeyboardInterrupt become a one-line message and a non-zero exit. In a
+    torchrun job any error ends the process at once with a non-zero status (torchrun then stops the other
+    ranks): leaving the process group cleanly could block on peers that wait in a collective."""
+    try:
+        main()
+    except DataError as e:
+        _exit(f"error: {e}", 2)
+    except KeyboardInterrupt:
+        _exit("interrupted", 130)
+    except Exception:
+        if not _in_process_group():
+            raise
+        traceback.print_exc()
+        _exit(None, 1)
+
+
+def _in_process_group():
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _exit(message, code):
+    job = _in_process_group()
+    if message is not None:
+        print((f"rank {torch.distributed.get_rank()}: " if job else "") + message, file=sys.stderr)
+    if not job:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,57 @@
+"""The sentencepiece tokenizer of a run: trained on the training text and stored as <save-dir>/spm.model,
+loaded back with a check of the special ids every part of the examples relies on (PAD 0 pads batches and
+is ignored by the loss, BOS 2 starts decoding, EOS 3 ends a sentence)."""
+import io
+import os
+import time
+
+from .data import DataError
+
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+SPM_NAME = "spm.model"
+
+
+def train_sentencepiece(lines, model_path, vocab_size, model_type, seed, max_sentences=2_000_000):
+    """Train a sentencepiece model on `lines` (any iterable of str) and write it to `model_path`. Ids: pad 0,
+    unk 1, bos 2, eos 3. `vocab_size` is an upper bound: a small corpus gets the vocabulary it supports."""
+    import sentencepiece as spm
+
+    if hasattr(spm, "set_random_generator_seed"):
+        spm.set_random_generator_seed(seed)
+    proto = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=(s for s in lines if s.strip()), model_writer=proto, vocab_size=vocab_size,
+            model_type=model_type, hard_vocab_limit=False, character_coverage=0.9995,
+            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, input_sentence_size=max_sentences,
+            shuffle_input_sentence=True, num_threads=max(1, min(16, os.cpu_count() or 1)), minloglevel=2)
+    except RuntimeError as e:
+        raise DataError(f"sentencepiece could not build a vocabulary of at most {vocab_size} pieces from the training "
+                        f"text: {e}") from None
+    tmp = model_path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(proto.getvalue())
+    os.replace(tmp, model_path)
+
+
+def load_sentencepiece(model_path):
+    import sentencepiece as spm
+
+    if not os.path.isfile(model_path):
+        raise DataError(f"tokenizer model not found: {model_path}")
+    sp = spm.SentencePieceProcessor(model_file=model_path)
+    if (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) != (PAD, UNK, BOS, EOS):
+        raise DataError(f"{model_path}: expected special ids pad={PAD} unk={UNK} bos={BOS} eos={EOS}")
+    return sp
+
+
+def train_or_load(args, text, log, train):
+    """(processor, path) of the run's tokenizer <--save-dir>/spm.model. With `train` (rank 0) and without
+    --resume it is first trained on `text` with --vocab-size, --spm-type and --seed; otherwise it is the one
+    already there (the resumed run's, or the one rank 0 just wrote)."""
+    path = os.path.join(args.save_dir, SPM_NAME)
+    if train and not args.resume:
+        start = time.perf_counter()
+        train_sentencepiece(text, path, args.vocab_size, args.spm_type, args.seed)
+        log(f"tokenizer: sentencepiece {args.spm_type} trained in {time.perf_counter() - start:.1f}s -> {path}")
+    return load_sentencepiece(path), path
