@@ -32,11 +32,11 @@ def _extension_or_reason():
     for a in filter(None, (x.strip().replace(".", "") for x in archs)):
         gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     root = os.path.dirname(os.path.abspath(__file__))
-    sources = sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("csrc/kernels/*.cu"))
+    sources = sorted(glob.glob("csrc/bindings/*.cpp")) + sorted(glob.glob("csrc/kernels/*.cu"))
     ext = CUDAExtension(
         name="lsmini._C",
         sources=sources,
-        include_dirs=[os.path.join(root, "csrc", "kernels"), os.path.join(root, "csrc", "ops")],
+        include_dirs=[os.path.join(root, "csrc", "kernels"), os.path.join(root, "csrc", "bindings")],
         # Kernels are plain CUDA C++17. The bindings include torch headers, so they take the language
         # standard torch's own build uses (torch.utils.cpp_extension adds it): mixing standards across
         # torch's inline code is an ODR hazard.

@@ -366,8 +366,8 @@ def test_cuda_graph_needs_cuda(corpus, tmp_path):
 
 @pytest.mark.cuda
 def test_cuda_graph_run_follows_the_eager_run(corpus, tmp_path):
-    """The graphed steps do what the eager steps do (same data, same dropout streams); only the loss
-    normalisation (a multiplication by a device scalar instead of a division) rounds differently."""
+    """The graphed steps do what the eager steps do: the same TrainStep, data, dropout streams and loss
+    normalisation (the loss times 1/tokens, a device scalar inside the graph)."""
     common = data_args(corpus, test=False) + SMALL + ["--beam", "1", "--max-steps", "24", "--eval-every", "24",
                                                        "--dropout", "0.1"]
     eager = run(train_translation.main, common + ["--save-dir", str(tmp_path / "eager")])

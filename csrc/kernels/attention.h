@@ -10,8 +10,15 @@
 
 namespace lsmini {
 
-// Head dims with a kernel instantiation.
-inline bool attention_supports_head_dim(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
+// Head dims with a kernel instantiation (the launchers in attention.cu switch over the same list).
+inline constexpr int kAttentionHeadDims[] = {16, 32, 64, 128};
+
+constexpr bool attention_supports_head_dim(int d) {
+  for (const int supported : kAttentionHeadDims) {
+    if (d == supported) return true;
+  }
+  return false;
+}
 
 // A [batch, heads, len, head_dim] operand: element strides of batch, head and row; head_dim is contiguous.
 // Every row must start 16 bytes aligned (base pointer aligned, strides multiples of 8 elements).

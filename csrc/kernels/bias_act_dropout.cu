@@ -23,11 +23,11 @@
  * (common.cuh), so under CUDA graph capture it reads the (seed, offset) that torch sets before each
  * replay.
  *
- * Work split: the same as bias_dropout_residual.cu — a thread owns V adjacent columns (16 bytes of T
- * when hidden % V == 0 and the pointers are 16-byte aligned, else 1) and walks down the rows of its
- * slab; the grid is one resident wave. The backward keeps fp32 column sums of grad_x in registers
- * during its single pass, folds the block's rows in shared memory into one row of fp32 partials
- * [slabs, hidden], and a second small kernel sums the partials per column (no atomics).
+ * Work split: the same as bias_dropout_residual.cu (column_partials.cuh) — a thread owns V adjacent
+ * columns (16 bytes of T when hidden % V == 0 and the pointers are 16-byte aligned, else 1) and walks
+ * down the rows of its slab; the grid is one resident wave. The backward keeps fp32 column sums of
+ * grad_x in registers during its single pass, folds the block's rows in shared memory into one row of
+ * fp32 partials [slabs, hidden], and a second small kernel sums the partials per column (no atomics).
  *
  * Numerics: gelu's Φ comes from a short erfc approximation (see normal_cdf) rather than erff, for
  * speed; it is as accurate as PyTorch's fp32 gelu. Under --use_fast_math tanhf would become
@@ -156,26 +156,21 @@ __global__ void __launch_bounds__(kFwdThreads)
 
   // Software pipelining: the next row's load is issued before this row's Philox and activation, so
   // every thread keeps a row of loads in flight even while it computes.
-  const int64_t row_step = int64_t(gridDim.y) * blockDim.y;
-  const int64_t step = row_step * hidden;
-  int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-  Pack<T, V> x_next;
-  if (r < rows) x_next = ld_pack<T, V>(x + r * hidden + col);
-  for (; r < rows; r += row_step) {
-    const int64_t i = r * hidden + col;
-    float v[V];
-    unpack(x_next, v);
-    if (r + row_step < rows) x_next = ld_pack<T, V>(x + i + step);
+  walk_rows<T, V, 1, true>({x}, rows, hidden, col, [&](int64_t i, float (&in)[1][V]) {
+    float(&v)[V] = in[0];
     uint32_t keep = 0xFFFFFFFFu;
     // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
     if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const float a = act_fwd<ACT>(v[k] + b[k]);
-      v[k] = DROPOUT ? (((keep >> k) & 1u) ? a * scale : 0.f) : a;
+      // a · scale outside the ?: keeps the dropout a select: as an arm of it, the compiler may branch
+      // around the whole activation per element (divergent, for no saving).
+      const float kept = a * scale;
+      v[k] = DROPOUT ? (((keep >> k) & 1u) ? kept : 0.f) : a;
     }
     store_pack<T, V>(out + i, v);
-  }
+  });
 }
 
 template <typename T, typename BT, int V, int ACT, bool DROPOUT>
@@ -213,23 +208,9 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
 #pragma unroll
     for (int k = 0; k < V; ++k) b[k] = bias != nullptr && !FROM_OUT ? to_float(bias[col + k]) : 0.f;
     // Software pipelining as in the forward: the next row's loads are in flight during this row's math.
-    const int64_t row_step = int64_t(gridDim.y) * blockDim.y;
-    const int64_t step = row_step * hidden;
-    int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-    Pack<T, V> g_next, x_next;
-    if (r < rows) {
-      g_next = ld_pack<T, V>(grad_out + r * hidden + col);
-      x_next = ld_pack<T, V>(x + r * hidden + col);
-    }
-    for (; r < rows; r += row_step) {
-      const int64_t i = r * hidden + col;
-      float g[V], v[V];
-      unpack(g_next, g);
-      unpack(x_next, v);
-      if (r + row_step < rows) {
-        g_next = ld_pack<T, V>(grad_out + i + step);
-        x_next = ld_pack<T, V>(x + i + step);
-      }
+    walk_rows<T, V, 2, true>({grad_out, x}, rows, hidden, col, [&](int64_t i, float (&in)[2][V]) {
+      float(&g)[V] = in[0];
+      const float(&v)[V] = in[1];
       uint32_t keep = 0xFFFFFFFFu;
       if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
@@ -243,31 +224,10 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
         acc[k] += g[k];
       }
       store_pack<T, V>(grad_x + i, g);
-    }
+    });
   }
-
-  if (partials == nullptr) return;  // uniform over the grid
-  float* prow = partials + int64_t(blockIdx.y) * hidden;
-  if (blockDim.y == 1) {
-    if (col < hidden) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) prow[col + k] = acc[k];
-    }
-    return;
-  }
-  const int width = blockDim.x * V;
-#pragma unroll
-  for (int k = 0; k < V; ++k) fold[threadIdx.y * width + threadIdx.x * V + k] = acc[k];
-  __syncthreads();
-  const int64_t tile_col = int64_t(blockIdx.x) * width;
-  for (int j = threadIdx.y * blockDim.x + threadIdx.x; j < width && tile_col + j < hidden;
-       j += blockDim.x * blockDim.y) {
-    float s = 0.f;
-    for (int y = 0; y < int(blockDim.y); ++y) s += fold[y * width + j];
-    prow[tile_col + j] = s;
-  }
+  if (partials != nullptr) store_column_partials<V>(acc, fold, partials, hidden);  // uniform over the grid
 }
-
 
 template <typename T, typename BT, int V, int ACT, bool DROPOUT, bool FROM_OUT>
 cudaError_t bwd_main_impl(const T* grad_out, const T* x, const BT* bias, T* grad_x, float* partials,
@@ -350,12 +310,7 @@ cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT*
     }
     if (err != cudaSuccess) return err;
   }
-  if (grad_bias != nullptr) {
-    const unsigned blocks = unsigned((hidden + kColsumCols - 1) / kColsumCols);
-    column_sum_partials_kernel<BT>
-        <<<blocks, dim3(kColsumCols, kColsumRows), 0, stream>>>(partials, slabs, hidden, grad_bias);
-    return cudaGetLastError();
-  }
+  if (grad_bias != nullptr) return sum_column_partials<BT>(partials, slabs, hidden, grad_bias, stream);
   return cudaSuccess;
 }
 

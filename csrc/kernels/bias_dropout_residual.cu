@@ -15,7 +15,8 @@
  * resolves its PhiloxArgs once on entry (common.cuh), so under CUDA graph capture it reads the
  * (seed, offset) that torch sets before each replay.
  *
- * Work split (forward and backward): a thread owns V adjacent columns and walks down the rows.
+ * Work split (forward and backward; the walk and the column sums are column_partials.cuh's): a
+ * thread owns V adjacent columns and walks down the rows.
  * V = 16 bytes of T (4 fp32 / 8 fp16/bf16) when hidden % V == 0 and the big pointers are 16-byte
  * aligned, else V = 1 (any hidden). A block is bx column groups × by rows; the grid is tiles_x column
  * tiles × `slabs` row slabs, sized to one resident wave so every block loops over its rows. Owning
@@ -61,12 +62,10 @@ __global__ void __launch_bounds__(kFwdThreads, kFwdMinBlocksPerSm)
 
   // No prefetch here (unlike the backward): it would cost ≈ 18 registers and half the occupancy, and
   // this light kernel keeps enough loads in flight from 64 resident warps per SM.
-  const int64_t row_step = int64_t(gridDim.y) * blockDim.y;
-  for (int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y; r < rows; r += row_step) {
-    const int64_t i = r * hidden + col;
-    float xv[V], rv[V], o[V];
-    load_pack<T, V>(x + i, xv);
-    load_pack<T, V>(residual + i, rv);
+  walk_rows<T, V, 2, false>({x, residual}, rows, hidden, col, [&](int64_t i, float (&in)[2][V]) {
+    const float(&xv)[V] = in[0];
+    const float(&rv)[V] = in[1];
+    float o[V];
     uint32_t keep = 0xFFFFFFFFu;
     // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
     if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
@@ -77,7 +76,7 @@ __global__ void __launch_bounds__(kFwdThreads, kFwdMinBlocksPerSm)
       o[k] = rv[k] + v;
     }
     store_pack<T, V>(out + i, o);
-  }
+  });
 }
 
 template <typename T, typename BT, int V, bool DROPOUT>
@@ -111,16 +110,8 @@ __global__ void __launch_bounds__(kBwdThreads)
 
   if (col < hidden) {  // idle threads of the last column tile still take part in the fold below
     // Software pipelining: the next row's load is in flight during this row's Philox and math.
-    const int64_t row_step = int64_t(gridDim.y) * blockDim.y;
-    const int64_t step = row_step * hidden;
-    int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-    Pack<T, V> g_next;
-    if (r < rows) g_next = ld_pack<T, V>(grad_out + r * hidden + col);
-    for (; r < rows; r += row_step) {
-      const int64_t i = r * hidden + col;
-      float g[V];
-      unpack(g_next, g);
-      if (r + row_step < rows) g_next = ld_pack<T, V>(grad_out + i + step);
+    walk_rows<T, V, 1, true>({grad_out}, rows, hidden, col, [&](int64_t i, float (&in)[1][V]) {
+      float(&g)[V] = in[0];
       if (DROPOUT) {
         const uint32_t keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
@@ -129,31 +120,10 @@ __global__ void __launch_bounds__(kBwdThreads)
       if (grad_x != nullptr) store_pack<T, V>(grad_x + i, g);
 #pragma unroll
       for (int k = 0; k < V; ++k) acc[k] += g[k];
-    }
+    });
   }
-
-  if (partials == nullptr) return;  // uniform over the grid
-  float* prow = partials + int64_t(blockIdx.y) * hidden;
-  if (blockDim.y == 1) {
-    if (col < hidden) {
-#pragma unroll
-      for (int k = 0; k < V; ++k) prow[col + k] = acc[k];
-    }
-    return;
-  }
-  const int width = blockDim.x * V;
-#pragma unroll
-  for (int k = 0; k < V; ++k) fold[threadIdx.y * width + threadIdx.x * V + k] = acc[k];
-  __syncthreads();
-  const int64_t tile_col = int64_t(blockIdx.x) * width;
-  for (int j = threadIdx.y * blockDim.x + threadIdx.x; j < width && tile_col + j < hidden;
-       j += blockDim.x * blockDim.y) {
-    float s = 0.f;
-    for (int y = 0; y < int(blockDim.y); ++y) s += fold[y * width + j];
-    prow[tile_col + j] = s;
-  }
+  if (partials != nullptr) store_column_partials<V>(acc, fold, partials, hidden);  // uniform over the grid
 }
-
 
 template <typename T, int V, bool DROPOUT>
 cudaError_t bwd_main_impl(const T* grad_out, T* grad_x, float* partials, int64_t partial_slabs, int64_t rows,
@@ -224,12 +194,7 @@ cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* g
     }
     if (err != cudaSuccess) return err;
   }
-  if (grad_bias != nullptr) {
-    const unsigned blocks = unsigned((hidden + kColsumCols - 1) / kColsumCols);
-    column_sum_partials_kernel<BT>
-        <<<blocks, dim3(kColsumCols, kColsumRows), 0, stream>>>(partials, slabs, hidden, grad_bias);
-    return cudaGetLastError();
-  }
+  if (grad_bias != nullptr) return sum_column_partials<BT>(partials, slabs, hidden, grad_bias, stream);
   return cudaSuccess;
 }
 

@@ -1,10 +1,16 @@
 /*
- * column_partials.cuh — shared by the row-walking elementwise kernels whose backward also returns a
- * bias gradient (bias_dropout_residual, bias_act_dropout): the column/row tiling of the grid, the
- * sizing of the fp32 partials buffer, and the second-pass kernel that sums the partials per column.
+ * column_partials.cuh — the column-owning row walk and the fp32 column sums built on it.
  *
- * Layout: a thread owns V adjacent columns and walks down the rows of its slab; each block writes one
- * fp32 partial row per slab ([slabs, hidden]); column_sum_partials_kernel folds the slabs. No atomics.
+ * Used by the row-wise kernels on [rows, hidden] (bias_dropout_residual, bias_act_dropout: forward and
+ * backward), whose backward also returns grad_bias[c] = Σ_r grad_x[r, c]; and split_heads' backward
+ * (heads.cu), which walks its rows its own way but sums its bias gradient through the same partials.
+ *
+ * Layout: a thread owns V adjacent columns (16 bytes of T, or 1) and walks down the rows of its slab
+ * (walk_rows); a backward keeps its fp32 column sums in registers. A block is bx column groups × by
+ * rows; the grid is tiles_x column tiles × `slabs` row slabs. At the end each block folds its by rows
+ * of sums in shared memory, in the order y = 0, 1, …, into one fp32 partial row per slab ([slabs,
+ * columns], store_column_partials); a second small kernel sums the slabs per column, again in a fixed
+ * order (sum_column_partials). No atomics: the result is deterministic for a given grid.
  */
 #pragma once
 
@@ -72,27 +78,108 @@ __device__ __forceinline__ Pack<T, V> ld_pack(const T* p) {
   return *reinterpret_cast<const Pack<T, V>*>(p);
 }
 
+// The row walk: the thread owning the V columns at `col` visits rows r = blockIdx.y·blockDim.y +
+// threadIdx.y, then every gridDim.y·blockDim.y rows, and calls body(i, in) with i = r·hidden + col (the
+// flat index of its first element of row r) and in[n][k] = inputs[n][i + k] in fp32 (16-byte packs when
+// V = Vec16<T>::value: the caller checked hidden % V == 0 and the alignment). PREFETCH issues the next
+// row's loads before body runs on this row (software pipelining: memory stays busy while the thread
+// computes) for N more packs of registers.
+template <typename T, int V, int N, bool PREFETCH, typename Body>
+__device__ __forceinline__ void walk_rows(const T* const (&inputs)[N], int64_t rows, int64_t hidden, int64_t col,
+                                          Body&& body) {
+  const int64_t row_step = int64_t(gridDim.y) * blockDim.y;
+  int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
+  float in[N][V];
+  if constexpr (PREFETCH) {
+    const int64_t step = row_step * hidden;
+    Pack<T, V> next[N];
+    if (r < rows) {
+#pragma unroll
+      for (int n = 0; n < N; ++n) next[n] = ld_pack<T, V>(inputs[n] + r * hidden + col);
+    }
+    for (; r < rows; r += row_step) {
+      const int64_t i = r * hidden + col;
+#pragma unroll
+      for (int n = 0; n < N; ++n) unpack(next[n], in[n]);
+      if (r + row_step < rows) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) next[n] = ld_pack<T, V>(inputs[n] + i + step);
+      }
+      body(i, in);
+    }
+  } else {
+    for (; r < rows; r += row_step) {
+      const int64_t i = r * hidden + col;
+#pragma unroll
+      for (int n = 0; n < N; ++n) load_pack<T, V>(inputs[n] + i, in[n]);
+      body(i, in);
+    }
+  }
+}
+
+// The block's row of fp32 partials: partials[blockIdx.y, c] = Σ_y (column c's sum held by thread (x, y)),
+// for the columns c = (blockIdx.x·blockDim.x + x)·V + k < columns that the block's threads own, summed
+// over y = 0, 1, … in order. Every thread of the block must call it (it syncs when blockDim.y > 1), also
+// threads past the last column (acc = 0). fold: dynamic shared memory of blockDim.y·blockDim.x·V floats,
+// not touched when blockDim.y == 1.
+template <int V>
+__device__ __forceinline__ void store_column_partials(const float (&acc)[V], float* fold, float* partials,
+                                                      int64_t columns) {
+  const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
+  float* prow = partials + int64_t(blockIdx.y) * columns;
+  if (blockDim.y == 1) {
+    if (col < columns) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) prow[col + k] = acc[k];
+    }
+    return;
+  }
+  const int width = blockDim.x * V;
+#pragma unroll
+  for (int k = 0; k < V; ++k) fold[threadIdx.y * width + threadIdx.x * V + k] = acc[k];
+  __syncthreads();
+  // Element j of the block's column span is column tile_col + j (thread x holds elements x·V … x·V + V − 1).
+  const int64_t tile_col = int64_t(blockIdx.x) * width;
+  for (int j = threadIdx.y * blockDim.x + threadIdx.x; j < width && tile_col + j < columns;
+       j += blockDim.x * blockDim.y) {
+    float s = 0.f;
+    for (int y = 0; y < int(blockDim.y); ++y) s += fold[y * width + j];
+    prow[tile_col + j] = s;
+  }
+}
+
 // grad_bias[c] = Σ_s partials[s, c]: 32 columns per block (coalesced rows of partials), 16 threads
-// down the slabs of each column, folded in shared memory. slabs == 0 writes zeros (0 rows).
+// down the slabs of each column (thread y sums slabs y, y + 16, …), folded in shared memory in the order
+// y = 0 … 15. slabs == 0 writes zeros (0 rows).
 template <typename BT>
 __global__ void __launch_bounds__(kColsumCols* kColsumRows)
-    column_sum_partials_kernel(const float* __restrict__ partials, int64_t slabs, int64_t hidden,
-                                            BT* __restrict__ grad_bias) {
+    column_sum_partials_kernel(const float* __restrict__ partials, int64_t slabs, int64_t columns,
+                               BT* __restrict__ grad_bias) {
   __shared__ float fold[kColsumRows][kColsumCols + 1];
   const int64_t c = int64_t(blockIdx.x) * kColsumCols + threadIdx.x;
   float s = 0.f;
-  if (c < hidden) {
+  if (c < columns) {
 #pragma unroll 4
-    for (int64_t k = threadIdx.y; k < slabs; k += kColsumRows) s += partials[k * hidden + c];
+    for (int64_t k = threadIdx.y; k < slabs; k += kColsumRows) s += partials[k * columns + c];
   }
   fold[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
-  if (threadIdx.y == 0 && c < hidden) {
+  if (threadIdx.y == 0 && c < columns) {
     float t = 0.f;
 #pragma unroll
     for (int y = 0; y < kColsumRows; ++y) t += fold[y][threadIdx.x];
     grad_bias[c] = from_float<BT>(t);
   }
+}
+
+// The second pass over the partials that store_column_partials wrote: [slabs, columns] → grad_bias.
+template <typename BT>
+cudaError_t sum_column_partials(const float* partials, int64_t slabs, int64_t columns, BT* grad_bias,
+                                cudaStream_t stream) {
+  const unsigned blocks = unsigned((columns + kColsumCols - 1) / kColsumCols);
+  column_sum_partials_kernel<BT>
+      <<<blocks, dim3(kColsumCols, kColsumRows), 0, stream>>>(partials, slabs, columns, grad_bias);
+  return cudaGetLastError();
 }
 
 }  // namespace

@@ -24,15 +24,16 @@
  *
  * Without a bias the elements are moved as raw bits (bit-exact, NaN payloads included).
  * grad_bias: each thread sums its column vector over the rows it visits in fp32; the block folds
- *   its threadIdx.y rows through shared memory into one row of `partials` [gridDim.y, parts·hidden];
- *   split_heads_bwd_bias_kernel then sums the gridDim.y rows per column in a fixed order. No atomics,
- *   deterministic for a given grid.
+ *   its threadIdx.y rows through shared memory into one row of `partials` [gridDim.y, parts·hidden]
+ *   (column_partials.cuh's store_column_partials), and sum_column_partials then sums the gridDim.y
+ *   rows per column in a fixed order. No atomics, deterministic for a given grid.
  *
  * Limits (checked by the launchers): batch·len < 2^31 and parts·hidden < 2^31 (32-bit indices inside
  *   a row / for the row number; element offsets are 64-bit).
  */
 #include "heads.h"
 
+#include "column_partials.cuh"
 #include "common.cuh"
 
 namespace lsmini {
@@ -41,7 +42,6 @@ namespace {
 constexpr int kThreads = 256;      // threads per block: tx column vectors × ty rows
 constexpr int kUnroll = 4;         // rows per thread per step (loads in flight)
 constexpr int kMaxBlocksPerSm = 8;  // 2048 resident threads per SM / 256
-constexpr int kBiasRowsPerBlock = 8;  // threadIdx.y extent of the grad_bias reduction kernel
 
 struct HeadsGeometry {
   int32_t rows;         // batch·len token rows
@@ -220,43 +220,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (BIAS_GRAD) {
-    extern __shared__ float col_sums[];  // [blockDim.y][blockDim.x·V]
-    const int width = blockDim.x * V;
-#pragma unroll
-    for (int j = 0; j < V; ++j) col_sums[threadIdx.y * width + threadIdx.x * V + j] = acc[j];
-    __syncthreads();
-    // Element k of the block's column span is element blockIdx.x·width + k of the row, because
-    // thread tx holds the V elements tx·V .. tx·V + V − 1 of the span.
-    const int64_t first = static_cast<int64_t>(blockIdx.x) * width;
-    for (int k = threadIdx.y * blockDim.x + threadIdx.x; k < width; k += blockDim.x * blockDim.y) {
-      float s = 0.f;
-      for (int y = 0; y < static_cast<int>(blockDim.y); ++y) s += col_sums[y * width + k];
-      if (first + k < g.row_elems) partials[blockIdx.y * g.row_elems + first + k] = s;
-    }
-  }
-}
-
-// grad_bias[c] = Σ_k partials[k, c]. Block (32 columns) × (kBiasRowsPerBlock partial rows): each
-// thread sums a strided subset of the rows (independent loads in flight), then the block folds the
-// kBiasRowsPerBlock sums in a fixed order.
-template <typename TB>
-__global__ void __launch_bounds__(32 * kBiasRowsPerBlock)
-    split_heads_bwd_bias_kernel(const float* __restrict__ partials, TB* __restrict__ grad_bias, int num_partials,
-                                int64_t row_elems) {
-  __shared__ float sums[kBiasRowsPerBlock][33];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
-  if (c < row_elems) {
-#pragma unroll 4
-    for (int k = threadIdx.y; k < num_partials; k += kBiasRowsPerBlock) s += partials[k * row_elems + c];
-  }
-  sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < row_elems) {
-    float t = 0.f;
-#pragma unroll
-    for (int y = 0; y < kBiasRowsPerBlock; ++y) t += sums[y][threadIdx.x];
-    grad_bias[c] = from_float<TB>(t);
+    extern __shared__ float fold[];  // [blockDim.y][blockDim.x·V]
+    store_column_partials<V>(acc, fold, partials, g.row_elems);
   }
 }
 
@@ -358,11 +323,7 @@ cudaError_t launch_split_heads_bwd(const T* grad_out, T* grad_x, TB* grad_bias, 
   cudaError_t err =
       to_token_major<T>(grad_out, grad_x, partials, &num_partials, batch, len, parts, num_heads, head_dim, stream);
   if (err != cudaSuccess) return err;
-  const dim3 block(32, kBiasRowsPerBlock);
-  const dim3 grid(static_cast<unsigned>(ceil_div(row_elems, 32)));
-  split_heads_bwd_bias_kernel<TB><<<grid, block, 0, stream>>>(partials, grad_bias, static_cast<int>(num_partials),
-                                                              row_elems);
-  return cudaGetLastError();
+  return sum_column_partials<TB>(partials, num_partials, row_elems, grad_bias, stream);
 }
 
 template <typename T>

@@ -43,23 +43,6 @@ int parse_act(const pybind11::handle& act, const char* op) {
   return -1;
 }
 
-void check_p(double p, const char* op) {
-  TORCH_CHECK_VALUE(p >= 0.0 && p <= 1.0, msg(op, ": p must be in [0, 1], got ", p));
-}
-
-void check_2d(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() == 2, msg(op, ": ", name, " must be 2-D [rows, hidden], got shape ", t.sizes()));
-}
-
-// bias: 1-D [hidden], on x's device, in x's dtype or float32.
-void check_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
-  check_cuda(bias, op, "bias");
-  check_same_device(bias, x, op, "bias", "x");
-  check_shape(bias, {x.size(1)}, op, "bias");
-  TORCH_CHECK_TYPE(bias.scalar_type() == x.scalar_type() || bias.scalar_type() == at::kFloat,
-                   msg(op, ": bias must be ", x.scalar_type(), " (x's dtype) or float32, got ", bias.scalar_type()));
-}
-
 // The output: `out` (checked; it may be one of `inputs` itself, not part of one) or a fresh tensor.
 at::Tensor output(const std::optional<at::Tensor>& out, const at::Tensor& like,
                   std::initializer_list<std::pair<const at::Tensor*, const char*>> inputs, const char* op,
@@ -75,11 +58,11 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
                                 const std::optional<at::Tensor>& out_in) {
   const char* op = kFwdName;
   check_cuda(x, op, "x");
-  check_2d(x, op, "x");
+  check_rows_hidden(x, op, "x");
   check_float_dtype(x, op, "x");
-  if (bias) check_bias(*bias, x, op);
+  if (bias) check_column_bias(*bias, x, op);
   const int act_id = parse_act(act, op);
-  check_p(p, op);
+  check_probability(p, op, "p");
   const PhiloxArgs philox = philox_args(rng, op);
 
   c10::cuda::CUDAGuard guard(x.device());
@@ -112,18 +95,18 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
                                                                        bool from_output) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
-  check_2d(grad_out, op, "grad_out");
+  check_rows_hidden(grad_out, op, "grad_out");
   check_float_dtype(grad_out, op, "grad_out");
   check_cuda(x, op, "x");
   check_same_device(x, grad_out, op, "x", "grad_out");
   check_dtype(x, grad_out.scalar_type(), op, "x");
   check_shape(x, grad_out.sizes(), op, "x");
-  if (bias) check_bias(*bias, x, op);
+  if (bias) check_column_bias(*bias, x, op);
   const int act_id = parse_act(act, op);
   TORCH_CHECK_VALUE(!from_output || act_id == int(BiasAct::Relu),
                     msg(op, ": from_output=True needs act 'relu' (its derivative is readable from the output), got '",
                         kActNames[act_id], "'"));
-  check_p(p, op);
+  check_probability(p, op, "p");
   const PhiloxArgs philox = philox_args(rng, op);
 
   c10::cuda::CUDAGuard guard(grad_out.device());

@@ -1,4 +1,4 @@
-// Shared by every binding in csrc/ops: argument checks with readable messages, dtype dispatch to
+// Shared by every binding in csrc/bindings: argument checks with readable messages, dtype dispatch to
 // the kernels' element types, the current stream, launch-error reporting, the dropout RNG argument,
 // and the registration hook that puts each family's functions into lsmini._C.
 #pragma once
@@ -20,7 +20,7 @@
 
 namespace lsmini {
 
-// ---- registration: each csrc/ops/<family>.cpp adds its functions with LSMINI_REGISTER_OPS ----
+// ---- registration: each csrc/bindings/<family>.cpp adds its functions with LSMINI_REGISTER_OPS ----
 using Registrar = void (*)(pybind11::module_&);
 std::vector<Registrar>& registrars();
 struct RegisterOps {
@@ -56,7 +56,7 @@ inline std::string msg(const Args&... args) {
   return s;
 }
 
-// TORCH_CHECK with a message assembled by msg(): use it for every argument check in csrc/ops.
+// TORCH_CHECK with a message assembled by msg(): use it for every argument check in csrc/bindings.
 #define LSMINI_CHECK(cond, ...) TORCH_CHECK((cond), ::lsmini::msg(__VA_ARGS__))
 
 // ---- checks ----
@@ -83,6 +83,26 @@ inline void check_dtype(const at::Tensor& t, at::ScalarType expected, const char
 
 inline void check_shape(const at::Tensor& t, at::IntArrayRef expected, const char* op, const char* name) {
   LSMINI_CHECK(t.sizes() == expected, op, ": ", name, " must have shape ", expected, ", got ", t.sizes());
+}
+
+// ---- checks of the row-wise ops on [rows, hidden] (bias_dropout_residual, bias_act_dropout) ----
+// A rate out of range and a wrong rank raise ValueError, a wrong bias dtype TypeError, as the ops'
+// Python entry points do for the same mistakes; the generic checks above raise RuntimeError.
+inline void check_probability(double p, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(p >= 0.0 && p <= 1.0, msg(op, ": ", name, " must be in [0, 1], got ", p));
+}
+
+inline void check_rows_hidden(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 2, msg(op, ": ", name, " must be 2-D [rows, hidden], got shape ", t.sizes()));
+}
+
+// A bias added to every row of x [rows, hidden]: 1-D [hidden], on x's device, in x's dtype or float32.
+inline void check_column_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
+  check_cuda(bias, op, "bias");
+  check_same_device(bias, x, op, "bias", "x");
+  check_shape(bias, {x.size(1)}, op, "bias");
+  TORCH_CHECK_TYPE(bias.scalar_type() == x.scalar_type() || bias.scalar_type() == at::kFloat,
+                   msg(op, ": bias must be ", x.scalar_type(), " (x's dtype) or float32, got ", bias.scalar_type()));
 }
 
 // A tensor a binding writes into (an optional output argument): like's device, dtype and shape, contiguous.

@@ -15,35 +15,18 @@ namespace {
 constexpr const char* kFwdName = "bias_dropout_residual_fwd";
 constexpr const char* kBwdName = "bias_dropout_residual_bwd";
 
-void check_p(double p, const char* op) {
-  TORCH_CHECK_VALUE(p >= 0.0 && p <= 1.0, msg(op, ": p must be in [0, 1], got ", p));
-}
-
-void check_2d(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() == 2, msg(op, ": ", name, " must be 2-D [rows, hidden], got shape ", t.sizes()));
-}
-
-// bias: 1-D [hidden], on x's device, in x's dtype or float32.
-void check_bias(const at::Tensor& bias, const at::Tensor& x, const char* op) {
-  check_cuda(bias, op, "bias");
-  check_same_device(bias, x, op, "bias", "x");
-  check_shape(bias, {x.size(1)}, op, "bias");
-  TORCH_CHECK_TYPE(bias.scalar_type() == x.scalar_type() || bias.scalar_type() == at::kFloat,
-                   msg(op, ": bias must be ", x.scalar_type(), " (x's dtype) or float32, got ", bias.scalar_type()));
-}
-
 at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                                      const at::Tensor& residual, double p, const PhiloxTuple& rng) {
   const char* op = kFwdName;
   check_cuda(x, op, "x");
-  check_2d(x, op, "x");
+  check_rows_hidden(x, op, "x");
   check_float_dtype(x, op, "x");
   check_cuda(residual, op, "residual");
   check_same_device(residual, x, op, "residual", "x");
   check_dtype(residual, x.scalar_type(), op, "residual");
   check_shape(residual, x.sizes(), op, "residual");
-  if (bias) check_bias(*bias, x, op);
-  check_p(p, op);
+  if (bias) check_column_bias(*bias, x, op);
+  check_probability(p, op, "p");
   const PhiloxArgs philox = philox_args(rng, op);
 
   c10::cuda::CUDAGuard guard(x.device());
@@ -75,9 +58,9 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
     std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& grad_x_in) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
-  check_2d(grad_out, op, "grad_out");
+  check_rows_hidden(grad_out, op, "grad_out");
   check_float_dtype(grad_out, op, "grad_out");
-  check_p(p, op);
+  check_probability(p, op, "p");
   const PhiloxArgs philox = philox_args(rng, op);
   const at::ScalarType bdt = bias_dtype.value_or(grad_out.scalar_type());
   TORCH_CHECK_TYPE(bdt == grad_out.scalar_type() || bdt == at::kFloat,

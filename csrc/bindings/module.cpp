@@ -1,8 +1,15 @@
-// lsmini._C: the one Python module of the extension. Each csrc/ops/<family>.cpp registers its own
-// functions (LSMINI_REGISTER_OPS), so adding an op family never touches this file.
+// lsmini._C: the one Python module of the extension. Each csrc/bindings/<family>.cpp registers its own
+// functions (LSMINI_REGISTER_OPS), so adding an op family never touches this file unless the family
+// has a size limit to export through limits().
 #include "common.h"
 
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+
+#include "adam.h"
+#include "attention.h"
+#include "attention_softmax.h"
+#include "cross_entropy.h"
+#include "layernorm.h"
 
 #include <mutex>
 
@@ -30,6 +37,20 @@ static std::tuple<uint64_t, uint64_t, int64_t, int64_t> philox_seed_offset() {
           reinterpret_cast<int64_t>(state.offset_.ptr)};
 }
 
+// The kernels' size limits, the source of lsmini.limits: Python checks inputs against the kernels'
+// own constants (its copy of the table serves only installs without the extension).
+static pybind11::dict limits() {
+  pybind11::list head_dims;
+  for (const int head_dim : kAttentionHeadDims) head_dims.append(head_dim);
+  pybind11::dict table;
+  table["layernorm_max_hidden"] = kLayerNormMaxHidden;
+  table["attention_softmax_max_keys"] = kAttentionSoftmaxMaxKeys;
+  table["attention_head_dims"] = head_dims;
+  table["adam_max_groups"] = kAdamMaxGroups;
+  table["cross_entropy_max_vocab"] = kCrossEntropyMaxVocab;
+  return table;
+}
+
 }  // namespace lsmini
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -37,5 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("philox_seed_offset", &lsmini::philox_seed_offset,
         "(seed, offset, seed_ptr, offset_ptr) for one dropout call; the pointers are 0 unless a CUDA graph "
         "is being captured");
+  m.def("limits", &lsmini::limits,
+        "the kernels' size limits: {layernorm_max_hidden, attention_softmax_max_keys, attention_head_dims, "
+        "adam_max_groups, cross_entropy_max_vocab}, a fresh dict on each call");
   for (auto r : lsmini::registrars()) r(m);
 }

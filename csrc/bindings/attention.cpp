@@ -5,8 +5,10 @@
 #include "attention.h"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace lsmini {
@@ -22,6 +24,17 @@ bool kernel_layout(const at::Tensor& t) {
 }
 
 at::Tensor readable(const at::Tensor& t) { return kernel_layout(t) ? t : t.contiguous(); }
+
+// The supported head dims as a message spells them: "16, 32, 64 or 128".
+std::string supported_head_dims() {
+  std::string text;
+  const size_t count = std::size(kAttentionHeadDims);
+  for (size_t i = 0; i < count; ++i) {
+    if (i > 0) text += i + 1 == count ? " or " : ", ";
+    text += std::to_string(kAttentionHeadDims[i]);
+  }
+  return text;
+}
 
 template <typename U>
 Strided<U> strided(const at::Tensor& t) {
@@ -50,7 +63,7 @@ Dims check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const Dims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
   check_shape(k, {s.b, s.h, s.lk, s.d}, op, "k");
   check_shape(v, {s.b, s.h, s.lk, s.d}, op, "v");
-  LSMINI_CHECK(attention_supports_head_dim(int(s.d)), op, ": head_dim must be 16, 32, 64 or 128, got ", s.d);
+  LSMINI_CHECK(attention_supports_head_dim(int(s.d)), op, ": head_dim must be ", supported_head_dims(), ", got ", s.d);
   LSMINI_CHECK(s.b >= 1 && s.h >= 1 && s.lq >= 1 && s.lk >= 1, op, ": q and k must be non-empty, got q ",
               q.sizes(), " and k ", k.sizes());
   LSMINI_CHECK(s.lq <= kMaxInt && s.lk <= kMaxInt && s.b * s.h * ((std::max(s.lq, s.lk) + 63) / 64) <= kMaxInt, op,
