@@ -62,7 +62,7 @@ def _check_p(p, op, error=ValueError):
 
 
 def _check_bias(bias, x, op):
-    """bias: [hidden] on x's device, in x's dtype or float32 (the dropout bindings' check_bias)."""
+    """bias: [hidden] on x's device, in x's dtype or float32 (common.h's check_column_bias)."""
     _check(bias.device == x.device, op, f"bias is on {bias.device} but x is on {x.device}")
     _check(bias.shape == (x.shape[-1],), op, f"bias must have shape [{x.shape[-1]}], got {list(bias.shape)}")
     _check(bias.dtype in (x.dtype, torch.float32), op,

@@ -3,7 +3,6 @@ toy task, causality, incremental decoding equal to full decoding (with beam-styl
 CUDA: kernels vs the reference path end to end, fp16/bf16 parameters, no new allocations after step 1."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lsmini.layers import CrossEntropyLoss, TransformerConfig, arena
 from lsmini.models import Transformer, TransformerLM
