@@ -164,12 +164,13 @@ def block_forward(kind, residual, params, options, shape, inputs):
         out, residual_saved = bias_dropout_residual_fwd(out_core, bias_out, residual, options.dropout, options.kernels)
         if options.recompute:  # backward recomputes LN(residual) from the block's input instead
             core_saved["input"] = None
+            return out, {"input": residual, "norm": norm_saved, "core": core_saved, "residual": residual_saved}
     else:
         out_core, core_saved = core(residual, params, options, shape, inputs)
         summed, residual_saved = bias_dropout_residual_fwd(out_core, bias_out, residual, options.dropout,
                                                            options.kernels)
         out, norm_saved = layer_norm_fwd(summed, norm_weight, norm_bias, options.eps, options.kernels)
-    return out, {"input": residual, "norm": norm_saved, "core": core_saved, "residual": residual_saved}
+    return out, {"norm": norm_saved, "core": core_saved, "residual": residual_saved}
 
 
 def block_backward(kind, grad, params, saved, options, shape, scratch, grad_is_ours, kv_grads=None):
