@@ -2,7 +2,7 @@
 function.py the autograd Function, base.py what the encoder shares with the decoder)."""
 from torch import nn
 
-from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_mask, check_states,
+from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
                                 kernels_for)
 from lsmini.layers.function import LayerFunction
 from lsmini.layers.incremental import incremental_layer
@@ -14,12 +14,10 @@ from lsmini.layers.precision import cast_block, compute_dtype, no_autocast
 def _check_causal(owner, causal, cache):
     if not isinstance(causal, bool):
         raise TypeError(f"{owner}: causal must be a bool, got {type(causal).__name__}")
-    if cache is not None:
-        if not isinstance(cache, dict):
-            raise TypeError(f"{owner}: cache must be a dict (start with {{}}) or None, got {type(cache).__name__}")
-        if not causal:
-            raise ValueError(f"{owner}: incremental decoding (cache) needs causal=True: with full attention the "
-                             f"cached positions would have to see the new ones")
+    check_cache(owner, cache)
+    if cache is not None and not causal:
+        raise ValueError(f"{owner}: incremental decoding (cache) needs causal=True: with full attention the "
+                         f"cached positions would have to see the new ones")
 
 
 class TransformerEncoderLayer(TransformerLayerBase):
