@@ -22,6 +22,8 @@ Variants:
               as one CUDA graph (TrainStep with cuda_graph=True).
     lsmini+graph+saved  the same with the layers' ``recompute = False``: backward reads saved attention
               probabilities, FFN activations and LayerNorm outputs instead of recomputing them.
+    lsmini+blocks  (extra) the lsmini variant with each layer's blocks run from Python, one call per kernel
+              and GEMM (lsmini.layers.function.ONE_CALL = False) instead of one extension call per layer.
     compiled  the eager variant with the model and loss under torch.compile.
     compiled-graphs  the same with mode="reduce-overhead": forward and backward replayed as CUDA graphs,
               PyTorch's strongest variant (the optimizer step stays eager, as torch.compile leaves it).
@@ -75,7 +77,9 @@ CONFIGS = {
     "lm": dict(kind="lm", layers=12, hidden=768, heads=12, ffn=3072, vocab=32000, batch=16, len=512),
 }
 VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "eager", "compiled", "compiled-graphs")
-EXTRA_VARIANTS = ("lsmini+saved",)  # recompute off without a graph (e.g. for --nproc)
+# recompute off without a graph (e.g. for --nproc); the layers' blocks issued from Python one kernel at a time
+# instead of one extension call per layer (the orchestration before the one-call layers)
+EXTRA_VARIANTS = ("lsmini+saved", "lsmini+blocks")
 COLUMNS = ["config", "variant", "ms_step", "tokens_s", "peak_mb", "x_eager", "x_compiled", "x_compiled_graphs",
            "mem_vs_eager"]
 MULTI_COLUMNS = ["config", "variant", "gpus", "ms_step", "tokens_s", "peak_mb", "scaling"]
@@ -217,13 +221,14 @@ def build_lsmini_model(cfg, tm):
 
 
 # ---- one training step per variant ------------------------------------------------------------------------
-def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_parallel=False):
-    from lsmini.layers import CrossEntropyLoss
+def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, blocks=False, data_parallel=False):
+    from lsmini.layers import CrossEntropyLoss, function
     from lsmini.optim import FusedAdam, LossScaler
     from lsmini.train import TrainStep
 
     model = build_lsmini_model(cfg, tm).cuda().half().train()
     del tm
+    function.ONE_CALL = not blocks  # this process runs one variant
     if saved:  # backward reads saved activations instead of recomputing them: faster, more memory
         for m in model.modules():
             if hasattr(m, "recompute"):
@@ -293,7 +298,7 @@ def make_trainer(cfg, variant, lr_lambda=None, data_parallel=False):
     if variant.startswith("lsmini"):
         flags = variant.split("+")[1:]
         return lsmini_trainer(cfg, tm, lr_lambda, graph="graph" in flags, saved="saved" in flags,
-                              data_parallel=data_parallel)
+                              blocks="blocks" in flags, data_parallel=data_parallel)
     if data_parallel:
         raise ValueError("--nproc runs the lsmini variants only")
     modes = {"eager": None, "compiled": "default", "compiled-graphs": "reduce-overhead"}

@@ -3,6 +3,7 @@
 // layers pass views into their fused projections. rng: the 4-tuple of lsmini._backend.dropout_rng.
 #include "common.h"
 #include "attention.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <iterator>
@@ -113,6 +114,22 @@ at::Tensor contiguous_mask(const std::optional<at::Tensor>& mask) {
   return mask.has_value() && mask->defined() ? mask->contiguous() : at::Tensor();
 }
 
+// A gradient output: the caller's tensor (checked, written in place) or a fresh one like `like`.
+at::Tensor grad_output(const std::optional<at::Tensor>& given, const at::Tensor& like, const char* op,
+                       const char* name) {
+  if (!(given.has_value() && given->defined())) return at::empty_like(like, at::MemoryFormat::Contiguous);
+  const at::Tensor& t = *given;
+  check_cuda(t, op, name);
+  check_same_device(t, like, op, name, "q");
+  check_dtype(t, like.scalar_type(), op, name);
+  check_shape(t, like.sizes(), op, name);
+  LSMINI_CHECK(kernel_layout(t), op, ": ", name, " is written in place, so it needs the kernels' layout (last stride 1,",
+              " other strides multiples of 8 elements, 16-byte aligned start), got strides ", t.strides());
+  return t;
+}
+
+}  // namespace
+
 // (out, lse): out [b, h, lq, d] as a view of a contiguous [b, lq, h, d] buffer (the merged-heads layout);
 // lse [b, h, lq] float32.
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -133,20 +150,6 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
     check_launch(launch_attention_fwd<K>(a, current_stream()), op);
   });
   return {out, lse};
-}
-
-// A gradient output: the caller's tensor (checked, written in place) or a fresh one like `like`.
-at::Tensor grad_output(const std::optional<at::Tensor>& given, const at::Tensor& like, const char* op,
-                       const char* name) {
-  if (!(given.has_value() && given->defined())) return at::empty_like(like, at::MemoryFormat::Contiguous);
-  const at::Tensor& t = *given;
-  check_cuda(t, op, name);
-  check_same_device(t, like, op, name, "q");
-  check_dtype(t, like.scalar_type(), op, name);
-  check_shape(t, like.sizes(), op, name);
-  LSMINI_CHECK(kernel_layout(t), op, ": ", name, " is written in place, so it needs the kernels' layout (last stride 1,",
-              " other strides multiples of 8 elements, 16-byte aligned start), got strides ", t.strides());
-  return t;
 }
 
 // (dq, dk, dv), written into the given tensors when passed.
@@ -187,6 +190,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   });
   return {dq, dk, dv};
 }
+
+namespace {
 
 void register_attention(pybind11::module_& m) {
   m.def("attention_fwd", &attention_fwd,

@@ -11,6 +11,7 @@
 // dtype and rng is not read).
 #include "common.h"
 #include "bias_act_dropout.h"
+#include "ops.h"
 
 #include <optional>
 #include <string>
@@ -21,6 +22,12 @@ namespace {
 constexpr const char* kFwdName = "bias_act_dropout_fwd";
 constexpr const char* kBwdName = "bias_act_dropout_bwd";
 constexpr const char* kActNames[kBiasActCount] = {"relu", "gelu", "gelu_tanh"};
+
+// An activation id: one of BiasAct.
+void check_act(int64_t act_id, const char* op) {
+  TORCH_CHECK_VALUE(act_id >= 0 && act_id < kBiasActCount,
+                    msg(op, ": unknown activation id ", act_id, ", expected 0 (relu), 1 (gelu) or 2 (gelu_tanh)"));
+}
 
 int parse_act(const pybind11::handle& act, const char* op) {
   namespace py = pybind11;
@@ -34,8 +41,7 @@ int parse_act(const pybind11::handle& act, const char* op) {
   }
   if (py::isinstance<py::int_>(act) && !py::isinstance<py::bool_>(act)) {
     const int64_t id = act.cast<int64_t>();
-    TORCH_CHECK_VALUE(id >= 0 && id < kBiasActCount,
-                      msg(op, ": unknown activation id ", id, ", expected 0 (relu), 1 (gelu) or 2 (gelu_tanh)"));
+    check_act(id, op);
     return static_cast<int>(id);
   }
   TORCH_CHECK_TYPE(false, msg(op, ": act must be a str ('relu', 'gelu', 'gelu_tanh') or an int id, got ",
@@ -53,15 +59,16 @@ at::Tensor output(const std::optional<at::Tensor>& out, const at::Tensor& like,
   return *out;
 }
 
-at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                const pybind11::object& act, double p, const PhiloxTuple& rng,
-                                const std::optional<at::Tensor>& out_in) {
+}  // namespace
+
+at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias, int act_id, double p,
+                                const PhiloxTuple& rng, const std::optional<at::Tensor>& out_in) {
   const char* op = kFwdName;
   check_cuda(x, op, "x");
   check_rows_hidden(x, op, "x");
   check_float_dtype(x, op, "x");
   if (bias) check_column_bias(*bias, x, op);
-  const int act_id = parse_act(act, op);
+  check_act(act_id, op);
   check_probability(p, op, "p");
   const PhiloxArgs philox = philox_args(rng, op);
 
@@ -89,7 +96,7 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at::Tensor& grad_out, const at::Tensor& x,
                                                                        const std::optional<at::Tensor>& bias,
-                                                                       const pybind11::object& act, double p,
+                                                                       int act_id, double p,
                                                                        const PhiloxTuple& rng,
                                                                        const std::optional<at::Tensor>& grad_x_in,
                                                                        bool from_output) {
@@ -102,7 +109,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
   check_dtype(x, grad_out.scalar_type(), op, "x");
   check_shape(x, grad_out.sizes(), op, "x");
   if (bias) check_column_bias(*bias, x, op);
-  const int act_id = parse_act(act, op);
+  check_act(act_id, op);
   TORCH_CHECK_VALUE(!from_output || act_id == int(BiasAct::Relu),
                     msg(op, ": from_output=True needs act 'relu' (its derivative is readable from the output), got '",
                         kActNames[act_id], "'"));
@@ -144,15 +151,23 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
   return {grad_x, grad_bias};
 }
 
-}  // namespace
-
 static void register_bias_act_dropout(pybind11::module_& m) {
   namespace py = pybind11;
-  m.def("bias_act_dropout_fwd", &bias_act_dropout_fwd,
+  // The Python entry points take the activation by name or id.
+  auto fwd = [](const at::Tensor& x, const std::optional<at::Tensor>& bias, const py::object& act, double p,
+                const PhiloxTuple& rng, const std::optional<at::Tensor>& out) {
+    return bias_act_dropout_fwd(x, bias, parse_act(act, kFwdName), p, rng, out);
+  };
+  auto bwd = [](const at::Tensor& grad_out, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                const py::object& act, double p, const PhiloxTuple& rng, const std::optional<at::Tensor>& grad_x,
+                bool from_output) {
+    return bias_act_dropout_bwd(grad_out, x, bias, parse_act(act, kBwdName), p, rng, grad_x, from_output);
+  };
+  m.def("bias_act_dropout_fwd", fwd,
         "out = dropout(act(x + bias)); x [rows, hidden], bias [hidden] (x's dtype or float32) or None, "
         "act 'relu' | 'gelu' | 'gelu_tanh' (or 0 | 1 | 2)",
         py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"), py::arg("out") = py::none());
-  m.def("bias_act_dropout_bwd", &bias_act_dropout_bwd,
+  m.def("bias_act_dropout_bwd", bwd,
         "(grad_x, grad_bias or None) of bias_act_dropout, recomputing act' from x and bias (or, relu with "
         "from_output=True, reading it from the forward's output passed as x); grad_bias in bias's dtype",
         py::arg("grad_out"), py::arg("x"), py::arg("bias"), py::arg("act"), py::arg("p"), py::arg("rng"),

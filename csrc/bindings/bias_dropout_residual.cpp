@@ -6,6 +6,7 @@
 // grad_out (no copy) and only the bias column sums run.
 #include "common.h"
 #include "bias_dropout_residual.h"
+#include "ops.h"
 
 #include <optional>
 
@@ -14,6 +15,8 @@ namespace {
 
 constexpr const char* kFwdName = "bias_dropout_residual_fwd";
 constexpr const char* kBwdName = "bias_dropout_residual_bwd";
+
+}  // namespace
 
 at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                                      const at::Tensor& residual, double p, const PhiloxTuple& rng) {
@@ -112,8 +115,6 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
   check_launch(err, op);
   return {grad_x, grad_bias};
 }
-
-}  // namespace
 
 static void register_bias_dropout_residual(pybind11::module_& m) {
   namespace py = pybind11;

@@ -1,6 +1,7 @@
 // LayerNorm bindings: layernorm_fwd / layernorm_bwd (kernels in csrc/kernels/layernorm.cu).
 #include "common.h"
 #include "layernorm.h"
+#include "ops.h"
 
 namespace lsmini {
 namespace {
@@ -40,6 +41,8 @@ template <typename W>
 const W* opt_ptr(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? reinterpret_cast<const W*>(t->data_ptr()) : nullptr;
 }
+
+}  // namespace
 
 // Returns (y, mean, rstd); y written into `out` when given.
 std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
@@ -164,6 +167,8 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
   });
   return {dx, dweight, dbias};
 }
+
+namespace {
 
 void register_layernorm(pybind11::module_& m) {
   m.def("layernorm_fwd", &layernorm_fwd, "LayerNorm forward: (y, mean, rstd), y into out when given",

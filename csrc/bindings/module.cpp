@@ -10,6 +10,7 @@
 #include "attention_softmax.h"
 #include "cross_entropy.h"
 #include "layernorm.h"
+#include "ops.h"
 
 #include <mutex>
 
@@ -25,7 +26,7 @@ std::vector<Registrar>& registrars() {
 // (common.h's philox_args). Eager: (seed, offset, 0, 0). Under CUDA graph capture torch hands out device
 // words that it refills before every replay, so each replay draws fresh masks: (0, offset within the
 // graph, address of the seed, address of the base offset).
-static std::tuple<uint64_t, uint64_t, int64_t, int64_t> philox_seed_offset() {
+PhiloxTuple philox_seed_offset() {
   auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
                                                                  at::cuda::detail::getDefaultCUDAGenerator());
   std::lock_guard<std::mutex> lock(gen->mutex_);

@@ -71,10 +71,12 @@ def _key(device, dtype):
 
 def get_arena(device, dtype):
     """The arena of (device, dtype), created empty on first use."""
-    key = _key(device, dtype)
-    a = _arenas.get(key)
+    a = _arenas.get((device, dtype))  # a tensor's own device: the key as it is (every layer call asks)
     if a is None:
-        a = _arenas[key] = Arena(*key)
+        key = _key(device, dtype)
+        a = _arenas.get(key)
+        if a is None:
+            a = _arenas[key] = Arena(*key)
     return a
 
 

@@ -5,6 +5,8 @@ are cast per call, biases and LayerNorm parameters stay float32 (the kernels rea
 activations' dtype). With low-precision parameters the layer computes in theirs; without autocast the
 input must match them.
 """
+import contextlib
+
 import torch
 
 from lsmini.layers.arena import align
@@ -27,8 +29,11 @@ def compute_dtype(owner, x, weight):
 
 
 def no_autocast(device_type):
-    """The layers cast explicitly; autocast must not cast again inside them."""
-    return torch.autocast(device_type, enabled=False)
+    """The layers cast explicitly; autocast must not cast again inside them. (Nothing to turn off outside
+    autocast: the context manager costs more host time than some kernels take.)"""
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _needs_cast(position, p, dtype):

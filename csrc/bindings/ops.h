@@ -1,0 +1,54 @@
+// The bindings' functions that C++ callers (csrc/layers) use directly: the same checks and the same
+// kernels as the Python entry points of the same names, without a trip through Python.
+#pragma once
+
+#include "common.h"
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace lsmini {
+
+// module.cpp: the Philox state of one dropout call from torch's CUDA generator of the current device.
+PhiloxTuple philox_seed_offset();
+
+// layernorm.cpp: (y, mean, rstd), y into out when given.
+std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                      const std::optional<at::Tensor>& bias, double eps,
+                                      const std::optional<at::Tensor>& out);
+// (dx, dweight, dbias); with add, dx = input gradient + add; dx into out when given (out may be add).
+std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                     const std::optional<at::Tensor>& weight,
+                                                     const std::optional<at::Tensor>& bias, const at::Tensor& mean,
+                                                     const at::Tensor& rstd, const std::optional<at::Tensor>& add,
+                                                     const std::optional<at::Tensor>& out);
+
+// attention.cpp: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32).
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const std::optional<at::Tensor>& key_padding_mask, bool causal,
+                                                 double p, double scale, const PhiloxTuple& rng);
+// (dq, dk, dv), into dq/dk/dv when given.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask, bool causal, double p, double scale,
+    const PhiloxTuple& rng, const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+    const std::optional<at::Tensor>& dv);
+
+// bias_dropout_residual.cpp: residual + dropout(x + bias).
+at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                                     const at::Tensor& residual, double p, const PhiloxTuple& rng);
+// (grad_x, grad_bias or None); with p == 0 grad_x is grad_out itself.
+std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
+    const at::Tensor& grad_out, double p, const PhiloxTuple& rng, bool has_bias,
+    std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& grad_x);
+
+// bias_act_dropout.cpp: dropout(act(x + bias)), act a BiasAct id; into out when given.
+at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias, int act, double p,
+                                const PhiloxTuple& rng, const std::optional<at::Tensor>& out);
+// (grad_x, grad_bias or None); from_output: relu read off the forward's output passed as x.
+std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(
+    const at::Tensor& grad_out, const at::Tensor& x, const std::optional<at::Tensor>& bias, int act, double p,
+    const PhiloxTuple& rng, const std::optional<at::Tensor>& grad_x, bool from_output);
+
+}  // namespace lsmini

@@ -1,0 +1,461 @@
+// One call per Transformer layer: lsmini._C.layer_fwd runs a whole encoder or decoder layer's forward and
+// lsmini._C.layer_bwd its whole backward, for the kernel path (CUDA, float16/bfloat16, a head_dim the
+// fused attention kernel has). A training step then crosses from Python into the extension twice per
+// layer instead of once per kernel and GEMM, so the host stays ahead of the GPU without a CUDA graph.
+//
+// The computation is lsmini/layers/blocks.py's, step for step and in the same order: the same kernels
+// (through the bindings' functions in ops.h, checks included), the same ATen GEMMs, the same dropout
+// draws from torch's generator, the same arena layout. Outputs and gradients are therefore bit-for-bit
+// those of the Python orchestration, which remains for the reference path, float32 and other head dims,
+// and which the tests compare this file against. blocks.py's docstring describes the blocks, what
+// forward saves and the arena layout.
+//
+// Across the boundary: `options` is the call's lsmini.layers.spec.LayerOptions; `params` the blocks'
+// parameters in spec.BLOCK_PARAMS order with the GEMM weights already in the compute dtype. Forward
+// returns (y, saved, rngs): kSlots tensors per block in `saved` (None where a block keeps nothing) and
+// two Philox states per block in `rngs` (the core's dropout, the residual dropout); backward takes
+// both back with the arena view `scratch` (spec.scratch_numel elements).
+#include "common.h"
+#include "ops.h"
+
+#include "bias_act_dropout.h"
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace lsmini {
+namespace {
+
+namespace py = pybind11;
+using OptTensor = std::optional<at::Tensor>;
+
+constexpr int64_t kParamsPerBlock = 6;  // spec.BLOCK_PARAMS
+constexpr int64_t kAlign = 64;          // arena.ALIGN
+constexpr PhiloxTuple kNoRng{0, 0, 0, 0};
+
+enum class Kind { Self, Cross, Ffn };
+
+// What a block's forward keeps for its backward, by position in its run of kSlots entries of `saved`.
+enum Slot : int {
+  kInput,       // pre-LN with recompute: the block input (LayerNorm and the core input are recomputed)
+  kNormX,       // the LayerNorm's input: the block input (pre-LN) or the residual sum (post-LN)
+  kMean,        // LayerNorm row statistics, fp32
+  kRstd,
+  kCoreInput,   // the core's input when kept
+  kProjection,  // attention: the Q/K/V (self) or Q (cross) projection; FFN: the first GEMM's output
+  kHidden,      // FFN: its activation when kept (always with relu: its derivative is read off it)
+  kContext,     // attention: the merged-heads context [tokens, hidden] and its row log-sum-exp
+  kLse,
+  kKeys,        // cross-attention: the encoder K/V views and the encoder padding mask
+  kValues,
+  kMask,        // attention: the key padding mask it used
+  kSlots
+};
+
+struct Options {
+  std::vector<Kind> kinds;
+  int64_t hidden, ffn, heads, head_dim;
+  double scale, eps, dropout, attn_dropout, act_dropout;
+  bool pre_ln, causal, recompute;
+  int act;
+};
+
+Options read_options(const py::object& o, const char* op) {
+  Options opt;
+  for (const py::handle kind : o.attr("kinds")) {
+    const std::string name = kind.cast<std::string>();
+    LSMINI_CHECK(name == "self" || name == "cross" || name == "ffn", op, ": unknown block kind '", name, "'");
+    opt.kinds.push_back(name == "self" ? Kind::Self : name == "cross" ? Kind::Cross : Kind::Ffn);
+  }
+  opt.hidden = o.attr("hidden").cast<int64_t>();
+  opt.ffn = o.attr("ffn").cast<int64_t>();
+  opt.heads = o.attr("heads").cast<int64_t>();
+  opt.head_dim = o.attr("head_dim").cast<int64_t>();
+  opt.scale = o.attr("scale").cast<double>();
+  opt.eps = o.attr("eps").cast<double>();
+  opt.dropout = o.attr("dropout").cast<double>();
+  opt.attn_dropout = o.attr("attn_dropout").cast<double>();
+  opt.act_dropout = o.attr("activation_dropout").cast<double>();
+  opt.pre_ln = o.attr("pre_ln").cast<bool>();
+  opt.causal = o.attr("causal").cast<bool>();
+  opt.recompute = o.attr("recompute").cast<bool>();
+  const std::string act = o.attr("activation").cast<std::string>();
+  LSMINI_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh", op, ": unknown activation '", act, "'");
+  opt.act = int(act == "relu" ? BiasAct::Relu : act == "gelu" ? BiasAct::Gelu : BiasAct::GeluTanh);
+  LSMINI_CHECK(o.attr("kernels").cast<bool>(), op, ": options.kernels is False; the one-call layer runs the kernels");
+  return opt;
+}
+
+// The shapes of one call: [batch, q_len] tokens, and the parameters' dtype (weight gradients come out in it).
+struct Shape {
+  int64_t batch, q_len, tokens;
+  at::ScalarType weight_dtype;
+};
+
+// One block's parameters, spec.BLOCK_PARAMS order.
+struct Params {
+  const at::Tensor &weight_in, &bias_in, &weight_out, &bias_out, &norm_weight, &norm_bias;
+};
+
+Params block_params(const std::vector<at::Tensor>& params, size_t block) {
+  const at::Tensor* p = params.data() + block * kParamsPerBlock;
+  return {p[0], p[1], p[2], p[3], p[4], p[5]};
+}
+
+// What the attention blocks read besides their parameters.
+struct Inputs {
+  OptTensor key_padding_mask, encoder_k, encoder_v, encoder_padding_mask;
+};
+
+int64_t align(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+PhiloxTuple draw(double p) { return p > 0 ? philox_seed_offset() : kNoRng; }
+
+// Views are made with one as_strided each (rather than chains of view/permute/unbind/narrow): a layer
+// makes dozens per call, and each ATen call costs host time.
+
+// The contiguous [rows, cols] view of flat[offset:] (arena.region).
+at::Tensor region(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols) {
+  return flat.as_strided({rows, cols}, {cols, 1}, flat.storage_offset() + offset);
+}
+
+// Part `part` of a projection x2d [batch·len, parts·hidden] (columns part-major, then head) as the
+// [batch, heads, len, head_dim] view the attention kernels read (blocks.heads_of), no copy.
+at::Tensor head_view(const at::Tensor& x2d, int64_t batch, int64_t len, int64_t part, const Options& o) {
+  const int64_t row = x2d.stride(0);
+  return x2d.as_strided({batch, o.heads, len, o.head_dim}, {len * row, o.head_dim, row, 1},
+                        x2d.storage_offset() + part * o.hidden);
+}
+
+// [tokens, hidden] (contiguous) as the attention kernels' [batch, heads, len, head_dim] view.
+at::Tensor split(const at::Tensor& merged, const Shape& s, const Options& o) {
+  return head_view(merged, s.batch, s.q_len, 0, o);
+}
+
+// x·weightᵀ + bias in one GEMM (the bias in its epilogue).
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  return at::addmm(bias.to(x.scalar_type()), x, weight.t());
+}
+
+// a·b in the parameters' dtype: float32 straight out of the GEMM under autocast (blocks.weight_grad).
+// With `into` (the parameter's existing .grad) the GEMM adds its product there itself (beta = 1) and
+// returns undefined: no gradient tensor, no separate accumulation pass.
+at::Tensor weight_grad(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype, const OptTensor& into) {
+  if (into) {
+    at::Tensor dst = *into;
+    if (dst.scalar_type() == a.scalar_type()) {
+      at::addmm_out(dst, dst, a, b);
+    } else {
+      at::addmm_out(dst, dst, a, b, dst.scalar_type());
+    }
+    return at::Tensor();
+  }
+  if (dtype == at::kFloat && a.scalar_type() != dtype) return at::mm(a, b, dtype);
+  return at::mm(a, b).to(dtype);
+}
+
+at::Tensor bias_grad(const at::Tensor& grad2d, at::ScalarType dtype) {
+  return *std::get<1>(bias_dropout_residual_bwd(grad2d, 0.0, kNoRng, true, dtype, std::nullopt));
+}
+
+struct Gradients {  // of one block: its input and its six parameters
+  at::Tensor input, weight_in, bias_in, weight_out, bias_out, norm_weight, norm_bias;
+};
+
+// ---- forward ---------------------------------------------------------------------------------------------
+at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, const Options& o, const Shape& s,
+                              const Inputs& in, at::Tensor* slots, PhiloxTuple& rng) {
+  const bool self = kind == Kind::Self;
+  at::Tensor projection = project(x, p.weight_in, p.bias_in);
+  const at::Tensor q = head_view(projection, s.batch, s.q_len, 0, o);
+  const at::Tensor k = self ? head_view(projection, s.batch, s.q_len, 1, o) : *in.encoder_k;
+  const at::Tensor v = self ? head_view(projection, s.batch, s.q_len, 2, o) : *in.encoder_v;
+  const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
+  rng = draw(o.attn_dropout);
+  auto [out, lse] = attention_fwd(q, k, v, mask, self && o.causal, o.attn_dropout, o.scale, rng);
+  // out is a [b, h, lq, d] view of a contiguous [b, lq, h, d] buffer: the merged-heads context, no copy
+  at::Tensor context = out.as_strided({s.tokens, o.hidden}, {o.hidden, 1}, out.storage_offset());
+  slots[kCoreInput] = x;
+  slots[kProjection] = projection;
+  slots[kContext] = context;
+  slots[kLse] = lse;
+  if (!self) {
+    slots[kKeys] = k;
+    slots[kValues] = v;
+  }
+  if (mask) slots[kMask] = *mask;
+  return at::mm(context, p.weight_out.t());
+}
+
+at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, at::Tensor* slots, PhiloxTuple& rng) {
+  at::Tensor pre_activation = at::mm(x, p.weight_in.t());
+  rng = draw(o.act_dropout);
+  at::Tensor hidden = bias_act_dropout_fwd(pre_activation, p.bias_in, o.act, o.act_dropout, rng, std::nullopt);
+  slots[kCoreInput] = x;
+  if (o.act == int(BiasAct::Relu)) {  // relu's derivative is read off its output: keep that, not the GEMM output
+    slots[kHidden] = hidden;
+  } else {
+    slots[kProjection] = pre_activation;
+    if (!o.recompute) slots[kHidden] = hidden;
+  }
+  return at::mm(hidden, p.weight_out.t());
+}
+
+// residual [tokens, hidden] → the block's output; fills the block's slots and its two Philox states.
+at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, const Options& o, const Shape& s,
+                     const Inputs& in, at::Tensor* slots, PhiloxTuple* rngs) {
+  auto core = [&](const at::Tensor& x) {
+    return kind == Kind::Ffn ? ffn_fwd(x, p, o, slots, rngs[0]) : attention_core_fwd(kind, x, p, o, s, in, slots, rngs[0]);
+  };
+  if (o.pre_ln) {
+    const std::vector<at::Tensor> norm = layernorm_fwd(residual, p.norm_weight, p.norm_bias, o.eps, std::nullopt);
+    const at::Tensor out_core = core(norm[0]);
+    rngs[1] = draw(o.dropout);
+    at::Tensor out = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1]);
+    slots[kNormX] = residual;
+    slots[kMean] = norm[1];
+    slots[kRstd] = norm[2];
+    if (o.recompute) {  // backward recomputes LN(residual) from the block's input instead
+      slots[kCoreInput] = at::Tensor();
+      slots[kInput] = residual;
+    }
+    return out;
+  }
+  const at::Tensor out_core = core(residual);
+  rngs[1] = draw(o.dropout);
+  at::Tensor summed = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1]);
+  std::vector<at::Tensor> norm = layernorm_fwd(summed, p.norm_weight, p.norm_bias, o.eps, std::nullopt);
+  slots[kNormX] = summed;
+  slots[kMean] = norm[1];
+  slots[kRstd] = norm[2];
+  return norm[0];
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<PhiloxTuple>> layer_fwd(
+    const py::object& options, const at::Tensor& x, const OptTensor& key_padding_mask, const OptTensor& encoder_k,
+    const OptTensor& encoder_v, const OptTensor& encoder_padding_mask, const std::vector<at::Tensor>& params) {
+  const char* op = "layer_fwd";
+  const Options o = read_options(options, op);
+  const size_t blocks = o.kinds.size();
+  check_cuda(x, op, "x");
+  LSMINI_CHECK(x.dim() == 3 && x.size(2) == o.hidden && x.is_contiguous(), op,
+               ": x must be a contiguous [batch, len, hidden=", o.hidden, "] tensor, got shape ", x.sizes());
+  LSMINI_CHECK(params.size() == blocks * kParamsPerBlock, op, ": expected ", blocks * kParamsPerBlock,
+               " parameters for ", blocks, " blocks, got ", params.size());
+  for (size_t i = 0; i < blocks; ++i) {
+    LSMINI_CHECK(o.kinds[i] != Kind::Cross || (encoder_k && encoder_v), op,
+                 ": a cross-attention block needs encoder_k and encoder_v");
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  const Shape s{x.size(0), x.size(1), x.size(0) * x.size(1), params[0].scalar_type()};
+  const Inputs in{key_padding_mask, encoder_k, encoder_v, encoder_padding_mask};
+  std::vector<at::Tensor> saved(blocks * kSlots);
+  std::vector<PhiloxTuple> rngs(blocks * 2, kNoRng);
+  at::Tensor residual = x.view({s.tokens, o.hidden});
+  for (size_t i = 0; i < blocks; ++i) {
+    residual = block_fwd(o.kinds[i], residual, block_params(params, i), o, s, in, saved.data() + i * kSlots,
+                         rngs.data() + i * 2);
+  }
+  return {residual.view({s.batch, s.q_len, o.hidden}), saved, rngs};
+}
+
+// ---- backward --------------------------------------------------------------------------------------------
+// The saved slots of one block, as forward left them (None → undefined).
+struct Slots {
+  const OptTensor* s;
+  const at::Tensor& operator[](int i) const {
+    static const at::Tensor undefined;
+    return s[i] ? *s[i] : undefined;
+  }
+};
+
+// Backward of an attention core: (d input, d weight_in, d bias_in, d weight_out). kv_grads: a cross
+// block's dK/dV destinations. input_of(out): the core's input (recomputed into out, or saved).
+template <typename InputOf>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
+    Kind kind, const at::Tensor& grad_core, const Params& p, const Slots& sv, const PhiloxTuple& rng,
+    const Options& o, const Shape& s, const at::Tensor& scratch, const InputOf& input_of,
+    const std::pair<OptTensor, OptTensor>& kv_grads, const OptTensor* into) {
+  const bool self = kind == Kind::Self;
+  const int64_t t = s.tokens, parts = self ? 3 : 1;
+  at::Tensor grad_weight_out = weight_grad(grad_core.t(), sv[kContext], s.weight_dtype, into[2]);
+  at::Tensor grad_context = region(scratch, 0, t, o.hidden);
+  at::mm_out(grad_context, grad_core, p.weight_out);
+  at::Tensor grad_projection = region(scratch, align(t * o.hidden), t, parts * o.hidden);
+  auto heads = [&](const at::Tensor& x2d, int64_t part) { return head_view(x2d, s.batch, s.q_len, part, o); };
+  const at::Tensor& projection = sv[kProjection];
+  const OptTensor mask = sv[kMask].defined() ? OptTensor(sv[kMask]) : std::nullopt;
+  if (self) {
+    attention_bwd(split(grad_context, s, o), heads(projection, 0), heads(projection, 1), heads(projection, 2),
+                  split(sv[kContext], s, o), sv[kLse], mask, o.causal, o.attn_dropout, o.scale, rng,
+                  heads(grad_projection, 0), heads(grad_projection, 1), heads(grad_projection, 2));
+  } else {
+    attention_bwd(split(grad_context, s, o), heads(projection, 0), sv[kKeys], sv[kValues], split(sv[kContext], s, o),
+                  sv[kLse], mask, false, o.attn_dropout, o.scale, rng, heads(grad_projection, 0), kv_grads.first,
+                  kv_grads.second);
+  }
+  at::Tensor grad_bias_in = bias_grad(grad_projection, p.bias_in.scalar_type());
+  // d(context) is dead once the attention backward has read it: the recomputed input may go there
+  at::Tensor grad_weight_in =
+      weight_grad(grad_projection.t(), input_of(region(scratch, 0, t, o.hidden)), s.weight_dtype, into[0]);
+  at::Tensor grad_input = region(scratch, 0, t, o.hidden);  // so is a recomputed input, once that GEMM read it
+  at::mm_out(grad_input, grad_projection, p.weight_in);
+  return {grad_input, grad_weight_in, grad_bias_in, grad_weight_out};
+}
+
+template <typename InputOf>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Tensor& grad_core, const Params& p,
+                                                                   const Slots& sv, const PhiloxTuple& rng,
+                                                                   const Options& o, const Shape& s,
+                                                                   const at::Tensor& scratch,
+                                                                   const InputOf& input_of, const OptTensor* into) {
+  // The arena holds the activation (recomputed, unless kept), then its gradient, then (in place) the
+  // gradient of the first GEMM's output; the [t, H] temporaries are fresh (blocks.ffn_backward says why).
+  at::Tensor act_region = region(scratch, 0, s.tokens, o.ffn);
+  const bool relu = o.act == int(BiasAct::Relu);
+  at::Tensor hidden = sv[kHidden];
+  if (!hidden.defined()) {  // recompute the activation from its saved input, same dropout mask
+    hidden = bias_act_dropout_fwd(sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region);
+  }
+  at::Tensor grad_weight_out = weight_grad(grad_core.t(), hidden, s.weight_dtype, into[2]);
+  hidden.reset();
+  at::mm_out(act_region, grad_core, p.weight_out);
+  auto [grad_hidden, grad_bias_in] =
+      relu ? bias_act_dropout_bwd(act_region, sv[kHidden], p.bias_in, o.act, o.act_dropout, kNoRng, act_region, true)
+           : bias_act_dropout_bwd(act_region, sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region, false);
+  at::Tensor grad_weight_in = weight_grad(grad_hidden.t(), input_of(std::nullopt), s.weight_dtype, into[0]);
+  return {at::mm(grad_hidden, p.weight_in), grad_weight_in, *grad_bias_in, grad_weight_out};
+}
+
+// grad: the gradient of the block output; grad_is_ours: it is this backward's own tensor, which may become
+// the result (else it is not modified). into: per parameter where its GEMM weight gradient is accumulated
+// (weight_grad), or none.
+Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Slots& sv, const PhiloxTuple* rngs,
+                    const Options& o, const Shape& s, const at::Tensor& scratch, bool grad_is_ours,
+                    const std::pair<OptTensor, OptTensor>& kv_grads, const OptTensor* into) {
+  // An attention core's output gradient goes into its projection-gradient region, not written before it is dead.
+  const OptTensor grad_core_out =
+      kind == Kind::Ffn ? std::nullopt : OptTensor(region(scratch, align(s.tokens * o.hidden), s.tokens, o.hidden));
+  auto core = [&](const at::Tensor& grad_core, auto input_of) {
+    return kind == Kind::Ffn
+               ? ffn_bwd(grad_core, p, sv, rngs[0], o, s, scratch, input_of, into)
+               : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, scratch, input_of, kv_grads, into);
+  };
+  Gradients g;
+  if (o.pre_ln) {
+    // the core's input: saved, or LN(block input) recomputed when the core needs it
+    auto input_of = [&](const OptTensor& out) {
+      if (sv[kCoreInput].defined()) return sv[kCoreInput];
+      return layernorm_fwd(sv[kInput], p.norm_weight, p.norm_bias, o.eps, out)[0];
+    };
+    auto [grad_core, grad_bias_out] =
+        bias_dropout_residual_bwd(grad, o.dropout, rngs[1], true, p.bias_out.scalar_type(), grad_core_out);
+    g.bias_out = *grad_bias_out;
+    at::Tensor grad_x;
+    std::tie(grad_x, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, input_of);
+    // the residual path: grad added to LN's input gradient in the same kernel, into grad when it is ours
+    auto norm = layernorm_bwd(grad_x, sv[kNormX], p.norm_weight, p.norm_bias, sv[kMean], sv[kRstd], grad,
+                              grad_is_ours ? OptTensor(grad) : std::nullopt);
+    g.input = *norm[0];
+    g.norm_weight = *norm[1];
+    g.norm_bias = *norm[2];
+    return g;
+  }
+  auto norm = layernorm_bwd(grad, sv[kNormX], p.norm_weight, p.norm_bias, sv[kMean], sv[kRstd], std::nullopt,
+                            std::nullopt);
+  g.input = *norm[0];
+  g.norm_weight = *norm[1];
+  g.norm_bias = *norm[2];
+  // without dropout grad_core IS g.input; the core has finished reading it before the add below
+  auto [grad_core, grad_bias_out] =
+      bias_dropout_residual_bwd(g.input, o.dropout, rngs[1], true, p.bias_out.scalar_type(), grad_core_out);
+  g.bias_out = *grad_bias_out;
+  at::Tensor grad_x;
+  auto saved_input = [&](const OptTensor&) { return sv[kCoreInput]; };
+  std::tie(grad_x, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, saved_input);
+  g.input.add_(grad_x);
+  return g;
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
+    const py::object& options, const at::Tensor& grad_in, const std::vector<OptTensor>& saved,
+    const std::vector<PhiloxTuple>& rngs, const std::vector<at::Tensor>& params, const at::Tensor& scratch,
+    const OptTensor& grad_encoder_k, const OptTensor& grad_encoder_v, const std::vector<at::ScalarType>& param_dtypes,
+    const std::vector<OptTensor>& grad_into) {
+  const char* op = "layer_bwd";
+  const Options o = read_options(options, op);
+  const size_t blocks = o.kinds.size();
+  check_cuda(grad_in, op, "grad");
+  LSMINI_CHECK(grad_in.dim() == 3 && grad_in.size(2) == o.hidden, op, ": grad must be [batch, len, hidden=", o.hidden,
+               "], got shape ", grad_in.sizes());
+  LSMINI_CHECK(params.size() == blocks * kParamsPerBlock && param_dtypes.size() == params.size() &&
+                   saved.size() == blocks * kSlots && rngs.size() == blocks * 2 && grad_into.size() == params.size(),
+               op, ": params, param_dtypes, saved, rngs and grad_into do not match ", blocks, " blocks (got ",
+               params.size(), ", ", param_dtypes.size(), ", ", saved.size(), ", ", rngs.size(), ", ", grad_into.size(),
+               ")");
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!grad_into[i]) continue;
+    const at::Tensor& t = *grad_into[i];
+    LSMINI_CHECK(t.device() == grad_in.device() && t.scalar_type() == param_dtypes[i] &&
+                     t.sizes() == params[i].sizes() && t.is_contiguous(),
+                 op, ": grad_into[", i, "] must be a contiguous ", param_dtypes[i], " tensor of shape ",
+                 params[i].sizes(), " on ", grad_in.device(), ", got ", t.scalar_type(), " ", t.sizes());
+  }
+  c10::cuda::CUDAGuard guard(grad_in.device());
+  const Shape s{grad_in.size(0), grad_in.size(1), grad_in.size(0) * grad_in.size(1), param_dtypes[0]};
+  at::Tensor g = grad_in.contiguous().view({s.tokens, o.hidden});
+  std::vector<at::Tensor> param_grads(params.size());
+  for (size_t i = blocks; i-- > 0;) {
+    const bool ours = i < blocks - 1;  // the incoming gradient is autograd's, the others ours
+    const std::pair<OptTensor, OptTensor> kv_grads =
+        o.kinds[i] == Kind::Cross ? std::make_pair(grad_encoder_k, grad_encoder_v) : std::make_pair(OptTensor(), OptTensor());
+    Gradients r = block_bwd(o.kinds[i], g, block_params(params, i), Slots{saved.data() + i * kSlots},
+                            rngs.data() + i * 2, o, s, scratch, ours, kv_grads, grad_into.data() + i * kParamsPerBlock);
+    g = r.input;
+    at::Tensor* out = param_grads.data() + i * kParamsPerBlock;
+    out[0] = r.weight_in;
+    out[1] = r.bias_in;
+    out[2] = r.weight_out;
+    out[3] = r.bias_out;
+    out[4] = r.norm_weight;
+    out[5] = r.norm_bias;
+  }
+  // The vectors' gradients: into their parameters' .grad in one multi-tensor add where given (the GEMM
+  // weights' went there already), else returned in their parameters' dtypes (casts are no-ops but for
+  // mixed parameter dtypes).
+  std::vector<at::Tensor> into, added;
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor& pg = param_grads[i];
+    if (!pg.defined()) continue;
+    if (pg.scalar_type() != param_dtypes[i]) pg = pg.to(param_dtypes[i]);
+    if (grad_into[i]) {
+      into.push_back(*grad_into[i]);
+      added.push_back(pg);
+      pg = at::Tensor();
+    }
+  }
+  if (!into.empty()) at::_foreach_add_(into, added);
+  return {g.view({s.batch, s.q_len, o.hidden}), param_grads};
+}
+
+void register_layer(py::module_& m) {
+  m.def("layer_fwd", &layer_fwd,
+        "One layer's whole forward (lsmini.layers.blocks, kernel path): (y [b, l, H], saved, rngs) for layer_bwd",
+        py::arg("options"), py::arg("x"), py::arg("key_padding_mask"), py::arg("encoder_k"), py::arg("encoder_v"),
+        py::arg("encoder_padding_mask"), py::arg("params"));
+  m.def("layer_bwd", &layer_bwd,
+        "One layer's whole backward from layer_fwd's saved state: (grad_x [b, l, H], parameter gradients in "
+        "param_dtypes); a cross block's dK/dV go into grad_encoder_k/grad_encoder_v; a parameter with a tensor in "
+        "grad_into gets its gradient added there (and None returned)",
+        py::arg("options"), py::arg("grad"), py::arg("saved"), py::arg("rngs"), py::arg("params"), py::arg("scratch"),
+        py::arg("grad_encoder_k"), py::arg("grad_encoder_v"), py::arg("param_dtypes"), py::arg("grad_into"));
+  m.attr("layer_saved_slots") = int(kSlots);
+}
+
+}  // namespace
+
+LSMINI_REGISTER_OPS(register_layer);
+
+}  // namespace lsmini
