@@ -1,9 +1,11 @@
 """Which implementation lsmini's ops run: the compiled CUDA kernels or their PyTorch references.
 
-The extension ``lsmini._C`` is built at install time where a CUDA build of torch and nvcc exist
-(``pip install --no-build-isolation -e .``). Without it every op runs its pure-PyTorch reference, on
-any device. ``LSMINI_FORCE_REFERENCE=1`` forces the reference path even when the kernels are there;
-it is read at every call, so tests and debugging sessions can flip it.
+The extension ``lsmini._C`` is built at install time where a CUDA build of torch, its nvcc and the CUDA
+headers exist (``pip install --no-build-isolation -e .``); setup.py records why it did or did not build
+it in the generated ``lsmini/_build_info.py``, which ``backend().reason`` reports. Without the extension
+every op runs its pure-PyTorch reference, on any device. ``LSMINI_FORCE_REFERENCE=1`` forces the
+reference path even when the kernels are there; it is read at every call, so tests and debugging
+sessions can flip it.
 """
 import importlib.util
 import os
@@ -11,8 +13,25 @@ import warnings
 
 import torch
 
+try:  # what setup.py decided at install time, and why (generated; absent in a checkout never installed)
+    from lsmini import _build_info
+except ImportError:
+    _build_info = None
+
+
+def not_built_reason(build_info):
+    """Why lsmini._C is absent, from the install's record `build_info` (a module with EXTENSION and
+    REASON, or None when there is none)."""
+    if build_info is None:
+        return ("not built (lsmini/_build_info.py, which the install writes, is missing: this tree was never "
+                "installed)")
+    if build_info.EXTENSION:
+        return f"missing although the install set out to build it ({build_info.REASON}); reinstall to rebuild it"
+    return f"not built: {build_info.REASON}"
+
+
 if importlib.util.find_spec("lsmini._C") is None:  # the pure-Python install
-    _C, _IMPORT_ERROR = None, "not built: this is the pure-Python install"
+    _C, _IMPORT_ERROR = None, not_built_reason(_build_info)
 else:
     try:
         from lsmini import _C
@@ -64,7 +83,8 @@ def use_kernels(*tensors):
         global _warned_missing
         if not _warned_missing:
             _warned_missing = True
-            warnings.warn(f"lsmini: CUDA tensors but no compiled kernels, using the PyTorch reference path; {BUILD_HINT}")
+            warnings.warn(f"lsmini: CUDA tensors but the CUDA extension lsmini._C is {_IMPORT_ERROR}; using the "
+                          f"PyTorch reference path; {BUILD_HINT}")
         return False
     return True
 

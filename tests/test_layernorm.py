@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 import lsmini
 from lsmini.ops.layernorm import LayerNormFunction, layer_norm, layer_norm_ref
+from fake_ext import fake_kernels  # noqa: F401  (fixture)
 from util import LOWP, assert_close_fp32, assert_lowp_rule, max_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -91,6 +92,48 @@ def test_bad_input_errors():
         lsmini.layers.LayerNorm(32)(x)
     with pytest.raises(ValueError, match="last dimension only"):
         lsmini.layers.LayerNorm((4, 16))
+
+
+# x dtype, weight dtype, bias dtype (None: not given) -> the message, or None where the kernel takes them
+DTYPE_CASES = [
+    (torch.float32, torch.float64, None, "weight must be torch.float32 \\(x's dtype\\), got torch.float64"),
+    (torch.float32, None, torch.float16, "bias must be torch.float32 \\(x's dtype\\), got torch.float16"),
+    (torch.float16, torch.bfloat16, torch.bfloat16,
+     "weight must be torch.float16 \\(x's dtype\\) or torch.float32, got torch.bfloat16"),
+    (torch.bfloat16, torch.float32, torch.bfloat16,
+     "weight and bias must have the same dtype, got weight torch.float32 and bias torch.bfloat16"),
+    (torch.float64, torch.float16, torch.float16, "weight must be torch.float64 \\(x's dtype\\) or torch.float32"),
+    (torch.bfloat16, torch.float32, torch.float32, None),
+    (torch.float16, torch.float16, None, None),
+    (torch.float64, torch.float32, torch.float32, None),
+]
+
+
+@pytest.mark.parametrize("path, x_dtype, w_dtype, b_dtype, error", [
+    (path, *case) for path in ("reference", "kernels") for case in DTYPE_CASES
+    if path == "reference" or case[0] != torch.float64])  # the kernels take float32/float16/bfloat16 x
+def test_dtype_mismatch_raises_before_dispatch(request, path, x_dtype, w_dtype, b_dtype, error):
+    """weight/bias must be float32 or x's dtype, and one dtype: the kernel's rule, checked in Python before
+    either path runs (the kernel path on CPU through fake_ext's stand-in, which logs every binding call)."""
+    fake = request.getfixturevalue("fake_kernels") if path == "kernels" else None
+    x = torch.randn(3, 8).to(x_dtype)
+    w = None if w_dtype is None else torch.ones(8, dtype=w_dtype)
+    b = None if b_dtype is None else torch.zeros(8, dtype=b_dtype)
+    if error is not None:
+        with pytest.raises(TypeError, match=f"^layer_norm: {error}"):
+            layer_norm(x, w, b)
+        assert fake is None or fake.calls == []
+        return
+    y = layer_norm(x, w, b)
+    assert y.dtype == x_dtype and y.shape == x.shape
+    assert fake is None or [name for name, _ in fake.calls] == ["layernorm_fwd"]
+
+
+def test_layer_module_with_mixed_parameter_dtypes_raises():
+    ln = lsmini.layers.LayerNorm(8)
+    ln.bias.data = ln.bias.data.double()
+    with pytest.raises(TypeError, match="layer_norm: bias must be torch.float32 \\(x's dtype\\), got torch.float64"):
+        ln(torch.randn(2, 8))
 
 
 def test_backend_reports_reason(monkeypatch):

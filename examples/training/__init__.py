@@ -5,7 +5,8 @@
     batching     token-budget batches padded to a multiple of 8, the seeded order of each epoch
     cli          the command-line options both scripts take, their defaults from the --arch table, checks
     runtime      device and precision, process-wide settings of a run, torchrun (one process per GPU)
-    checkpoints  saving and loading checkpoints (with the RNG streams, for an exact resume)
+    checkpoints  saving and loading checkpoints (with the RNG streams, for an exact resume, and the tokenizer);
+                 the save directory of one run (--overwrite, stale *.tmp files, the tokenizer check)
     trainer      the Trainer: optimizer, learning-rate schedule, the training loop, validation
     run          Task (what an example adds: its data, model, loss, decoding) and the one main() driving it
 

@@ -1,25 +1,101 @@
-"""Checkpoints: <save-dir>/checkpoint_last.pt holds the model configuration, the trainer's state (model,
-optimizer, schedule, loss scale, position in the data, every rank's RNG streams, so a resumed run continues
-exactly) and the flags; written atomically, read on CPU, refused when it holds another model."""
+"""Checkpoints and the save directory of a run.
+
+<save-dir>/checkpoint_last.pt holds the model configuration, the trainer's state (model, optimizer, schedule,
+loss scale, position in the data, every rank's RNG streams, so a resumed run continues exactly), the flags
+and the run's tokenizer (the sentencepiece model and its sha256); written atomically, read on CPU, refused
+when it holds another model.
+
+A save directory belongs to one run. A new run refuses a directory that holds a checkpoint unless told to
+--overwrite it (then the earlier run's files go first, so an interrupted new run never leaves its
+tokenizer beside the old model); --resume, --translate and --generate refuse a tokenizer on disk that is not
+the checkpoint's; files a killed run left half-written (*.tmp) are removed when a run starts.
+"""
+import glob
+import hashlib
 import os
 
 import torch
 
 from .data import DataError
+from .tokenizer import SPM_NAME
 
 CHECKPOINT_NAME = "checkpoint_last.pt"
+METRICS_NAME = "metrics.json"
+# what a run writes at the top of its save directory besides data/ and cache/ (content-addressed: they hold
+# nothing of one run that another could mistake for its own)
+RUN_FILES = (CHECKPOINT_NAME, SPM_NAME, METRICS_NAME, "hypotheses.*.txt")
+# where runs write files atomically through a *.tmp sibling
+TMP_DIRS = (".", "cache", "data")
 
 
-def prepare_save_dir(args, log):
-    """Create --save-dir; the path of its checkpoint, which --resume needs and a new run overwrites."""
+def remove_stale_tmp(save_dir):
+    """Delete the *.tmp files a killed run left in save_dir (and its cache/ and data/); their names."""
+    removed = []
+    for d in TMP_DIRS:
+        for path in sorted(glob.glob(os.path.join(save_dir, d, "*.tmp"))):
+            if os.path.isfile(path):
+                os.remove(path)
+                removed.append(os.path.normpath(path))
+    return removed
+
+
+def prepare_save_dir(args, log, is_main=True):
+    """Create --save-dir for a training run and return the path of its checkpoint. --resume needs the
+    checkpoint; a new run refuses a directory that holds one unless --overwrite is given, and then removes
+    the earlier run's files. Rank 0 (is_main) also removes stale *.tmp files."""
     os.makedirs(args.save_dir, exist_ok=True)
     ckpt = os.path.join(args.save_dir, CHECKPOINT_NAME)
     if args.resume:
         if not os.path.isfile(ckpt):
             raise DataError(f"--resume: no checkpoint at {ckpt}")
-    elif os.path.isfile(ckpt):
-        log(f"note: {ckpt} exists and will be overwritten (pass --resume to continue from it)")
+    elif os.path.isfile(ckpt) and not args.overwrite:
+        raise DataError(f"{args.save_dir} holds the checkpoint of an earlier run ({ckpt}); a new run would replace "
+                        "its model and tokenizer. Pass --resume to continue that run, --overwrite to delete its "
+                        "files and start afresh in this directory, or another --save-dir")
+    if not is_main:
+        return ckpt
+    removed = remove_stale_tmp(args.save_dir)
+    if removed:
+        log(f"note: removed {len(removed)} unfinished file(s) of an interrupted run: {', '.join(removed)}")
+    if args.overwrite and not args.resume:
+        earlier = sorted(p for pattern in RUN_FILES for p in glob.glob(os.path.join(args.save_dir, pattern)))
+        for path in earlier:
+            os.remove(path)
+        if earlier:
+            log(f"--overwrite: removed the earlier run's {', '.join(os.path.basename(p) for p in earlier)}")
     return ckpt
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tokenizer_record(spm_path):
+    """What a checkpoint stores of the run's tokenizer: the sentencepiece model itself and its sha256."""
+    with open(spm_path, "rb") as f:
+        model = f.read()
+    return {"name": os.path.basename(spm_path), "sha256": hashlib.sha256(model).hexdigest(), "model": model}
+
+
+def check_tokenizer(ckpt, spm_path, ckpt_path, flag, log):
+    """The tokenizer on disk must be the one the checkpoint's model was trained with: the same ids mean
+    the same pieces. DataError otherwise (a later run into the same directory replaced it)."""
+    record = ckpt.get("tokenizer")
+    if record is None:
+        log(f"note: {ckpt_path} does not record its tokenizer (an older checkpoint): {spm_path} is used unchecked")
+        return
+    if not os.path.isfile(spm_path):
+        raise DataError(f"{flag}: the tokenizer {spm_path} of the model in {ckpt_path} is missing")
+    on_disk = file_sha256(spm_path)
+    if on_disk != record["sha256"]:
+        raise DataError(f"{flag}: {spm_path} is not the tokenizer the model in {ckpt_path} was trained with "
+                        f"(sha256 {on_disk[:12]} on disk, {record['sha256'][:12]} in the checkpoint): the directory "
+                        "mixes two runs, e.g. a later run that stopped before its first checkpoint. Train again "
+                        "with --overwrite, or use another --save-dir")
 
 
 def rng_state(device):

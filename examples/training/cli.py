@@ -68,6 +68,9 @@ def add_common_args(parser, default_save_dir):
     g.add_argument("--save-dir", default=None,
                    help=f"tokenizer, checkpoints, metrics.json (default {default_save_dir})")
     g.add_argument("--resume", action="store_true", help="continue from <save-dir>/" + CHECKPOINT_NAME)
+    g.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --save-dir that holds an earlier run's checkpoint, deleting its "
+                        "checkpoint, tokenizer, metrics and translations first (without it such a run is refused)")
     g.add_argument("--eval-every", type=int, default=None,
                    help="validation loss/perplexity and a checkpoint every N steps (default: once per epoch)")
     g.add_argument("--log-every", type=int, default=50,
@@ -78,6 +81,8 @@ def add_common_args(parser, default_save_dir):
 def resolve_common_args(parser, args, default_save_dir, builtin, arch):
     """Fill the defaults that depend on other flags (the --arch table row `arch` gives dropout, lr, warmup
     and max_tokens); reject values that make no sense (parser.error names the flag)."""
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --save-dir, --overwrite replaces it: give one of them")
     if args.save_dir is None:
         args.save_dir = default_save_dir + ("_reference" if args.reference else "")
     if args.vocab_size is None:

@@ -87,7 +87,8 @@ def encode_cached(sp, spm_path, lines, text_path, cache_dir):
             return TokenArray(z["flat"], z["offsets"])
     arr = TokenArray.from_lists(sp.encode(lines))
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = cache + ".tmp.npz"
-    np.savez(tmp, flat=arr.flat, offsets=arr.offsets)
+    tmp = cache + ".tmp"  # a file object: np.savez would append .npz to the name
+    with open(tmp, "wb") as f:
+        np.savez(f, flat=arr.flat, offsets=arr.offsets)
     os.replace(tmp, cache)
     return arr

@@ -1,10 +1,11 @@
 """The one main() both examples run, and Task: what an example adds to it.
 
 run_task(task, argv) parses the command line, then either loads the trained model for the task's
-inference mode (--translate, --generate) or trains: seed, save directory, the task's data, the tokenizer
-(rank 0 first), the task's batches and model, the shared scratch memory sized once, the Trainer (resumed
-with --resume), training with validation and checkpoints, the task's work after training (translating
-and scoring, sampling), metrics.json. A Task subclass holds only what differs between the examples: its
+inference mode (--translate, --generate; its tokenizer checked against the checkpoint's) or trains: seed,
+save directory (one run's: checkpoints.prepare_save_dir), the task's data, the tokenizer (rank 0 first),
+the task's batches and model, the shared scratch memory sized once, the Trainer (resumed with --resume),
+training with validation and checkpoints, the task's work after training (translating and scoring,
+sampling), metrics.json. A Task subclass holds only what differs between the examples: its
 --arch table, its options, data, model, loss and decoding. run_main wraps a script's main() into exit codes.
 """
 import argparse
@@ -21,7 +22,7 @@ import torch.distributed
 from tqdm import tqdm
 
 from . import cli
-from .checkpoints import CHECKPOINT_NAME, load_checkpoint, prepare_save_dir
+from .checkpoints import CHECKPOINT_NAME, check_tokenizer, load_checkpoint, prepare_save_dir, tokenizer_record
 from .data import DataError
 from .runtime import RunSettings, describe_backend, place_model, start_distributed
 from .tokenizer import SPM_NAME, load_sentencepiece
@@ -184,7 +185,12 @@ def run_task(task, argv=None):
             task.infer(args, model, sp, max_seq_len, device)
             return None
         torch.manual_seed(args.seed)
-        ckpt_path = prepare_save_dir(args, log)
+        ckpt_path = prepare_save_dir(args, log, dist.is_main)
+        spm_path = os.path.join(args.save_dir, SPM_NAME)
+        ckpt = None
+        if args.resume:  # before anything is read or written: the tokenizer must be the checkpoint's
+            ckpt = load_checkpoint(ckpt_path)
+            check_tokenizer(ckpt, spm_path, ckpt_path, "--resume", log)
         lines, paths = task.read_data(args, log, dist)
         with dist.main_first():  # rank 0 trains the tokenizer and fills the token cache, the others read them
             sp, ids = task.tokenize(args, lines, paths, log, train=dist.is_main)
@@ -198,11 +204,12 @@ def run_task(task, argv=None):
             f"parameters, {args.precision} on {device}; backend {describe_backend(device)}" +
             (f"; {dist.world} processes" if dist.active else ""))
         task.reserve_scratch(model, data, device, dtype)
-        trainer = start_trainer(args, model, model_config, ckpt_path, device, dtype, log, dist)
+        trainer = start_trainer(args, model, model_config, ckpt, ckpt_path, device, dtype, log, dist)
+        ckpt = None  # restored: free it
         criterion, nll_criterion = make_criteria(args.label_smoothing)
-        train_and_validate(trainer, args, model, model_config, ckpt_path, data.train, data.valid,
-                           functools.partial(task.loss, criterion), task.logits_and_target, nll_criterion, device,
-                           log)
+        train_and_validate(trainer, args, model, model_config, tokenizer_record(spm_path), ckpt_path, data.train,
+                           data.valid, functools.partial(task.loss, criterion), task.logits_and_target,
+                           nll_criterion, device, log)
         results = task.after_training(args, model, data, device, dist, log)
         metrics = None
         if dist.is_main:
@@ -219,7 +226,9 @@ def load_trained_model(task, args, mode, device, dtype):
     if not os.path.isfile(ckpt_path):
         raise DataError(f"{mode}: no trained model at {ckpt_path}; train one first (same --save-dir)")
     ckpt = load_checkpoint(ckpt_path)
-    sp = load_sentencepiece(os.path.join(args.save_dir, SPM_NAME))
+    spm_path = os.path.join(args.save_dir, SPM_NAME)
+    check_tokenizer(ckpt, spm_path, ckpt_path, mode, lambda msg: print(msg, file=sys.stderr))
+    sp = load_sentencepiece(spm_path)
     model_config = ckpt["model_config"]
     max_seq_len = model_config["config"]["max_seq_len"]
     model = task.build_model(model_config, max(args.max_tokens, task.decoding_rows(args) * max_seq_len), device,

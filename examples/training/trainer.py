@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from .batching import epoch_order
-from .checkpoints import check_same_model, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoints import check_same_model, rng_state, save_checkpoint, set_rng_state
 from .data import DataError
 from .runtime import Distributed, rank_seed
 from .tokenizer import PAD
@@ -200,14 +200,13 @@ def safe_exp(x):
     return math.exp(min(x, 700.0))
 
 
-def start_trainer(args, model, model_config, ckpt_path, device, dtype, log, dist=None):
-    """A Trainer for `model`; with --resume, restored from the checkpoint (which must hold the same model).
-    Under torchrun every rank restores from the same checkpoint file."""
+def start_trainer(args, model, model_config, ckpt, ckpt_path, device, dtype, log, dist=None):
+    """A Trainer for `model`; with --resume, restored from the checkpoint `ckpt` (loaded from ckpt_path; it
+    must hold the same model). Under torchrun every rank restores from the same checkpoint file."""
     trainer = Trainer(args, model, device, dtype, dist)
     if trainer.dist.active:
         torch.manual_seed(rank_seed(args.seed, trainer.dist.rank))  # dropout differs per rank, init did not
     if args.resume:
-        ckpt = load_checkpoint(ckpt_path)
         check_same_model(ckpt["model_config"], model_config, ckpt_path)
         note = trainer.load_state_dict(ckpt["trainer"])
         log(f"resumed from {ckpt_path} at step {trainer.step} (epoch {trainer.epoch + 1}, batch "
@@ -230,10 +229,11 @@ def make_criteria(label_smoothing):
     return criterion, nll_criterion
 
 
-def train_and_validate(trainer, args, model, model_config, ckpt_path, train_batches, valid_batches, loss_fn,
-                       logits_and_target, nll_criterion, device, log):
+def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path, train_batches, valid_batches,
+                       loss_fn, logits_and_target, nll_criterion, device, log):
     """Run the training loop (validating and checkpointing as configured) and make sure a validation loss
-    exists at the end. logits_and_target(model, batch on device) -> (logits, target) for validation.
+    exists at the end. logits_and_target(model, batch on device) -> (logits, target) for validation;
+    tokenizer: the checkpoints' record of the run's tokenizer (checkpoints.tokenizer_record).
     Under torchrun each rank validates every world-th batch and the sums are added up; rank 0 writes the
     checkpoints."""
     pin = device.type == "cuda"
@@ -252,7 +252,8 @@ def train_and_validate(trainer, args, model, model_config, ckpt_path, train_batc
     def save():
         state = trainer.state_dict()  # on every rank: it gathers the ranks' RNG states
         if dist.is_main:
-            save_checkpoint(ckpt_path, {"model_config": model_config, "trainer": state, "args": vars(args)})
+            save_checkpoint(ckpt_path, {"model_config": model_config, "trainer": state, "args": vars(args),
+                                        "tokenizer": tokenizer})
 
     trainer.train(train_batches, loss_fn, validate, save, log)
     if trainer.valid_loss is None:

@@ -45,14 +45,21 @@ def check_x(op, x):
         raise ValueError(f"{op}: x must have a non-empty last dimension, got shape {tuple(x.shape)}")
 
 
+def check_param_dtype(op, name, vector, x):
+    """vector (a bias, a LayerNorm weight) is in x's dtype or float32: the two the kernels read parameters
+    in. The reference path takes the same, so a mix that would fail on the GPU fails on the CPU too."""
+    if vector.dtype not in (x.dtype, torch.float32):
+        allowed = f"{x.dtype} (x's dtype)" + ("" if x.dtype == torch.float32 else " or torch.float32")
+        raise TypeError(f"{op}: {name} must be {allowed}, got {vector.dtype}")
+
+
 def check_bias(op, bias, x):
     """bias is None or a [hidden] Tensor in x's dtype or float32, on x's device."""
     check_tensor(op, "bias", bias, or_none=True)
     if bias is None:
         return
     check_last_dim_vector(op, "bias", bias, x)
-    if bias.dtype not in (x.dtype, torch.float32):
-        raise TypeError(f"{op}: bias must be {x.dtype} (x's dtype) or torch.float32, got {bias.dtype}")
+    check_param_dtype(op, "bias", bias, x)
     check_same_device(op, "bias", bias, "x", x.device)
 
 

@@ -17,7 +17,7 @@ fp32/fp16/bf16 inputs, with weight/bias in fp32 or in x's dtype, and saves per-r
 import torch
 
 from lsmini import _backend
-from lsmini.ops.checks import check_last_dim_vector, check_same_device, check_x
+from lsmini.ops.checks import check_last_dim_vector, check_param_dtype, check_same_device, check_tensor, check_x
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -84,15 +84,21 @@ def _check_args(x, weight, bias):
     check_x(op, x)
     for name, vector in (("weight", weight), ("bias", bias)):
         if vector is not None:
+            check_tensor(op, name, vector)
             check_last_dim_vector(op, name, vector, x)
+            check_param_dtype(op, name, vector, x)
             check_same_device(op, name, vector, "x", x.device)
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        raise TypeError(f"{op}: weight and bias must have the same dtype, got weight {weight.dtype} and bias "
+                        f"{bias.dtype}")
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """LayerNorm over the last dim of x [..., hidden] with optional weight/bias [hidden].
 
-    Runs the fused CUDA kernel for CUDA tensors (float32/float16/bfloat16 x; weight/bias float32 or
-    x's dtype) and ``layer_norm_ref`` elsewhere.
+    Runs the fused CUDA kernel for CUDA tensors (float32/float16/bfloat16 x) and ``layer_norm_ref``
+    elsewhere. On both, weight and bias must be float32 or x's dtype, and the same dtype when both are
+    given (TypeError otherwise).
     """
     _check_args(x, weight, bias)
     if _backend.use_kernels(x, weight, bias):

@@ -1,0 +1,205 @@
+"""A save directory belongs to one run (examples/training/checkpoints.py): checkpoints carry the run's
+tokenizer and its hash; --resume, --translate and --generate refuse a tokenizer on disk that is not the
+checkpoint's; a new run refuses a directory holding a checkpoint unless --overwrite; an interrupted
+--overwrite run leaves nothing of two runs mixed; stale *.tmp files go when a run starts."""
+import hashlib
+import io
+import os
+import sys
+
+import pytest
+import torch
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+
+import builtin_data  # noqa: E402
+import train_lm  # noqa: E402
+import train_translation  # noqa: E402
+from training import checkpoints, run as training_run, tokenizer  # noqa: E402
+from training.data import DataError  # noqa: E402
+
+SMALL = ["--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "2", "--no-progress",
+         "--beam", "1"]
+
+
+def run(main, argv):
+    """main(argv) without touching the caller's RNG state."""
+    with torch.random.fork_rng():
+        return main(argv)
+
+
+def write_lines(path, lines):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(s + "\n" for s in lines)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Data flags of a small parallel corpus from the built-in grammar (train 300, valid 16, test 8)."""
+    d = tmp_path_factory.mktemp("corpus")
+    lex = builtin_data.Lexicon()
+    argv, used = [], set()
+    for split, n, seed in (("train", 300, 301), ("valid", 16, 302), ("test", 8, 303)):
+        pairs = builtin_data.generate_pairs(n, seed, lex, exclude=used)
+        used.update(s for s, _ in pairs)
+        argv += [f"--{split}-src", write_lines(d / f"{split}.en", [s for s, _ in pairs]),
+                 f"--{split}-tgt", write_lines(d / f"{split}.zl", [t for _, t in pairs])]
+    return argv
+
+
+def train(data, save_dir, *extra):
+    return run(train_translation.main, data + SMALL + ["--save-dir", str(save_dir), "--max-steps", "2", *extra])
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def translate(save_dir, monkeypatch, text=b"The dog sleeps.\n"):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text), encoding="utf-8"))
+    return run(train_translation.main, ["--translate", "--save-dir", str(save_dir), "--beam", "1"])
+
+
+def replace_tokenizer(save_dir, vocab_size=200):
+    """What a later run into the same directory does first: train another tokenizer over spm.model."""
+    lines = [s for pair in builtin_data.generate_pairs(200, 999) for s in pair]
+    tokenizer.train_sentencepiece(lines, os.path.join(save_dir, tokenizer.SPM_NAME), vocab_size, "bpe", 1)
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    train(data, d)
+    return d
+
+
+def copy_run(src, dst):
+    os.makedirs(dst)
+    for name in (checkpoints.CHECKPOINT_NAME, tokenizer.SPM_NAME):
+        with open(os.path.join(dst, name), "wb") as f:
+            f.write(read(os.path.join(src, name)))
+    return dst
+
+
+# ---- the checkpoint carries the tokenizer -------------------------------------------------------------
+def test_checkpoint_holds_the_tokenizer_and_its_hash(trained):
+    ckpt = torch.load(os.path.join(trained, checkpoints.CHECKPOINT_NAME), map_location="cpu", weights_only=True)
+    spm = read(os.path.join(trained, tokenizer.SPM_NAME))
+    assert ckpt["tokenizer"]["model"] == spm
+    assert ckpt["tokenizer"]["sha256"] == hashlib.sha256(spm).hexdigest()
+
+
+# ---- a tokenizer that is not the checkpoint's ---------------------------------------------------------
+def test_translate_refuses_another_tokenizer(trained, tmp_path, monkeypatch):
+    d = copy_run(trained, str(tmp_path / "mixed"))
+    assert translate(d, monkeypatch) is None  # the matching pair works
+    replace_tokenizer(d)
+    with pytest.raises(DataError, match=r"--translate: .*spm.model is not the tokenizer the model in .* was trained "
+                                        r"with \(sha256 \w{12} on disk, \w{12} in the checkpoint\).*--overwrite"):
+        translate(d, monkeypatch)
+
+
+def test_resume_refuses_another_tokenizer_before_touching_anything(trained, data, tmp_path):
+    d = copy_run(trained, str(tmp_path / "mixed"))
+    replace_tokenizer(d)
+    before = {name: read(os.path.join(d, name)) for name in os.listdir(d)}
+    with pytest.raises(DataError, match="--resume: .*spm.model is not the tokenizer the model in"):
+        train(data, d, "--resume", "--max-steps", "4")
+    assert {name: read(os.path.join(d, name)) for name in os.listdir(d)} == before
+
+
+def test_missing_tokenizer_is_named(trained, tmp_path, monkeypatch):
+    d = copy_run(trained, str(tmp_path / "no_spm"))
+    os.remove(os.path.join(d, tokenizer.SPM_NAME))
+    with pytest.raises(DataError, match="--translate: the tokenizer .*spm.model of the model in .* is missing"):
+        translate(d, monkeypatch)
+
+
+def test_checkpoint_without_tokenizer_record_still_loads(trained, tmp_path, monkeypatch, capsys):
+    """Checkpoints written before the record existed: used as they are, with a note."""
+    d = copy_run(trained, str(tmp_path / "old"))
+    path = os.path.join(d, checkpoints.CHECKPOINT_NAME)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    del ckpt["tokenizer"]
+    torch.save(ckpt, path)
+    assert translate(d, monkeypatch) is None
+    assert "does not record its tokenizer" in capsys.readouterr().err
+
+
+def test_generate_refuses_another_tokenizer(tmp_path):
+    lines = [s for s, _ in builtin_data.generate_pairs(120, 304)]
+    d = str(tmp_path / "lm")
+    run(train_lm.main, ["--train", write_lines(tmp_path / "train.txt", lines[:100]),
+                        "--valid", write_lines(tmp_path / "valid.txt", lines[100:]), "--save-dir", d,
+                        "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
+                        "--no-progress", "--num-samples", "0"])
+    replace_tokenizer(d)
+    with pytest.raises(DataError, match="--generate: .*spm.model is not the tokenizer the model in"):
+        run(train_lm.main, ["--save-dir", d, "--generate", "The dog", "--num-samples", "1"])
+
+
+# ---- a new run into a used directory ------------------------------------------------------------------
+def test_new_run_refuses_a_directory_with_a_checkpoint(trained, data, tmp_path):
+    d = copy_run(trained, str(tmp_path / "used"))
+    before = {name: read(os.path.join(d, name)) for name in os.listdir(d)}
+    with pytest.raises(DataError, match=r"holds the checkpoint of an earlier run .*Pass --resume to continue that run, "
+                                        r"--overwrite to delete its files and start afresh"):
+        train(data, d, "--vocab-size", "200")
+    assert {name: read(os.path.join(d, name)) for name in os.listdir(d)} == before
+
+
+def test_overwrite_replaces_the_run(trained, data, tmp_path, capsys):
+    d = copy_run(trained, str(tmp_path / "used"))
+    old = read(os.path.join(d, tokenizer.SPM_NAME))
+    capsys.readouterr()
+    m = train(data, d, "--vocab-size", "200", "--overwrite")
+    assert m["steps"] == 2
+    assert "--overwrite: removed the earlier run's checkpoint_last.pt, spm.model" in capsys.readouterr().out
+    new = read(os.path.join(d, tokenizer.SPM_NAME))
+    ckpt = torch.load(os.path.join(d, checkpoints.CHECKPOINT_NAME), map_location="cpu", weights_only=True)
+    assert new != old and ckpt["tokenizer"]["model"] == new
+
+
+def test_interrupted_overwrite_leaves_no_mixed_run(trained, data, tmp_path, monkeypatch):
+    """The issue's case: a new run into a used directory, stopped after writing its tokenizer and before its
+    first checkpoint. The earlier model is gone with its tokenizer, so --translate and --resume say there is
+    nothing to use instead of pairing the new tokenizer with the old model."""
+    d = copy_run(trained, str(tmp_path / "used"))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(training_run, "start_trainer", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            train(data, d, "--vocab-size", "200", "--overwrite")
+    assert os.path.isfile(os.path.join(d, tokenizer.SPM_NAME))
+    assert not os.path.exists(os.path.join(d, checkpoints.CHECKPOINT_NAME))
+    with pytest.raises(DataError, match="no trained model"):
+        translate(d, monkeypatch)
+    with pytest.raises(DataError, match="--resume: no checkpoint"):
+        train(data, d, "--resume")
+
+
+def test_resume_and_overwrite_together_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        train_translation.TASK.parse_args(["--resume", "--overwrite"])
+    assert "--resume continues the run in --save-dir, --overwrite replaces it" in capsys.readouterr().err
+
+
+# ---- files an interrupted run left half-written -------------------------------------------------------
+def test_stale_tmp_files_are_removed_when_a_run_starts(data, tmp_path, capsys):
+    d = tmp_path / "run"
+    (d / "cache").mkdir(parents=True)
+    stale = [d / "checkpoint_last.pt.tmp", d / "metrics.json.tmp", d / "cache" / "train.en.0123.npz.tmp"]
+    for p in stale:
+        p.write_bytes(b"half written")
+    keep = d / "notes.txt"
+    keep.write_text("mine")
+    train(data, d)
+    assert not any(p.exists() for p in stale) and keep.read_text() == "mine"
+    assert "removed 3 unfinished file(s) of an interrupted run" in capsys.readouterr().out
+    assert not [p for p in d.rglob("*.tmp")]
