@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Syntax-check the C++ bindings (csrc/bindings/*.cpp, csrc/layers/*.cpp) against the installed torch headers, without a CUDA
-# build of torch: catches binding errors on machines that cannot build the extension.
+# Syntax-check the C++ that sees torch (csrc/bindings/*.cpp, csrc/layers/*.cpp) against the installed torch
+# headers, without a CUDA build of torch: catches binding errors on machines that cannot build the extension.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T=$(python -c "import torch, os; print(os.path.dirname(torch.__file__))")
