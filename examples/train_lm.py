@@ -246,7 +246,7 @@ class LanguageModelTask(run.Task):
     def summary(self, metrics):
         tps = metrics["tokens_per_s"]
         return (f"valid loss {metrics['valid_loss']:.3f} (ppl {metrics['valid_ppl']:.2f})" +
-                (f", {tps:,.0f} tokens/s" if tps else ""))
+                (f", {tps:,.0f} tokens/s (average over all training steps)" if tps else ""))
 
 
 TASK = LanguageModelTask()

@@ -70,6 +70,35 @@ class ParallelBatches:
                 batching.padded_tensor(tgt_rows, wt, pin, suffix=EOS))
 
 
+def filter_valid(src, tgt, lines, max_len, path, log):
+    """Keep validation pairs within max_len tokens (with EOS) on both sides, as training does: the model is
+    built for that length. Says how many went (and the first of them, by file and line); returns
+    (src, tgt, (source lines, target lines)) of the pairs kept."""
+    sl, tl = src.lengths + 1, tgt.lengths + 1
+    keep = np.nonzero((sl <= max_len) & (tl <= max_len))[0]
+    dropped = len(sl) - len(keep)
+    if not dropped:
+        return src, tgt, lines
+    first = int(np.nonzero((sl > max_len) | (tl > max_len))[0][0])
+    if len(keep) == 0:
+        raise DataError(f"no validation pair is within --max-len {max_len} tokens ({path[0]}, {path[1]}); raise "
+                        "--max-len")
+    log(f"valid: skipped {dropped} of {len(sl)} pairs longer than --max-len {max_len} tokens (the first: line "
+        f"{first + 1} of {path[0]} / {path[1]})")
+    return src.subset(keep), tgt.subset(keep), tuple([side[i] for i in keep] for side in lines)
+
+
+def check_test_sources(src, max_len, path):
+    """A test source line longer than the model takes is refused before training (its translation could
+    not be scored fairly), naming the file and the line."""
+    too_long = np.nonzero(src.lengths + 1 > max_len)[0]
+    if len(too_long):
+        i = int(too_long[0])
+        raise DataError(f"--test-src: {path} line {i + 1} has {int(src.lengths[i])} tokens, more than the "
+                        f"{max_len - 1} the model takes (--max-len {max_len}, EOS included); {len(too_long)} "
+                        "line(s) are that long: raise --max-len or shorten them")
+
+
 def filter_train(src, tgt, max_len, log):
     """Keep training pairs with both sides non-empty and within max_len tokens (with EOS); say how many went."""
     sl, tl = src.lengths + 1, tgt.lengths + 1
@@ -196,6 +225,8 @@ def beam_search(model, src, beam, max_lens, lenpen=1.0):
 def translate_ids(model, src_ids, args, device, max_seq_len, shard=(0, 1)):
     """Translate sentences given as token-id lists (no EOS); returns output id lists, in input order.
     shard=(r, n): translate only batches r, r+n, ... (the other entries stay None)."""
+    if not src_ids:
+        return []
     lengths = np.array([len(x) + 1 for x in src_ids], dtype=np.int64)
     max_lens = np.minimum(max_seq_len - 1, (args.max_len_a * (lengths - 1) + args.max_len_b).astype(np.int64))
     max_lens = np.maximum(max_lens, 1)
@@ -216,10 +247,30 @@ def translate_ids(model, src_ids, args, device, max_seq_len, shard=(0, 1)):
     return out
 
 
-def check_lengths(src_ids, max_seq_len, what):
-    for i, ids in enumerate(src_ids):
-        if len(ids) + 1 > max_seq_len:
-            raise DataError(f"{what}: line {i + 1} has {len(ids)} tokens; this model takes at most {max_seq_len - 1}")
+def fit_to_model(ids, max_seq_len, what, warn, first_line=1):
+    """Cut token-id lists longer than the model takes (max_seq_len - 1 tokens, plus EOS) to that length,
+    warning once per line cut (`what` line N, numbered from first_line)."""
+    limit = max_seq_len - 1
+    out = []
+    for n, x in enumerate(ids, first_line):
+        if len(x) > limit:
+            warn(f"warning: {what} line {n} has {len(x)} tokens; this model takes at most {limit}: "
+                 f"translating its first {limit}")
+            x = x[:limit]
+        out.append(x)
+    return out
+
+
+def translate_lines(lines, args, model, sp, max_seq_len, device, what, warn, first_line=1):
+    """Translations of `lines` (str): a blank line gives a blank line, a line longer than the model takes
+    is cut to it (with a warning naming the line)."""
+    ids = fit_to_model(sp.encode(lines), max_seq_len, what, warn, first_line)
+    todo = [i for i, line in enumerate(lines) if line.strip() and ids[i]]
+    out = [""] * len(lines)
+    if todo:
+        for i, h in zip(todo, translate_ids(model, [ids[i] for i in todo], args, device, max_seq_len)):
+            out[i] = sp.decode(h)
+    return out
 
 
 def corpus_bleu(hyps, refs):
@@ -232,29 +283,42 @@ def corpus_bleu(hyps, refs):
 
 
 def translate_stdin(args, model, sp, max_seq_len, device, log):
-    """--translate: translate stdin line by line when it is a terminal, else all of it in batches."""
+    """--translate: translate stdin line by line when it is a terminal, else all of it in batches. Blank
+    lines stay blank; a line longer than the model takes is translated cut to that length, with a warning."""
     stdin = getattr(sys.stdin, "buffer", sys.stdin)
     interactive = sys.stdin.isatty()
     if interactive:
         log("type a sentence and press Enter (Ctrl-D to quit)")
         for n, raw in enumerate(iter(stdin.readline, b""), 1):
             try:
-                (line,) = decode_lines(raw, f"stdin line {n}") or [""]
-                ids = sp.encode([line])
-                check_lengths(ids, max_seq_len, "stdin")
+                lines = decode_lines(raw, f"stdin line {n}") or [""]
             except DataError as e:
                 print(f"error: {e}", file=sys.stderr)
                 continue
-            print(sp.decode(translate_ids(model, ids, args, device, max_seq_len)[0]), flush=True)
+            print(translate_lines(lines, args, model, sp, max_seq_len, device, "stdin", log, first_line=n)[0],
+                  flush=True)
         return
     lines = decode_lines(stdin.read(), "stdin")
     if not lines:
         return
-    ids = sp.encode(lines)
-    check_lengths(ids, max_seq_len, "stdin")
-    for h in translate_ids(model, ids, args, device, max_seq_len):
-        sys.stdout.write(sp.decode(h) + "\n")
+    for h in translate_lines(lines, args, model, sp, max_seq_len, device, "stdin", log):
+        sys.stdout.write(h + "\n")
     sys.stdout.flush()
+
+
+def translate_split(args, model, data, src_lines, source_ids, device, dist):
+    """Translations (str) of a split's source lines, each rank translating a share of the batches; the
+    full list on rank 0 (None elsewhere). Blank source lines give blank translations."""
+    src_ids = [list(map(int, source_ids[i])) for i in range(len(src_lines))]
+    todo = [i for i, x in enumerate(src_ids) if x]
+    shares = dist.gather(translate_ids(model, [src_ids[i] for i in todo], args, device, data.max_seq_len,
+                                       (dist.rank, dist.world)))
+    if not dist.is_main:
+        return None
+    out = [""] * len(src_ids)
+    for i, column in zip(todo, zip(*shares)):
+        out[i] = data.tokenizer.decode(next(h for h in column if h is not None))
+    return out
 
 
 # ---- the task -----------------------------------------------------------------------------------------
@@ -265,6 +329,8 @@ class TranslationData(run.TaskData):
     eval_split: str
     eval_lines: tuple
     eval_source_ids: object
+    valid_lines: tuple  # the (source, reference) lines of the validation pairs kept, for --eval-bleu
+    valid_source_ids: object
 
 
 class TranslationTask(run.Task):
@@ -274,6 +340,7 @@ class TranslationTask(run.Task):
                   "FFN 2048; big: 6+6, 1024, 16 heads, FFN 4096")
     label_smoothing = 0.1
     default_save_dir = os.path.join("checkpoints", "translation")
+    best_metrics = ("valid_loss", "bleu")
 
     def add_data_args(self, parser):
         g = parser.add_argument_group("data (plain UTF-8 text, one sentence per line; none given: the built-in task)")
@@ -297,6 +364,9 @@ class TranslationTask(run.Task):
         g.add_argument("--max-len-a", type=float, default=1.2,
                        help="output length limit: a * source length + b (default a=1.2)")
         g.add_argument("--max-len-b", type=int, default=10, help="(default 10)")
+        g.add_argument("--eval-bleu", action="store_true",
+                       help="also translate the validation set at every validation (with --beam and --lenpen) and "
+                            "report its BLEU (needs sacrebleu)")
         g.add_argument("--translate", action="store_true",
                        help="translate sentences read from stdin with the model in --save-dir (no training)")
 
@@ -316,6 +386,14 @@ class TranslationTask(run.Task):
             parser.error(f"--beam must be >= 1, got {args.beam}")
         if args.max_len < 2:
             parser.error(f"--max-len must be >= 2, got {args.max_len}")
+        if args.best_metric == "bleu" and not args.eval_bleu:
+            parser.error("--best-metric bleu needs --eval-bleu (validation BLEU is computed only then)")
+        if args.eval_bleu and not args.translate:
+            try:
+                import sacrebleu  # noqa: F401
+            except ImportError:
+                parser.error("--eval-bleu needs sacrebleu, which is not installed: pip install sacrebleu (or the "
+                             "lsmini[bleu] extra)")
         if args.max_tokens < batching.round_up(args.max_len):
             parser.error(f"--max-tokens ({args.max_tokens}) must hold one sentence of --max-len ({args.max_len}) "
                          "tokens")
@@ -360,9 +438,18 @@ class TranslationTask(run.Task):
         return sp, ids
 
     def make_batches(self, args, lines, paths, sp, ids, log):
+        if "test" in ids:
+            check_test_sources(ids["test"][0], args.max_len, paths["test"][0])
         train_src, train_tgt = filter_train(*ids["train"], args.max_len, log)
+        valid_src, valid_tgt, valid_lines = filter_valid(*ids["valid"], lines["valid"], args.max_len, paths["valid"],
+                                                         log)
+        ids = dict(ids, valid=(valid_src, valid_tgt))
+        lines = dict(lines, valid=valid_lines)
         eval_split = "test" if "test" in ids else "valid"
-        longest = max(int(a.lengths.max()) + 1 for split in ids if split != "train" for a in ids[split])
+        # what the model reads (valid pairs, test sources) is within --max-len now; test references are only
+        # compared with the output
+        longest = max(int(a.lengths.max()) + 1 for a in (valid_src, valid_tgt) + ((ids["test"][0],) if "test" in ids
+                                                                                   else ()))
         max_seq_len = batching.round_up(max(args.max_len, longest))
         train_batches = ParallelBatches(train_src, train_tgt, args.max_tokens)
         valid_batches = ParallelBatches(*ids["valid"], max(args.max_tokens, batching.round_up(longest)))
@@ -370,7 +457,7 @@ class TranslationTask(run.Task):
             f"{len(ids['valid'][0])} valid" + (f", {len(ids['test'][0])} test" if "test" in ids else "") +
             f"; joint vocabulary {sp.get_piece_size()}")
         return TranslationData(sp, train_batches, valid_batches, max_seq_len, eval_split, lines[eval_split],
-                               ids[eval_split][0])
+                               ids[eval_split][0], lines["valid"], ids["valid"][0])
 
     def model_config(self, args, vocab_size, max_seq_len):
         arch = ARCHS[args.arch]
@@ -396,27 +483,43 @@ class TranslationTask(run.Task):
         src, tgt_in, tgt_out = batch
         return model(src, tgt_in), tgt_out
 
+    def validation_scorer(self, args, data, device, dist):
+        if not args.eval_bleu:
+            return None
+
+        def valid_bleu(model):
+            model.eval()
+            hyps = translate_split(args, model, data, data.valid_lines[0], data.valid_source_ids, device, dist)
+            # rank 0 scores; every rank needs the value (--best-metric bleu, --patience decide on it)
+            return dist.from_main(lambda: corpus_bleu(hyps, data.valid_lines[1]))
+
+        return valid_bleu
+
     def after_training(self, args, model, data, device, dist, log):
         """Translate the test set (or the validation set), each rank a share of the batches, and score it."""
+        return self.score(args, model, data, device, dist, log, None)
+
+    def score(self, args, model, data, device, dist, log, label):
+        """Translate and score the test set (or the validation set) with the parameters in `model`; the
+        translations go to hypotheses.<split>.txt (hypotheses.<split>.<label>.txt for "best", "average")."""
         model.eval()
         t0 = time.perf_counter()
         src_lines, ref_lines = data.eval_lines
-        src_ids = [list(map(int, data.eval_source_ids[i])) for i in range(len(src_lines))]
-        shares = dist.gather(translate_ids(model, src_ids, args, device, data.max_seq_len, (dist.rank, dist.world)))
-        out_ids = [next(h for h in column if h is not None) for column in zip(*shares)]
+        hyps = translate_split(args, model, data, src_lines, data.eval_source_ids, device, dist)
         if not dist.is_main:
             return {}
-        hyps = [data.tokenizer.decode(h) for h in out_ids]
-        hyp_path = os.path.join(args.save_dir, f"hypotheses.{data.eval_split}.txt")
+        name = f"hypotheses.{data.eval_split}.txt" if label is None else f"hypotheses.{data.eval_split}.{label}.txt"
+        hyp_path = os.path.join(args.save_dir, name)
         with open(hyp_path, "w", encoding="utf-8") as f:
             f.writelines(h + "\n" for h in hyps)
         bleu = corpus_bleu(hyps, ref_lines)
         search = "greedy" if args.beam == 1 else f"beam {args.beam}"
+        what = data.eval_split + ("" if label is None else f" ({label} checkpoint)")
         if bleu is None:
-            log(f"{data.eval_split}: translations in {hyp_path}; sacrebleu is not installed, so no BLEU (pip install "
+            log(f"{what}: translations in {hyp_path}; sacrebleu is not installed, so no BLEU (pip install "
                 "sacrebleu); reporting loss only")
         else:
-            log(f"{data.eval_split}: BLEU {bleu:.2f} ({search}, sacrebleu, {len(hyps)} sentences, "
+            log(f"{what}: BLEU {bleu:.2f} ({search}, sacrebleu, {len(hyps)} sentences, "
                 f"{time.perf_counter() - t0:.1f}s); translations in {hyp_path}")
         return {"bleu": bleu, "bleu_split": data.eval_split}
 
@@ -424,7 +527,7 @@ class TranslationTask(run.Task):
         bleu, tps = metrics["bleu"], metrics["tokens_per_s"]
         return (f"train loss {metrics['train_loss']:.3f}, valid loss {metrics['valid_loss']:.3f} "
                 f"(ppl {metrics['valid_ppl']:.2f})" + (f", BLEU {bleu:.2f}" if bleu is not None else "") +
-                (f", {tps:,.0f} target tokens/s" if tps else ""))
+                (f", {tps:,.0f} target tokens/s (average over all training steps)" if tps else ""))
 
 
 TASK = TranslationTask()

@@ -10,10 +10,8 @@ import sys
 import pytest
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
-
-import builtin_data  # noqa: E402
+from example_testing import builtin_pairs, run, write_corpus, write_lines
+import builtin_data  # noqa: E402  (after example_testing, which puts examples/ on sys.path)
 import train_lm  # noqa: E402
 import train_translation  # noqa: E402
 from training import batching, tokenizer  # noqa: E402
@@ -24,30 +22,11 @@ METRIC_KEYS = ("train_loss", "valid_loss", "valid_ppl", "bleu", "tokens_per_s", 
 SMALL = ["--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "2", "--no-progress"]
 
 
-def run(main, argv):
-    """main(argv) without touching the caller's RNG state."""
-    with torch.random.fork_rng():
-        return main(argv)
-
-
-def write_lines(path, lines):
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(s + "\n" for s in lines)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """A small parallel corpus from the built-in grammar: {split: (src_path, tgt_path)}."""
-    d = tmp_path_factory.mktemp("corpus")
-    lex = builtin_data.Lexicon()
-    out, used = {}, set()
-    for split, n, seed in (("train", 400, 101), ("valid", 24, 102), ("test", 12, 103)):
-        pairs = builtin_data.generate_pairs(n, seed, lex, exclude=used)
-        used.update(s for s, _ in pairs)
-        out[split] = (write_lines(d / f"{split}.en", [s for s, _ in pairs]),
-                      write_lines(d / f"{split}.zl", [t for _, t in pairs]))
-    return out
+    return write_corpus(tmp_path_factory.mktemp("corpus"),
+                        builtin_pairs((("train", 400, 101), ("valid", 24, 102), ("test", 12, 103))))
 
 
 def data_args(corpus, test=True):
@@ -370,7 +349,7 @@ def test_cuda_graph_run_follows_the_eager_run(corpus, tmp_path):
     normalisation (the loss times 1/tokens, a device scalar inside the graph)."""
     common = data_args(corpus, test=False) + SMALL + ["--beam", "1", "--max-steps", "24", "--eval-every", "24",
                                                        "--dropout", "0.1"]
-    eager = run(train_translation.main, common + ["--save-dir", str(tmp_path / "eager")])
+    eager = run(train_translation.main, common + ["--save-dir", str(tmp_path / "eager"), "--no-cuda-graph"])
     graph = run(train_translation.main, common + ["--save-dir", str(tmp_path / "graph"), "--cuda-graph"])
     assert graph["steps"] == eager["steps"] == 24
     assert graph["valid_loss"] == pytest.approx(eager["valid_loss"], rel=0.02)

@@ -10,10 +10,8 @@ import sys
 import pytest
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-sys.path.insert(0, EXAMPLES)
-
-import builtin_data  # noqa: E402
+from example_testing import builtin_pairs, run, write_corpus, write_lines
+import builtin_data  # noqa: E402  (after example_testing, which puts examples/ on sys.path)
 import train_lm  # noqa: E402
 import train_translation  # noqa: E402
 from training import checkpoints, run as training_run, tokenizer  # noqa: E402
@@ -23,30 +21,12 @@ SMALL = ["--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log
          "--beam", "1"]
 
 
-def run(main, argv):
-    """main(argv) without touching the caller's RNG state."""
-    with torch.random.fork_rng():
-        return main(argv)
-
-
-def write_lines(path, lines):
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(s + "\n" for s in lines)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Data flags of a small parallel corpus from the built-in grammar (train 300, valid 16, test 8)."""
-    d = tmp_path_factory.mktemp("corpus")
-    lex = builtin_data.Lexicon()
-    argv, used = [], set()
-    for split, n, seed in (("train", 300, 301), ("valid", 16, 302), ("test", 8, 303)):
-        pairs = builtin_data.generate_pairs(n, seed, lex, exclude=used)
-        used.update(s for s, _ in pairs)
-        argv += [f"--{split}-src", write_lines(d / f"{split}.en", [s for s, _ in pairs]),
-                 f"--{split}-tgt", write_lines(d / f"{split}.zl", [t for _, t in pairs])]
-    return argv
+    paths = write_corpus(tmp_path_factory.mktemp("corpus"),
+                         builtin_pairs((("train", 300, 301), ("valid", 16, 302), ("test", 8, 303))))
+    return [arg for split, (src, tgt) in paths.items() for arg in (f"--{split}-src", src, f"--{split}-tgt", tgt)]
 
 
 def train(data, save_dir, *extra):

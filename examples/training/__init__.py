@@ -7,7 +7,9 @@
     runtime      device and precision, process-wide settings of a run, torchrun (one process per GPU)
     checkpoints  saving and loading checkpoints (with the RNG streams, for an exact resume, and the tokenizer);
                  the save directory of one run (--overwrite, stale *.tmp files, the tokenizer check)
-    trainer      the Trainer: optimizer, learning-rate schedule, the training loop, validation
+    trainer      the Trainer: optimizer, learning-rate schedule, the training loop, validation, early stopping
+                 (--patience, --max-time), the divergence check, checkpoint_best.pt and --keep-last
+    trainlog     train_log.jsonl (one JSON record per log window and per validation) and its plot
     run          Task (what an example adds: its data, model, loss, decoding) and the one main() driving it
 
 The loop follows the rules that keep a GPU fed on real data: text is tokenized once and the ids are

@@ -3,7 +3,10 @@
 <save-dir>/checkpoint_last.pt holds the model configuration, the trainer's state (model, optimizer, schedule,
 loss scale, position in the data, every rank's RNG streams, so a resumed run continues exactly), the flags
 and the run's tokenizer (the sentencepiece model and its sha256); written atomically, read on CPU, refused
-when it holds another model.
+when it holds another model. checkpoint_best.pt (the best validation so far, --best-metric) and the
+periodic checkpoint_<step>.pt (--keep-last) are copies of checkpoint_last.pt made right after it is written,
+so each of them carries everything it does. average_state_dicts averages the parameters of several
+checkpoints of one model (--average-last, examples/average_checkpoints.py).
 
 A save directory belongs to one run. A new run refuses a directory that holds a checkpoint unless told to
 --overwrite it (then the earlier run's files go first, so an interrupted new run never leaves its
@@ -13,6 +16,8 @@ the checkpoint's; files a killed run left half-written (*.tmp) are removed when 
 import glob
 import hashlib
 import os
+import re
+import shutil
 
 import torch
 
@@ -20,10 +25,16 @@ from .data import DataError
 from .tokenizer import SPM_NAME
 
 CHECKPOINT_NAME = "checkpoint_last.pt"
+BEST_NAME = "checkpoint_best.pt"
+AVERAGE_NAME = "checkpoint_average.pt"
 METRICS_NAME = "metrics.json"
+TRAIN_LOG_NAME = "train_log.jsonl"
+PLOT_NAME = "train_log.png"
+PERIODIC_PATTERN = re.compile(r"checkpoint_(\d+)\.pt$")
 # what a run writes at the top of its save directory besides data/ and cache/ (content-addressed: they hold
 # nothing of one run that another could mistake for its own)
-RUN_FILES = (CHECKPOINT_NAME, SPM_NAME, METRICS_NAME, "hypotheses.*.txt")
+RUN_FILES = (CHECKPOINT_NAME, BEST_NAME, AVERAGE_NAME, "checkpoint_[0-9]*.pt", SPM_NAME, METRICS_NAME,
+             TRAIN_LOG_NAME, PLOT_NAME, "hypotheses.*.txt")
 # where runs write files atomically through a *.tmp sibling
 TMP_DIRS = (".", "cache", "data")
 
@@ -115,6 +126,63 @@ def save_checkpoint(path, state):
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
+
+
+def copy_checkpoint(src, dst):
+    """Copy a checkpoint file atomically (through a *.tmp sibling, like save_checkpoint)."""
+    shutil.copyfile(src, dst + ".tmp")
+    os.replace(dst + ".tmp", dst)
+
+
+def periodic_checkpoints(save_dir):
+    """[(step, path)] of the periodic checkpoint_<step>.pt files in save_dir, oldest first."""
+    found = []
+    for name in os.listdir(save_dir):
+        m = PERIODIC_PATTERN.match(name)
+        if m:
+            found.append((int(m.group(1)), os.path.join(save_dir, name)))
+    return sorted(found)
+
+
+def keep_periodic(save_dir, keep):
+    """Remove all but the `keep` newest periodic checkpoints; the removed paths."""
+    found = periodic_checkpoints(save_dir)
+    removed = [path for _, path in found[:max(0, len(found) - keep)]]
+    for path in removed:
+        os.remove(path)
+    return removed
+
+
+def average_state_dicts(ckpts, paths):
+    """The element-wise mean of the model parameters of the checkpoints `ckpts` (loaded from `paths`),
+    computed in fp32 and returned in each tensor's dtype. DataError when they do not hold the same model
+    (configuration, tokenizer, parameter names or shapes)."""
+    if not ckpts:
+        raise DataError("no checkpoint to average")
+    first, first_path = ckpts[0], paths[0]
+    for ckpt, path in zip(ckpts[1:], paths[1:]):
+        if ckpt.get("model_config") != first.get("model_config"):
+            diffs = [k for k in sorted(set(ckpt["model_config"]) | set(first["model_config"]))
+                     if ckpt["model_config"].get(k) != first["model_config"].get(k)]
+            raise DataError(f"cannot average {path} with {first_path}: they hold different models "
+                            f"(model_config differs in {', '.join(diffs)})")
+        sha = [(c.get("tokenizer") or {}).get("sha256") for c in (first, ckpt)]
+        if sha[0] != sha[1]:
+            raise DataError(f"cannot average {path} with {first_path}: they were trained with different "
+                            "tokenizers (their ids mean different pieces)")
+        a, b = first["trainer"]["model"], ckpt["trainer"]["model"]
+        if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a):
+            raise DataError(f"cannot average {path} with {first_path}: their parameter names or shapes differ")
+    out = {}
+    for k, t in first["trainer"]["model"].items():
+        if not t.is_floating_point():  # integer buffers (if any) are taken from the first checkpoint
+            out[k] = t.clone()
+            continue
+        total = torch.zeros(t.shape, dtype=torch.float32)
+        for ckpt in ckpts:
+            total += ckpt["trainer"]["model"][k].float()
+        out[k] = (total / len(ckpts)).to(t.dtype)
+    return out
 
 
 def load_checkpoint(path):

@@ -24,7 +24,7 @@ def add_layer_args(g, label_smoothing):
     g.add_argument("--label-smoothing", type=float, default=label_smoothing, help=f"(default {label_smoothing:g})")
 
 
-def add_common_args(parser, default_save_dir):
+def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
     """The tokenizer, training and progress/checkpoint options, each group in the parser."""
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--vocab-size", type=int, default=None,
@@ -43,9 +43,16 @@ def add_common_args(parser, default_save_dir):
     g.add_argument("--epochs", type=int, default=None,
                    help=f"stop after this many passes over the training data (default {DEFAULT_EPOCHS} unless "
                         "--max-steps is given)")
+    g.add_argument("--max-time", type=float, default=None, metavar="SECONDS",
+                   help="wall-clock budget of the training loop: stop at the first step boundary after it, "
+                        "validate, save and still score the test set (default: none)")
+    g.add_argument("--patience", type=int, default=None, metavar="N",
+                   help="stop early after N validations in a row without improvement of --best-metric "
+                        "(default: never)")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default per --arch)")
     g.add_argument("--warmup", type=int, default=None,
-                   help="linear warmup steps, then lr ∝ 1/sqrt(step) (default per --arch)")
+                   help="linear warmup steps, then lr ∝ 1/sqrt(step) (default: the --arch value; in a run "
+                        "without --max-steps at most half of the steps its --epochs plan)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled (AdamW) weight decay (default 0)")
     g.add_argument("--clip-norm", type=float, default=1.0, help="clip the global gradient norm (default 1.0; 0: off)")
     g.add_argument("--seed", type=int, default=1, help="seeds initialisation, dropout and the batch order (default 1)")
@@ -59,10 +66,14 @@ def add_common_args(parser, default_save_dir):
     g.add_argument("--reference", action="store_true",
                    help="run the same model on lsmini's pure-PyTorch path instead of the fused kernels, for a "
                         "side-by-side comparison (its default --save-dir gets a _reference suffix)")
-    g.add_argument("--cuda-graph", action="store_true",
-                   help="replay each training step as one CUDA graph (lsmini.graph), recorded once per batch "
-                        "shape: less launch overhead for small models; --update-freq 1, the kernels (under "
-                        "torchrun the gradient all-reduces are recorded too)")
+    graph = g.add_mutually_exclusive_group()
+    graph.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=None,
+                       help="replay each training step as one CUDA graph (lsmini.graph), recorded once per batch "
+                            "shape: less launch overhead for small models (default on where it applies: CUDA, the "
+                            "fused kernels, --update-freq 1; under torchrun the gradient all-reduces are recorded "
+                            "too); given explicitly, a run where it cannot apply is refused")
+    graph.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                       help="run each training step eagerly")
 
     g = parser.add_argument_group("progress, validation and checkpoints")
     g.add_argument("--save-dir", default=None,
@@ -73,6 +84,14 @@ def add_common_args(parser, default_save_dir):
                         "checkpoint, tokenizer, metrics and translations first (without it such a run is refused)")
     g.add_argument("--eval-every", type=int, default=None,
                    help="validation loss/perplexity and a checkpoint every N steps (default: once per epoch)")
+    g.add_argument("--best-metric", choices=best_metrics, default="valid_loss",
+                   help="the validation metric that picks checkpoint_best.pt and that --patience watches "
+                        "(default valid_loss" + (", bleu needs --eval-bleu" if "bleu" in best_metrics else "") + ")")
+    g.add_argument("--keep-last", type=int, default=0, metavar="N",
+                   help="also keep the checkpoints of the last N validations as checkpoint_<step>.pt (default 0)")
+    g.add_argument("--average-last", type=int, default=None, metavar="N",
+                   help="at the end, average the parameters of the last N periodic checkpoints (keeps at least "
+                        "N of them) and score the average beside the last and the best checkpoint")
     g.add_argument("--log-every", type=int, default=50,
                    help="read the loss back from the device and refresh the progress bar every N steps (default 50)")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
@@ -87,6 +106,8 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
         args.save_dir = default_save_dir + ("_reference" if args.reference else "")
     if args.vocab_size is None:
         args.vocab_size = 2000 if builtin else 8000
+    # an explicit --warmup wins; the --arch value is capped once the planned steps are known (adapt_warmup)
+    args.warmup_given = args.warmup is not None
     for name in ("dropout", "lr", "warmup", "max_tokens"):
         if getattr(args, name) is None:
             setattr(args, name, arch[name])
@@ -95,10 +116,14 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
     for name in ("max_tokens", "log_every", "lr", "update_freq"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    for name in ("max_steps", "epochs", "eval_every", "warmup"):
+    for name in ("max_steps", "epochs", "eval_every", "warmup", "patience", "max_time", "average_last"):
         v = getattr(args, name)
         if v is not None and v <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0, got {v}")
+    if args.keep_last < 0:
+        parser.error(f"--keep-last must be >= 0, got {args.keep_last}")
+    if args.average_last is not None and args.keep_last < args.average_last:
+        args.keep_last = args.average_last  # the checkpoints to average must be there at the end
     if args.vocab_size < 8:
         parser.error(f"--vocab-size must be at least 8, got {args.vocab_size}")
     for name in ("clip_norm", "weight_decay"):
@@ -107,6 +132,23 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
     for name in ("dropout", "attn_dropout", "activation_dropout", "label_smoothing"):
         if not 0.0 <= getattr(args, name) < 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+
+
+def adapt_warmup(args, planned_steps, arch_warmup):
+    """The warmup of a new run, and a line saying where it comes from. An explicit --warmup wins; otherwise
+    the --arch value, capped at half the planned steps of an --epochs run (planned_steps None: --max-steps
+    sets the length, the --arch value stays): the arch tables assume long runs (4000 steps), and a small
+    corpus trained for a few epochs would otherwise spend all or most of its run warming up and never
+    reach the decay the inverse-square-root schedule relies on."""
+    if args.warmup_given:
+        return args.warmup, f"warmup {args.warmup} steps (--warmup)"
+    if planned_steps is None:
+        return arch_warmup, f"warmup {arch_warmup} steps (--arch {args.arch}; a --max-steps run keeps it)"
+    cap = max(1, planned_steps // 2)
+    if arch_warmup <= cap:
+        return arch_warmup, f"warmup {arch_warmup} steps (--arch {args.arch}; {planned_steps} steps planned)"
+    return cap, (f"warmup {cap} steps: half of the {planned_steps} planned steps (--arch {args.arch} gives "
+                 f"{arch_warmup}, which this run would not finish; --warmup sets it)")
 
 
 def layer_config(args, arch, activation, max_seq_len):

@@ -5,7 +5,8 @@ inference mode (--translate, --generate; its tokenizer checked against the check
 save directory (one run's: checkpoints.prepare_save_dir), the task's data, the tokenizer (rank 0 first),
 the task's batches and model, the shared scratch memory sized once, the Trainer (resumed with --resume),
 training with validation and checkpoints, the task's work after training (translating and scoring,
-sampling), metrics.json. A Task subclass holds only what differs between the examples: its
+sampling), the best and the averaged checkpoints scored beside the last (--average-last), metrics.json and the
+plot of the training log. A Task subclass holds only what differs between the examples: its
 --arch table, its options, data, model, loss and decoding. run_main wraps a script's main() into exit codes.
 """
 import argparse
@@ -22,11 +23,13 @@ import torch.distributed
 from tqdm import tqdm
 
 from . import cli
-from .checkpoints import CHECKPOINT_NAME, check_tokenizer, load_checkpoint, prepare_save_dir, tokenizer_record
+from .checkpoints import (AVERAGE_NAME, BEST_NAME, CHECKPOINT_NAME, average_state_dicts, check_tokenizer,
+                          load_checkpoint, periodic_checkpoints, prepare_save_dir, save_checkpoint, tokenizer_record)
 from .data import DataError
 from .runtime import RunSettings, describe_backend, place_model, start_distributed
 from .tokenizer import SPM_NAME, load_sentencepiece
-from .trainer import make_criteria, safe_exp, start_trainer, train_and_validate
+from .trainer import TrainingDiverged, make_criteria, safe_exp, start_trainer, train_and_validate
+from .trainlog import plot_log
 
 
 @dataclasses.dataclass
@@ -51,6 +54,7 @@ class Task:
     arch_sizes = None  # the rows of the table in words, for --help
     label_smoothing = None  # the default of --label-smoothing
     default_save_dir = None
+    best_metrics = ("valid_loss",)  # the choices of --best-metric
 
     # -- command line --
     def add_data_args(self, parser):
@@ -80,7 +84,7 @@ class Task:
         cli.add_arch_arg(group, self.archs, self.arch_sizes)
         self.add_model_args(group)
         cli.add_layer_args(group, self.label_smoothing)
-        cli.add_common_args(parser, self.default_save_dir)
+        cli.add_common_args(parser, self.default_save_dir, self.best_metrics)
         self.add_mode_args(parser)
         return parser
 
@@ -156,10 +160,20 @@ class Task:
         """(training loss, plain NLL) of a batch, both summed over its target tokens; the NLL detached."""
         return criterion(*self.logits_and_target(model, batch), return_nll=True)
 
+    def validation_scorer(self, args, data, device, dist):
+        """None, or scorer(model) -> a validation score computed at every validation besides the loss
+        (--eval-bleu: BLEU), the same value on every rank."""
+        return None
+
     # -- after training --
     def after_training(self, args, model, data, device, dist, log):
         """Use the trained model (on every rank); returns the metrics.json fields it adds (rank 0)."""
         raise NotImplementedError
+
+    def score(self, args, model, data, device, dist, log, label):
+        """Score other parameters in `model` (label: "best", "average") the way after_training scores the
+        last ones, on every rank; returns {metric: value} (rank 0). Default: nothing beyond the valid loss."""
+        return {}
 
     def summary(self, metrics):
         """The results on the last line of a run ("done: N steps, <summary>, <seconds> -> metrics.json")."""
@@ -204,20 +218,94 @@ def run_task(task, argv=None):
             f"parameters, {args.precision} on {device}; backend {describe_backend(device)}" +
             (f"; {dist.world} processes" if dist.active else ""))
         task.reserve_scratch(model, data, device, dtype)
+        log(args.cuda_graph_note)
+        planned = planned_steps(args, len(data.train), dist.world)
+        if args.resume:  # the schedule (its warmup included) continues from the checkpoint
+            warmup = _checkpoint_warmup(ckpt)
+            log(f"schedule: peak lr {args.lr:g}" +
+                (f", warmup {warmup} steps (the checkpoint's run)" if warmup else ""))
+        else:
+            args.warmup, how = cli.adapt_warmup(args, planned, task.archs[args.arch]["warmup"])
+            log(f"schedule: peak lr {args.lr:g}, {how}, then lr ∝ 1/sqrt(step)")
         trainer = start_trainer(args, model, model_config, ckpt, ckpt_path, device, dtype, log, dist)
         ckpt = None  # restored: free it
         criterion, nll_criterion = make_criteria(args.label_smoothing)
-        train_and_validate(trainer, args, model, model_config, tokenizer_record(spm_path), ckpt_path, data.train,
-                           data.valid, functools.partial(task.loss, criterion), task.logits_and_target,
-                           nll_criterion, device, log)
+        validate_loss = train_and_validate(
+            trainer, args, model, model_config, tokenizer_record(spm_path), ckpt_path, data.train, data.valid,
+            functools.partial(task.loss, criterion), task.logits_and_target, nll_criterion, device, log,
+            eval_bleu=task.validation_scorer(args, data, device, dist), start_time=start)
         results = task.after_training(args, model, data, device, dist, log)
+        results.update(score_other_checkpoints(task, args, model, data, device, dist, log, trainer, validate_loss,
+                                               results))
         metrics = None
         if dist.is_main:
             metrics = run_metrics(trainer, args, device, start, **results)
             path = write_metrics(args.save_dir, metrics)
+            plot_log(args.save_dir, log)
             log(f"done: {trainer.step} steps, {task.summary(metrics)}, {metrics['wall_s']:.0f}s -> {path}")
         dist.close()
         return metrics
+
+
+def _checkpoint_warmup(ckpt):
+    """The warmup the checkpoint's schedule was built with (None when it does not say)."""
+    try:
+        return ckpt["trainer"]["scheduler"]["lr_lambdas"][0]["warmup"]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def planned_steps(args, num_batches, world):
+    """The optimizer steps a run of --epochs plans over this data; None under --max-steps, whose runs are
+    continued with --resume and a larger --max-steps: the warmup must not depend on where a part stops."""
+    if args.max_steps is not None or args.epochs is None:
+        return None
+    return args.epochs * max(1, num_batches // (world * args.update_freq))
+
+
+def score_other_checkpoints(task, args, model, data, device, dist, log, trainer, validate_loss, last):
+    """Score the best checkpoint (when it is not the last one) and, with --average-last N, the average of
+    the last N periodic checkpoints (saved as checkpoint_average.pt) the way the last model was scored;
+    one line compares them. Returns the metrics.json fields {"best": {...}, "average": {...}} (rank 0).
+    Leaves the scored parameters in `model`."""
+    out = {}
+    best_path = os.path.join(args.save_dir, BEST_NAME)
+    best = trainer.best
+    if best is not None and best["step"] != trainer.step and os.path.isfile(best_path):
+        model.load_state_dict(load_checkpoint(best_path)["trainer"]["model"])
+        out["best"] = {"step": best["step"], "valid_loss": validate_loss(model),
+                       **task.score(args, model, data, device, dist, log, "best")}
+    if args.average_last:
+        found = [p for _, p in periodic_checkpoints(args.save_dir)][-args.average_last:]
+        if len(found) < 2:
+            log(f"--average-last {args.average_last}: {len(found)} periodic checkpoint(s) in {args.save_dir}, "
+                "nothing to average (validate more often: --eval-every)")
+        else:
+            ckpts = [load_checkpoint(p) for p in found]
+            averaged = average_state_dicts(ckpts, found)
+            model.load_state_dict(averaged)
+            if dist.is_main:
+                last_ckpt = ckpts[-1]
+                last_ckpt["trainer"]["model"] = averaged
+                last_ckpt["averaged"] = [os.path.basename(p) for p in found]
+                save_checkpoint(os.path.join(args.save_dir, AVERAGE_NAME), last_ckpt)
+            ckpts = None
+            out["average"] = {"checkpoints": [os.path.basename(p) for p in found], "valid_loss": validate_loss(model),
+                              **task.score(args, model, data, device, dist, log, "average")}
+    if out and dist.is_main:
+        def describe(name, where, fields):
+            text = f"{name} ({where}): valid loss {fields['valid_loss']:.3f}"
+            return text + (f", BLEU {fields['bleu']:.2f}" if fields.get("bleu") is not None else "")
+
+        parts = [describe("last", f"step {trainer.step}", {"valid_loss": trainer.valid_loss, "bleu": last.get("bleu")})]
+        if "best" in out:
+            parts.append(describe("best", f"step {out['best']['step']}", out["best"]))
+        if "average" in out:
+            n = len(out["average"]["checkpoints"])
+            parts.append(describe(f"average of the last {n}", "steps " + ", ".join(
+                c[len("checkpoint_"):-len(".pt")] for c in out["average"]["checkpoints"]), out["average"]))
+        log("checkpoints compared: " + "; ".join(parts))
+    return out
 
 
 def load_trained_model(task, args, mode, device, dtype):
@@ -243,8 +331,12 @@ def run_metrics(trainer, args, device, start, bleu=None, **extra):
     return {
         "train_loss": trainer.train_loss, "valid_loss": trainer.valid_loss,
         "valid_ppl": safe_exp(trainer.valid_loss), "bleu": bleu,
+        # the whole run's average: all training steps' target tokens over their time (validation excluded)
         "tokens_per_s": trainer.session_tokens / trainer.session_time if trainer.session_time > 0 else None,
         "steps": trainer.step, "wall_s": time.perf_counter() - start,
+        "best": (None if trainer.best is None
+                 else {"step": trainer.best["step"], args.best_metric: trainer.best["value"]}),
+        "stop_reason": trainer.stopped_by,
         **extra, "arch": args.arch, "device": str(device), "precision": args.precision,
         "backend": str(describe_backend(device)), "world_size": trainer.dist.world, "update_freq": args.update_freq,
     }
@@ -267,6 +359,8 @@ def run_main(main):
         main()
     except DataError as e:
         _exit(f"error: {e}", 2)
+    except TrainingDiverged as e:
+        _exit(f"error: {e}", 3)
     except KeyboardInterrupt:
         _exit("interrupted", 130)
     except Exception:

@@ -39,13 +39,40 @@ def setup_device(args, local_rank=None):
     if args.precision == "fp16" and device.type != "cuda":
         raise DataError("--fp16 needs a CUDA device (fp16 loss scaling targets GPUs); use --bf16 or --fp32 on "
                         f"{device.type}")
-    if getattr(args, "cuda_graph", False):
-        why = ("a CUDA device" if device.type != "cuda" else "the fused kernels, not --reference" if args.reference
-               else "--update-freq 1" if args.update_freq != 1 else None)
-        if why:
+    if hasattr(args, "cuda_graph"):
+        import lsmini
+
+        use, why = cuda_graph_decision(args.cuda_graph, device.type, args.reference, args.update_freq,
+                                       str(lsmini.backend()))
+        if args.cuda_graph and not use:
             raise DataError(f"--cuda-graph needs {why}")
+        # the one line a run prints about CUDA graphs
+        args.cuda_graph_note = ("CUDA graphs: on (one graph per batch shape)" if use else
+                                "CUDA graphs: off (--no-cuda-graph)" if args.cuda_graph is False else
+                                f"CUDA graphs: off, they need {why}")
+        args.cuda_graph = use
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.precision]
     return device, dtype
+
+
+def cuda_graph_decision(requested, device_type, reference, update_freq, backend):
+    """(use CUDA graphs?, what they need that this run lacks, or None). `requested`: True (--cuda-graph),
+    False (--no-cuda-graph) or None (the default: on wherever they apply). They apply on a CUDA device with
+    the fused kernels (lsmini.backend() == "cuda", not --reference: the reference path's ops were not made
+    capture-safe) and one batch per step (--update-freq 1)."""
+    if device_type != "cuda":
+        why = "a CUDA device"
+    elif reference:
+        why = "the fused kernels, not --reference"
+    elif backend != "cuda":
+        why = "the fused kernels (lsmini's backend here is the reference path)"
+    elif update_freq != 1:
+        why = "--update-freq 1"
+    else:
+        why = None
+    if requested is False:
+        return False, None
+    return why is None, why
 
 
 def place_model(model, device, dtype):

@@ -1,9 +1,11 @@
 """The training loop both examples run: the Trainer (FusedAdam, the inverse-square-root schedule, loss
 scaling, the position in the data; each step one lsmini.train.TrainStep over this rank's share of the step's
 batches, so gradient accumulation, data parallelism and --cuda-graph are TrainStep's; the progress bar and
-log lines, periodic validation and checkpoints), its state for an exact resume (also under another number
+log lines, periodic validation and checkpoints, the best checkpoint and --keep-last, early stopping by
+--patience and --max-time, the divergence check), its state for an exact resume (also under another number
 of processes), and the loss criteria it minimises and validates with."""
 import math
+import os
 import sys
 import time
 
@@ -11,10 +13,12 @@ import torch
 from tqdm import tqdm
 
 from .batching import epoch_order
-from .checkpoints import check_same_model, rng_state, save_checkpoint, set_rng_state
+from .checkpoints import (BEST_NAME, check_same_model, copy_checkpoint, keep_periodic, rng_state, save_checkpoint,
+                          set_rng_state)
 from .data import DataError
 from .runtime import Distributed, rank_seed
 from .tokenizer import PAD
+from .trainlog import TrainLog
 
 
 class Trainer:
@@ -54,6 +58,15 @@ class Trainer:
         self.valid_loss = None
         self.session_tokens = 0  # target tokens trained on in this run, all ranks together
         self.session_time = 0.0  # seconds spent in training steps in this run (validation excluded)
+        self.valid_bleu = None  # validation BLEU of the latest validation (--eval-bleu)
+        self.best = None  # {"metric", "value", "step"} of the best validation so far (--best-metric)
+        self.bad_validations = 0  # validations since the best one (--patience)
+        self.loss_min = None  # the lowest window training loss so far (divergence check)
+        self.exploding = 0  # log windows in a row with a training loss above EXPLODE_FACTOR x loss_min
+        self.saved_step = None  # step of the latest checkpoint this run wrote
+        self.train_log = TrainLog(None, 0.0, enabled=False)  # train_and_validate sets the run's log
+        self.time_budget_start = None  # --max-time counts from here (the start of the training loop)
+        self.stopped_by = None  # why the training loop of this run ended
 
     @property
     def batches_per_step(self):
@@ -67,7 +80,9 @@ class Trainer:
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                  "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                 "train_loss": self.train_loss, "valid_loss": self.valid_loss, "rng": rng}
+                 "train_loss": self.train_loss, "valid_loss": self.valid_loss, "valid_bleu": self.valid_bleu,
+                 "best": self.best, "bad_validations": self.bad_validations, "loss_min": self.loss_min,
+                 "exploding": self.exploding, "rng": rng}
         if self.dist.active:
             state["rng_per_rank"] = self.dist.gather(rng)
         return state
@@ -82,6 +97,12 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.train_loss, self.valid_loss = state["train_loss"], state["valid_loss"]
+        # absent from checkpoints written before early stopping and divergence checks existed
+        self.valid_bleu, self.best = state.get("valid_bleu"), state.get("best")
+        self.bad_validations, self.loss_min = state.get("bad_validations", 0), state.get("loss_min")
+        self.exploding = state.get("exploding", 0)
+        if self.best is not None and self.best.get("metric") != self.args.best_metric:
+            self.best, self.bad_validations = None, 0  # another --best-metric: start its record afresh
         per_rank = state.get("rng_per_rank")
         if not self.dist.active:
             set_rng_state(state["rng"], self.device)
@@ -93,10 +114,53 @@ class Trainer:
                     f"{self.dist.world}: dropout continues from fresh per-rank seeds")
         return None
 
-    def finished(self, num_batches):
+    def stop_reason(self):
+        """Why training must not go on (--max-steps, --epochs, --patience), or None."""
         a = self.args
-        return ((a.max_steps is not None and self.step >= a.max_steps)
-                or (a.epochs is not None and self.epoch >= a.epochs))
+        if a.max_steps is not None and self.step >= a.max_steps:
+            return f"--max-steps {a.max_steps} reached"
+        if a.epochs is not None and self.epoch >= a.epochs:
+            return f"--epochs {a.epochs} done"
+        if a.patience is not None and self.bad_validations >= a.patience:
+            best = self.best or {}
+            return (f"early stop: {a.best_metric} did not improve in {self.bad_validations} validations "
+                    f"(--patience {a.patience}; best {best.get('value', float('nan')):.3f} at step "
+                    f"{best.get('step')})")
+        return None
+
+    def finished(self, num_batches=None):
+        return self.stop_reason() is not None
+
+    def update_best(self, valid_loss, bleu):
+        """Record this validation against the best one of --best-metric; True when it improved."""
+        metric = self.args.best_metric
+        value = valid_loss if metric == "valid_loss" else bleu
+        if value is None:
+            return False
+        best = self.best["value"] if self.best else None
+        improved = best is None or (value < best if metric == "valid_loss" else value > best)
+        if improved:
+            self.best = {"metric": metric, "value": float(value), "step": self.step}
+            self.bad_validations = 0
+        else:
+            self.bad_validations += 1
+        return improved
+
+    def check_divergence(self, loss, what):
+        """Stop the run (TrainingDiverged) when `loss` is not finite, or when the training loss has stayed
+        above EXPLODE_FACTOR x its running minimum for EXPLODE_WINDOWS log windows in a row."""
+        if not math.isfinite(loss):
+            raise TrainingDiverged(f"training diverged at step {self.step}: the {what} is {loss}")
+        if what != "training loss":
+            return
+        if self.loss_min is None or loss < self.loss_min:
+            self.loss_min = loss
+        self.exploding = self.exploding + 1 if loss > EXPLODE_FACTOR * self.loss_min else 0
+        if self.exploding >= EXPLODE_WINDOWS:
+            raise TrainingDiverged(
+                f"training diverged at step {self.step}: the training loss ({loss:.3f}) has been above "
+                f"{EXPLODE_FACTOR:g} x its lowest value ({self.loss_min:.3f}) for {self.exploding} log windows in a "
+                "row")
 
     def steps_per_epoch(self, num_batches):
         per_step = self.batches_per_step
@@ -108,9 +172,10 @@ class Trainer:
 
     # -- loop --
     def train(self, batches, loss_fn, validate, save, log):
-        """Train until --max-steps or --epochs; validate (and save) every --eval-every steps (default: at the
-        end of each epoch) and at the end. `validate(model) -> mean NLL per token`; `save()` writes the
-        checkpoint."""
+        """Train until --max-steps, --epochs, --patience or --max-time; validate (and save) every --eval-every
+        steps (default: at the end of each epoch) and at the end. `validate(model) -> (mean NLL per token,
+        BLEU or None)`; `save(improved)` writes the checkpoints (improved: the best validation so far).
+        Raises TrainingDiverged (before saving anything of the diverged state) when the loss diverges."""
         from lsmini.train import TrainStep
 
         a, model, device, dist = self.args, self.model, self.device, self.dist
@@ -121,24 +186,28 @@ class Trainer:
         total = a.max_steps if a.max_steps is not None else a.epochs * steps_per_epoch
         if a.max_steps is not None and a.epochs is not None:
             total = min(a.max_steps, a.epochs * steps_per_epoch)
-        if self.finished(n):
-            log(f"nothing to train: step {self.step}, epoch {self.epoch} already reached the limits")
+        reason = self.stop_reason()
+        if reason is not None:
+            self.stopped_by = reason
+            log(f"nothing to train: the run is at step {self.step} ({self.epoch} epoch(s) completed) and {reason}")
             return
         bar = tqdm(total=total, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=a.no_progress or not dist.is_main, file=sys.stderr, desc="train")
+                   disable=a.no_progress or not dist.is_main, file=sys.stderr,
+                   desc=f"epoch {self.epoch + 1}")
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         window_tokens, window_steps = 0, 0
         window_start = time.perf_counter()
+        self.time_budget_start = window_start
         if self.batch_in_epoch + per_step > n:  # resumed under a larger world x update-freq: the epoch is done
             self.epoch += 1
             self.batch_in_epoch = 0
         order = epoch_order(n, a.seed, self.epoch)
         model.train()
-        # --cuda-graph: the step is recorded once per batch shape, after one eager step of that shape
+        # the step is recorded as a CUDA graph once per batch shape, after one eager step of that shape
         train_step = TrainStep(lambda *batch: loss_fn(model, batch), self.optimizer, self.scaler,
                                cuda_graph=a.cuda_graph, graph_warmup=1)
 
-        def flush():
+        def flush(step_epoch):
             nonlocal window_tokens, window_steps, window_start
             if window_steps == 0:
                 return
@@ -149,15 +218,25 @@ class Trainer:
             self.session_time += elapsed
             lr = self.optimizer.param_groups[0]["lr"]
             tps = window_tokens / max(elapsed, 1e-9)
+            record = {"kind": "train", "step": self.step, "epoch": step_epoch, "train_loss": self.train_loss,
+                      "lr": lr, "tokens_per_s": tps}
+            try:
+                self.check_divergence(self.train_loss, "training loss")
+            except TrainingDiverged:
+                self.train_log.write({**record, "diverged": True}, time.perf_counter())
+                raise
+            self.train_log.write(record, time.perf_counter())
             bar.set_postfix(loss=f"{self.train_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
             if a.no_progress:
-                log(f"step {self.step} | epoch {self.epoch + 1} | loss {self.train_loss:.3f} | lr {lr:.2e} | "
+                log(f"step {self.step} | epoch {step_epoch} | loss {self.train_loss:.3f} | lr {lr:.2e} | "
                     f"{tps:,.0f} tok/s")
             loss_sum.zero_()
             window_tokens, window_steps = 0, 0
             window_start = time.perf_counter()
 
-        while not self.finished(n):
+        stop = None
+        while stop is None:
+            step_epoch = self.epoch + 1  # the epoch this step belongs to, as every line about it says
             step_batches = order[self.batch_in_epoch:self.batch_in_epoch + per_step]
             step_tokens = sum(int(batches.tokens(b)) for b in step_batches)
             # summed token losses / (all ranks' tokens / world): the reducer's average over the ranks then
@@ -176,24 +255,66 @@ class Trainer:
                 self.epoch += 1
                 self.batch_in_epoch = 0
                 order = epoch_order(n, a.seed, self.epoch)
+            bar.set_description(f"epoch {step_epoch}", refresh=False)
             bar.update(1)
-            last = self.finished(n)
-            evaluate = last or (a.eval_every is not None and self.step % a.eval_every == 0) or \
+            stop = self.stop_reason() or self.out_of_time()
+            evaluate = stop is not None or (a.eval_every is not None and self.step % a.eval_every == 0) or \
                 (a.eval_every is None and epoch_done)
             if evaluate or self.step % a.log_every == 0:
-                flush()
+                flush(step_epoch)
             if evaluate:
-                self.valid_loss = validate(model)
+                self.valid_loss, self.valid_bleu = validate(model)
+                self.check_divergence(self.valid_loss, "validation loss")
+                improved = self.update_best(self.valid_loss, self.valid_bleu)
                 model.train()
-                save()
+                if self.exploding:  # a state that may be diverging must not replace the last good checkpoint
+                    log(f"step {self.step}: no checkpoint written: the training loss is above {EXPLODE_FACTOR:g} x "
+                        f"its lowest value (divergence watch, {self.exploding} of {EXPLODE_WINDOWS} windows)")
+                else:
+                    save(improved)
+                    self.saved_step = self.step
+                self.train_log.write({"kind": "valid", "step": self.step, "epoch": step_epoch,
+                                      "train_loss": self.train_loss, "valid_loss": self.valid_loss,
+                                      "valid_ppl": safe_exp(self.valid_loss), "bleu": self.valid_bleu,
+                                      "lr": self.optimizer.param_groups[0]["lr"]}, time.perf_counter())
                 bar.refresh()
-                log(f"step {self.step} | epoch {self.epoch + (0 if epoch_done else 1)} | train loss "
-                    f"{self.train_loss:.3f} | valid loss {self.valid_loss:.3f} | "
-                    f"valid ppl {safe_exp(self.valid_loss):.2f}")
+                log(f"step {self.step} | epoch {step_epoch} | train loss {self.train_loss:.3f} | valid loss "
+                    f"{self.valid_loss:.3f} | valid ppl {safe_exp(self.valid_loss):.2f}" +
+                    (f" | valid BLEU {self.valid_bleu:.2f}" if self.valid_bleu is not None else "") +
+                    (" | best" if improved else ""))
+                if stop is None:
+                    stop = self.stop_reason()  # --patience is decided by this validation
                 window_start = time.perf_counter()
         bar.close()
+        self.stopped_by = stop
+        if not stop.startswith(("--max-steps", "--epochs")):
+            log(f"stopped at step {self.step}: {stop}")
         # free the graphs' memory; under torchrun the process group cannot shut down while they live
         train_step.reset()
+
+    def out_of_time(self):
+        """The --max-time reason when the training loop's wall-clock budget is spent, else None. Every rank
+        takes rank 0's decision, so all stop at the same step."""
+        a = self.args
+        if a.max_time is None:
+            return None
+        spent = time.perf_counter() - self.time_budget_start >= a.max_time
+        if self.dist.active:
+            flag = torch.tensor([1.0 if spent else 0.0], device=self.device)
+            torch.distributed.broadcast(flag, src=0)
+            spent = bool(flag.item())
+        return f"--max-time {a.max_time:g}s spent" if spent else None
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became non-finite or exploded; the run stops without saving the diverged state."""
+
+
+# A training loss above EXPLODE_FACTOR x its lowest window value for EXPLODE_WINDOWS log windows in a row
+# counts as divergence: a single noisy window (a batch of rare long sentences) is not enough, but a run
+# whose loss has blown up stops within a few --log-every intervals instead of training on garbage.
+EXPLODE_FACTOR = 10.0
+EXPLODE_WINDOWS = 3
 
 
 def safe_exp(x):
@@ -230,17 +351,24 @@ def make_criteria(label_smoothing):
 
 
 def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path, train_batches, valid_batches,
-                       loss_fn, logits_and_target, nll_criterion, device, log):
+                       loss_fn, logits_and_target, nll_criterion, device, log, eval_bleu=None, start_time=None):
     """Run the training loop (validating and checkpointing as configured) and make sure a validation loss
     exists at the end. logits_and_target(model, batch on device) -> (logits, target) for validation;
-    tokenizer: the checkpoints' record of the run's tokenizer (checkpoints.tokenizer_record).
-    Under torchrun each rank validates every world-th batch and the sums are added up; rank 0 writes the
-    checkpoints."""
+    tokenizer: the checkpoints' record of the run's tokenizer (checkpoints.tokenizer_record); eval_bleu(model)
+    -> validation BLEU (--eval-bleu; on every rank, the same value). Under torchrun each rank validates every
+    world-th batch and the sums are added up; rank 0 writes the checkpoints and the training log.
+
+    Every validation writes checkpoint_last.pt, then copies it to checkpoint_best.pt when --best-metric
+    improved and to checkpoint_<step>.pt under --keep-last (the oldest beyond N removed). Returns
+    validate(model) -> mean NLL per token, for scoring other parameters (the best, the average)."""
     pin = device.type == "cuda"
     dist = trainer.dist
+    save_dir = os.path.dirname(ckpt_path)
+    trainer.train_log = TrainLog(save_dir, start_time if start_time is not None else time.perf_counter(),
+                                 enabled=dist.is_main, resume_step=trainer.step if args.resume else None)
 
     @torch.no_grad()
-    def validate(model):
+    def validate_loss(model):
         model.eval()
         total = torch.zeros((), dtype=torch.float64, device=device)
         for i in range(dist.rank, len(valid_batches), dist.world):
@@ -249,12 +377,30 @@ def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path,
         tokens = sum(valid_batches.tokens(i) for i in range(len(valid_batches)))
         return dist.sum_(total).item() / tokens
 
-    def save():
-        state = trainer.state_dict()  # on every rank: it gathers the ranks' RNG states
-        if dist.is_main:
-            save_checkpoint(ckpt_path, {"model_config": model_config, "trainer": state, "args": vars(args),
-                                        "tokenizer": tokenizer})
+    def validate(model):
+        loss = validate_loss(model)
+        return loss, (eval_bleu(model) if eval_bleu is not None and math.isfinite(loss) else None)
 
-    trainer.train(train_batches, loss_fn, validate, save, log)
+    def save(improved):
+        state = trainer.state_dict()  # on every rank: it gathers the ranks' RNG states
+        if not dist.is_main:
+            return
+        save_checkpoint(ckpt_path, {"model_config": model_config, "trainer": state, "args": vars(args),
+                                    "tokenizer": tokenizer})
+        if improved:
+            copy_checkpoint(ckpt_path, os.path.join(save_dir, BEST_NAME))
+        if args.keep_last:
+            copy_checkpoint(ckpt_path, os.path.join(save_dir, f"checkpoint_{trainer.step}.pt"))
+            keep_periodic(save_dir, args.keep_last)
+
+    try:
+        trainer.train(train_batches, loss_fn, validate, save, log)
+    except TrainingDiverged as e:
+        kept = (f"{ckpt_path} (step {trainer.saved_step}) keeps the last good state" if trainer.saved_step is not None
+                else "no checkpoint of this run was written" + (f"; {ckpt_path} is the resumed one, unchanged"
+                                                                  if args.resume else ""))
+        raise TrainingDiverged(f"{e}. Stopped without saving the diverged state: {kept}. Try a lower --lr or a longer "
+                               "--warmup") from None
     if trainer.valid_loss is None:
-        trainer.valid_loss = validate(model)
+        trainer.valid_loss, trainer.valid_bleu = validate(model)
+    return validate_loss
