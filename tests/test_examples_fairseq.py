@@ -343,6 +343,7 @@ def test_cuda_graph_flags_on_cpu(corpus, tmp_path, capsys):
     assert args.cuda_graph is False
     assert train_translation.TASK.parse_args([]).cuda_graph is None
     assert train_translation.TASK.parse_args(["--cuda-graph"]).cuda_graph is True
-    m = run(data_args(corpus["paths"]) + SMALL + ["--save-dir", str(tmp_path), "--max-steps", "1"])
+    # on CPU also where a GPU is present: the line says why the default could not apply
+    m = run(data_args(corpus["paths"]) + SMALL + ["--save-dir", str(tmp_path), "--max-steps", "1", "--device", "cpu"])
     assert m["steps"] == 1
     assert "CUDA graphs: off, they need a CUDA device" in capsys.readouterr().out

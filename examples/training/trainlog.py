@@ -60,7 +60,7 @@ def plot_log(save_dir, log):
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        log(f"note: the training log is in {path}; for a plot of it (train_log.png) install matplotlib "
+        log(f"plot: the training log is in {path}; for a plot of it (train_log.png) install matplotlib "
             "(pip install matplotlib, or lsmini[plot])")
         return None
     records = read_log(path)
