@@ -72,10 +72,7 @@ Dims check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   LSMINI_CHECK(p >= 0.0 && p <= 1.0, op, ": dropout p must be in [0, 1], got ", p);
   LSMINI_CHECK(scale > 0.0, op, ": scale must be positive, got ", scale);
   if (mask.has_value() && mask->defined()) {
-    check_cuda(*mask, op, "key_padding_mask");
-    check_same_device(*mask, q, op, "key_padding_mask", "q");
-    check_dtype(*mask, at::kBool, op, "key_padding_mask");
-    check_shape(*mask, {s.b, s.lk}, op, "key_padding_mask");
+    check_like(*mask, q, at::kBool, {s.b, s.lk}, op, "key_padding_mask", "q");
   }
   return s;
 }
@@ -119,10 +116,7 @@ at::Tensor grad_output(const std::optional<at::Tensor>& given, const at::Tensor&
                        const char* name) {
   if (!(given.has_value() && given->defined())) return at::empty_like(like, at::MemoryFormat::Contiguous);
   const at::Tensor& t = *given;
-  check_cuda(t, op, name);
-  check_same_device(t, like, op, name, "q");
-  check_dtype(t, like.scalar_type(), op, name);
-  check_shape(t, like.sizes(), op, name);
+  check_like(t, like, like.scalar_type(), like.sizes(), op, name, "q");
   LSMINI_CHECK(kernel_layout(t), op, ": ", name, " is written in place, so it needs the kernels' layout (last stride 1,",
               " other strides multiples of 8 elements, 16-byte aligned start), got strides ", t.strides());
   return t;
@@ -164,10 +158,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   check_operand(dout_in, q_in, op, "dout");
   check_shape(out_in, q_in.sizes(), op, "out");
   check_shape(dout_in, q_in.sizes(), op, "dout");
-  check_cuda(lse_in, op, "lse");
-  check_same_device(lse_in, q_in, op, "lse", "q");
-  check_dtype(lse_in, at::kFloat, op, "lse");
-  check_shape(lse_in, {s.b, s.h, s.lq}, op, "lse");
+  check_like(lse_in, q_in, at::kFloat, {s.b, s.h, s.lq}, op, "lse", "q");
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in), out = readable(out_in),
                    dout = readable(dout_in), lse = lse_in.contiguous(), mask = contiguous_mask(mask_in);

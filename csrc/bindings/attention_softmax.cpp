@@ -39,10 +39,7 @@ std::tuple<at::Tensor, at::Tensor> attention_softmax_fwd(const at::Tensor& score
                 k_len = scores_in.size(3);
   if (mask_in.has_value()) {
     const at::Tensor& m = mask_in.value();
-    check_cuda(m, op, "key_padding_mask");
-    check_same_device(m, scores_in, op, "key_padding_mask", "scores");
-    check_dtype(m, at::kBool, op, "key_padding_mask");
-    check_shape(m, {batch, k_len}, op, "key_padding_mask");
+    check_like(m, scores_in, at::kBool, {batch, k_len}, op, "key_padding_mask", "scores");
   }
   c10::cuda::CUDAGuard guard(scores_in.device());
   const at::Tensor scores = scores_in.contiguous();
@@ -76,10 +73,7 @@ at::Tensor attention_softmax_bwd(const at::Tensor& grad_probs, const at::Tensor&
                                  const PhiloxTuple& rng, bool inplace) {
   const char* op = "attention_softmax_bwd";
   check_scores(softmax_in, op, "softmax");
-  check_cuda(grad_probs, op, "grad_probs");
-  check_same_device(grad_probs, softmax_in, op, "grad_probs", "softmax");
-  check_dtype(grad_probs, softmax_in.scalar_type(), op, "grad_probs");
-  check_shape(grad_probs, softmax_in.sizes(), op, "grad_probs");
+  check_like(grad_probs, softmax_in, softmax_in.scalar_type(), softmax_in.sizes(), op, "grad_probs", "softmax");
   check_p(p, op);
   const PhiloxArgs philox = philox_args(rng, op);
   LSMINI_CHECK(!inplace || grad_probs.is_contiguous(), op,

@@ -104,10 +104,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
   check_cuda(grad_out, op, "grad_out");
   check_rows_hidden(grad_out, op, "grad_out");
   check_float_dtype(grad_out, op, "grad_out");
-  check_cuda(x, op, "x");
-  check_same_device(x, grad_out, op, "x", "grad_out");
-  check_dtype(x, grad_out.scalar_type(), op, "x");
-  check_shape(x, grad_out.sizes(), op, "x");
+  check_like(x, grad_out, grad_out.scalar_type(), grad_out.sizes(), op, "x", "grad_out");
   if (bias) check_column_bias(*bias, x, op);
   check_act(act_id, op);
   TORCH_CHECK_VALUE(!from_output || act_id == int(BiasAct::Relu),

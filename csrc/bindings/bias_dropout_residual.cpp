@@ -24,10 +24,7 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
   check_cuda(x, op, "x");
   check_rows_hidden(x, op, "x");
   check_float_dtype(x, op, "x");
-  check_cuda(residual, op, "residual");
-  check_same_device(residual, x, op, "residual", "x");
-  check_dtype(residual, x.scalar_type(), op, "residual");
-  check_shape(residual, x.sizes(), op, "residual");
+  check_like(residual, x, x.scalar_type(), x.sizes(), op, "residual", "x");
   if (bias) check_column_bias(*bias, x, op);
   check_probability(p, op, "p");
   const PhiloxArgs philox = philox_args(rng, op);

@@ -85,6 +85,15 @@ inline void check_shape(const at::Tensor& t, at::IntArrayRef expected, const cha
   LSMINI_CHECK(t.sizes() == expected, op, ": ", name, " must have shape ", expected, ", got ", t.sizes());
 }
 
+// A tensor read beside `ref`: CUDA, on ref's device, with `dtype` and `shape`.
+inline void check_like(const at::Tensor& t, const at::Tensor& ref, at::ScalarType dtype, at::IntArrayRef shape,
+                       const char* op, const char* name, const char* ref_name) {
+  check_cuda(t, op, name);
+  check_same_device(t, ref, op, name, ref_name);
+  check_dtype(t, dtype, op, name);
+  check_shape(t, shape, op, name);
+}
+
 // ---- checks of the row-wise ops on [rows, hidden] (bias_dropout_residual, bias_act_dropout) ----
 // A rate out of range and a wrong rank raise ValueError, a wrong bias dtype TypeError, as the ops'
 // Python entry points do for the same mistakes; the generic checks above raise RuntimeError.
@@ -107,10 +116,7 @@ inline void check_column_bias(const at::Tensor& bias, const at::Tensor& x, const
 
 // A tensor a binding writes into (an optional output argument): like's device, dtype and shape, contiguous.
 inline void check_written(const at::Tensor& t, const at::Tensor& like, const char* op, const char* name) {
-  check_cuda(t, op, name);
-  check_same_device(t, like, op, name, "x");
-  check_dtype(t, like.scalar_type(), op, name);
-  check_shape(t, like.sizes(), op, name);
+  check_like(t, like, like.scalar_type(), like.sizes(), op, name, "x");
   LSMINI_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", t.strides());
 }
 

@@ -17,10 +17,7 @@ void check_logits(const at::Tensor& logits, const char* op) {
 
 void check_rows(const at::Tensor& t, const at::Tensor& logits, at::ScalarType dtype, const char* op,
                 const char* name) {
-  check_cuda(t, op, name);
-  check_same_device(t, logits, op, name, "logits");
-  check_dtype(t, dtype, op, name);
-  check_shape(t, {logits.size(0)}, op, name);
+  check_like(t, logits, dtype, {logits.size(0)}, op, name, "logits");
 }
 
 void check_smoothing(double label_smoothing, const char* op) {

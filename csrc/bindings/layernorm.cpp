@@ -98,17 +98,11 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
                                                      const c10::optional<at::Tensor>& out) {
   const char* op = "layernorm_bwd";
   check_x(x_in, op, "x");
-  check_cuda(dy_in, op, "dy");
-  check_same_device(dy_in, x_in, op, "dy", "x");
-  check_dtype(dy_in, x_in.scalar_type(), op, "dy");
-  check_shape(dy_in, x_in.sizes(), op, "dy");
+  check_like(dy_in, x_in, x_in.scalar_type(), x_in.sizes(), op, "dy", "x");
   const int64_t rows = x_in.size(0);
   for (const auto* p : {&mean, &rstd}) {
     const char* name = p == &mean ? "mean" : "rstd";
-    check_cuda(*p, op, name);
-    check_same_device(*p, x_in, op, name, "x");
-    check_dtype(*p, at::kFloat, op, name);
-    check_shape(*p, {rows}, op, name);
+    check_like(*p, x_in, at::kFloat, {rows}, op, name, "x");
   }
   const at::ScalarType pt = param_dtype(x_in, weight_in, bias, op);
   c10::cuda::CUDAGuard guard(x_in.device());
@@ -121,10 +115,7 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
 
   at::Tensor add;
   if (add_in) {
-    check_cuda(*add_in, op, "add");
-    check_same_device(*add_in, x, op, "add", "x");
-    check_dtype(*add_in, x.scalar_type(), op, "add");
-    check_shape(*add_in, x.sizes(), op, "add");
+    check_like(*add_in, x, x.scalar_type(), x.sizes(), op, "add", "x");
     add = add_in->contiguous();
   }
   at::Tensor dx;

@@ -21,7 +21,7 @@ import shutil
 
 import torch
 
-from .data import DataError
+from .data import DataError, file_digest
 from .tokenizer import SPM_NAME
 
 CHECKPOINT_NAME = "checkpoint_last.pt"
@@ -77,14 +77,6 @@ def prepare_save_dir(args, log, is_main=True):
     return ckpt
 
 
-def file_sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def tokenizer_record(spm_path):
     """What a checkpoint stores of the run's tokenizer: the sentencepiece model itself and its sha256."""
     with open(spm_path, "rb") as f:
@@ -101,7 +93,7 @@ def check_tokenizer(ckpt, spm_path, ckpt_path, flag, log):
         return
     if not os.path.isfile(spm_path):
         raise DataError(f"{flag}: the tokenizer {spm_path} of the model in {ckpt_path} is missing")
-    on_disk = file_sha256(spm_path)
+    on_disk = file_digest(spm_path, "sha256")
     if on_disk != record["sha256"]:
         raise DataError(f"{flag}: {spm_path} is not the tokenizer the model in {ckpt_path} was trained with "
                         f"(sha256 {on_disk[:12]} on disk, {record['sha256'][:12]} in the checkpoint): the directory "

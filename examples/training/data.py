@@ -44,8 +44,10 @@ def read_lines(path, what):
     return lines
 
 
-def file_digest(path):
-    h = hashlib.sha1()
+def file_digest(path, algorithm="sha1"):
+    """Hex digest of a file's bytes, read in chunks (the token cache's key uses sha1; checkpoints record
+    their tokenizer's sha256)."""
+    h = hashlib.new(algorithm)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
