@@ -124,3 +124,20 @@ def dropout_rng(p, device):
         return NO_RNG
     with torch.cuda.device(device):
         return philox_seed_offset()
+
+
+def dropout_state(rngs, device):
+    """The Philox states ``rngs`` (``philox_seed_offset`` tuples, ``NO_RNG`` allowed) as an int64 tensor
+    [len(rngs), 2] on the CUDA device: each row the resolved (seed, offset), written by one kernel, so it
+    holds the right values even in a replay of a captured CUDA graph. For torch.compile's custom operators,
+    whose forward hands the state to its backward as a tensor; ``rng_in`` reads it back."""
+    out = torch.empty(len(rngs), 2, dtype=torch.int64, device=device)
+    ext().philox_state_fwd(list(rngs), out)
+    return out
+
+
+def rng_in(state, i=0):
+    """The rng tuple that makes a kernel read row i of a ``dropout_state`` tensor: the same masks as the
+    tuple the row was written from. ``state`` must stay alive until the kernel has run."""
+    ptr = state.data_ptr() + 16 * i
+    return (0, 0, ptr, ptr + 8)

@@ -12,6 +12,7 @@ How an encoder/decoder layer is put together, a room each:
     spec.py         a call's immutable LayerOptions and its CallShape; the arena size a backward needs
     blocks.py       the attention and FFN sub-blocks: forward and hand-written backward over the op primitives
     function.py     the autograd Functions: one per layer call, one for a decoder stack's cross-attention K/V
+    compiled.py     a layer call under torch.compile: the custom operators lsmini::layer / lsmini::layer_backward
     arena.py        the scratch memory shared by every layer's backward
     incremental.py  incremental decoding (inference) and cache reordering
 """

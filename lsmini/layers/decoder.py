@@ -9,10 +9,13 @@ gradient. A standalone TransformerDecoderLayer holds its own [2H, H] projection 
 (``multihead_attn.kv_proj_weight``).
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
                                 kernels_for)
+from lsmini.layers.blocks import heads_of
+from lsmini.layers.compiled import layer_call
 from lsmini.layers.function import CrossKVFunction, KVGradSlots, LayerFunction
 from lsmini.layers.incremental import incremental_layer, project_kv
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch, copy_params,
@@ -40,6 +43,17 @@ def _check_encoder(owner, encoder_out, mask, batch, config, ref, cached_kv):
                          f"cache when the batch changes)")
     check_mask(owner, "encoder_padding_mask", mask, batch, ls, ref.device)
     return ls
+
+
+def _cross_kv(enc, weight, bias, heads, slots, kernels):
+    """The cross-attention K/V views of every layer from one GEMM over enc [b, ls, H] (CrossKVFunction);
+    while compiling, the same GEMM as plain PyTorch, whose backward the compiler derives."""
+    if not torch.compiler.is_compiling():
+        return CrossKVFunction.apply(enc, weight, bias, heads, slots, kernels)
+    b, ls, hidden = enc.shape
+    weight, bias = cast_block((weight, bias), enc.dtype)
+    kv = F.linear(enc.reshape(b * ls, hidden), weight, bias.to(enc.dtype))
+    return heads_of(kv, b, ls, slots.parts, heads, hidden // heads)
 
 
 class TransformerDecoderLayer(TransformerLayerBase):
@@ -78,6 +92,9 @@ class TransformerDecoderLayer(TransformerLayerBase):
 
     # the two ways to run the layer once the K/V of the encoder output exist (used by the decoder stack)
     def _forward_with_kv(self, y, encoder_k, encoder_v, encoder_padding_mask, kv_slots, index, kernels):
+        if torch.compiler.is_compiling():
+            params = [p for block in self.blocks() for p in cast_block(block, y.dtype)]
+            return layer_call(self.options(True, kernels), y, None, encoder_k, encoder_v, encoder_padding_mask, params)
         params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
         return LayerFunction.apply(self.options(True, kernels), kv_slots, index, y, None, encoder_k, encoder_v,
                                    encoder_padding_mask, *params)
@@ -106,8 +123,8 @@ class TransformerDecoderLayer(TransformerLayerBase):
             kernels = kernels_for(y)
             if cache is None:
                 slots = KVGradSlots(2)
-                k_enc, v_enc = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), ca.kv_proj_weight,
-                                                     ca.kv_proj_bias, heads, slots, kernels)
+                k_enc, v_enc = _cross_kv(encoder_out.to(dtype).contiguous(), ca.kv_proj_weight, ca.kv_proj_bias,
+                                         heads, slots, kernels)
                 return self._forward_with_kv(y, k_enc, v_enc, encoder_padding_mask, slots, 0, kernels)
             if cached_kv is None:
                 w_kv, b_kv = cast_block((ca.kv_proj_weight, ca.kv_proj_bias), dtype)
@@ -226,8 +243,7 @@ class TransformerDecoder(TransformerStackBase):
             kernels = kernels_for(y)
             if cache is None:
                 slots = KVGradSlots(parts)
-                kv = CrossKVFunction.apply(encoder_out.to(dtype).contiguous(), w, self.cross_attn_kv_bias, heads,
-                                           slots, kernels)
+                kv = _cross_kv(encoder_out.to(dtype).contiguous(), w, self.cross_attn_kv_bias, heads, slots, kernels)
                 for i, layer in enumerate(self.layers):
                     y = layer._forward_with_kv(y, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i, kernels)
             else:

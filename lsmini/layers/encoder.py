@@ -1,9 +1,11 @@
 """Transformer encoder layer and stack on lsmini's fused kernels (blocks.py has the computation,
 function.py the autograd Function, base.py what the encoder shares with the decoder)."""
+import torch
 from torch import nn
 
 from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
                                 kernels_for)
+from lsmini.layers.compiled import layer_call
 from lsmini.layers.function import LayerFunction
 from lsmini.layers.incremental import incremental_layer
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch, copy_params,
@@ -72,6 +74,9 @@ class TransformerEncoderLayer(TransformerLayerBase):
             if cache is not None:
                 params = [p for block in self.blocks() for p in cast_block(block, dtype)]
                 return incremental_layer(options, x, params, padding_mask, None, None, cache)
+            if torch.compiler.is_compiling():
+                params = [p for block in self.blocks() for p in cast_block(block, dtype)]
+                return layer_call(options, x, padding_mask, None, None, None, params)
             params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
             return LayerFunction.apply(options, None, 0, x, padding_mask, None, None, None, *params)
 

@@ -1,0 +1,252 @@
+"""A layer call as torch.compile sees it: the PyTorch custom operators ``lsmini::layer`` (the whole forward,
+``_C.layer_fwd``) and ``lsmini::layer_backward`` (the whole backward, ``_C.layer_bwd``), with fake
+implementations and registered autograd, so ``torch.compile(model, fullgraph=True)`` traces a model built
+from lsmini layers without a graph break; and, for the reference path, the layer as plain differentiable
+PyTorch for the compiler to trace.
+
+The layer modules call ``layer_call`` instead of ``LayerFunction`` while ``torch.compiler.is_compiling()``;
+eager calls keep LayerFunction, which costs less host time per call and adds weight gradients straight into
+an existing .grad (the compiled path returns them to autograd, which is what a compiled graph expects).
+
+What differs from the eager one-call layer, because a custom operator must be a pure function of tensors:
+- Its outputs may not alias its inputs or each other, so of the state layer_fwd saves, ``lsmini::layer``
+  returns only the tensors it creates (``saved_layout`` says which slot is which, computed from the options
+  as csrc/layers/layer.cpp fills them; the slots that are inputs or repeats are put back for backward).
+- The dropout states travel as a tensor (``_backend.dropout_state``: resolved on the device, right inside a
+  CUDA-graph replay of the compiled step too); backward reads them back through pointers into it.
+- Backward takes a fresh scratch tensor instead of the shared arena, and returns the encoder K/V
+  gradients of a cross-attention block as tensors instead of writing a decoder stack's slots.
+The kernels, GEMMs and dropout draws are those of the eager layer: same seed, same outputs.
+"""
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from lsmini import _backend
+from lsmini.layers.spec import PARAMS_PER_BLOCK, LayerOptions, scratch_numel
+from lsmini.ops.attention import attention_ref, fused_attention_supported
+from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
+from lsmini.ops.bias_dropout_residual import bias_dropout_residual_ref
+from lsmini.ops.layernorm import layer_norm_ref
+
+# The slots of one block's saved state, in csrc/layers/layer.cpp's order (its enum Slot).
+(INPUT, NORM_X, MEAN, RSTD, CORE_INPUT, PROJECTION, HIDDEN, CONTEXT, LSE, KEYS, VALUES, MASK) = range(12)
+SLOTS = 12
+
+_INPUTS = ("x", "key_padding_mask", "encoder_k", "encoder_v", "encoder_padding_mask")
+
+
+class _Made:
+    """A tensor the layer creates (as opposed to one of its inputs), until it is first placed in a slot."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def saved_layout(options, batch, q_len, has_mask, has_encoder_mask, dtype):
+    """What ``_C.layer_fwd`` leaves in each of its ``len(options.kinds) · SLOTS`` saved slots, per slot:
+    None (nothing), ``("input", name)`` (one of _INPUTS, x as [tokens, hidden]), ``("same", j)`` (the
+    tensor of slot j), or ``("new", shape, dtype)`` (a tensor the call creates, contiguous)."""
+    t, hidden = batch * q_len, options.hidden
+    layout, placed = [], {}
+
+    def place(index, value):
+        if isinstance(value, _Made):
+            if id(value) in placed:
+                return ("same", placed[id(value)])
+            placed[id(value)] = index
+            return ("new", value.shape, value.dtype)
+        return value
+
+    residual = ("input", "x")
+    for kind in options.kinds:
+        slots = [None] * SLOTS
+        core_input = _Made((t, hidden), dtype) if options.pre_ln else residual
+        slots[CORE_INPUT] = core_input
+        if kind == "ffn":
+            if options.activation == "relu":  # relu's derivative is read off its output
+                slots[HIDDEN] = _Made((t, options.ffn), dtype)
+            else:
+                slots[PROJECTION] = _Made((t, options.ffn), dtype)
+                if not options.recompute:
+                    slots[HIDDEN] = _Made((t, options.ffn), dtype)
+        else:
+            slots[PROJECTION] = _Made((t, (3 if kind == "self" else 1) * hidden), dtype)
+            slots[CONTEXT] = _Made((t, hidden), dtype)
+            slots[LSE] = _Made((batch, options.heads, q_len), torch.float32)
+            if kind == "cross":
+                slots[KEYS], slots[VALUES] = ("input", "encoder_k"), ("input", "encoder_v")
+            if has_mask if kind == "self" else has_encoder_mask:
+                slots[MASK] = ("input", "key_padding_mask" if kind == "self" else "encoder_padding_mask")
+        slots[MEAN], slots[RSTD] = _Made((t,), torch.float32), _Made((t,), torch.float32)
+        if options.pre_ln:
+            slots[NORM_X] = residual
+            if options.recompute:  # the core input is recomputed from the block input
+                slots[CORE_INPUT], slots[INPUT] = None, residual
+            residual = _Made((t, hidden), dtype)  # the block's output: the next block's input
+        else:
+            slots[NORM_X] = _Made((t, hidden), dtype)
+            residual = _Made((t, hidden), dtype)  # the LayerNorm's output
+        layout.extend(place(len(layout) + i, v) for i, v in enumerate(slots))
+    return layout
+
+
+def _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout, activation_dropout,
+             causal, recompute):
+    return LayerOptions(kinds=tuple(kinds.split(",")), hidden=hidden, ffn=ffn, heads=heads, head_dim=hidden // heads,
+                        scale=scale, eps=eps, pre_ln=pre_ln, activation=activation, training=True, dropout=dropout,
+                        attn_dropout=attn_dropout, activation_dropout=activation_dropout, causal=causal, kernels=True,
+                        recompute=recompute)
+
+
+_cached_layout = functools.lru_cache(maxsize=256)(saved_layout)  # the operators' own calls: concrete sizes
+
+
+def _layout_of(o, x, key_padding_mask, encoder_padding_mask, cached=True):
+    layout = _cached_layout if cached else saved_layout  # symbolic sizes (fake tensors) do not hash
+    return layout(o, x.shape[0], x.shape[1], key_padding_mask is not None, encoder_padding_mask is not None, x.dtype)
+
+
+# The options travel as plain arguments (a custom operator takes tensors and scalars only); kinds joined by ",".
+@torch.library.custom_op("lsmini::layer", mutates_args=(), device_types="cuda",
+                         tags=(torch.Tag.nondeterministic_seeded,))
+def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
+             encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None, params: list[torch.Tensor],
+             kinds: str, hidden: int, ffn: int, heads: int, scale: float, eps: float, pre_ln: bool, activation: str,
+             dropout: float, attn_dropout: float, activation_dropout: float, causal: bool,
+             recompute: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """(y [b, l, H], the tensors the call created for backward (saved_layout's "new" slots, in order), the
+    dropout states [2·blocks, 2])."""
+    o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
+                 activation_dropout, causal, recompute)
+    y, saved, rngs = _backend.ext().layer_fwd(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+                                              params)
+    made = []
+    for i, entry in enumerate(_layout_of(o, x, key_padding_mask, encoder_padding_mask)):
+        if (entry is None) != (saved[i] is None):
+            raise RuntimeError(f"lsmini::layer: saved slot {i} does not match saved_layout ({entry})")
+        if entry is not None and entry[0] == "new":
+            if tuple(saved[i].shape) != entry[1] or saved[i].dtype != entry[2]:
+                raise RuntimeError(f"lsmini::layer: saved slot {i} is {saved[i].dtype} {tuple(saved[i].shape)}, "
+                                   f"saved_layout says {entry[2]} {entry[1]}")
+            made.append(saved[i])
+    return y, made, _backend.dropout_state(rngs, x.device)
+
+
+@layer_op.register_fake
+def _layer_fake(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, kinds, hidden, ffn, heads,
+                scale, eps, pre_ln, activation, dropout, attn_dropout, activation_dropout, causal, recompute):
+    o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
+                 activation_dropout, causal, recompute)
+    made = [x.new_empty(e[1], dtype=e[2]) for e in _layout_of(o, x, key_padding_mask, encoder_padding_mask, False)
+            if e is not None and e[0] == "new"]
+    return torch.empty_like(x), made, x.new_empty(2 * len(o.kinds), 2, dtype=torch.int64)
+
+
+@torch.library.custom_op("lsmini::layer_backward", mutates_args=(), device_types="cuda")
+def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: torch.Tensor, x: torch.Tensor,
+                      key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
+                      encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None,
+                      params: list[torch.Tensor], kinds: str, hidden: int, ffn: int, heads: int, scale: float,
+                      eps: float, pre_ln: bool, activation: str, dropout: float, attn_dropout: float,
+                      activation_dropout: float, causal: bool,
+                      recompute: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """(grad_x [b, l, H], one gradient per parameter, [grad_encoder_k, grad_encoder_v] or [])."""
+    o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
+                 activation_dropout, causal, recompute)
+    inputs = {"x": x.view(-1, hidden), "key_padding_mask": key_padding_mask, "encoder_k": encoder_k,
+              "encoder_v": encoder_v, "encoder_padding_mask": encoder_padding_mask}
+    saved, next_made = [], iter(made)
+    for entry in _layout_of(o, x, key_padding_mask, encoder_padding_mask):
+        kind = None if entry is None else entry[0]
+        saved.append(None if kind is None else inputs[entry[1]] if kind == "input" else saved[entry[1]]
+                     if kind == "same" else next(next_made))
+    rngs = [_backend.rng_in(rng_state, i) for i in range(rng_state.shape[0])]
+    scratch = grad.new_empty(scratch_numel(o, x.shape[0], x.shape[1]))
+    kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
+    grad_k, grad_v = kv if kv else (None, None)
+    grad_x, param_grads = _backend.ext().layer_bwd(o, grad, saved, rngs, params, scratch, grad_k, grad_v,
+                                                   [p.dtype for p in params], [None] * len(params))
+    return grad_x, param_grads, kv
+
+
+@layer_backward_op.register_fake
+def _layer_backward_fake(grad, made, rng_state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+                         params, *options):
+    kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
+    return x.new_empty(x.shape), [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params], kv
+
+
+def _setup_context(ctx, inputs, output):
+    x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params = inputs[:6]
+    _, made, rng_state = output
+    ctx.options = inputs[6:]
+    ctx.n_made = len(made)
+    ctx.save_for_backward(*made, rng_state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params)
+
+
+def _backward(ctx, grad, grad_made, grad_state):
+    saved = ctx.saved_tensors
+    made, rest = saved[:ctx.n_made], saved[ctx.n_made:]
+    rng_state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask = rest[:6]
+    params = rest[6:]
+    grad_x, param_grads, kv = layer_backward_op(grad.contiguous(), list(made), rng_state, x, key_padding_mask,
+                                                encoder_k, encoder_v, encoder_padding_mask, list(params),
+                                                *ctx.options)
+    grad_k, grad_v = kv if encoder_k is not None else (None, None)
+    return (grad_x, None, grad_k, grad_v, None, list(param_grads)) + (None,) * len(ctx.options)
+
+
+layer_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- the reference path: plain differentiable PyTorch ------------------------------------------------------
+def _heads(x2d, batch, length, heads, head_dim):
+    return x2d.view(batch, length, heads, head_dim).transpose(1, 2)
+
+
+def _reference_core(kind, x, p, o, batch, q_len, inputs):
+    w_in, b_in, w_out = p[0], p[1], p[2]
+    if kind == "ffn":
+        hidden = bias_act_dropout_ref(F.linear(x, w_in), b_in, o.activation, o.activation_dropout, o.training)
+        return F.linear(hidden, w_out)
+    projection = F.linear(x, w_in, b_in.to(x.dtype))
+    if kind == "self":
+        q, k, v = (_heads(part, batch, q_len, o.heads, o.head_dim) for part in projection.chunk(3, dim=-1))
+        mask, causal = inputs["key_padding_mask"], o.causal
+    else:
+        q, k, v = _heads(projection, batch, q_len, o.heads, o.head_dim), inputs["encoder_k"], inputs["encoder_v"]
+        mask, causal = inputs["encoder_padding_mask"], False
+    context = attention_ref(q, k, v, mask, causal, o.attn_dropout, o.training, o.scale)
+    return F.linear(context.transpose(1, 2).reshape(batch * q_len, o.hidden), w_out)
+
+
+def reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params):
+    """The layer's forward from the ops' references, differentiable by autograd (the compiler traces it)."""
+    batch, q_len, hidden = x.shape
+    inputs = {"key_padding_mask": key_padding_mask, "encoder_k": encoder_k, "encoder_v": encoder_v,
+              "encoder_padding_mask": encoder_padding_mask}
+    r = x.reshape(batch * q_len, hidden)
+    for i, kind in enumerate(o.kinds):
+        p = params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)]
+        if o.pre_ln:
+            core = _reference_core(kind, layer_norm_ref(r, p[4], p[5], o.eps), p, o, batch, q_len, inputs)
+            r = bias_dropout_residual_ref(core, p[3], r, o.dropout, o.training)
+        else:
+            core = _reference_core(kind, r, p, o, batch, q_len, inputs)
+            r = layer_norm_ref(bias_dropout_residual_ref(core, p[3], r, o.dropout, o.training), p[4], p[5], o.eps)
+    return r.view(batch, q_len, hidden)
+
+
+def layer_call(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params):
+    """One layer call while compiling: x [b, l, H] contiguous in the compute dtype, params already cast to it
+    (blocks' GEMM weights; vectors float32 or the compute dtype), encoder_k/encoder_v [b, heads, ls, d] for
+    a layer with a cross block. The custom operator on the kernel path with the fused attention, the
+    references otherwise."""
+    if o.kernels and x.is_cuda and fused_attention_supported(x.dtype, o.head_dim):
+        y, _, _ = layer_op(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, list(params),
+                           ",".join(o.kinds), o.hidden, o.ffn, o.heads, o.scale, o.eps, o.pre_ln, o.activation,
+                           o.dropout, o.attn_dropout, o.activation_dropout, o.causal, o.recompute)
+        return y
+    return reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params)

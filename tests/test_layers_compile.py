@@ -1,0 +1,260 @@
+"""lsmini layers under torch.compile (lsmini/layers/compiled.py): a model of encoder and decoder stacks
+compiles with fullgraph=True and computes what it computes eagerly — on the reference path (CPU, in CI)
+and through the custom operators lsmini::layer / lsmini::layer_backward on the kernel path (CUDA), where
+`torch.library.opcheck` checks the operators' schemas, fake implementations and autograd registration.
+Also here: the layers inside torch.utils.checkpoint, and CUDAGraphStep around a step whose embedding and
+criterion keep their host-side checks on."""
+import pytest
+import torch
+
+from layer_testing import _one_thread, perturb_  # noqa: F401  (fixtures)
+from lsmini.layers import (CrossEntropyLoss, TransformerConfig, TransformerDecoder, TransformerEncoder,
+                           TransformerEncoderLayer)
+from lsmini.layers.compiled import layer_backward_op, layer_op, saved_layout
+from lsmini.layers.spec import LayerOptions
+
+
+def _config(pre=True, act="relu", dropout=0.0):
+    return TransformerConfig(hidden_size=32, num_heads=4, ffn_size=64, dropout=dropout, attn_dropout=dropout,
+                             activation_dropout=dropout, pre_layer_norm=pre, activation=act, max_batch_tokens=1024,
+                             max_seq_len=64)
+
+
+class Seq2Seq(torch.nn.Module):
+    def __init__(self, config, layers=2):
+        super().__init__()
+        self.encoder = TransformerEncoder(config, layers)
+        self.decoder = TransformerDecoder(config, layers)
+
+    def forward(self, src, tgt, src_mask):
+        return self.decoder(tgt, self.encoder(src, src_mask), src_mask)
+
+
+def _inputs(device, dtype, b=3, ls=7, lt=5, h=32):
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(b, ls, h, generator=g).to(device, dtype)
+    tgt = torch.randn(b, lt, h, generator=g).to(device, dtype)
+    mask = torch.zeros(b, ls, dtype=torch.bool)
+    mask[1, ls - 2:] = True
+    grad = torch.randn(b, lt, h, generator=g).to(device, dtype)
+    return src, tgt, mask.to(device), grad
+
+
+def _step(fn, model, src, tgt, mask, grad, seed=0):
+    """(output, src grad, tgt grad, {name: param grad}) of one forward + backward with a fixed output
+    gradient (so the loss's own backward cannot differ between eager and compiled)."""
+    model.zero_grad(set_to_none=True)
+    src, tgt = src.detach().requires_grad_(), tgt.detach().requires_grad_()
+    torch.manual_seed(seed)
+    out = fn(src, tgt, mask)
+    out.backward(grad)
+    return out.detach(), src.grad, tgt.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_close(a, b, atol, rtol=0.0):
+    for x, y in zip(a[:3], b[:3]):
+        torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
+    for name, g in a[3].items():
+        torch.testing.assert_close(g, b[3][name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+# ---- reference path (CPU) ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("pre,act", [(True, "relu"), (False, "gelu")])
+def test_fullgraph_reference_path_matches_eager(pre, act):
+    torch.manual_seed(0)
+    model = Seq2Seq(_config(pre, act)).double()
+    perturb_(model)
+    src, tgt, mask, grad = _inputs("cpu", torch.float64)
+    eager = _step(model, model, src, tgt, mask, grad)
+    compiled = _step(torch.compile(model, fullgraph=True, backend="aot_eager"), model, src, tgt, mask, grad)
+    # the references compute in float32 whatever the input dtype; the compiled graph composes them
+    # differently from the eager layer's hand-written backward, so they agree to float32 rounding
+    _assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_under_compile_names_the_problem():
+    """Shapes outside a layer's limits: the layer's own ValueError (compile falls back to running the
+    check eagerly); with fullgraph=True the compiler reports that same error as the reason it stopped."""
+    torch.manual_seed(0)
+    enc = TransformerEncoder(TransformerConfig(hidden_size=32, num_heads=4, ffn_size=64, dropout=0.0,
+                                               max_batch_tokens=512, max_seq_len=8), 1)
+    ok = torch.randn(2, 8, 32)
+    compiled = torch.compile(enc, backend="aot_eager")
+    assert compiled(ok).shape == ok.shape
+    with pytest.raises(ValueError, match="len 9 > config.max_seq_len = 8"):
+        compiled(torch.randn(2, 9, 32))
+    strict = torch.compile(enc, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="max_seq_len = 8"):
+        strict(torch.randn(2, 9, 32))
+
+
+def test_saved_layout_repeats_and_inputs():
+    """The layout of a pre-LN encoder layer with recompute: block 0 keeps x itself (twice: LayerNorm input
+    and the block input), block 1 keeps the block-0 output once and refers back to it."""
+    o = LayerOptions.of(("self", "ffn"), _config(), True, False, True)
+    layout = saved_layout(o, 2, 5, True, False, torch.float16)
+    block0, block1 = layout[:12], layout[12:]
+    assert block0[0] == ("input", "x") and block0[1] == ("input", "x")
+    assert block0[11] == ("input", "key_padding_mask")
+    assert block1[0][0] == "new" and block1[1] == ("same", 12)
+    assert block0[4] is None and block1[4] is None  # the core input is recomputed
+    assert block0[8] == ("new", (2, 4, 5), torch.float32)
+
+
+# ---- kernel path (CUDA) --------------------------------------------------------------------------------
+def _cuda_model(pre, act, dtype, dropout=0.1, recompute=True):
+    torch.manual_seed(0)
+    model = Seq2Seq(_config(pre, act, dropout)).cuda().to(dtype)
+    perturb_(model)
+    for m in model.modules():
+        if hasattr(m, "recompute"):
+            m.recompute = recompute
+    return model
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pre,act,recompute", [(True, "relu", True), (False, "gelu", True), (True, "gelu", False),
+                                               (False, "relu", False)])
+def test_fullgraph_kernel_path_matches_eager(pre, act, recompute, dtype):
+    """Same seed, same dropout draws, same kernels: the compiled model equals the eager one. The encoder
+    output is bit-equal; the decoder's cross-attention K/V GEMM is the compiler's own while compiling, so
+    results downstream of it agree to within a rounding or two."""
+    model = _cuda_model(pre, act, dtype, recompute=recompute)
+    src, tgt, mask, grad = _inputs("cuda", dtype)
+    eager = _step(model, model, src, tgt, mask, grad)
+    compiled = _step(torch.compile(model, fullgraph=True), model, src, tgt, mask, grad)
+    torch.manual_seed(0)
+    enc_eager = model.encoder(src, mask)
+    torch.manual_seed(0)
+    enc_compiled = torch.compile(model.encoder, fullgraph=True)(src, mask)
+    assert torch.equal(enc_eager, enc_compiled)
+    _assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_fullgraph_autocast_and_dynamic_shapes():
+    """fp32 parameters under autocast (bf16), then a second batch shape (the compiler goes dynamic)."""
+    model = _cuda_model(True, "gelu", torch.float32, dropout=0.0)
+    compiled = torch.compile(model, fullgraph=True)
+    for b, ls, lt in ((3, 7, 5), (4, 9, 6), (2, 11, 3)):
+        src, tgt, mask, grad = _inputs("cuda", torch.float32, b, ls, lt)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            eager = _step(model, model, src, tgt, mask, grad.bfloat16())
+            comp = _step(compiled, model, src, tgt, mask, grad.bfloat16())
+        assert all(g.dtype == torch.float32 for g in comp[3].values())
+        _assert_close(comp, eager, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_draws_fresh_masks():
+    """Compiled with CUDA graphs: every replay draws new dropout masks (the states are read on the device),
+    and each replay's gradient is the gradient of that replay's output."""
+    model = _cuda_model(True, "relu", torch.float16, dropout=0.3)
+    enc = model.encoder
+    compiled = torch.compile(lambda x, m: enc(x, m), mode="reduce-overhead", fullgraph=True)
+    src, _, mask, _ = _inputs("cuda", torch.float16)
+    outs = []
+    for _ in range(5):
+        x = src.detach().requires_grad_()
+        out = compiled(x, mask)
+        out.float().sum().backward()
+        assert torch.isfinite(x.grad).all()
+        outs.append(out.detach().clone())
+    assert all(not torch.equal(outs[i], outs[i + 1]) for i in range(len(outs) - 1))
+
+
+def _op_args(kinds, pre, act, recompute, dtype, masked, cross):
+    torch.manual_seed(0)
+    b, l, ls, h, heads, ffn = 2, 5, 7, 32, 4, 64
+    params = []
+    for kind in kinds:
+        rows = {"self": 3 * h, "cross": h, "ffn": ffn}[kind]
+        cols_out = ffn if kind == "ffn" else h
+        params += [torch.randn(rows, h) * 0.2, torch.randn(rows) * 0.1, torch.randn(h, cols_out) * 0.2,
+                   torch.randn(h) * 0.1, 1 + 0.1 * torch.randn(h), 0.1 * torch.randn(h)]
+    params = [p.cuda().to(dtype).requires_grad_() for p in params]
+    x = torch.randn(b, l, h, device="cuda", dtype=dtype, requires_grad=True)
+    mask = torch.zeros(b, l, dtype=torch.bool, device="cuda")
+    mask[0, -1] = True
+    enc_mask = torch.zeros(b, ls, dtype=torch.bool, device="cuda")
+    enc_mask[1, -3:] = True
+    ek = ev = None
+    if cross:
+        kv = torch.randn(b, ls, 2, heads, h // heads, device="cuda", dtype=dtype)
+        ek, ev = (t.requires_grad_() for t in kv.permute(2, 0, 3, 1, 4).clone().unbind(0))
+    return (x, mask if masked else None, ek, ev, enc_mask if (cross and masked) else None, params, ",".join(kinds), h,
+            ffn, heads, (h // heads) ** -0.5, 1e-5, pre, act, 0.1, 0.1, 0.1, not cross, recompute)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kinds,pre,act,recompute,masked", [
+    (("self", "ffn"), True, "relu", True, True), (("self", "ffn"), False, "gelu", False, False),
+    (("self", "cross", "ffn"), True, "gelu", True, True), (("self", "cross", "ffn"), False, "relu", True, False)])
+def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype):
+    """Schema, fake implementation (shapes, dtypes, strides of every output) and autograd registration of
+    lsmini::layer, and of lsmini::layer_backward with the state a forward returned."""
+    args = _op_args(kinds, pre, act, recompute, dtype, masked, "cross" in kinds)
+    # dropout differs between the calls opcheck makes; its comparisons are of metadata and registration
+    torch.library.opcheck(layer_op, args, test_utils=("test_schema", "test_faketensor",
+                                                      "test_autograd_registration"))
+    with torch.no_grad():
+        y, made, state = layer_op(*args)
+    x, mask, ek, ev, enc_mask, params = args[:6]
+    bwd_args = (torch.randn_like(y), made, state, x.detach(), mask, None if ek is None else ek.detach(),
+                None if ev is None else ev.detach(), enc_mask, [p.detach() for p in params], *args[6:])
+    torch.library.opcheck(layer_backward_op, bwd_args)
+
+
+@pytest.mark.cuda
+def test_checkpoint_around_a_layer_keeps_gradients():
+    """torch.utils.checkpoint (non-reentrant) around lsmini layers: the recomputed forward draws the same
+    dropout masks (checkpoint restores the RNG state), so the gradients equal those without it."""
+    torch.manual_seed(0)
+    layer = TransformerEncoderLayer(_config(dropout=0.1)).cuda().half()
+    x0 = torch.randn(3, 7, 32, device="cuda", dtype=torch.float16)
+    grad = torch.randn_like(x0)
+    results = []
+    for use_checkpoint in (False, True):
+        layer.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(5)
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
+        out.backward(grad)
+        results.append((out.detach(), x.grad, [p.grad.clone() for p in layer.parameters()]))
+    (o1, g1, p1), (o2, g2, p2) = results
+    assert torch.equal(o1, o2) and torch.equal(g1, g2)
+    assert all(torch.equal(a, b) for a, b in zip(p1, p2))
+
+
+@pytest.mark.cuda
+def test_graph_step_with_host_checks_left_on():
+    """CUDAGraphStep around a step whose embedding and criterion keep check_tokens / check_targets on (their
+    defaults): the checks skip themselves while the step is captured, so capture succeeds, and the replays
+    train (the loss goes down on a fixed batch)."""
+    from lsmini.graph import CUDAGraphStep
+    from lsmini.models import Transformer
+    from lsmini.optim import FusedAdam, LossScaler
+
+    torch.manual_seed(0)
+    model = Transformer(50, 50, _config(dropout=0.1), 1, 1).cuda().half()
+    crit = CrossEntropyLoss(0.1, ignore_index=0)
+    assert crit.check_targets and all(m.check_tokens for m in model.modules() if hasattr(m, "check_tokens"))
+    opt = FusedAdam(model, lr=1e-3)
+    scaler = LossScaler()
+    src = torch.randint(1, 50, (4, 9), device="cuda")
+    tgt = torch.randint(1, 50, (4, 9), device="cuda")
+
+    def step(src, tgt_in, tgt_out):
+        loss = crit(model(src, tgt_in), tgt_out)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    graph_step = CUDAGraphStep(step, optimizers=[opt], warmup=2)
+    losses = [graph_step(src, torch.roll(tgt, 1, 1), tgt).item() for _ in range(8)]
+    assert graph_step.graph is not None
+    assert losses[-1] < losses[0]
