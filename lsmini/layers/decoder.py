@@ -45,6 +45,14 @@ def _check_encoder(owner, encoder_out, mask, batch, config, ref, cached_kv):
     return ls
 
 
+def _check_padding_mask(owner, mask, y, cache):
+    """The self-attention padding mask: None, or bool [batch, tgt_len] (True = pad); not with a cache."""
+    if mask is not None and cache is not None:
+        raise ValueError(f"{owner}: padding_mask is for full-sequence calls; incremental decoding (cache) takes "
+                         f"none (every cached position is a real one)")
+    check_mask(owner, "padding_mask", mask, y.shape[0], y.shape[1], y.device)
+
+
 def _cross_kv(enc, weight, bias, heads, slots, kernels):
     """The cross-attention K/V views of every layer from one GEMM over enc [b, ls, H] (CrossKVFunction);
     while compiling, the same GEMM as plain PyTorch, whose backward the compiler derives."""
@@ -61,7 +69,9 @@ class TransformerDecoderLayer(TransformerLayerBase):
     feed-forward; pre- or post-LayerNorm.
 
     forward(y [batch, tgt_len, hidden], encoder_out [batch, src_len, hidden], encoder_padding_mask
-    [batch, src_len] bool (True = pad) or None, cache=None) → [batch, tgt_len, hidden].
+    [batch, src_len] bool (True = pad) or None, cache=None, padding_mask=None) → [batch, tgt_len, hidden].
+    padding_mask [batch, tgt_len] bool (True = pad) masks padded target positions as keys of the causal
+    self-attention (right padding needs none: causal attention never looks ahead to it).
     With ``cache`` (a dict, start with {}) it decodes incrementally for inference: y holds only the
     newest position(s); the encoder K/V are computed once and kept in the cache with the past
     self-attention keys/values.
@@ -91,12 +101,13 @@ class TransformerDecoderLayer(TransformerLayerBase):
         return self._scratch_numel(batch, tgt_len)
 
     # the two ways to run the layer once the K/V of the encoder output exist (used by the decoder stack)
-    def _forward_with_kv(self, y, encoder_k, encoder_v, encoder_padding_mask, kv_slots, index, kernels):
+    def _forward_with_kv(self, y, padding_mask, encoder_k, encoder_v, encoder_padding_mask, kv_slots, index, kernels):
         if torch.compiler.is_compiling():
             params = [p for block in self.blocks() for p in cast_block(block, y.dtype)]
-            return layer_call(self.options(True, kernels), y, None, encoder_k, encoder_v, encoder_padding_mask, params)
+            return layer_call(self.options(True, kernels), y, padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+                              params)
         params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
-        return LayerFunction.apply(self.options(True, kernels), kv_slots, index, y, None, encoder_k, encoder_v,
+        return LayerFunction.apply(self.options(True, kernels), kv_slots, index, y, padding_mask, encoder_k, encoder_v,
                                    encoder_padding_mask, *params)
 
     def _forward_incremental(self, y, encoder_kv, encoder_padding_mask, cache, dtype, kernels):
@@ -104,7 +115,7 @@ class TransformerDecoderLayer(TransformerLayerBase):
         return incremental_layer(self.options(True, kernels), y, params, None, encoder_kv, encoder_padding_mask,
                                  cache)
 
-    def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None):
+    def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None, padding_mask=None):
         owner = "TransformerDecoderLayer"
         ca = self.multihead_attn
         if not ca.owns_kv:
@@ -114,6 +125,7 @@ class TransformerDecoderLayer(TransformerLayerBase):
         w = self.self_attn.in_proj_weight
         past = cache["k"].shape[2] if cache is not None and "k" in cache else 0
         check_states(owner, "y", y, self.config, w, past)
+        _check_padding_mask(owner, padding_mask, y, cache)
         cached_kv = cache.get("encoder_kv") if cache is not None else None
         _check_encoder(owner, encoder_out, encoder_padding_mask, y.shape[0], self.config, w, cached_kv)
         dtype = compute_dtype(owner, y, w)
@@ -125,7 +137,7 @@ class TransformerDecoderLayer(TransformerLayerBase):
                 slots = KVGradSlots(2)
                 k_enc, v_enc = _cross_kv(encoder_out.to(dtype).contiguous(), ca.kv_proj_weight, ca.kv_proj_bias,
                                          heads, slots, kernels)
-                return self._forward_with_kv(y, k_enc, v_enc, encoder_padding_mask, slots, 0, kernels)
+                return self._forward_with_kv(y, padding_mask, k_enc, v_enc, encoder_padding_mask, slots, 0, kernels)
             if cached_kv is None:
                 w_kv, b_kv = cast_block((ca.kv_proj_weight, ca.kv_proj_bias), dtype)
                 cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, 2)
@@ -183,7 +195,9 @@ class TransformerDecoder(TransformerStackBase):
     LayerNorm when pre_layer_norm.
 
     forward(y [batch, tgt_len, hidden], encoder_out [batch, src_len, hidden], encoder_padding_mask
-    [batch, src_len] bool (True = pad) or None, cache=None) → [batch, tgt_len, hidden].
+    [batch, src_len] bool (True = pad) or None, cache=None, padding_mask=None) → [batch, tgt_len, hidden].
+    padding_mask [batch, tgt_len] bool (True = pad) masks padded target positions as keys of the causal
+    self-attention (right padding needs none: causal attention never looks ahead to it).
     With ``cache`` (a dict, start with {}): incremental decoding, y [batch, 1, hidden] (or a few newest
     positions); the cache keeps the encoder K/V of every layer ("encoder_kv"), each layer's past
     self-attention K/V ("layers") and the number of positions so far ("step").
@@ -228,12 +242,13 @@ class TransformerDecoder(TransformerStackBase):
                 kb.copy_(src.multihead_attn.kv_proj_bias)
         return dec.train(layers[0].training)
 
-    def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None):
+    def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None, padding_mask=None):
         owner = "TransformerDecoder"
         check_cache(owner, cache)
         w = self.cross_attn_kv_weight
         past = cache.get("step", 0) if cache is not None else 0
         check_states(owner, "y", y, self.config, w, past)
+        _check_padding_mask(owner, padding_mask, y, cache)
         cached_kv = cache.get("encoder_kv") if cache is not None else None
         _check_encoder(owner, encoder_out, encoder_padding_mask, y.shape[0], self.config, w, cached_kv)
         dtype = compute_dtype(owner, y, w)
@@ -245,7 +260,8 @@ class TransformerDecoder(TransformerStackBase):
                 slots = KVGradSlots(parts)
                 kv = _cross_kv(encoder_out.to(dtype).contiguous(), w, self.cross_attn_kv_bias, heads, slots, kernels)
                 for i, layer in enumerate(self.layers):
-                    y = layer._forward_with_kv(y, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i, kernels)
+                    y = layer._forward_with_kv(y, padding_mask, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i,
+                                               kernels)
             else:
                 if cached_kv is None:
                     w_kv, b_kv = cast_block((w, self.cross_attn_kv_bias), dtype)

@@ -1,6 +1,6 @@
 """torch.nn interop of the encoder and decoder layers: the TransformerConfig of a torch.nn layer, an empty
-torch.nn layer of a config, the checks that a torch.nn layer is one lsmini can represent, and parameter
-copies by name."""
+torch.nn layer of a config, the checks that a torch.nn layer is one lsmini can represent, parameter
+copies by name, and torch's attention masks read as what lsmini takes (a key padding mask, causal or not)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +16,8 @@ def torch_activation_name(layer):
         return "gelu"
     if isinstance(act, nn.GELU):
         return "gelu_tanh" if act.approximate == "tanh" else "gelu"
-    raise ValueError(f"from_torch: unsupported activation {act!r}; lsmini layers support relu, gelu and "
+    name = getattr(act, "__qualname__", None) or repr(act)  # torch.tanh's repr carries a memory address
+    raise ValueError(f"from_torch: unsupported activation {name}; lsmini layers support relu, gelu and "
                      f"gelu with approximate='tanh'")
 
 
@@ -35,13 +36,13 @@ def config_from_torch(layer, max_batch_tokens, max_seq_len):
         layer_norm_eps=layer.norm1.eps, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
 
 
-def torch_layer(torch_cls, config, like):
-    """An empty torch_cls (nn.TransformerEncoderLayer / DecoderLayer, batch_first) with config's sizes and
-    dropouts, on like's device and dtype."""
+def torch_layer(torch_cls, config, like, batch_first=True, device=None):
+    """An empty torch_cls (nn.TransformerEncoderLayer / DecoderLayer) with config's sizes and dropouts, on
+    like's dtype and device (or on ``device``: "meta" gives a shell whose parameters the caller sets)."""
     c = config
     t = torch_cls(c.hidden_size, c.num_heads, c.ffn_size, dropout=c.dropout, activation=torch_activation(c.activation),
-                  layer_norm_eps=c.layer_norm_eps, batch_first=True, norm_first=c.pre_layer_norm, device=like.device,
-                  dtype=like.dtype)
+                  layer_norm_eps=c.layer_norm_eps, batch_first=batch_first, norm_first=c.pre_layer_norm,
+                  device=like.device if device is None else device, dtype=like.dtype)
     t.self_attn.dropout = c.attn_dropout
     if hasattr(t, "multihead_attn"):
         t.multihead_attn.dropout = c.attn_dropout
@@ -76,3 +77,68 @@ def copy_params(dst, src):
             if s.shape != p.shape:
                 raise ValueError(f"copy: {name} has shape {tuple(p.shape)}, source {tuple(s.shape)}")
             p.copy_(s)
+
+
+# ---- torch's attention masks ------------------------------------------------------------------------------
+# lsmini's layers take a bool key padding mask (True = pad) and a causal flag, nothing else. torch's take
+# additive float masks too; those that mean the same as lsmini's arguments are read as them (by value: one
+# host sync, the cost torch's own causal-mask detection has), any other raises ValueError. Values cannot be
+# read while torch.compile traces, so then only what needs no values is accepted.
+MASK_RULE = "lsmini supports only key padding masks and causal self-attention"
+
+
+def causal_mask_like(length, mask):
+    """torch's causal mask (nn.Transformer.generate_square_subsequent_mask) in mask's dtype and device:
+    −inf (float) or True (bool) above the diagonal, 0 / False elsewhere."""
+    above = torch.ones(length, length, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return above
+    return torch.zeros(length, length, dtype=mask.dtype, device=mask.device).masked_fill_(above, float("-inf"))
+
+
+def self_attention_is_causal(owner, name, mask, flag_name, is_causal, length):
+    """Whether a torch self-attention call with attention mask ``mask`` [length, length] and hint
+    ``is_causal`` (True, False or None) is causal. Causal when is_causal is True (torch's hint that mask is
+    the causal mask); full attention when mask is None; otherwise mask must equal torch's causal mask."""
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise TypeError(f"{owner}: {flag_name} must be a bool or None, got {type(is_causal).__name__}")
+    if mask is None:
+        return bool(is_causal)
+    if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise TypeError(f"{owner}: {name} must be None or a bool or float Tensor, got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    if tuple(mask.shape) != (length, length):
+        raise ValueError(f"{owner}: {name} must be None or the causal mask of shape [len, len] = [{length}, {length}], "
+                         f"got {tuple(mask.shape)}; {MASK_RULE}")
+    if is_causal:
+        return True
+    if torch.compiler.is_compiling():
+        raise ValueError(f"{owner}: under torch.compile lsmini cannot read {name} to see that it is the causal mask; "
+                         f"pass {flag_name}=True with it ({MASK_RULE})")
+    if not torch.equal(mask, causal_mask_like(length, mask)):
+        raise ValueError(f"{owner}: {name} is not the causal mask (nn.Transformer.generate_square_subsequent_mask"
+                         f"({length}), or its bool equivalent); {MASK_RULE}")
+    return True
+
+
+def key_padding_mask_from_torch(owner, name, mask, batch, length):
+    """torch's key padding mask [batch, length] as lsmini takes it: bool, True = pad. torch adds a float
+    mask to the attention scores; one holding only 0 (attend) and −inf (pad) means the same as a bool mask
+    and is converted."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise TypeError(f"{owner}: {name} must be None or a bool (True = pad) or float Tensor, got "
+                        f"{getattr(mask, 'dtype', type(mask).__name__)}")
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"{owner}: {name} must have shape [batch, len] = [{batch}, {length}], got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if torch.compiler.is_compiling():
+        raise ValueError(f"{owner}: under torch.compile lsmini cannot read the values of the float {name}; pass a "
+                         f"bool mask (True = pad)")
+    pad = mask == float("-inf")
+    if not bool((pad | (mask == 0)).all()):
+        raise ValueError(f"{owner}: a float {name} may hold only 0 (attend) and -inf (pad), as a bool mask would; "
+                         f"{MASK_RULE}, not additive attention biases")
+    return pad

@@ -1,0 +1,60 @@
+"""CPU smoke run of benchmarks/bench_convert.py: tiny model, eager variants only (compiling on the CPU would
+take minutes), checking that the table has the variants' rows and that they train to finite losses."""
+import csv
+import math
+import os
+import sys
+
+import pytest
+
+import lsmini
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import bench_convert  # noqa: E402
+
+TINY = ["--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "4", "--ffn", "64", "--vocab", "50",
+        "--batch", "4", "--src-len", "8", "--tgt-len", "6", "--warmup", "1", "--iters", "2"]
+
+
+def table_rows(text):
+    """variant → the cells of its row in the printed markdown table."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] in bench_convert.VARIANTS:
+            rows[cells[0]] = cells
+    return rows
+
+
+def check_trained(row):
+    assert "error" not in row, row["error"]
+    assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_final"])
+    assert row["ms_step"] > 0 and row["tgt_tokens_s"] > 0
+
+
+def test_torch_row_csv_and_graph_variant_skipped(tmp_path, capsys):
+    path = tmp_path / "convert.csv"
+    rows = bench_convert.main(TINY + ["--variants", "torch,torch+compile-graphs", "--csv", str(path)])
+    assert [r["variant"] for r in rows] == ["torch"]  # CUDA graphs: skipped on the CPU, with a note
+    check_trained(rows[0])
+    out = capsys.readouterr().out
+    assert "torch" in table_rows(out) and "skipped on CPU" in out
+    with open(path) as f:
+        written = list(csv.DictReader(f))
+    assert [r["variant"] for r in written] == ["torch"] and float(written[0]["loss_final"]) == rows[0]["loss_final"]
+
+
+def test_torch_and_lsmini_rows(capsys):
+    if not callable(getattr(lsmini, "convert", None)):  # the function, not only its module
+        pytest.skip("lsmini.convert is not available")
+    rows = bench_convert.main(TINY + ["--variants", "torch,lsmini"])
+    by = {r["variant"]: r for r in rows}
+    assert set(by) == {"torch", "lsmini"}
+    for r in rows:
+        check_trained(r)
+    assert by["lsmini"]["replaced"] > 0
+    assert by["lsmini"]["x_same_mode"] > 0
+    table = table_rows(capsys.readouterr().out)
+    assert {"torch", "lsmini"} <= set(table)
+
