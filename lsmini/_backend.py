@@ -81,7 +81,7 @@ def use_kernels(*tensors):
         return False
     if _C is None:
         global _warned_missing
-        if not _warned_missing:
+        if not _warned_missing and not torch.compiler.is_compiling():  # a warning would break the compiled graph
             _warned_missing = True
             warnings.warn(f"lsmini: CUDA tensors but the CUDA extension lsmini._C is {_IMPORT_ERROR}; using the "
                           f"PyTorch reference path; {BUILD_HINT}")

@@ -4,6 +4,8 @@ and through the custom operators lsmini::layer / lsmini::layer_backward on the k
 `torch.library.opcheck` checks the operators' schemas, fake implementations and autograd registration.
 Also here: the layers inside torch.utils.checkpoint, and CUDAGraphStep around a step whose embedding and
 criterion keep their host-side checks on."""
+import copy
+
 import pytest
 import torch
 
@@ -14,8 +16,18 @@ from lsmini.layers.compiled import layer_backward_op, layer_op, saved_layout
 from lsmini.layers.spec import LayerOptions
 
 
-def _config(pre=True, act="relu", dropout=0.0):
-    return TransformerConfig(hidden_size=32, num_heads=4, ffn_size=64, dropout=dropout, attn_dropout=dropout,
+@pytest.fixture(autouse=True)
+def _fresh_compiler():
+    """Each test compiles from scratch: dynamo's per-code caches (and the frames it gave up on after an
+    earlier test's deliberate error) must not carry over between tests."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _config(pre=True, act="relu", dropout=0.0, heads=4):
+    """heads=2 (head_dim 16) gives the fused attention kernel a head size it has: the kernel path."""
+    return TransformerConfig(hidden_size=32, num_heads=heads, ffn_size=64, dropout=dropout, attn_dropout=dropout,
                              activation_dropout=dropout, pre_layer_norm=pre, activation=act, max_batch_tokens=1024,
                              max_seq_len=64)
 
@@ -101,10 +113,23 @@ def test_saved_layout_repeats_and_inputs():
     assert block0[8] == ("new", (2, 4, 5), torch.float32)
 
 
+@pytest.mark.parametrize("pre", [True, False])
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_saved_layout_refers_back_to_made_tensors(pre, act, recompute):
+    """Every ("same", j) of a decoder layer's layout names an earlier slot holding a tensor the call made."""
+    o = LayerOptions.of(("self", "cross", "ffn"), _config(pre, act), True, False, True, recompute)
+    layout = saved_layout(o, 2, 5, True, True, torch.float16)
+    assert len(layout) == 3 * 12
+    for i, entry in enumerate(layout):
+        if entry is not None and entry[0] == "same":
+            assert entry[1] < i and layout[entry[1]][0] == "new"
+
+
 # ---- kernel path (CUDA) --------------------------------------------------------------------------------
 def _cuda_model(pre, act, dtype, dropout=0.1, recompute=True):
     torch.manual_seed(0)
-    model = Seq2Seq(_config(pre, act, dropout)).cuda().to(dtype)
+    model = Seq2Seq(_config(pre, act, dropout, heads=2)).cuda().to(dtype)
     perturb_(model)
     for m in model.modules():
         if hasattr(m, "recompute"):
@@ -124,10 +149,11 @@ def test_fullgraph_kernel_path_matches_eager(pre, act, recompute, dtype):
     src, tgt, mask, grad = _inputs("cuda", dtype)
     eager = _step(model, model, src, tgt, mask, grad)
     compiled = _step(torch.compile(model, fullgraph=True), model, src, tgt, mask, grad)
+    encoder = copy.deepcopy(model.encoder)
     torch.manual_seed(0)
-    enc_eager = model.encoder(src, mask)
+    enc_eager = encoder(src, mask)
     torch.manual_seed(0)
-    enc_compiled = torch.compile(model.encoder, fullgraph=True)(src, mask)
+    enc_compiled = torch.compile(encoder, fullgraph=True)(src, mask)
     assert torch.equal(enc_eager, enc_compiled)
     _assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
 
@@ -156,17 +182,18 @@ def test_reduce_overhead_draws_fresh_masks():
     src, _, mask, _ = _inputs("cuda", torch.float16)
     outs = []
     for _ in range(5):
+        torch.compiler.cudagraph_mark_step_begin()  # the previous replay's outputs are dead
         x = src.detach().requires_grad_()
         out = compiled(x, mask)
+        outs.append(out.detach().clone())
         out.float().sum().backward()
         assert torch.isfinite(x.grad).all()
-        outs.append(out.detach().clone())
     assert all(not torch.equal(outs[i], outs[i + 1]) for i in range(len(outs) - 1))
 
 
 def _op_args(kinds, pre, act, recompute, dtype, masked, cross):
     torch.manual_seed(0)
-    b, l, ls, h, heads, ffn = 2, 5, 7, 32, 4, 64
+    b, l, ls, h, heads, ffn = 2, 5, 7, 32, 2, 64
     params = []
     for kind in kinds:
         rows = {"self": 3 * h, "cross": h, "ffn": ffn}[kind]
@@ -212,7 +239,7 @@ def test_checkpoint_around_a_layer_keeps_gradients():
     """torch.utils.checkpoint (non-reentrant) around lsmini layers: the recomputed forward draws the same
     dropout masks (checkpoint restores the RNG state), so the gradients equal those without it."""
     torch.manual_seed(0)
-    layer = TransformerEncoderLayer(_config(dropout=0.1)).cuda().half()
+    layer = TransformerEncoderLayer(_config(dropout=0.1, heads=2)).cuda().half()
     x0 = torch.randn(3, 7, 32, device="cuda", dtype=torch.float16)
     grad = torch.randn_like(x0)
     results = []
@@ -238,7 +265,7 @@ def test_graph_step_with_host_checks_left_on():
     from lsmini.optim import FusedAdam, LossScaler
 
     torch.manual_seed(0)
-    model = Transformer(50, 50, _config(dropout=0.1), 1, 1).cuda().half()
+    model = Transformer(50, 50, _config(dropout=0.1, heads=2), 1, 1).cuda().half()
     crit = CrossEntropyLoss(0.1, ignore_index=0)
     assert crit.check_targets and all(m.check_tokens for m in model.modules() if hasattr(m, "check_tokens"))
     opt = FusedAdam(model, lr=1e-3)

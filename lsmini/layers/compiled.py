@@ -52,10 +52,10 @@ def saved_layout(options, batch, q_len, has_mask, has_encoder_mask, dtype):
     layout, placed = [], {}
 
     def place(index, value):
-        if isinstance(value, _Made):
-            if id(value) in placed:
-                return ("same", placed[id(value)])
-            placed[id(value)] = index
+        if isinstance(value, _Made):  # keyed by the object itself: the dict keeps it alive, so no id is reused
+            if value in placed:
+                return ("same", placed[value])
+            placed[value] = index
             return ("new", value.shape, value.dtype)
         return value
 
@@ -88,7 +88,8 @@ def saved_layout(options, batch, q_len, has_mask, has_encoder_mask, dtype):
         else:
             slots[NORM_X] = _Made((t, hidden), dtype)
             residual = _Made((t, hidden), dtype)  # the LayerNorm's output
-        layout.extend(place(len(layout) + i, v) for i, v in enumerate(slots))
+        base = len(layout)
+        layout.extend([place(base + i, v) for i, v in enumerate(slots)])
     return layout
 
 
@@ -104,7 +105,7 @@ _cached_layout = functools.lru_cache(maxsize=256)(saved_layout)  # the operators
 
 
 def _layout_of(o, x, key_padding_mask, encoder_padding_mask, cached=True):
-    layout = _cached_layout if cached else saved_layout  # symbolic sizes (fake tensors) do not hash
+    layout = _cached_layout if cached else saved_layout  # symbolic sizes (dynamic shapes) do not hash
     return layout(o, x.shape[0], x.shape[1], key_padding_mask is not None, encoder_padding_mask is not None, x.dtype)
 
 
@@ -139,7 +140,8 @@ def _layer_fake(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                 scale, eps, pre_ln, activation, dropout, attn_dropout, activation_dropout, causal, recompute):
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
-    made = [x.new_empty(e[1], dtype=e[2]) for e in _layout_of(o, x, key_padding_mask, encoder_padding_mask, False)
+    static = not any(isinstance(d, torch.SymInt) for d in x.shape)
+    made = [x.new_empty(e[1], dtype=e[2]) for e in _layout_of(o, x, key_padding_mask, encoder_padding_mask, static)
             if e is not None and e[0] == "new"]
     return torch.empty_like(x), made, x.new_empty(2 * len(o.kinds), 2, dtype=torch.int64)
 

@@ -6,6 +6,14 @@ Function and, for the ops inside the fused layers, the forward/backward primitiv
 backward is built on. What several ops share lives in modules named by their role: ``checks`` (argument
 checks), ``dropout`` (the references' dropout masks) and ``reference_grads`` (a reference's backward by
 autograd). Kernel dtypes and size limits come from ``lsmini.limits``.
+
+Every op works under ``torch.compile(fullgraph=True)``. The reference path is plain PyTorch, which the
+compiler traces. The kernel path is also registered as PyTorch custom operators, ``lsmini::<op>`` and
+``lsmini::<op>_backward`` (fake implementations for tracing, registered autograd; ``library`` holds what
+they share): the ops call them while torch.compile traces them and keep their autograd Functions in eager
+mode. The host-syncing value checks (embedding's token range, cross_entropy's targets) are skipped while
+compiling, and which path runs (``LSMINI_FORCE_REFERENCE`` included) is decided when the function is
+compiled, not at every call.
 """
 from lsmini.ops.layernorm import layer_norm, layer_norm_ref
 from lsmini.ops.heads import merge_heads, merge_heads_ref, split_heads, split_heads_ref

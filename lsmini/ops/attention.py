@@ -32,11 +32,14 @@ The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) wit
 - ``attention_fwd`` / ``attention_bwd``: the primitives a layer's hand-written backward is built on: a
   forward that returns the merged-heads output and its saved state, a backward that writes the
   gradients into given views (e.g. of one projection-gradient buffer); fused kernel or reference.
+- ``lsmini::attention`` / ``lsmini::attention_backward`` (``attention_op``, ``attention_backward_op``): the
+  kernel path as custom operators, which ``attention`` calls while torch.compile traces it.
 """
 import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lsmini import _backend, limits
@@ -44,6 +47,7 @@ from lsmini.ops.attention_softmax import attention_softmax_ref
 from lsmini.ops.checks import (check_causal_and_dropout, check_floating, check_key_padding_mask, check_same_device,
                                check_tensor)
 from lsmini.ops.dropout import keep_mask
+from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, state_rng
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -144,6 +148,58 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+@torch.library.custom_op("lsmini::attention", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+def attention_op(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool, p: float,
+                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, lse, dropout state): out [b, h, lq, d] as the transposed view of a contiguous [b, lq, h, d]
+    buffer, lse float32 [b, h, lq]."""
+    rng, state = draw_dropout_state(p, q.device)
+    out, lse = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng)
+    return out, lse, state
+
+
+@attention_op.register_fake
+def _(q, k, v, key_padding_mask, causal, p, scale):
+    b, h, lq, d = q.shape
+    out = q.new_empty((b, lq, h, d)).transpose(1, 2)
+    return out, q.new_empty((b, h, lq), dtype=torch.float32), fake_dropout_state(q)
+
+
+@torch.library.custom_op("lsmini::attention_backward", mutates_args=(), device_types="cuda")
+def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          key_padding_mask: Tensor | None, state: Tensor, causal: bool, p: float,
+                          scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), contiguous, shaped like q, k, v; the dropout mask regenerated from the forward's state."""
+    if dout.stride(-1) != 1:  # e.g. the all-zero-stride gradient of out.sum()
+        dout = dout.contiguous()
+    dq, dk, dv = _backend.ext().attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, p, scale,
+                                              state_rng(state, p))
+    return dq, dk, dv
+
+
+@attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, key_padding_mask, state, causal, p, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, key_padding_mask, causal, p, scale = inputs
+    out, lse, state = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, state)
+    ctx.causal, ctx.p, ctx.scale = causal, p, scale
+
+
+def _attention_backward(ctx, dout, _grad_lse, _grad_state):
+    q, k, v, out, lse, key_padding_mask, state = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, key_padding_mask, state, ctx.causal, ctx.p,
+                                       ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+
+
 def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
     name = "attention"
     for arg, t in (("q", q), ("k", k), ("v", v)):
@@ -192,5 +248,8 @@ def attention(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, train
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     empty = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] == 0  # nothing for a kernel to do
     if not empty and fused_attention_supported(q.dtype, d) and _backend.use_kernels(q, k, v, key_padding_mask):
+        if torch.compiler.is_compiling():
+            out, _, _ = attention_op(q, k, v, key_padding_mask, causal, p, scale)
+            return out
         return AttentionFunction.apply(q, k, v, key_padding_mask, causal, p, scale)
     return attention_ref(q, k, v, key_padding_mask, causal, p, training, scale)

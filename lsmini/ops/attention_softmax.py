@@ -21,12 +21,17 @@ graph and every replay draws a fresh mask.
 The CUDA kernel covers float32/float16/bfloat16 (fp32 math) and k_len ≤ 16384
 (``lsmini.limits.ATTENTION_SOFTMAX_MAX_KEYS``, on every backend); other dtypes (e.g. float64) and non-CUDA
 tensors run ``attention_softmax_ref``.
+
+While torch.compile traces the op, the kernels run through the custom operators
+``lsmini::attention_softmax`` / ``lsmini::attention_softmax_backward`` instead of the autograd Function.
 """
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_causal_and_dropout, check_floating, check_key_padding_mask, check_tensor
+from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, state_rng
 
 
 def attention_mask_ref(batch, q_len, k_len, key_padding_mask=None, causal=False, device=None):
@@ -78,6 +83,51 @@ class AttentionSoftmaxFunction(torch.autograd.Function):
         return grad, None, None, None
 
 
+@torch.library.custom_op("lsmini::attention_softmax", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+def attention_softmax_op(scores: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                         p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(probs, softmax, dropout state) for scores [batch, heads, q_len, k_len]: probs and, when p > 0, the
+    pre-dropout softmax, both contiguous like scores. With p == 0 the two are one tensor, which an
+    operator may not return twice: softmax is then an empty tensor (backward reads probs instead)."""
+    rng, state = draw_dropout_state(p, scores.device)
+    probs, softmax = _backend.ext().attention_softmax_fwd(scores, key_padding_mask, causal, p, rng)
+    return probs, softmax if p > 0 else softmax.new_empty((0,)), state
+
+
+@attention_softmax_op.register_fake
+def _(scores, key_padding_mask, causal, p):
+    softmax = scores.new_empty(scores.shape if p > 0 else (0,))
+    return scores.new_empty(scores.shape), softmax, fake_dropout_state(scores)
+
+
+@torch.library.custom_op("lsmini::attention_softmax_backward", mutates_args=(), device_types="cuda")
+def attention_softmax_backward_op(grad_probs: Tensor, softmax: Tensor, state: Tensor, p: float) -> Tensor:
+    """grad_scores (contiguous, like softmax) from grad_probs, the pre-dropout softmax and the forward's
+    dropout state."""
+    return _backend.ext().attention_softmax_bwd(grad_probs, softmax, p, state_rng(state, p), False)
+
+
+@attention_softmax_backward_op.register_fake
+def _(grad_probs, softmax, state, p):
+    return softmax.new_empty(softmax.shape)
+
+
+def _attention_softmax_setup_context(ctx, inputs, output):
+    p = inputs[3]
+    probs, softmax, state = output
+    ctx.mark_non_differentiable(softmax)
+    ctx.save_for_backward(softmax if p > 0 else probs, state)
+    ctx.p = p
+
+
+def _attention_softmax_backward(ctx, grad_probs, _grad_softmax, _grad_state):
+    softmax, state = ctx.saved_tensors
+    return attention_softmax_backward_op(grad_probs, softmax, state, ctx.p), None, None, None
+
+
+attention_softmax_op.register_autograd(_attention_softmax_backward, setup_context=_attention_softmax_setup_context)
+
+
 def _check_args(scores, key_padding_mask, causal, dropout_p):
     name = "attention_softmax"
     check_tensor(name, "scores", scores)
@@ -104,5 +154,8 @@ def attention_softmax(scores, key_padding_mask=None, causal=False, dropout_p=0.0
     _check_args(scores, key_padding_mask, causal, dropout_p)
     p = float(dropout_p) if training else 0.0
     if scores.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(scores, key_padding_mask):
+        if torch.compiler.is_compiling():
+            probs, _, _ = attention_softmax_op(scores, key_padding_mask, causal, p)
+            return probs
         return AttentionSoftmaxFunction.apply(scores, key_padding_mask, causal, p)
     return attention_softmax_ref(scores, key_padding_mask, causal, p, training)

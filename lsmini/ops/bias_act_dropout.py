@@ -25,13 +25,18 @@ returned in bias's dtype).
   built on (forward returns its saved state, backward takes it; kernels or reference). The forward can
   replay an earlier call (same dropout mask) to recompute an output instead of keeping it; for relu,
   ``relu_output_saved`` lets the backward read the derivative off the forward's output instead.
+- ``lsmini::bias_act_dropout`` / ``lsmini::bias_act_dropout_backward`` (``bias_act_dropout_op``,
+  ``bias_act_dropout_backward_op``): the kernel path as custom operators, which ``bias_act_dropout``
+  calls while torch.compile traces it.
 """
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_bias, check_dropout_p, check_x
 from lsmini.ops.dropout import dropout_ref, keep_mask
+from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, optional_outputs, state_rng
 from lsmini.ops.reference_grads import reference_grads
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -126,6 +131,49 @@ class BiasActDropoutFunction(torch.autograd.Function):
         return grad_x, grad_bias, None, None
 
 
+@torch.library.custom_op("lsmini::bias_act_dropout", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+def bias_act_dropout_op(x: Tensor, bias: Tensor | None, activation: str, p: float) -> tuple[Tensor, Tensor]:
+    """(out [rows, hidden] contiguous like x, dropout state) for x [rows, hidden]."""
+    rng, state = draw_dropout_state(p, x.device)
+    return _backend.ext().bias_act_dropout_fwd(x, bias, activation, p, rng), state
+
+
+@bias_act_dropout_op.register_fake
+def _(x, bias, activation, p):
+    return x.new_empty(x.shape), fake_dropout_state(x)
+
+
+@torch.library.custom_op("lsmini::bias_act_dropout_backward", mutates_args=(), device_types="cuda")
+def bias_act_dropout_backward_op(grad: Tensor, x: Tensor, bias: Tensor | None, state: Tensor, activation: str,
+                                 p: float) -> list[Tensor]:
+    """[grad_x [rows, hidden] contiguous like x, grad_bias [hidden] in bias's dtype (only when bias is
+    given)]; act' recomputed from x + bias, the dropout mask regenerated from the forward's state."""
+    grad_x, grad_bias = _backend.ext().bias_act_dropout_bwd(grad, x, bias, activation, p, state_rng(state, p))
+    return [grad_x] if grad_bias is None else [grad_x, grad_bias]
+
+
+@bias_act_dropout_backward_op.register_fake
+def _(grad, x, bias, state, activation, p):
+    return [grad.new_empty(grad.shape)] + ([] if bias is None else [bias.new_empty(bias.shape)])
+
+
+def _bias_act_dropout_setup_context(ctx, inputs, output):
+    x, bias, activation, p = inputs
+    ctx.save_for_backward(x, bias, output[1])
+    ctx.activation, ctx.p = activation, p
+
+
+def _bias_act_dropout_backward(ctx, grad, _grad_state):
+    x, bias, state = ctx.saved_tensors
+    # bias goes in even when frozen: act' needs x + bias.
+    grads = bias_act_dropout_backward_op(grad, x, bias, state, ctx.activation, ctx.p)
+    grad_x, grad_bias = optional_outputs(grads, True, bias is not None)
+    return grad_x, grad_bias if ctx.needs_input_grad[1] else None, None, None
+
+
+bias_act_dropout_op.register_autograd(_bias_act_dropout_backward, setup_context=_bias_act_dropout_setup_context)
+
+
 def _check_args(x, bias, activation, dropout_p):
     op = "bias_act_dropout"
     check_x(op, x)
@@ -149,5 +197,8 @@ def bias_act_dropout(x, bias, activation="relu", dropout_p=0.0, training=True):
     _check_args(x, bias, activation, dropout_p)
     p = float(dropout_p) if training else 0.0
     if x.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(x, bias):
+        if torch.compiler.is_compiling():
+            out, _ = bias_act_dropout_op(x.reshape(-1, x.shape[-1]).contiguous(), bias, activation, p)
+            return out.view(x.shape)
         return BiasActDropoutFunction.apply(x, bias, activation, p)
     return bias_act_dropout_ref(x, bias, activation, p, bool(training))

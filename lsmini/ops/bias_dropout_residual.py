@@ -23,12 +23,17 @@ accumulation, returned in bias's dtype); grad_residual = grad_out (the same tens
 - ``bias_dropout_residual_fwd`` / ``bias_dropout_residual_bwd``: the primitives a layer's hand-written
   backward is built on (forward returns its saved state, backward takes it; kernels or reference), and
   ``bias_grad``: a bias gradient (fp32 column sums) on its own, from this op's backward kernel.
+- ``lsmini::bias_dropout_residual`` / ``lsmini::bias_dropout_residual_backward``
+  (``bias_dropout_residual_op``, ``bias_dropout_residual_backward_op``): the kernel path as custom
+  operators, which ``bias_dropout_residual`` calls while torch.compile traces it.
 """
 import torch
+from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_bias, check_dropout_p, check_same_device, check_tensor, check_x
 from lsmini.ops.dropout import dropout_ref, keep_mask
+from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, optional_outputs, state_rng
 
 
 def bias_dropout_residual_ref(x, bias, residual, dropout_p=0.0, training=True, mask=None):
@@ -105,6 +110,61 @@ class BiasDropoutResidualFunction(torch.autograd.Function):
         return grad_x, grad_bias, grad, None
 
 
+@torch.library.custom_op("lsmini::bias_dropout_residual", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+def bias_dropout_residual_op(x: Tensor, bias: Tensor | None, residual: Tensor, p: float) -> tuple[Tensor, Tensor]:
+    """(out [rows, hidden] contiguous like x, dropout state) for x, residual [rows, hidden]."""
+    rng, state = draw_dropout_state(p, x.device)
+    return _backend.ext().bias_dropout_residual_fwd(x, bias, residual, p, rng), state
+
+
+@bias_dropout_residual_op.register_fake
+def _(x, bias, residual, p):
+    return x.new_empty(x.shape), fake_dropout_state(x)
+
+
+@torch.library.custom_op("lsmini::bias_dropout_residual_backward", mutates_args=(), device_types="cuda")
+def bias_dropout_residual_backward_op(grad: Tensor, state: Tensor, p: float,
+                                      bias_dtype: torch.dtype | None) -> list[Tensor]:
+    """[grad_x (only when p > 0), grad_bias [hidden] in bias_dtype (only when bias_dtype is given)] from
+    grad [rows, hidden]. With p == 0 grad_x is grad itself, which an operator may not return: the caller
+    takes grad."""
+    grad_x, grad_bias = _backend.ext().bias_dropout_residual_bwd(grad, p, state_rng(state, p), bias_dtype is not None,
+                                                                 bias_dtype)
+    return ([grad_x] if p > 0 else []) + ([grad_bias] if grad_bias is not None else [])
+
+
+@bias_dropout_residual_backward_op.register_fake
+def _(grad, state, p, bias_dtype):
+    grads = [grad.new_empty(grad.shape)] if p > 0 else []
+    if bias_dtype is not None:
+        grads.append(grad.new_empty(grad.shape[1:], dtype=bias_dtype))
+    return grads
+
+
+def _bias_dropout_residual_setup_context(ctx, inputs, output):
+    _, bias, _, p = inputs
+    ctx.save_for_backward(output[1])
+    ctx.p = p
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _bias_dropout_residual_backward(ctx, grad, _grad_state):
+    (state,) = ctx.saved_tensors
+    want_x, bias_dtype = ctx.needs_input_grad[0], ctx.bias_dtype if ctx.needs_input_grad[1] else None
+    grad_x = grad if want_x and ctx.p == 0 else None  # without dropout the gradient passes through
+    grad_bias = None
+    if (want_x and ctx.p > 0) or bias_dtype is not None:
+        grads = bias_dropout_residual_backward_op(grad, state, ctx.p, bias_dtype)
+        dropped, grad_bias = optional_outputs(grads, ctx.p > 0, bias_dtype is not None)
+        if want_x and ctx.p > 0:
+            grad_x = dropped
+    return grad_x, grad_bias, grad, None
+
+
+bias_dropout_residual_op.register_autograd(_bias_dropout_residual_backward,
+                                           setup_context=_bias_dropout_residual_setup_context)
+
+
 def _check_args(x, bias, residual, dropout_p):
     op = "bias_dropout_residual"
     check_x(op, x)
@@ -128,5 +188,9 @@ def bias_dropout_residual(x, bias, residual, dropout_p=0.0, training=True):
     _check_args(x, bias, residual, dropout_p)
     p = float(dropout_p) if training else 0.0
     if x.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(x, bias, residual):
+        if torch.compiler.is_compiling():
+            hidden = x.shape[-1]
+            out, _ = bias_dropout_residual_op(x.reshape(-1, hidden), bias, residual.reshape(-1, hidden), p)
+            return out.view(x.shape)
         return BiasDropoutResidualFunction.apply(x, bias, residual, p)
     return bias_dropout_residual_ref(x, bias, residual, p, bool(training))

@@ -23,10 +23,15 @@ CUDA kernel (float32/float16/bfloat16 logits, fp32 math): the forward streams ea
 online log-sum-exp and never writes log-probabilities; it saves only lse [N] (fp32) for backward. The
 backward reads the logits once and writes (softmax − smoothed one-hot)·grad once — into the logits'
 own storage with ``inplace_backward=True``.
+
+While torch.compile traces the op, the kernels run through the custom operators
+``lsmini::cross_entropy`` / ``lsmini::cross_entropy_backward`` (per-row losses; the reduction is traced
+around them) instead of the autograd Function.
 """
 import numbers
 
 import torch
+from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lsmini import _backend, limits
@@ -116,6 +121,62 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad.view(ctx.logits_shape), None, None, None, None, None
 
 
+@torch.library.custom_op("lsmini::cross_entropy", mutates_args=(), device_types="cuda")
+def cross_entropy_op(logits: Tensor, target: Tensor, label_smoothing: float,
+                     ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss_rows, nll_rows, lse), each float32 [rows], for logits [rows, vocab] and target int64 [rows]."""
+    loss_rows, nll_rows, lse = _backend.ext().cross_entropy_fwd(logits, target, label_smoothing, ignore_index)
+    return loss_rows, nll_rows, lse
+
+
+@cross_entropy_op.register_fake
+def _(logits, target, label_smoothing, ignore_index):
+    rows = logits.shape[0]
+    return tuple(logits.new_empty((rows,), dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("lsmini::cross_entropy_backward", mutates_args=(), device_types="cuda")
+def cross_entropy_backward_op(grad_rows: Tensor, logits: Tensor, target: Tensor, lse: Tensor, label_smoothing: float,
+                              ignore_index: int) -> Tensor:
+    """grad_logits [rows, vocab] (fresh, contiguous, logits' dtype) from the float32 gradient of loss_rows.
+    Always out of place: writing into the logits would mutate an input."""
+    return _backend.ext().cross_entropy_bwd(grad_rows, logits, target, lse, label_smoothing, ignore_index, False)
+
+
+@cross_entropy_backward_op.register_fake
+def _(grad_rows, logits, target, lse, label_smoothing, ignore_index):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup_context(ctx, inputs, output):
+    logits, target, label_smoothing, ignore_index = inputs
+    _, nll_rows, lse = output
+    ctx.mark_non_differentiable(nll_rows, lse)
+    ctx.save_for_backward(logits, target, lse)
+    ctx.label_smoothing, ctx.ignore_index = label_smoothing, ignore_index
+
+
+def _cross_entropy_backward(ctx, grad_loss_rows, _grad_nll_rows, _grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    grad = cross_entropy_backward_op(grad_loss_rows.float(), logits, target, lse, ctx.label_smoothing,
+                                     ctx.ignore_index)
+    return grad, None, None, None
+
+
+cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup_context)
+
+
+def _cross_entropy_traced(logits, target, label_smoothing, ignore_index, reduction):
+    """(loss, nll) through the custom operators, for torch.compile; the reduction is traced, so the
+    compiler sees (and may fuse) it."""
+    vocab = logits.shape[-1]
+    target1d = target.reshape(-1)
+    loss_rows, nll_rows, _ = cross_entropy_op(logits.reshape(-1, vocab), target1d, label_smoothing, ignore_index)
+    count = (target1d != ignore_index).sum() if reduction == "mean" else None
+    return (_reduce(loss_rows, count, reduction, target.shape),
+            _reduce(nll_rows.detach(), count, reduction, target.shape))
+
+
 def _check_args(logits, target, label_smoothing, ignore_index, reduction):
     op = "cross_entropy"
     check_tensor(op, "logits", logits)
@@ -143,9 +204,11 @@ def _check_args(logits, target, label_smoothing, ignore_index, reduction):
 
 def _check_target_values(target, vocab, ignore_index):
     """Raise when a target is outside [0, vocab) and not ignore_index. Costs one device→host sync, so it
-    skips itself while the current CUDA stream is capturing a graph (a sync would abort the capture;
-    replays are not checked, and a bad target gives a NaN loss row there, never an out-of-bounds read)."""
-    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+    skips itself while torch.compile traces the op (the sync would break the graph) and while the
+    current CUDA stream is capturing a graph (it would abort the capture). Those calls are not checked: a
+    bad target gives a NaN loss row there (on the CPU reference path, gather's index error), never an
+    out-of-bounds read."""
+    if torch.compiler.is_compiling() or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bool(bad.any()):
@@ -169,10 +232,12 @@ def cross_entropy(logits, target, label_smoothing=0.0, ignore_index=-100, reduct
         inplace_backward: the CUDA backward writes the logits' gradient into the logits' own storage
             (saves one [N, V] buffer). Only when nothing else needs the logits after this loss (their
             producer's backward must not use them) and they are contiguous (otherwise the internal
-            contiguous copy is overwritten instead); the graph cannot be backpropagated twice.
+            contiguous copy is overwritten instead); the graph cannot be backpropagated twice. Ignored
+            while torch.compile traces the op: the custom operator it runs then may not write into its input.
         check_targets: validate target values (one device→host sync). Set False on the training hot
             path once the data is known to be valid: an out-of-range target then gives a NaN loss row
-            (and NaN gradient row) instead of an error — never an out-of-bounds read.
+            (and NaN gradient row) instead of an error — never an out-of-bounds read. Not checked while
+            torch.compile traces the op, nor during a CUDA graph capture (no sync is possible there).
 
     Returns:
         loss (float32; float64 for float64 logits): 0-d for "mean"/"sum", target's shape for "none";
@@ -182,6 +247,9 @@ def cross_entropy(logits, target, label_smoothing=0.0, ignore_index=-100, reduct
     if check_targets:
         _check_target_values(target, logits.shape[-1], ignore_index)
     if logits.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(logits, target):
+        if torch.compiler.is_compiling():
+            loss, nll = _cross_entropy_traced(logits, target, float(label_smoothing), int(ignore_index), reduction)
+            return (loss, nll) if return_nll else loss
         loss, nll = CrossEntropyFunction.apply(logits, target, float(label_smoothing), int(ignore_index), reduction,
                                                bool(inplace_backward))
         return (loss, nll) if return_nll else loss

@@ -22,14 +22,18 @@ and every replay draws a fresh mask.
 - ``embedding_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
 - ``EmbeddingFunction``: autograd over the kernels.
 - ``sinusoidal_positions``: the fixed positional table; ``check_token_range``: the id range check.
+- ``lsmini::embedding`` / ``lsmini::embedding_backward`` (``embedding_op``, ``embedding_backward_op``): the
+  kernel path as custom operators, which ``embedding`` calls while torch.compile traces it.
 """
 import math
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_dropout_p, check_floating, check_same_device, check_tensor
+from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, optional_outputs, state_rng
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
 
@@ -96,6 +100,60 @@ class EmbeddingFunction(torch.autograd.Function):
         return None, grad_weight, grad_pos, None, None, None, None
 
 
+@torch.library.custom_op("lsmini::embedding", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+def embedding_op(tokens: Tensor, weight: Tensor, pos_table: Tensor, scale: float, padding_idx: int, step: int,
+                 dropout_p: float) -> tuple[Tensor, Tensor]:
+    """(out [batch, len, hidden] contiguous in weight's dtype, dropout state); padding_idx -1 = none."""
+    rng, state = draw_dropout_state(dropout_p, weight.device)
+    out = _backend.ext().embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, rng)
+    return out, state
+
+
+@embedding_op.register_fake
+def _(tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
+    batch, length = tokens.shape
+    return weight.new_empty((batch, length, weight.shape[1])), fake_dropout_state(weight)
+
+
+@torch.library.custom_op("lsmini::embedding_backward", mutates_args=(), device_types="cuda")
+def embedding_backward_op(grad_out: Tensor, tokens: Tensor, state: Tensor, vocab: int, max_positions: int,
+                          need_weight_grad: bool, need_pos_grad: bool, scale: float, padding_idx: int, step: int,
+                          dropout_p: float) -> list[Tensor]:
+    """[grad_weight [vocab, hidden] (when need_weight_grad), grad_pos [max_positions, hidden] (when
+    need_pos_grad)], in grad_out's dtype; the dropout mask regenerated from the forward's state."""
+    grad_weight, grad_pos = _backend.ext().embedding_bwd(grad_out, tokens, vocab, max_positions, need_weight_grad,
+                                                         need_pos_grad, scale, padding_idx, step, dropout_p,
+                                                         state_rng(state, dropout_p))
+    return [g for g in (grad_weight, grad_pos) if g is not None]
+
+
+@embedding_backward_op.register_fake
+def _(grad_out, tokens, state, vocab, max_positions, need_weight_grad, need_pos_grad, scale, padding_idx, step,
+      dropout_p):
+    hidden = grad_out.shape[2]
+    rows = ([vocab] if need_weight_grad else []) + ([max_positions] if need_pos_grad else [])
+    return [grad_out.new_empty((n, hidden)) for n in rows]
+
+
+def _embedding_setup_context(ctx, inputs, output):
+    tokens, weight, pos_table, scale, padding_idx, step, dropout_p = inputs
+    ctx.save_for_backward(tokens, output[1])
+    ctx.args = (weight.shape[0], pos_table.shape[0], scale, padding_idx, step, dropout_p)
+
+
+def _embedding_backward(ctx, grad_out, _grad_state):
+    tokens, state = ctx.saved_tensors
+    vocab, max_positions, scale, padding_idx, step, dropout_p = ctx.args
+    need_weight, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    grads = embedding_backward_op(grad_out, tokens, state, vocab, max_positions, need_weight, need_pos, scale,
+                                  padding_idx, step, dropout_p)
+    grad_weight, grad_pos = optional_outputs(grads, need_weight, need_pos)
+    return None, grad_weight, grad_pos, None, None, None, None
+
+
+embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
+
+
 def _check_args(tokens, weight, pos_table, step, dropout_p, learned_positions):
     op = "embedding"
     check_tensor(op, "tokens", tokens)
@@ -132,9 +190,11 @@ def _check_args(tokens, weight, pos_table, step, dropout_p, learned_positions):
 
 def check_token_range(tokens, vocab):
     """Raise ValueError when a token id is outside [0, vocab). Costs one host-device sync, so it skips
-    itself while the current CUDA stream is capturing a graph (a sync would abort the capture; replays
-    are not checked, and bad ids give zero rows there, never an out-of-bounds read)."""
-    if tokens.numel() == 0 or (tokens.is_cuda and torch.cuda.is_current_stream_capturing()):
+    itself while torch.compile traces it (the sync would break the graph) and while the current CUDA
+    stream is capturing a graph (it would abort the capture). Those calls are not checked: bad ids give
+    zero rows there (on the CPU reference path, the lookup's index error), never an out-of-bounds read."""
+    if (tokens.numel() == 0 or torch.compiler.is_compiling()
+            or (tokens.is_cuda and torch.cuda.is_current_stream_capturing())):
         return
     lo, hi = (int(v) for v in torch.stack([tokens.min(), tokens.max()]).tolist())
     if lo < 0 or hi >= vocab:
@@ -161,7 +221,8 @@ def embedding(tokens, weight, pos_table, scale=None, padding_idx=None, step=0, d
             without anyone asking).
         check_tokens: validate the id range (one host sync); turn off in a hot loop once the data is
             known to be clean. Unchecked bad ids never touch memory out of bounds: the kernel gives
-            their rows zeros and no gradient.
+            their rows zeros and no gradient. Not checked while torch.compile traces the op, nor during
+            a CUDA graph capture (no sync is possible there).
 
     Returns: [batch, len, hidden] in weight's dtype.
     """
@@ -180,5 +241,8 @@ def embedding(tokens, weight, pos_table, scale=None, padding_idx=None, step=0, d
             pos_table, step_k = pos_table[step:step + tokens.shape[1]].to(weight.dtype), 0
         else:
             step_k = step
+        if torch.compiler.is_compiling():
+            out, _ = embedding_op(tokens, weight, pos_table, scale, pad, step_k, p)
+            return out
         return EmbeddingFunction.apply(tokens, weight, pos_table, scale, pad, step_k, p)
     return embedding_ref(tokens, weight, pos_table, scale, pad if pad >= 0 else None, step, p, True)

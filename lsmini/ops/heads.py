@@ -21,11 +21,17 @@ merge_heads — the inverse layout for the attention output:
 
 The CUDA kernels take float32/float16/bfloat16 (bias float32 or x's dtype); without a bias both ops
 move the data bit-exactly.
+
+While torch.compile traces them, the ops run the kernels through the custom operators
+``lsmini::split_heads`` / ``lsmini::split_heads_backward`` and ``lsmini::merge_heads`` /
+``lsmini::merge_heads_backward`` instead of the autograd Functions.
 """
 import torch
+from torch import Tensor
 
 from lsmini import _backend
 from lsmini.ops.checks import check_floating, check_last_dim_vector, check_same_device, check_tensor
+from lsmini.ops.library import optional_outputs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,6 +123,90 @@ class MergeHeadsFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Custom operators over the CUDA kernels (what torch.compile traces)
+# ----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("lsmini::split_heads", mutates_args=(), device_types="cuda")
+def split_heads_op(x: Tensor, bias: Tensor | None, num_heads: int, parts: int) -> Tensor:
+    """x [batch, len, parts·hidden] → one contiguous [parts, batch, num_heads, len, head_dim] tensor (the
+    public op unbinds it)."""
+    return _backend.ext().split_heads_fwd(x, bias, num_heads, parts)
+
+
+@split_heads_op.register_fake
+def _(x, bias, num_heads, parts):
+    batch, length, width = x.shape
+    return x.new_empty((parts, batch, num_heads, length, width // (parts * num_heads)))
+
+
+@torch.library.custom_op("lsmini::split_heads_backward", mutates_args=(), device_types="cuda")
+def split_heads_backward_op(grad: Tensor, has_bias: bool, bias_fp32: bool) -> list[Tensor]:
+    """grad [parts, batch, num_heads, len, head_dim] → [grad_x [batch, len, parts·hidden], grad_bias
+    [parts·hidden] (only when has_bias; float32 when bias_fp32, else grad's dtype)]."""
+    grad_x, grad_bias = _backend.ext().split_heads_bwd(grad, has_bias, bias_fp32)
+    return [grad_x] if grad_bias is None else [grad_x, grad_bias]
+
+
+@split_heads_backward_op.register_fake
+def _(grad, has_bias, bias_fp32):
+    parts, batch, num_heads, length, head_dim = grad.shape
+    width = parts * num_heads * head_dim
+    grads = [grad.new_empty((batch, length, width))]
+    if has_bias:
+        grads.append(grad.new_empty((width,), dtype=torch.float32 if bias_fp32 else grad.dtype))
+    return grads
+
+
+def _split_heads_setup_context(ctx, inputs, output):
+    _, bias, _, _ = inputs
+    ctx.has_bias = bias is not None
+    ctx.bias_fp32 = bias is not None and bias.dtype == torch.float32
+
+
+def _split_heads_backward(ctx, grad):
+    want_bias = ctx.has_bias and ctx.needs_input_grad[1]
+    grad_x, grad_bias = optional_outputs(split_heads_backward_op(grad, want_bias, ctx.bias_fp32), True, want_bias)
+    return grad_x, grad_bias, None, None
+
+
+split_heads_op.register_autograd(_split_heads_backward, setup_context=_split_heads_setup_context)
+
+
+@torch.library.custom_op("lsmini::merge_heads", mutates_args=(), device_types="cuda")
+def merge_heads_op(x: Tensor) -> Tensor:
+    """x [batch, num_heads, len, head_dim] (any strides) → contiguous [batch, len, num_heads·head_dim]."""
+    return _backend.ext().merge_heads_fwd(x)
+
+
+@merge_heads_op.register_fake
+def _(x):
+    batch, num_heads, length, head_dim = x.shape
+    return x.new_empty((batch, length, num_heads * head_dim))
+
+
+@torch.library.custom_op("lsmini::merge_heads_backward", mutates_args=(), device_types="cuda")
+def merge_heads_backward_op(grad: Tensor, num_heads: int) -> Tensor:
+    """grad [batch, len, num_heads·head_dim] → contiguous [batch, num_heads, len, head_dim]."""
+    return _backend.ext().merge_heads_bwd(grad, num_heads)
+
+
+@merge_heads_backward_op.register_fake
+def _(grad, num_heads):
+    batch, length, width = grad.shape
+    return grad.new_empty((batch, num_heads, length, width // num_heads))
+
+
+def _merge_heads_setup_context(ctx, inputs, output):
+    ctx.num_heads = inputs[0].shape[1]
+
+
+def _merge_heads_backward(ctx, grad):
+    return merge_heads_backward_op(grad, ctx.num_heads)
+
+
+merge_heads_op.register_autograd(_merge_heads_backward, setup_context=_merge_heads_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Public ops
 # ----------------------------------------------------------------------------------------------------
 def _check_positive_int(name, v, op):
@@ -157,6 +247,8 @@ def split_heads(x, bias, num_heads, parts=3):
     """
     _check_split_args(x, bias, num_heads, parts)
     if _backend.use_kernels(x, bias):
+        if torch.compiler.is_compiling():
+            return split_heads_op(x, bias, num_heads, parts).unbind(0)
         return SplitHeadsFunction.apply(x, bias, num_heads, parts)
     return split_heads_ref(x, bias, num_heads, parts)
 
@@ -173,5 +265,7 @@ def merge_heads(x):
     if x.dim() != 4:
         raise ValueError(f"{op}: x must be 4-D [batch, num_heads, len, head_dim], got shape {tuple(x.shape)}")
     if _backend.use_kernels(x):
+        if torch.compiler.is_compiling():
+            return merge_heads_op(x)
         return MergeHeadsFunction.apply(x)
     return merge_heads_ref(x)

@@ -13,11 +13,15 @@ fp32/fp16/bf16 inputs, with weight/bias in fp32 or in x's dtype, and saves per-r
 - ``layer_norm_fwd`` / ``layer_norm_bwd``: the primitives a layer's hand-written backward is built on:
   a forward that returns its saved state and a backward that takes it, on the kernels or on the
   reference, with optional output buffers and a fused gradient add (the residual path).
+- ``lsmini::layer_norm`` / ``lsmini::layer_norm_backward`` (``layer_norm_op``, ``layer_norm_backward_op``):
+  the kernel path as custom operators, which ``layer_norm`` calls while torch.compile traces it.
 """
 import torch
+from torch import Tensor
 
 from lsmini import _backend
 from lsmini.ops.checks import check_last_dim_vector, check_param_dtype, check_same_device, check_tensor, check_x
+from lsmini.ops.library import optional_outputs
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -79,6 +83,50 @@ class LayerNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), dw, db, None
 
 
+@torch.library.custom_op("lsmini::layer_norm", mutates_args=(), device_types="cuda")
+def layer_norm_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm of x [rows, hidden] → (y like x, contiguous; mean, rstd: float32 [rows])."""
+    y, mean, rstd = _backend.ext().layernorm_fwd(x, weight, bias, eps)
+    return y, mean, rstd
+
+
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    rows = x.shape[0]
+    return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("lsmini::layer_norm_backward", mutates_args=(), device_types="cuda")
+def layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
+                           rstd: Tensor) -> list[Tensor]:
+    """[dx, dweight (when weight is given), dbias (when bias is given)]: dx like x, contiguous; the
+    parameter gradients [hidden] in the parameters' dtype."""
+    dx, dweight, dbias = _backend.ext().layernorm_bwd(dy, x, weight, bias, mean, rstd)
+    return [g for g in (dx, dweight, dbias) if g is not None]
+
+
+@layer_norm_backward_op.register_fake
+def _(dy, x, weight, bias, mean, rstd):
+    return [x.new_empty(x.shape)] + [p.new_empty(p.shape) for p in (weight, bias) if p is not None]
+
+
+def _layer_norm_setup_context(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+
+
+def _layer_norm_backward(ctx, dy, _grad_mean, _grad_rstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    grads = layer_norm_backward_op(dy, x, weight, bias, mean, rstd)
+    dx, dweight, dbias = optional_outputs(grads, True, weight is not None, bias is not None)
+    return dx, dweight, dbias, None
+
+
+layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
+
+
 def _check_args(x, weight, bias):
     op = "layer_norm"
     check_x(op, x)
@@ -102,5 +150,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """
     _check_args(x, weight, bias)
     if _backend.use_kernels(x, weight, bias):
+        if torch.compiler.is_compiling():
+            y, _, _ = layer_norm_op(x.reshape(-1, x.shape[-1]), weight, bias, float(eps))
+            return y.view(x.shape)
         return LayerNormFunction.apply(x, weight, bias, float(eps))
     return layer_norm_ref(x, weight, bias, eps)
