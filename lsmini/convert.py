@@ -106,6 +106,15 @@ def _decoder_inputs(owner, module, tgt, memory, tgt_mask, memory_mask, tgt_key_p
     return y, pad, enc, enc_pad, unbatched
 
 
+def _encoder_call(module, run, src, mask_name, mask, src_key_padding_mask, is_causal):
+    """A torch encoder (layer or stack) call on lsmini's: run(x, padding_mask=, causal=) in lsmini's terms."""
+    owner = type(module).__name__
+    x, unbatched = _to_lsmini(owner, "src", src, module.batch_first, module.config)
+    causal = self_attention_is_causal(owner, mask_name, mask, "is_causal", is_causal, x.shape[1])
+    pad = _padding_mask(owner, "src_key_padding_mask", src_key_padding_mask, x, unbatched)
+    return _to_torch(run(x, padding_mask=pad, causal=causal), module.batch_first, unbatched)
+
+
 # ---- the replacements -------------------------------------------------------------------------------------------
 class ConvertedLayerNorm(LayerNorm):
     """lsmini.layers.LayerNorm in the place of a torch.nn.LayerNorm: same arguments, forward and state_dict
@@ -125,11 +134,7 @@ class ConvertedTransformerEncoderLayer(TransformerEncoderLayer):
         self.batch_first = batch_first
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
-        owner = type(self).__name__
-        x, unbatched = _to_lsmini(owner, "src", src, self.batch_first, self.config)
-        causal = self_attention_is_causal(owner, "src_mask", src_mask, "is_causal", is_causal, x.shape[1])
-        pad = _padding_mask(owner, "src_key_padding_mask", src_key_padding_mask, x, unbatched)
-        return _to_torch(super().forward(x, padding_mask=pad, causal=causal), self.batch_first, unbatched)
+        return _encoder_call(self, super().forward, src, "src_mask", src_mask, src_key_padding_mask, is_causal)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, batch_first={self.batch_first}"
@@ -151,11 +156,7 @@ class ConvertedTransformerEncoder(TransformerEncoder):
         self.enable_nested_tensor, self.mask_check = enable_nested_tensor, mask_check
 
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
-        owner = type(self).__name__
-        x, unbatched = _to_lsmini(owner, "src", src, self.batch_first, self.config)
-        causal = self_attention_is_causal(owner, "mask", mask, "is_causal", is_causal, x.shape[1])
-        pad = _padding_mask(owner, "src_key_padding_mask", src_key_padding_mask, x, unbatched)
-        return _to_torch(super().forward(x, padding_mask=pad, causal=causal), self.batch_first, unbatched)
+        return _encoder_call(self, super().forward, src, "mask", mask, src_key_padding_mask, is_causal)
 
     def extra_repr(self):
         return f"batch_first={self.batch_first}"

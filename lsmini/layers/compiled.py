@@ -29,6 +29,7 @@ from lsmini.ops.attention import attention_ref, fused_attention_supported
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual_ref
 from lsmini.ops.layernorm import layer_norm_ref
+from lsmini.ops.library import RANDOM_TAGS
 
 # The slots of one block's saved state, in csrc/layers/layer.cpp's order (its enum Slot).
 (INPUT, NORM_X, MEAN, RSTD, CORE_INPUT, PROJECTION, HIDDEN, CONTEXT, LSE, KEYS, VALUES, MASK) = range(12)
@@ -110,8 +111,7 @@ def _layout_of(o, x, key_padding_mask, encoder_padding_mask, cached=True):
 
 
 # The options travel as plain arguments (a custom operator takes tensors and scalars only); kinds joined by ",".
-@torch.library.custom_op("lsmini::layer", mutates_args=(), device_types="cuda",
-                         tags=(torch.Tag.nondeterministic_seeded,))
+@torch.library.custom_op("lsmini::layer", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
 def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
              encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None, params: list[torch.Tensor],
              kinds: str, hidden: int, ffn: int, heads: int, scale: float, eps: float, pre_ln: bool, activation: str,
