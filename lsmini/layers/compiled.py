@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lsmini import _backend
+from lsmini.layers.blocks import heads_of
 from lsmini.layers.spec import PARAMS_PER_BLOCK, LayerOptions, scratch_numel
 from lsmini.ops.attention import attention_ref, fused_attention_supported
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
@@ -204,10 +205,6 @@ layer_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- the reference path: plain differentiable PyTorch ------------------------------------------------------
-def _heads(x2d, batch, length, heads, head_dim):
-    return x2d.view(batch, length, heads, head_dim).transpose(1, 2)
-
-
 def _reference_core(kind, x, p, o, batch, q_len, inputs):
     w_in, b_in, w_out = p[0], p[1], p[2]
     if kind == "ffn":
@@ -215,11 +212,11 @@ def _reference_core(kind, x, p, o, batch, q_len, inputs):
         return F.linear(hidden, w_out)
     projection = F.linear(x, w_in, b_in.to(x.dtype))
     if kind == "self":
-        q, k, v = (_heads(part, batch, q_len, o.heads, o.head_dim) for part in projection.chunk(3, dim=-1))
+        q, k, v = heads_of(projection, batch, q_len, 3, o.heads, o.head_dim)
         mask, causal = inputs["key_padding_mask"], o.causal
     else:
-        q, k, v = _heads(projection, batch, q_len, o.heads, o.head_dim), inputs["encoder_k"], inputs["encoder_v"]
-        mask, causal = inputs["encoder_padding_mask"], False
+        q = heads_of(projection, batch, q_len, 1, o.heads, o.head_dim)[0]
+        k, v, mask, causal = inputs["encoder_k"], inputs["encoder_v"], inputs["encoder_padding_mask"], False
     context = attention_ref(q, k, v, mask, causal, o.attn_dropout, o.training, o.scale)
     return F.linear(context.transpose(1, 2).reshape(batch * q_len, o.hidden), w_out)
 
