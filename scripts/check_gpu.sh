@@ -5,7 +5,10 @@
 #   scripts/check_gpu.sh [--sanitize] [--no-bench] [--bench-only PREFIX...] [-- PYTEST_ARGS...]
 #   (PYTEST_ARGS replace the default target `tests`)
 #
-#   --sanitize   also run the CUDA op tests under compute-sanitizer (memcheck); any error fails
+#   --sanitize   also run the CUDA op tests under compute-sanitizer (memcheck, racecheck, initcheck);
+#                any error fails; SANITIZE_TOOLS="memcheck ..." runs a subset. SANITIZE_NO_CACHING=1
+#                turns torch's caching allocator off for memcheck and initcheck, so that each tensor is
+#                its own allocation and an access just past its end is seen too (much slower).
 #   --no-bench   skip the benchmarks
 # Logs go to $LOG_DIR (default: $OUT when set, else ./gpu-logs).
 set -uo pipefail
@@ -50,10 +53,22 @@ if [ "$multi" -ne 0 ]; then echo "note: $multi multi-GPU test groups skipped ($(
 if [ "$skipped" -ne 0 ]; then echo "FAIL: $skipped test groups were skipped on a GPU machine"; fail=1; fi
 
 if [ "$SANITIZE" -eq 1 ]; then
-  echo "== compute-sanitizer (memcheck) on the CUDA op tests"
-  compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-    python -m pytest -q -m cuda -x "${PYTEST_ARGS[@]}" 2>&1 | tee "$LOG_DIR/sanitize.log" | tail -30
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SANITIZER FAILED"; fail=1; }
+  OP_TESTS=(tests/test_layernorm.py tests/test_embedding.py tests/test_attention_softmax.py tests/test_attention.py
+            tests/test_bias_dropout_residual.py tests/test_bias_act_dropout.py tests/test_heads.py
+            tests/test_cross_entropy.py tests/test_adam.py tests/test_dropout_graph.py)
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
+    echo "== compute-sanitizer --tool $tool on the CUDA op tests"
+    envs=()  # torch checks only whether the variable is set
+    [ "${SANITIZE_NO_CACHING:-0}" = 1 ] && [ "$tool" != racecheck ] && envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
+    start=$(date +%s)
+    # Only lsmini's kernels are checked (--kernel-name): under racecheck torch's own reductions, which the
+    # tests' references run, report shared-memory hazards of their own, and checking them costs time.
+    env "${envs[@]}" compute-sanitizer --tool "$tool" --kernel-name kns=lsmini --error-exitcode 99 \
+      --print-limit 20 python -m pytest -q -m cuda -x -p no:cacheprovider "${OP_TESTS[@]}" 2>&1 \
+      | tee "$LOG_DIR/sanitize_$tool.log" | tail -4
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "SANITIZER ($tool) FAILED"; fail=1; }
+    echo "$tool: $(( $(date +%s) - start )) s"
+  done
 fi
 
 if [ "$BENCH" -eq 1 ]; then

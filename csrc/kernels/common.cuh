@@ -50,7 +50,12 @@ template <typename T> struct Vec16 { static constexpr int value = 16 / sizeof(T)
 
 // Two-element conversions: one cvt instruction per pair on sm_80+ instead of one per element.
 __device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
-__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+// bf16 → fp32 is exact: the 16 bits become the high half of the float. Written as bit operations (one
+// instruction each) so the compiler sees conversions it may redo instead of keeping both floats live.
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) {
+  const uint32_t u = *reinterpret_cast<const uint32_t*>(&v);
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xFFFF0000u));
+}
 template <typename T> struct Pair;
 template <> struct Pair<__half> {
   using type = __half2;

@@ -112,7 +112,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t id = static_cast<int64_t>(tokens[row]);
   const bool counted = is_counted(id, vocab, padding_idx);
   const T* w = weight + (counted ? id : 0) * hidden;
-  const T* p = pos + (row % len) * hidden;
+  // Position of the row in its sequence. A 64-bit remainder is a long emulated sequence per thread (a
+  // visible share of this op's instruction budget); rows < 2^32 take the 32-bit one.
+  const int64_t at = rows <= int64_t(UINT32_MAX) ? int64_t(uint32_t(row) % uint32_t(len)) : row % len;
+  const T* p = pos + at * hidden;
   T* o = out + row * hidden;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * VEC; c < hidden; c += static_cast<int64_t>(blockDim.x) * VEC) {
     float v[VEC];

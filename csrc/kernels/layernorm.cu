@@ -261,6 +261,8 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
 }
 
 // dγ[col] = Σ_p part_g[p, col] (same for dβ). Block (32, 16): 32 columns, 16 partial rows at a time.
+// A few blocks walk a few hundred partial rows, so the sum is bound by load latency: unrolled, each
+// thread has four loads of each array in flight (the adds keep their order).
 template <typename W>
 __global__ void layernorm_bwd_reduce_kernel(const float* __restrict__ part_g, const float* __restrict__ part_b,
                                             int64_t parts, int hidden, W* __restrict__ dweight,
@@ -269,6 +271,7 @@ __global__ void layernorm_bwd_reduce_kernel(const float* __restrict__ part_g, co
   const int col = blockIdx.x * 32 + threadIdx.x;
   float g = 0.f, b = 0.f;
   if (col < hidden) {
+#pragma unroll 4
     for (int64_t p = threadIdx.y; p < parts; p += 16) {
       g += part_g[p * hidden + col];
       b += part_b[p * hidden + col];
