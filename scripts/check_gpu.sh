@@ -58,7 +58,7 @@ if [ "$SANITIZE" -eq 1 ]; then
             tests/test_cross_entropy.py tests/test_adam.py tests/test_dropout_graph.py)
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck}; do
     echo "== compute-sanitizer --tool $tool on the CUDA op tests"
-    envs=()  # torch checks only whether the variable is set
+    envs=()  # the variable is set only when wanted, never to 0
     [ "${SANITIZE_NO_CACHING:-0}" = 1 ] && [ "$tool" != racecheck ] && envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
     start=$(date +%s)
     # Only lsmini's kernels are checked (--kernel-name): under racecheck torch's own reductions, which the
