@@ -186,7 +186,8 @@ def test_kernel_fp32_params_with_low_precision_input(rows, hidden, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden", [(3, 7), (17, 33), (5, 1001), (2, 4097), (9, 12), (2, 20000)])
+@pytest.mark.parametrize("rows,hidden", [(3, 7), (17, 33), (5, 1001), (2, 4097), (9, 12), (2, 20000), (3, 9001),
+                                         (3, 20001)])
 def test_kernel_hidden_not_multiple_of_8(rows, hidden, dtype):
     _cuda_case(rows, hidden, dtype)
 
