@@ -9,6 +9,7 @@ from lsmini.graph import CUDAGraphStep
 from lsmini.layers import CrossEntropyLoss, TransformerConfig
 from lsmini.models import Transformer
 from lsmini.optim import FusedAdam, LossScaler
+from util import amp_train_step
 
 
 def test_arguments():
@@ -41,14 +42,7 @@ def _trainer(p, lr=1e-3, init_scale=2.0 ** 16, graph=False, seed=0, data_paralle
         from lsmini.distributed import GradientReducer
         GradientReducer(opt, bucket_mb=0.1)
 
-    def train_step(src, tgt_in, tgt_out):
-        loss = crit(model(src, tgt_in), tgt_out)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        return loss.detach()
-
+    train_step = amp_train_step(model, crit, opt, scaler)
     run = CUDAGraphStep(train_step, optimizers=[opt], warmup=2) if graph else train_step
 
     def step(*batch):

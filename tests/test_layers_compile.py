@@ -14,6 +14,7 @@ from lsmini.layers import (CrossEntropyLoss, TransformerConfig, TransformerDecod
                            TransformerEncoderLayer)
 from lsmini.layers.compiled import layer_backward_op, layer_op, saved_layout
 from lsmini.layers.spec import LayerOptions
+from util import amp_train_step
 
 
 @pytest.fixture(autouse=True)
@@ -274,15 +275,7 @@ def test_graph_step_with_host_checks_left_on():
     src = torch.randint(1, 50, (4, 9), device="cuda")
     tgt = torch.randint(1, 50, (4, 9), device="cuda")
 
-    def step(src, tgt_in, tgt_out):
-        loss = crit(model(src, tgt_in), tgt_out)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        return loss.detach()
-
-    graph_step = CUDAGraphStep(step, optimizers=[opt], warmup=2)
+    graph_step = CUDAGraphStep(amp_train_step(model, crit, opt, scaler), optimizers=[opt], warmup=2)
     losses = [graph_step(src, torch.roll(tgt, 1, 1), tgt).item() for _ in range(8)]
     assert graph_step.graph is not None
     assert losses[-1] < losses[0]

@@ -159,3 +159,17 @@ def attention_masks(b, q, k, kind, gen, device):
     if causal:
         masked |= ~torch.ones(q, k, dtype=torch.bool, device=device).tril(diagonal=k - q)
     return kpm, causal, (masked if kind != "none" else None)
+
+
+def amp_train_step(model, crit, opt, scaler):
+    """The training step the CUDA-graph tests capture: loss, scaled backward, optimizer and scaler
+    steps, gradients cleared; returns the detached loss."""
+    def step(src, tgt_in, tgt_out):
+        loss = crit(model(src, tgt_in), tgt_out)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
