@@ -20,10 +20,10 @@ Everything comes from a counter-based generator (splitmix64) seeded by an intege
 ``random``'s or numpy's algorithms (which may change between versions): the same seed gives the same
 corpus on every machine.
 
-Run ``python examples/builtin_data.py DIR`` to write the corpus files (train/valid/test .en/.zl and lm.*.txt).
+Run ``python examples/builtin_data.py DIR [--train-pairs N]`` to write the corpus files (train/valid/test
+.en/.zl and lm.*.txt); ``--train-pairs`` sizes the translation corpus (default 30000).
 """
 import os
-import sys
 
 MASK64 = (1 << 64) - 1
 
@@ -324,9 +324,24 @@ def write_lm_corpus(out_dir, splits=LM_SPLITS):
     return paths
 
 
+def translation_splits(train_pairs):
+    """The built-in task's splits with `train_pairs` training pairs (the same seeds: a larger corpus starts
+    with the smaller one's training pairs; its valid and test sets avoid all of them)."""
+    return tuple((name, train_pairs if name == "train" else count, seed) for name, count, seed in TRANSLATION_SPLITS)
+
+
 if __name__ == "__main__":
-    target = sys.argv[1] if len(sys.argv) > 1 else "builtin_data"
-    for split, files in write_translation_corpus(target).items():
+    import argparse
+    parser = argparse.ArgumentParser(description="Write the built-in corpus files.")
+    parser.add_argument("dir", nargs="?", default="builtin_data")
+    parser.add_argument("--train-pairs", type=int, default=TRANSLATION_SPLITS[0][1],
+                        help=f"training pairs of the translation corpus (default {TRANSLATION_SPLITS[0][1]})")
+    parser.add_argument("--no-lm", action="store_true", help="only the translation corpus")
+    args = parser.parse_args()
+    if args.train_pairs < 1:
+        parser.error(f"--train-pairs must be >= 1, got {args.train_pairs}")
+    for split, files in write_translation_corpus(args.dir, translation_splits(args.train_pairs)).items():
         print(split, *files)
-    for split, path in write_lm_corpus(target).items():
-        print(split, path)
+    if not args.no_lm:
+        for split, path in write_lm_corpus(args.dir).items():
+            print(split, path)

@@ -23,12 +23,17 @@ from training import batching, cli, run, tokenizer  # noqa: E402
 from training.data import DataError, encode_cached, read_lines  # noqa: E402
 from training.tokenizer import BOS, EOS, PAD  # noqa: E402
 
-# layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens
+# layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens; the least steps of a run
+# without --epochs/--max-steps (tiny: 3 epochs, sized for a CPU run)
 ARCHS = {
-    "tiny": dict(layers=2, hidden=128, heads=4, ffn=512, dropout=0.1, lr=2e-3, warmup=200, max_tokens=2048),
-    "small": dict(layers=6, hidden=512, heads=8, ffn=2048, dropout=0.1, lr=7e-4, warmup=2000, max_tokens=4096),
-    "base": dict(layers=12, hidden=768, heads=12, ffn=3072, dropout=0.1, lr=5e-4, warmup=4000, max_tokens=8192),
-    "big": dict(layers=24, hidden=1024, heads=16, ffn=4096, dropout=0.1, lr=3e-4, warmup=4000, max_tokens=8192),
+    "tiny": dict(layers=2, hidden=128, heads=4, ffn=512, dropout=0.1, lr=2e-3, warmup=200, max_tokens=2048,
+                 min_steps=0),
+    "small": dict(layers=6, hidden=512, heads=8, ffn=2048, dropout=0.1, lr=7e-4, warmup=2000, max_tokens=4096,
+                  min_steps=2000),
+    "base": dict(layers=12, hidden=768, heads=12, ffn=3072, dropout=0.1, lr=5e-4, warmup=4000, max_tokens=8192,
+                 min_steps=2000),
+    "big": dict(layers=24, hidden=1024, heads=16, ffn=4096, dropout=0.1, lr=3e-4, warmup=4000, max_tokens=8192,
+                min_steps=2000),
 }
 
 

@@ -29,12 +29,17 @@ from training import batching, cli, run, tokenizer  # noqa: E402
 from training.data import DataError, decode_lines, encode_cached, read_lines  # noqa: E402
 from training.tokenizer import BOS, EOS, PAD  # noqa: E402
 
-# encoder+decoder layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens
+# encoder+decoder layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens; the least
+# steps of a run without --epochs/--max-steps (tiny: 3 epochs, sized for a CPU run)
 ARCHS = {
-    "tiny": dict(layers=2, hidden=128, heads=4, ffn=512, dropout=0.1, lr=2e-3, warmup=200, max_tokens=2048),
-    "small": dict(layers=6, hidden=512, heads=4, ffn=1024, dropout=0.3, lr=5e-4, warmup=4000, max_tokens=4096),
-    "base": dict(layers=6, hidden=512, heads=8, ffn=2048, dropout=0.1, lr=7e-4, warmup=4000, max_tokens=4096),
-    "big": dict(layers=6, hidden=1024, heads=16, ffn=4096, dropout=0.3, lr=5e-4, warmup=4000, max_tokens=4096),
+    "tiny": dict(layers=2, hidden=128, heads=4, ffn=512, dropout=0.1, lr=2e-3, warmup=200, max_tokens=2048,
+                 min_steps=0),
+    "small": dict(layers=6, hidden=512, heads=4, ffn=1024, dropout=0.3, lr=5e-4, warmup=4000, max_tokens=4096,
+                  min_steps=2000),
+    "base": dict(layers=6, hidden=512, heads=8, ffn=2048, dropout=0.1, lr=7e-4, warmup=4000, max_tokens=4096,
+                 min_steps=2000),
+    "big": dict(layers=6, hidden=1024, heads=16, ffn=4096, dropout=0.3, lr=5e-4, warmup=4000, max_tokens=4096,
+                min_steps=2000),
 }
 
 

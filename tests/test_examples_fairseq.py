@@ -225,6 +225,42 @@ def test_checkpoint_files_and_validation_bleu(full_run):
     assert torch.allclose(avg["trainer"]["model"][k], expect)
 
 
+@pytest.mark.parametrize("links", [True, False])
+def test_copied_checkpoint_keeps_its_state_when_the_source_is_saved_again(tmp_path, monkeypatch, links):
+    from training.checkpoints import copy_checkpoint, save_checkpoint
+    if not links:  # a file system without hard links: a plain copy
+        monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError("no links here")))
+    last, best = str(tmp_path / "checkpoint_last.pt"), str(tmp_path / "checkpoint_best.pt")
+    save_checkpoint(last, {"step": 1})
+    copy_checkpoint(last, best)
+    save_checkpoint(last, {"step": 2})
+    copy_checkpoint(last, str(tmp_path / "checkpoint_2.pt"))
+    assert torch.load(best)["step"] == 1 and torch.load(last)["step"] == 2
+    assert torch.load(str(tmp_path / "checkpoint_2.pt"))["step"] == 2
+    assert os.path.samefile(last, str(tmp_path / "checkpoint_2.pt")) == links
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_checkpoint_writer_saves_the_state_as_it_was_and_reports_failures(tmp_path, device):
+    from training.checkpoints import CheckpointWriter
+    writer = CheckpointWriter()
+    w = torch.arange(6.0, device=device)
+    state = {"trainer": {"model": {"w": w, "v": w[2:4]}, "step": 3}, "rng": [torch.ones(2, dtype=torch.uint8)]}
+    path, done = str(tmp_path / "checkpoint_last.pt"), []
+    writer.save(path, state, then=lambda: done.append(os.path.getsize(path)))
+    w.add_(100)  # training goes on while the file is written
+    writer.wait()
+    saved = torch.load(path)
+    assert torch.equal(saved["trainer"]["model"]["w"], torch.arange(6.0))
+    assert torch.equal(saved["trainer"]["model"]["v"], torch.tensor([2.0, 3.0])) and saved["trainer"]["step"] == 3
+    assert done and done[0] > 0  # `then` ran once the file was complete
+    writer.save(str(tmp_path / "missing" / "checkpoint_last.pt"), state)
+    with pytest.raises(RuntimeError, match="writing a checkpoint failed"):
+        writer.wait()
+    writer.wait()  # the error is raised once
+
+
 def test_eval_bleu_flags_are_checked(corpus, tmp_path, monkeypatch, capsys):
     base = data_args(corpus["paths"]) + SMALL + ["--save-dir", str(tmp_path)]
     with pytest.raises(SystemExit):
@@ -305,7 +341,7 @@ def test_warmup_adapts_to_planned_steps():
     args = train_translation.TASK.parse_args(["--arch", "small"])
     # 29k pairs in 143 batches per epoch, 20 epochs: 2860 steps; the --arch value 4000 is never reached
     warmup, how = cli.adapt_warmup(args, 20 * 143, 4000)
-    assert warmup == 1430 and "half of the 2860 planned steps" in how
+    assert warmup == 953 and "a third of the 2860 planned steps" in how
     assert cli.adapt_warmup(args, 100_000, 4000)[0] == 4000
     assert cli.adapt_warmup(args, None, 4000)[0] == 4000  # --max-steps runs keep the --arch value
     args = train_translation.TASK.parse_args(["--arch", "small", "--warmup", "3000"])
@@ -315,11 +351,37 @@ def test_warmup_adapts_to_planned_steps():
     assert cli.adapt_warmup(args, 654, 200)[0] == 200
 
 
+def test_default_length_gives_the_larger_archs_their_steps():
+    archs = train_translation.ARCHS
+    args = train_translation.TASK.parse_args(["--arch", "small"])
+    assert args.default_length and args.epochs == cli.DEFAULT_EPOCHS
+    # a 30k-pair corpus in 101 batches: 20 epochs reach the 2000 steps; 300k pairs: 3 epochs already do
+    epochs, how = cli.default_epochs(args, 101, archs["small"]["min_steps"])
+    assert epochs == 20 and "2020 steps" in how and "at least 2000 steps" in how
+    assert cli.default_epochs(args, 1010, archs["small"]["min_steps"])[0] == cli.DEFAULT_EPOCHS
+    # tiny keeps its 3 epochs however small the corpus
+    args = train_translation.TASK.parse_args([])
+    assert cli.default_epochs(args, 5, archs["tiny"]["min_steps"])[0] == cli.DEFAULT_EPOCHS
+    for flags in (["--epochs", "2"], ["--max-steps", "7"]):
+        assert not train_translation.TASK.parse_args(flags).default_length
+
+
+def test_default_length_is_printed_and_used(corpus, tmp_path, capsys, monkeypatch):
+    # the tiny model with a step floor that 3 epochs of this corpus do not reach: min_steps comes from --arch
+    monkeypatch.setitem(train_translation.TASK.archs, "tiny", dict(train_translation.ARCHS["tiny"], min_steps=60))
+    metrics = run(data_args(corpus["paths"]) + SMALL + ["--save-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    epochs = int(out.split("length: ")[1].split()[0])
+    per_epoch = metrics["steps"] // epochs
+    assert "at least 60 steps" in out and epochs > cli.DEFAULT_EPOCHS
+    assert metrics["steps"] == epochs * per_epoch and metrics["steps"] >= 60 > metrics["steps"] - per_epoch
+
+
 def test_warmup_is_printed_at_start(corpus, tmp_path, capsys):
     run(data_args(corpus["paths"]) + SMALL + ["--save-dir", str(tmp_path), "--epochs", "1", "--arch", "tiny"])
     out = capsys.readouterr().out
-    # 13 batches: 6 steps of warmup (half), not the --arch value 200
-    assert re.search(r"schedule: peak lr 0\.002, warmup \d+ steps: half of the \d+ planned steps", out)
+    # 13 batches: 4 steps of warmup (a third), not the --arch value 200
+    assert re.search(r"schedule: peak lr 0\.002, warmup \d+ steps: a third of the \d+ planned steps", out)
     ckpt = torch.load(os.path.join(str(tmp_path), "checkpoint_last.pt"), map_location="cpu", weights_only=True)
     assert ckpt["trainer"]["scheduler"]["lr_lambdas"][0]["warmup"] < 200
 

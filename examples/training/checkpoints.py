@@ -2,9 +2,10 @@
 
 <save-dir>/checkpoint_last.pt holds the model configuration, the trainer's state (model, optimizer, schedule,
 loss scale, position in the data, every rank's RNG streams, so a resumed run continues exactly), the flags
-and the run's tokenizer (the sentencepiece model and its sha256); written atomically, read on CPU, refused
-when it holds another model. checkpoint_best.pt (the best validation so far, --best-metric) and the
-periodic checkpoint_<step>.pt (--keep-last) are copies of checkpoint_last.pt made right after it is written,
+and the run's tokenizer (the sentencepiece model and its sha256); written atomically (by a background
+thread during training: CheckpointWriter), read on CPU, refused when it holds another model.
+checkpoint_best.pt (the best validation so far, --best-metric) and the periodic checkpoint_<step>.pt
+(--keep-last) are copies (hard links where possible) of checkpoint_last.pt made right after it is written,
 so each of them carries everything it does. average_state_dicts averages the parameters of several
 checkpoints of one model (--average-last, examples/average_checkpoints.py).
 
@@ -18,6 +19,7 @@ import hashlib
 import os
 import re
 import shutil
+import threading
 
 import torch
 
@@ -120,10 +122,87 @@ def save_checkpoint(path, state):
     os.replace(tmp, path)
 
 
+def cpu_snapshot(obj):
+    """`obj` (nested dicts, lists, tuples of tensors and plain values) with every tensor copied to CPU
+    memory that nothing else holds: training may go on changing the originals in place. CUDA tensors go to
+    pinned memory with one wait at the end, not one per tensor."""
+    streams = set()
+
+    def copy(x):
+        if isinstance(x, torch.Tensor):
+            x = x.detach()
+            if x.device.type != "cuda":
+                return x.to("cpu", copy=True)
+            out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            out.copy_(x, non_blocking=True)
+            streams.add(torch.cuda.current_stream(x.device))
+            return out
+        if isinstance(x, dict):
+            return type(x)((k, copy(v)) for k, v in x.items())
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+            return type(x)(*(copy(v) for v in x))
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x)
+        return x
+
+    out = copy(obj)
+    for stream in streams:
+        stream.synchronize()
+    return out
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a background thread, so that training does not wait for the disk: save() takes
+    a CPU snapshot of the state (fast: a device-to-host copy), then a thread writes it through
+    save_checkpoint and runs `then` (the copies to checkpoint_best.pt and checkpoint_<step>.pt) after it.
+    One write at a time: save() and wait() first wait for the previous one and raise its error, if it had
+    one, so a failed write stops the run at the next validation or at the end. The thread is not a daemon:
+    an interrupted run still finishes the file it was writing (a killed one leaves a *.tmp, removed by the
+    next run, and the previous checkpoint_last.pt intact)."""
+
+    def __init__(self):
+        self._thread = None
+        self._error = None
+
+    def save(self, path, state, then=None):
+        self.wait()
+        snapshot = cpu_snapshot(state)
+        self._thread = threading.Thread(target=self._write, args=(path, snapshot, then),
+                                        name="checkpoint-writer")
+        self._thread.start()
+
+    def _write(self, path, state, then):
+        try:
+            save_checkpoint(path, state)
+            if then is not None:
+                then()
+        except BaseException as e:  # raised again in the training thread by wait()
+            self._error = e
+
+    def wait(self):
+        """Block until the last save() is on disk; raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint failed: {e}") from e
+
+
 def copy_checkpoint(src, dst):
-    """Copy a checkpoint file atomically (through a *.tmp sibling, like save_checkpoint)."""
-    shutil.copyfile(src, dst + ".tmp")
-    os.replace(dst + ".tmp", dst)
+    """Copy a checkpoint file atomically (through a *.tmp sibling, like save_checkpoint). The copy is a hard
+    link where the file system has them: checkpoint files are only ever replaced whole (save_checkpoint
+    writes a new file and renames it over the old one), never changed in place, so a link is as good as a
+    copy, and it is free where copying a checkpoint costs about as much as writing it (every validation of
+    a small corpus writes checkpoint_best.pt)."""
+    tmp = dst + ".tmp"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:
+        os.link(src, tmp)
+    except OSError:  # no hard links here (another device, FAT, some network file systems)
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
 
 
 def periodic_checkpoints(save_dir):

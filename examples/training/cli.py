@@ -41,8 +41,9 @@ def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
     g.add_argument("--update-freq", type=int, default=1,
                    help="accumulate the gradients of N batches (per process) into each optimizer step (default 1)")
     g.add_argument("--epochs", type=int, default=None,
-                   help=f"stop after this many passes over the training data (default {DEFAULT_EPOCHS} unless "
-                        "--max-steps is given)")
+                   help=f"stop after this many passes over the training data (default unless --max-steps is "
+                        f"given: {DEFAULT_EPOCHS}, or more where the --arch needs more steps than {DEFAULT_EPOCHS} "
+                        "epochs give)")
     g.add_argument("--max-time", type=float, default=None, metavar="SECONDS",
                    help="wall-clock budget of the training loop: stop at the first step boundary after it, "
                         "validate, save and still score the test set (default: none)")
@@ -52,7 +53,7 @@ def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default per --arch)")
     g.add_argument("--warmup", type=int, default=None,
                    help="linear warmup steps, then lr ∝ 1/sqrt(step) (default: the --arch value; in a run "
-                        "without --max-steps at most half of the steps its --epochs plan)")
+                        "without --max-steps at most a third of the steps its --epochs plan)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="decoupled (AdamW) weight decay (default 0)")
     g.add_argument("--clip-norm", type=float, default=1.0, help="clip the global gradient norm (default 1.0; 0: off)")
     g.add_argument("--seed", type=int, default=1, help="seeds initialisation, dropout and the batch order (default 1)")
@@ -111,7 +112,9 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
     for name in ("dropout", "lr", "warmup", "max_tokens"):
         if getattr(args, name) is None:
             setattr(args, name, arch[name])
-    if args.max_steps is None and args.epochs is None:
+    # neither --epochs nor --max-steps: the length is the default, fixed once the batches are known
+    args.default_length = args.max_steps is None and args.epochs is None
+    if args.default_length:
         args.epochs = DEFAULT_EPOCHS
     for name in ("max_tokens", "log_every", "lr", "update_freq"):
         if getattr(args, name) <= 0:
@@ -134,21 +137,33 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
 
 
+def default_epochs(args, steps_per_epoch, min_steps):
+    """The --epochs of a run given neither --epochs nor --max-steps, and a line saying why: DEFAULT_EPOCHS,
+    or as many more as the --arch table's `min_steps` need at `steps_per_epoch`. Three epochs of a 30k-pair
+    corpus are ~300 steps of 4096 tokens: enough for the tiny model, far too few for the 6+6-layer ones,
+    which reach their quality after ~2000 (benchmarks/bench_defaults.py)."""
+    epochs = max(DEFAULT_EPOCHS, -(-min_steps // steps_per_epoch))
+    if epochs == DEFAULT_EPOCHS:
+        return epochs, f"length: {epochs} epochs ({epochs * steps_per_epoch} steps; --epochs or --max-steps sets it)"
+    return epochs, (f"length: {epochs} epochs ({epochs * steps_per_epoch} steps): --arch {args.arch} trains for at "
+                    f"least {min_steps} steps, at {steps_per_epoch} per epoch here (--epochs or --max-steps sets it)")
+
+
 def adapt_warmup(args, planned_steps, arch_warmup):
     """The warmup of a new run, and a line saying where it comes from. An explicit --warmup wins; otherwise
-    the --arch value, capped at half the planned steps of an --epochs run (planned_steps None: --max-steps
-    sets the length, the --arch value stays): the arch tables assume long runs (4000 steps), and a small
-    corpus trained for a few epochs would otherwise spend all or most of its run warming up and never
+    the --arch value, capped at a third of the planned steps of an --epochs run (planned_steps None:
+    --max-steps sets the length, the --arch value stays): the arch tables assume long runs (4000 steps), and
+    a small corpus trained for tens of epochs would otherwise spend most of its run warming up and never
     reach the decay the inverse-square-root schedule relies on."""
     if args.warmup_given:
         return args.warmup, f"warmup {args.warmup} steps (--warmup)"
     if planned_steps is None:
         return arch_warmup, f"warmup {arch_warmup} steps (--arch {args.arch}; a --max-steps run keeps it)"
-    cap = max(1, planned_steps // 2)
+    cap = max(1, planned_steps // 3)
     if arch_warmup <= cap:
         return arch_warmup, f"warmup {arch_warmup} steps (--arch {args.arch}; {planned_steps} steps planned)"
-    return cap, (f"warmup {cap} steps: half of the {planned_steps} planned steps (--arch {args.arch} gives "
-                 f"{arch_warmup}, which this run would not finish; --warmup sets it)")
+    return cap, (f"warmup {cap} steps: a third of the {planned_steps} planned steps (--arch {args.arch} gives "
+                 f"{arch_warmup}, too long for this run; --warmup sets it)")
 
 
 def layer_config(args, arch, activation, max_seq_len):

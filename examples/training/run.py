@@ -49,7 +49,8 @@ class Task:
     hook that raises NotImplementedError here."""
 
     description = None  # what the script does, for --help
-    # the --arch table: name -> layers, hidden, heads, ffn, and the defaults of --dropout --lr --warmup --max-tokens
+    # the --arch table: name -> layers, hidden, heads, ffn, the defaults of --dropout --lr --warmup --max-tokens,
+    # and min_steps, the least steps of a run without --epochs and --max-steps (cli.default_epochs)
     archs = None
     arch_sizes = None  # the rows of the table in words, for --help
     label_smoothing = None  # the default of --label-smoothing
@@ -219,7 +220,11 @@ def run_task(task, argv=None):
             (f"; {dist.world} processes" if dist.active else ""))
         task.reserve_scratch(model, data, device, dtype)
         log(args.cuda_graph_note)
-        planned = planned_steps(args, len(data.train), dist.world)
+        per_epoch = steps_per_epoch(args, len(data.train), dist.world)
+        if args.default_length:
+            args.epochs, how = cli.default_epochs(args, per_epoch, task.archs[args.arch]["min_steps"])
+            log(how)
+        planned = None if args.max_steps is not None else args.epochs * per_epoch
         if args.resume:  # the schedule (its warmup included) continues from the checkpoint
             warmup = _checkpoint_warmup(ckpt)
             log(f"schedule: peak lr {args.lr:g}" +
@@ -255,12 +260,11 @@ def _checkpoint_warmup(ckpt):
         return None
 
 
-def planned_steps(args, num_batches, world):
-    """The optimizer steps a run of --epochs plans over this data; None under --max-steps, whose runs are
-    continued with --resume and a larger --max-steps: the warmup must not depend on where a part stops."""
-    if args.max_steps is not None or args.epochs is None:
-        return None
-    return args.epochs * max(1, num_batches // (world * args.update_freq))
+def steps_per_epoch(args, num_batches, world):
+    """Optimizer steps per epoch: each takes world × --update-freq batches. The planned steps of a run are
+    epochs × this, except under --max-steps (None there), whose runs are continued with --resume and a larger
+    --max-steps: the warmup must not depend on where a part stops."""
+    return max(1, num_batches // (world * args.update_freq))
 
 
 def score_other_checkpoints(task, args, model, data, device, dist, log, trainer, validate_loss, last):

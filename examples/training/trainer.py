@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from .batching import epoch_order
-from .checkpoints import (BEST_NAME, check_same_model, copy_checkpoint, keep_periodic, rng_state, save_checkpoint,
+from .checkpoints import (BEST_NAME, CheckpointWriter, check_same_model, copy_checkpoint, keep_periodic, rng_state,
                           set_rng_state)
 from .data import DataError
 from .runtime import Distributed, rank_seed
@@ -358,8 +358,9 @@ def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path,
     -> validation BLEU (--eval-bleu; on every rank, the same value). Under torchrun each rank validates every
     world-th batch and the sums are added up; rank 0 writes the checkpoints and the training log.
 
-    Every validation writes checkpoint_last.pt, then copies it to checkpoint_best.pt when --best-metric
-    improved and to checkpoint_<step>.pt under --keep-last (the oldest beyond N removed). Returns
+    Every validation writes checkpoint_last.pt (on a background thread: checkpoints.CheckpointWriter), then
+    copies it to checkpoint_best.pt when --best-metric improved and to checkpoint_<step>.pt under --keep-last
+    (the oldest beyond N removed); all are on disk when this returns or raises. Returns
     validate(model) -> mean NLL per token, for scoring other parameters (the best, the average)."""
     pin = device.type == "cuda"
     dist = trainer.dist
@@ -381,20 +382,29 @@ def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path,
         loss = validate_loss(model)
         return loss, (eval_bleu(model) if eval_bleu is not None and math.isfinite(loss) else None)
 
+    writer = CheckpointWriter()
+
     def save(improved):
         state = trainer.state_dict()  # on every rank: it gathers the ranks' RNG states
         if not dist.is_main:
             return
-        save_checkpoint(ckpt_path, {"model_config": model_config, "trainer": state, "args": vars(args),
-                                    "tokenizer": tokenizer})
-        if improved:
-            copy_checkpoint(ckpt_path, os.path.join(save_dir, BEST_NAME))
-        if args.keep_last:
-            copy_checkpoint(ckpt_path, os.path.join(save_dir, f"checkpoint_{trainer.step}.pt"))
-            keep_periodic(save_dir, args.keep_last)
+        step = trainer.step
+
+        def copies():  # on the writer's thread, once checkpoint_last.pt is complete
+            if improved:
+                copy_checkpoint(ckpt_path, os.path.join(save_dir, BEST_NAME))
+            if args.keep_last:
+                copy_checkpoint(ckpt_path, os.path.join(save_dir, f"checkpoint_{step}.pt"))
+                keep_periodic(save_dir, args.keep_last)
+
+        writer.save(ckpt_path, {"model_config": model_config, "trainer": state, "args": vars(args),
+                                "tokenizer": tokenizer}, copies)
 
     try:
-        trainer.train(train_batches, loss_fn, validate, save, log)
+        try:
+            trainer.train(train_batches, loss_fn, validate, save, log)
+        finally:
+            writer.wait()  # every checkpoint on disk before anything reads it, or the run ends
     except TrainingDiverged as e:
         kept = (f"{ckpt_path} (step {trainer.saved_step}) keeps the last good state" if trainer.saved_step is not None
                 else "no checkpoint of this run was written" + (f"; {ckpt_path} is the resumed one, unchanged"
