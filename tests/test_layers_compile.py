@@ -193,7 +193,7 @@ def test_reduce_overhead_draws_fresh_masks():
     assert len(set(losses)) == len(losses), losses
 
 
-def _op_args(kinds, pre, act, recompute, dtype, masked, cross):
+def _op_args(kinds, pre, act, recompute, dtype, masked, cross, param_dtype=None):
     torch.manual_seed(0)
     b, l, ls, h, heads, ffn = 2, 5, 7, 32, 2, 64
     params = []
@@ -202,7 +202,7 @@ def _op_args(kinds, pre, act, recompute, dtype, masked, cross):
         cols_out = ffn if kind == "ffn" else h
         params += [torch.randn(rows, h) * 0.2, torch.randn(rows) * 0.1, torch.randn(h, cols_out) * 0.2,
                    torch.randn(h) * 0.1, 1 + 0.1 * torch.randn(h), 0.1 * torch.randn(h)]
-    params = [p.cuda().to(dtype).requires_grad_() for p in params]
+    params = [p.cuda().to(param_dtype or dtype).requires_grad_() for p in params]
     x = torch.randn(b, l, h, device="cuda", dtype=dtype, requires_grad=True)
     mask = torch.zeros(b, l, dtype=torch.bool, device="cuda")
     mask[0, -1] = True
@@ -217,14 +217,16 @@ def _op_args(kinds, pre, act, recompute, dtype, masked, cross):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("param_dtype", [None, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kinds,pre,act,recompute,masked", [
     (("self", "ffn"), True, "relu", True, True), (("self", "ffn"), False, "gelu", False, False),
     (("self", "cross", "ffn"), True, "gelu", True, True), (("self", "cross", "ffn"), False, "relu", True, False)])
-def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype):
+def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype, param_dtype):
     """Schema, fake implementation (shapes, dtypes, strides of every output) and autograd registration of
-    lsmini::layer, and of lsmini::layer_backward with the state a forward returned."""
-    args = _op_args(kinds, pre, act, recompute, dtype, masked, "cross" in kinds)
+    lsmini::layer, and of lsmini::layer_backward with the state a forward returned; parameters in the
+    activations' dtype, or float32 as under autocast (the operators cast them, gradients come back float32)."""
+    args = _op_args(kinds, pre, act, recompute, dtype, masked, "cross" in kinds, param_dtype)
     # dropout differs between the calls opcheck makes; its comparisons are of metadata and registration
     torch.library.opcheck(layer_op, args, test_utils=("test_schema", "test_faketensor",
                                                       "test_autograd_registration"))

@@ -114,35 +114,24 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
   }
 
   if (part_g == nullptr) return;
+  // The thread's sums go straight into the block's partial row when the block holds one row, else into
+  // shared memory, to be folded over its R rows.
   const int R = blockDim.y;
   float* pg = part_g + int64_t(blockIdx.x) * hidden;
   float* pb = part_b + int64_t(blockIdx.x) * hidden;
-  if (R == 1) {
-#pragma unroll kUnrollRow
-    for (int k = 0; k < VPT; ++k) {
-      const int c = threadIdx.x + k * blockDim.x;
-      if (c < nvec)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          pg[c * VEC + j] = acc_g[k][j];
-          pb[c * VEC + j] = acc_b[k][j];
-        }
-    }
-    return;
-  }
-  // Fold the R rows of the block in shared memory, then write one partial row.
-  float* fg = fold + threadIdx.y * hidden;
-  float* fb = fold + (R + threadIdx.y) * hidden;
+  float* sg = R == 1 ? pg : fold + threadIdx.y * hidden;
+  float* sb = R == 1 ? pb : fold + (R + threadIdx.y) * hidden;
 #pragma unroll kUnrollRow
   for (int k = 0; k < VPT; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
     if (c < nvec)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        fg[c * VEC + j] = acc_g[k][j];
-        fb[c * VEC + j] = acc_b[k][j];
+        sg[c * VEC + j] = acc_g[k][j];
+        sb[c * VEC + j] = acc_b[k][j];
       }
   }
+  if (R == 1) return;
   __syncthreads();
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
   for (int col = tid; col < hidden; col += blockDim.x * R) {

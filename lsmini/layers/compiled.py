@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from lsmini import _backend
 from lsmini.layers.blocks import heads_of
+from lsmini.layers.precision import cast_block, cast_blocks_batched
 from lsmini.layers.spec import PARAMS_PER_BLOCK, LayerOptions, scratch_numel
 from lsmini.ops.attention import attention_ref, fused_attention_supported
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
@@ -123,7 +124,7 @@ def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: 
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
     y, saved, rngs = _backend.ext().layer_fwd(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                                              params)
+                                              cast_blocks_batched(params, x.dtype))
     made = []
     for i, entry in enumerate(_layout_of(o, x, key_padding_mask, encoder_padding_mask)):
         if (entry is None) != (saved[i] is None):
@@ -169,8 +170,9 @@ def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: t
     scratch = grad.new_empty(scratch_numel(o, x.shape[0], x.shape[1]))
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
     grad_k, grad_v = kv if kv else (None, None)
-    grad_x, param_grads = _backend.ext().layer_bwd(o, grad, saved, rngs, params, scratch, grad_k, grad_v,
-                                                   [p.dtype for p in params], [None] * len(params))
+    grad_x, param_grads = _backend.ext().layer_bwd(o, grad, saved, rngs, cast_blocks_batched(params, x.dtype),
+                                                   scratch, grad_k, grad_v, [p.dtype for p in params],
+                                                   [None] * len(params))
     return grad_x, param_grads, kv
 
 
@@ -239,13 +241,19 @@ def reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_paddin
 
 
 def layer_call(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params):
-    """One layer call while compiling: x [b, l, H] contiguous in the compute dtype, params already cast to it
-    (blocks' GEMM weights; vectors float32 or the compute dtype), encoder_k/encoder_v [b, heads, ls, d] for
-    a layer with a cross block. The custom operator on the kernel path with the fused attention, the
-    references otherwise."""
+    """One layer call while compiling: x [b, l, H] contiguous in the compute dtype, params as the module
+    holds them (e.g. float32 under autocast), encoder_k/encoder_v [b, heads, ls, d] for a layer with a cross
+    block. The custom operator on the kernel path with the fused attention, the references otherwise.
+
+    The operators cast the GEMM weights themselves (one multi-tensor copy, again in backward rather than
+    keeping the copies) and return every gradient in its parameter's dtype straight out of its GEMM, as the
+    eager LayerFunction does. Casting in the graph instead cost a cast node per weight each way (~150 for a
+    6+6 model), and the compile time that goes with them."""
     if o.kernels and x.is_cuda and fused_attention_supported(x.dtype, o.head_dim):
         y, _, _ = layer_op(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, list(params),
                            ",".join(o.kinds), o.hidden, o.ffn, o.heads, o.scale, o.eps, o.pre_ln, o.activation,
                            o.dropout, o.attn_dropout, o.activation_dropout, o.causal, o.recompute)
         return y
-    return reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params)
+    cast = [p for i in range(len(o.kinds))
+            for p in cast_block(params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)], x.dtype)]
+    return reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cast)

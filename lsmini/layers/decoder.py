@@ -102,11 +102,10 @@ class TransformerDecoderLayer(TransformerLayerBase):
 
     # the two ways to run the layer once the K/V of the encoder output exist (used by the decoder stack)
     def _forward_with_kv(self, y, padding_mask, encoder_k, encoder_v, encoder_padding_mask, kv_slots, index, kernels):
+        params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
         if torch.compiler.is_compiling():
-            params = [p for block in self.blocks() for p in cast_block(block, y.dtype)]
             return layer_call(self.options(True, kernels), y, padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                               params)
-        params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
         return LayerFunction.apply(self.options(True, kernels), kv_slots, index, y, padding_mask, encoder_k, encoder_v,
                                    encoder_padding_mask, *params)
 
@@ -260,8 +259,8 @@ class TransformerDecoder(TransformerStackBase):
                 slots = KVGradSlots(parts)
                 kv = _cross_kv(encoder_out.to(dtype).contiguous(), w, self.cross_attn_kv_bias, heads, slots, kernels)
                 for i, layer in enumerate(self.layers):
-                    y = layer._forward_with_kv(y, padding_mask, kv[2 * i], kv[2 * i + 1], encoder_padding_mask, slots, i,
-                                               kernels)
+                    y = layer._forward_with_kv(y, padding_mask, kv[2 * i], kv[2 * i + 1], encoder_padding_mask,
+                                               slots, i, kernels)
             else:
                 if cached_kv is None:
                     w_kv, b_kv = cast_block((w, self.cross_attn_kv_bias), dtype)

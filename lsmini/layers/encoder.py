@@ -74,10 +74,9 @@ class TransformerEncoderLayer(TransformerLayerBase):
             if cache is not None:
                 params = [p for block in self.blocks() for p in cast_block(block, dtype)]
                 return incremental_layer(options, x, params, padding_mask, None, None, cache)
-            if torch.compiler.is_compiling():
-                params = [p for block in self.blocks() for p in cast_block(block, dtype)]
-                return layer_call(options, x, padding_mask, None, None, None, params)
             params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
+            if torch.compiler.is_compiling():
+                return layer_call(options, x, padding_mask, None, None, None, params)
             return LayerFunction.apply(options, None, 0, x, padding_mask, None, None, None, *params)
 
     @classmethod
