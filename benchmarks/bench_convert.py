@@ -319,6 +319,18 @@ def warm_up_process(args, device, batches):
 
 
 # ---- report -----------------------------------------------------------------------------------------------
+def compile_phases():
+    """torch's own timings of its compile phases (seconds per call, by phase), accumulated process-wide."""
+    return torch._dynamo.utils.compilation_time_metrics
+
+
+def print_compile_profile(variant, top=20):
+    phases = sorted(((sum(v), len(v), k) for k, v in compile_phases().items()), reverse=True)
+    print(f"# {variant}: compile phases, seconds (calls), nested phases counted in their callers too")
+    for total, calls, name in phases[:top]:
+        print(f"#   {total:8.3f} ({calls:3d})  {name}")
+
+
 def add_ratios(rows):
     by = {r["variant"]: r for r in rows if "error" not in r}
     for r in rows:
@@ -393,6 +405,9 @@ def parse_args(argv=None):
     ap.add_argument("--src-len", type=int, default=64)
     ap.add_argument("--tgt-len", type=int, default=64)
     ap.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
+    ap.add_argument("--compile-profile", action="store_true",
+                    help="after each compiled variant, print where its compile time went: the phases torch "
+                         "times itself (torch._dynamo.utils.compile_times), longest first")
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.iters = 3, 10
@@ -430,6 +445,7 @@ def main(argv=None):
     rows = []
     for variant in args.variants:
         row = {"variant": variant}
+        compile_phases().clear()
         try:
             run_variant(variant, args, device, batches, row)
         except Exception as e:  # noqa: BLE001 — a failed variant is a result too; the others still run
@@ -439,6 +455,8 @@ def main(argv=None):
             row = {k: v for k, v in row.items() if k in ("variant", "replaced", "kept", "kept_names")}
             row["error"] = f"{type(e).__name__}: {first}"[:300]
         rows.append(row)
+        if args.compile_profile and split_variant(variant)[1] is not None:
+            print_compile_profile(variant)  # before release: torch._dynamo.reset() clears the timings
         release(device)
         if "error" in row:
             print(f"# {variant}: FAILED — {row['error']}", flush=True)

@@ -231,9 +231,11 @@ def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype, param_dtyp
     torch.library.opcheck(layer_op, args, test_utils=("test_schema", "test_faketensor",
                                                       "test_autograd_registration"))
     with torch.no_grad():
-        y, made, state = layer_op(*args)
+        y, made, state, cast = layer_op(*args)
     x, mask, ek, ev, enc_mask, params = args[:6]
-    bwd_args = (torch.randn_like(y), made, state, x.detach(), mask, None if ek is None else ek.detach(),
+    # float32 parameters: the GEMM weights' copies in one buffer (in the activations' dtype: none, empty)
+    assert (cast.numel() > 0) == (param_dtype is not None) and cast.dtype == dtype
+    bwd_args = (torch.randn_like(y), made, state, cast, x.detach(), mask, None if ek is None else ek.detach(),
                 None if ev is None else ev.detach(), enc_mask, [p.detach() for p in params], *args[6:])
     torch.library.opcheck(layer_backward_op, bwd_args)
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from lsmini import _backend
 from lsmini.layers.blocks import heads_of
-from lsmini.layers.precision import cast_block, cast_blocks_batched
+from lsmini.layers.precision import cast_block, cast_into_buffer, cast_plan, cast_views
 from lsmini.layers.spec import PARAMS_PER_BLOCK, LayerOptions, scratch_numel
 from lsmini.ops.attention import attention_ref, fused_attention_supported
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
@@ -118,13 +118,15 @@ def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: 
              encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None, params: list[torch.Tensor],
              kinds: str, hidden: int, ffn: int, heads: int, scale: float, eps: float, pre_ln: bool, activation: str,
              dropout: float, attn_dropout: float, activation_dropout: float, causal: bool,
-             recompute: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+             recompute: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """(y [b, l, H], the tensors the call created for backward (saved_layout's "new" slots, in order), the
-    dropout states [2·blocks, 2])."""
+    dropout states [2·blocks, 2], the GEMM weights cast to x's dtype in one buffer (precision.cast_plan's
+    layout; empty when none needs casting) for backward to read again)."""
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
+    cast, buffer = cast_into_buffer(params, x.dtype)
     y, saved, rngs = _backend.ext().layer_fwd(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                                              cast_blocks_batched(params, x.dtype))
+                                              cast)
     made = []
     for i, entry in enumerate(_layout_of(o, x, key_padding_mask, encoder_padding_mask)):
         if (entry is None) != (saved[i] is None):
@@ -134,7 +136,7 @@ def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: 
                 raise RuntimeError(f"lsmini::layer: saved slot {i} is {saved[i].dtype} {tuple(saved[i].shape)}, "
                                    f"saved_layout says {entry[2]} {entry[1]}")
             made.append(saved[i])
-    return y, made, _backend.dropout_state(rngs, x.device)
+    return y, made, _backend.dropout_state(rngs, x.device), buffer
 
 
 @layer_op.register_fake
@@ -145,11 +147,13 @@ def _layer_fake(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
     static = not any(isinstance(d, torch.SymInt) for d in x.shape)
     made = [x.new_empty(e[1], dtype=e[2]) for e in _layout_of(o, x, key_padding_mask, encoder_padding_mask, static)
             if e is not None and e[0] == "new"]
-    return torch.empty_like(x), made, x.new_empty(2 * len(o.kinds), 2, dtype=torch.int64)
+    return (torch.empty_like(x), made, x.new_empty(2 * len(o.kinds), 2, dtype=torch.int64),
+            x.new_empty(cast_plan(params, x.dtype)[1][-1]))
 
 
 @torch.library.custom_op("lsmini::layer_backward", mutates_args=(), device_types="cuda")
-def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: torch.Tensor, x: torch.Tensor,
+def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: torch.Tensor, cast: torch.Tensor,
+                      x: torch.Tensor,
                       key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
                       encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None,
                       params: list[torch.Tensor], kinds: str, hidden: int, ffn: int, heads: int, scale: float,
@@ -170,14 +174,14 @@ def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: t
     scratch = grad.new_empty(scratch_numel(o, x.shape[0], x.shape[1]))
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
     grad_k, grad_v = kv if kv else (None, None)
-    grad_x, param_grads = _backend.ext().layer_bwd(o, grad, saved, rngs, cast_blocks_batched(params, x.dtype),
-                                                   scratch, grad_k, grad_v, [p.dtype for p in params],
-                                                   [None] * len(params))
+    weights = cast_views(params, cast, cast_plan(params, x.dtype))
+    grad_x, param_grads = _backend.ext().layer_bwd(o, grad, saved, rngs, weights, scratch, grad_k, grad_v,
+                                                   [p.dtype for p in params], [None] * len(params))
     return grad_x, param_grads, kv
 
 
 @layer_backward_op.register_fake
-def _layer_backward_fake(grad, made, rng_state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+def _layer_backward_fake(grad, made, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                          params, *options):
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
     return x.new_empty(x.shape), [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params], kv
@@ -185,18 +189,19 @@ def _layer_backward_fake(grad, made, rng_state, x, key_padding_mask, encoder_k, 
 
 def _setup_context(ctx, inputs, output):
     x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params = inputs[:6]
-    _, made, rng_state = output
+    _, made, rng_state, cast = output
     ctx.options = inputs[6:]
     ctx.n_made = len(made)
-    ctx.save_for_backward(*made, rng_state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params)
+    ctx.save_for_backward(*made, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+                          *params)
 
 
-def _backward(ctx, grad, grad_made, grad_state):
+def _backward(ctx, grad, grad_made, grad_state, grad_cast):
     saved = ctx.saved_tensors
     made, rest = saved[:ctx.n_made], saved[ctx.n_made:]
-    rng_state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask = rest[:6]
-    params = rest[6:]
-    grad_x, param_grads, kv = layer_backward_op(grad.contiguous(), list(made), rng_state, x, key_padding_mask,
+    rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask = rest[:7]
+    params = rest[7:]
+    grad_x, param_grads, kv = layer_backward_op(grad.contiguous(), list(made), rng_state, cast, x, key_padding_mask,
                                                 encoder_k, encoder_v, encoder_padding_mask, list(params),
                                                 *ctx.options)
     grad_k, grad_v = kv if encoder_k is not None else (None, None)
@@ -245,15 +250,14 @@ def layer_call(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mas
     holds them (e.g. float32 under autocast), encoder_k/encoder_v [b, heads, ls, d] for a layer with a cross
     block. The custom operator on the kernel path with the fused attention, the references otherwise.
 
-    The operators cast the GEMM weights themselves (one multi-tensor copy, again in backward rather than
-    keeping the copies) and return every gradient in its parameter's dtype straight out of its GEMM, as the
-    eager LayerFunction does. Casting in the graph instead cost a cast node per weight each way (~150 for a
-    6+6 model), and the compile time that goes with them."""
+    The operators cast the GEMM weights themselves (one multi-tensor copy into one buffer, which forward
+    returns for backward to read) and return every gradient in its parameter's dtype straight out of its
+    GEMM, as the eager LayerFunction does. Casting in the graph instead cost a cast node per weight each way
+    (~150 for a 6+6 model), and the compile time that goes with them."""
     if o.kernels and x.is_cuda and fused_attention_supported(x.dtype, o.head_dim):
-        y, _, _ = layer_op(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, list(params),
-                           ",".join(o.kinds), o.hidden, o.ffn, o.heads, o.scale, o.eps, o.pre_ln, o.activation,
-                           o.dropout, o.attn_dropout, o.activation_dropout, o.causal, o.recompute)
-        return y
+        return layer_op(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, list(params),
+                        ",".join(o.kinds), o.hidden, o.ffn, o.heads, o.scale, o.eps, o.pre_ln, o.activation,
+                        o.dropout, o.attn_dropout, o.activation_dropout, o.causal, o.recompute)[0]
     cast = [p for i in range(len(o.kinds))
             for p in cast_block(params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)], x.dtype)]
     return reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cast)
