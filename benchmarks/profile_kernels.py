@@ -66,7 +66,8 @@ def main():
         ctx.only = only
         del src, dst
     for m in pkgutil.iter_modules(kernels.__path__):
-        if m.name in ("layers", "attention"):  # whole layers / compute-bound: not bandwidth rows
+        # whole layers / compute-bound: not bandwidth rows, so only when --only names them
+        if m.name in ("layers", "attention") and not any(p.startswith(m.name) for p in ctx.only):
             continue
         importlib.import_module(f"kernels.{m.name}").bench(ctx)
         torch.cuda.empty_cache()

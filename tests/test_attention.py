@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import lsmini
 from lsmini import _backend
 from lsmini.limits import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
-from lsmini.ops.attention import AttentionFunction, attention, attention_ref, fused_attention_supported
+from lsmini.ops.attention import (AttentionFunction, attention, attention_ref, fused_attention_supported, keep_buffer,
+                                  keep_numel)
 from lsmini.ops.attention_softmax import attention_softmax
 from util import (attention_masks, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err,
                   next_seed_offset, philox_keep_mask, poison)
@@ -385,6 +386,46 @@ def test_kernel_strided_inputs_and_out_params(p, d, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize("d", ATTENTION_HEAD_DIMS)
+# the one-CTA backward (k_len ≤ 128) and the two tiled kernels; partial query blocks, q_len ≠ k_len and
+# rows with every key masked ("both")
+@pytest.mark.parametrize("lq,lk,kind", [(7, 9, "both"), (65, 130, "causal"), (129, 129, "pad"), (70, 200, "both"),
+                                        (200, 70, "causal")])
+def test_kernel_kept_dropout_bits(lq, lk, kind, d, dtype):
+    # The forward stores the dropout bits it drew and the backward reads them: outputs and gradients
+    # equal to the backward that draws them again, and the bits are really read (another rng, same bits,
+    # same gradients).
+    ext = _backend.ext()
+    b, h = 2, 3
+    q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=4)
+    kpm, causal, _ = attention_masks(b, lq, lk, kind, gen, "cuda")
+    scale = 1.0 / math.sqrt(d)
+    keep = torch.full((keep_numel(b, h, lq, lk),), -1, dtype=torch.int32, device="cuda")
+    out, lse = ext.attention_fwd(q, k, v, kpm, causal, P, scale, RNG, keep)
+    out_d, lse_d = ext.attention_fwd(q, k, v, kpm, causal, P, scale, RNG)
+    assert torch.equal(out, out_d) and torch.equal(lse, lse_d)
+    drawn = ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, scale, RNG)
+    read = ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, scale, RNG, keep=keep)
+    other_rng = ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, scale, (4321, 0, 0, 0), keep=keep)
+    for name, x, y, z in zip(("dq", "dk", "dv"), drawn, read, other_rng):
+        assert torch.equal(x, y), f"{name}: read bits differ from drawn ones"
+        assert torch.equal(y, z), f"{name}: the backward drew bits instead of reading them"
+    assert not torch.equal(ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, scale, (4321, 0, 0, 0))[2],
+                           drawn[2]), "another rng must draw another mask"
+
+
+def test_keep_buffer_policy():
+    # kept with dropout while the bits take no more memory than q (k_len ≤ 16·head_dim)
+    q, k = torch.empty(2, 3, 100, 64), torch.empty(2, 3, 1024, 64)
+    bits = keep_buffer(q, k, 0.1)
+    assert bits.dtype == torch.int32 and bits.shape == (keep_numel(2, 3, 100, 1024),)
+    assert keep_numel(2, 3, 100, 1024) == 2 * 3 * 8 * 16 * 32  # 2 query blocks of 4 row groups, 16 key tiles
+    assert keep_buffer(q, k, 0.0) is None
+    assert keep_buffer(q, torch.empty(2, 3, 1025, 64), 0.1) is None
+
+
+@pytest.mark.cuda
 def test_kernel_backward_of_sum_and_partial_grads():
     # out.sum() hands backward a gradient with all-zero strides
     q, k, v, _, gen = _inputs(2, 2, 33, 40, 32, torch.float16, "cuda")
@@ -545,6 +586,11 @@ def test_kernel_bad_input_errors():
     with pytest.raises(RuntimeError, match="attention_bwd"):  # out-param shape
         ext.attention_bwd(dout, q, k, v, out, lse, None, False, 0.0, 0.125, rng, torch.empty_like(q[:1]),
                           torch.empty_like(k), torch.empty_like(v))
+    keep = torch.empty(keep_numel(2, 2, 8, 8), dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="attention_fwd: keep must be a contiguous int32"):  # keep size
+        ext.attention_fwd(q, k, v, None, False, P, 0.125, RNG, keep[1:])
+    with pytest.raises(RuntimeError, match="attention_bwd.*keep"):  # keep dtype
+        ext.attention_bwd(dout, q, k, v, out, lse, None, False, P, 0.125, RNG, keep=keep.float())
     # the functional names the argument before anything reaches the kernel
     with pytest.raises(ValueError, match="key_padding_mask is on cpu but q is on cuda"):
         attention(q, k, v, torch.zeros(2, 8, dtype=torch.bool))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from fake_ext import FakeExt, _binding, _check, _masked_softmax, fake_kernels  # noqa: F401  (fixture)
 from lsmini.ops import (attention, attention_softmax, bias_act_dropout, bias_dropout_residual, cross_entropy,
                         embedding, layer_norm, merge_heads, split_heads)
-from lsmini.ops.attention import attention_backward_op, attention_op
+from lsmini.ops.attention import attention_backward_op, attention_op, keep_numel
 from lsmini.ops.attention_softmax import attention_softmax_backward_op, attention_softmax_op
 from lsmini.ops.bias_act_dropout import bias_act_dropout_backward_op, bias_act_dropout_op
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual_backward_op, bias_dropout_residual_op
@@ -214,14 +214,23 @@ class CompileFakeExt(FakeExt):
         lse = torch.where(probs > 0, s, float("-inf")).logsumexp(-1)
         return self._dropout(probs, p, rng, op) @ v.float(), lse
 
+    def _check_keep(self, keep, q, k, op):
+        """The keep-bits buffer's contract. The stand-in writes no bits: its backward draws the mask from rng
+        again, which gives what reading the forward's bits gives."""
+        if keep is not None:
+            numel = keep_numel(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            _check(keep.dtype == torch.int32 and keep.shape == (numel,), op,
+                   f"keep must be a contiguous int32 [{numel}] tensor")
+
     @_binding
-    def attention_fwd(self, q, k, v, key_padding_mask, causal, p, scale, rng):
+    def attention_fwd(self, q, k, v, key_padding_mask, causal, p, scale, rng, keep=None):
         """(out [b, h, lq, d] as a view of a contiguous [b, lq, h, d] buffer, lse float32 [b, h, lq])."""
         op = "attention_fwd"
         for t, name in ((q, "q"), (k, "k"), (v, "v")):
             _check(t.dtype in (torch.float16, torch.bfloat16), op,
                    f"{name} must be float16 or bfloat16, got {t.dtype}")
         self._check_rng(rng, op)
+        self._check_keep(keep, q, k, op)
         out, lse = self._attention(q, k, v, key_padding_mask, causal, p, scale, rng, op)
         buffer = torch.empty(out.shape[0], out.shape[2], out.shape[1], out.shape[3], dtype=q.dtype)
         buffer.transpose(1, 2).copy_(out)
@@ -229,10 +238,11 @@ class CompileFakeExt(FakeExt):
 
     @_binding
     def attention_bwd(self, dout, q, k, v, out, lse, key_padding_mask, causal, p, scale, rng, dq=None, dk=None,
-                      dv=None):
+                      dv=None, keep=None):
         """(dq, dk, dv), fresh and contiguous: the fp32 forward differentiated with the same mask."""
         op = "attention_bwd"
         self._check_rng(rng, op)
+        self._check_keep(keep, q, k, op)
         leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
         with torch.enable_grad():
             o, _ = self._attention(*leaves, key_padding_mask, causal, p, scale, rng, op)
@@ -346,10 +356,11 @@ def op_samples(device, dtype, p, rows, hidden, batch, heads, q_len, k_len, head_
     if dtype != torch.float32:
         q = rand(batch, heads, q_len, head_dim)
         k, v = rand(batch, heads, k_len, head_dim), rand(batch, heads, k_len, head_dim)
-        out, lse, state = attention_op(q, k, v, mask, False, p, 0.25)
+        out, lse, state, bits = attention_op(q, k, v, mask, False, p, 0.25)
+        assert (bits.numel() > 0) == (p > 0) and bits.dtype == torch.int32
         samples += [(attention_op, (q, k, v, mask, False, p, 0.25)), (attention_op, (q, k, v, None, True, p, 0.3)),
                     (attention_backward_op, (rand(batch, heads, q_len, head_dim), q, k, v, out, lse, mask, state,
-                                             False, p, 0.25))]
+                                             bits, False, p, 0.25))]
     logits, target = rand(rows, vocab), torch.randint(0, vocab, (rows,), generator=g).to(device)
     target[rows // 2] = -100
     loss, nll, lse = cross_entropy_op(logits, target, 0.1, -100)

@@ -122,13 +122,30 @@ at::Tensor grad_output(const std::optional<at::Tensor>& given, const at::Tensor&
   return t;
 }
 
+// The keep-bits buffer of a call with dropout (attention.h's AttentionArgs::keep), checked; null without
+// one, or when nothing is dropped.
+uint32_t* keep_words(const std::optional<at::Tensor>& keep, const at::Tensor& q, const Dims& s, double p,
+                     const char* op) {
+  if (!(keep.has_value() && keep->defined())) return nullptr;
+  const at::Tensor& t = *keep;
+  check_cuda(t, op, "keep");
+  check_same_device(t, q, op, "keep", "q");
+  check_dtype(t, at::kInt, op, "keep");
+  const int64_t numel = attention_keep_numel(s.b, s.h, s.lq, s.lk);
+  LSMINI_CHECK(t.dim() == 1 && t.numel() == numel && t.is_contiguous(), op,
+               ": keep must be a contiguous int32 [", numel, "] tensor (lsmini.ops.attention.keep_numel) for q ",
+               q.sizes(), " and k_len ", s.lk, ", got shape ", t.sizes());
+  return p > 0.0 ? reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()) : nullptr;
+}
+
 }  // namespace
 
 // (out, lse): out [b, h, lq, d] as a view of a contiguous [b, lq, h, d] buffer (the merged-heads layout);
-// lse [b, h, lq] float32.
+// lse [b, h, lq] float32. With `keep`, the dropout keep bits go there too.
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
                                                  const at::Tensor& v_in, const std::optional<at::Tensor>& mask_in,
-                                                 bool causal, double p, double scale, const PhiloxTuple& rng) {
+                                                 bool causal, double p, double scale, const PhiloxTuple& rng,
+                                                 const std::optional<at::Tensor>& keep) {
   const char* op = "attention_fwd";
   const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
   c10::cuda::CUDAGuard guard(q_in.device());
@@ -141,17 +158,20 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
     AttentionArgs<K> a = make_args<K>(q, k, v, mask, s, causal, p, scale, rng, op);
     a.out = strided<K>(out);
     a.lse = lse.data_ptr<float>();
+    a.keep = keep_words(keep, q, s, p, op);
     check_launch(launch_attention_fwd<K>(a, current_stream()), op);
   });
   return {out, lse};
 }
 
-// (dq, dk, dv), written into the given tensors when passed.
+// (dq, dk, dv), written into the given tensors when passed. With `keep` (the forward's, same call
+// arguments), the dropout bits are read from it instead of drawn again: the same bits, fewer instructions.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& mask_in, bool causal, double p,
     double scale, const PhiloxTuple& rng, const std::optional<at::Tensor>& dq_in,
-    const std::optional<at::Tensor>& dk_in, const std::optional<at::Tensor>& dv_in) {
+    const std::optional<at::Tensor>& dk_in, const std::optional<at::Tensor>& dv_in,
+    const std::optional<at::Tensor>& keep) {
   const char* op = "attention_bwd";
   const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
   check_operand(out_in, q_in, op, "out");
@@ -177,6 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     a.dv = strided<K>(dv);
     a.lse = lse.data_ptr<float>();
     a.delta = delta.data_ptr<float>();
+    a.keep = keep_words(keep, q, s, p, op);
     check_launch(launch_attention_bwd<K>(a, current_stream()), op);
   });
   return {dq, dk, dv};
@@ -188,12 +209,14 @@ void register_attention(pybind11::module_& m) {
   m.def("attention_fwd", &attention_fwd,
         "Fused attention forward: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32)",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("key_padding_mask"),
-        pybind11::arg("causal"), pybind11::arg("p"), pybind11::arg("scale"), pybind11::arg("rng"));
+        pybind11::arg("causal"), pybind11::arg("p"), pybind11::arg("scale"), pybind11::arg("rng"),
+        pybind11::arg("keep") = pybind11::none());
   m.def("attention_bwd", &attention_bwd, "Fused attention backward: (dq, dk, dv), into dq/dk/dv when given",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("key_padding_mask"), pybind11::arg("causal"), pybind11::arg("p"),
         pybind11::arg("scale"), pybind11::arg("rng"), pybind11::arg("dq") = pybind11::none(),
-        pybind11::arg("dk") = pybind11::none(), pybind11::arg("dv") = pybind11::none());
+        pybind11::arg("dk") = pybind11::none(), pybind11::arg("dv") = pybind11::none(),
+        pybind11::arg("keep") = pybind11::none());
 }
 
 }  // namespace

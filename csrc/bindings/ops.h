@@ -25,15 +25,17 @@ std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const
                                                      const std::optional<at::Tensor>& out);
 
 // attention.cpp: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32).
+// keep: int32 [attention_keep_numel] that receives the dropout keep bits for attention_bwd to read.
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& key_padding_mask, bool causal,
-                                                 double p, double scale, const PhiloxTuple& rng);
-// (dq, dk, dv), into dq/dk/dv when given.
+                                                 double p, double scale, const PhiloxTuple& rng,
+                                                 const std::optional<at::Tensor>& keep = std::nullopt);
+// (dq, dk, dv), into dq/dk/dv when given; keep: the forward's keep bits, or none (drawn again).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask, bool causal, double p, double scale,
     const PhiloxTuple& rng, const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-    const std::optional<at::Tensor>& dv);
+    const std::optional<at::Tensor>& dv, const std::optional<at::Tensor>& keep = std::nullopt);
 
 // bias_dropout_residual.cpp: residual + dropout(x + bias).
 at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,

@@ -22,7 +22,10 @@
  * unfused paths drop the same elements. With k_len % 8 == 0 a Philox group is 8 keys of one row: one
  * row of a 16×8 accumulator tile, whose 4 lanes (a quad) each hold two of its columns; each lane of
  * the quad computes one of the quad's 4 groups and the words are swapped with shuffles (1 Philox call
- * per 8 elements). Otherwise one call per element (slow, correct).
+ * per 8 elements). Otherwise one call per element (slow, correct). With AttentionArgs::keep the forward
+ * also stores each lane's 32 bits of every tile it computes (a word per lane, attention.h's layout) and the
+ * backward kernels read them instead of calling Philox again: the same bits, without the draws that are
+ * most of the backward's instructions. Tiles the forward skips (causal) are skipped by the backward too.
  *
  * How: a CTA of 4 warps owns a 64-row block (queries; keys in the dK/dV kernel), each warp 16 rows held
  * as m16n8k16 fragments. The other operand streams through shared memory in 64-row tiles, rows padded
@@ -388,7 +391,8 @@ struct Setup {
   TileDropout drop;
   bool dropout;
   float inv_keep, scale2;
-  __device__ Setup(const AttentionArgs<T>& a, int bh_) : b(bh_ / a.heads), h(bh_ % a.heads), bh(bh_) {
+  uint32_t* keep;  // AttentionArgs::keep
+  __device__ Setup(const AttentionArgs<T>& a, int bh_) : b(bh_ / a.heads), h(bh_ % a.heads), bh(bh_), keep(a.keep) {
     vis = {a.key_padding_mask ? a.key_padding_mask + int64_t(b) * a.k_len : nullptr, a.q_len, a.k_len, a.causal};
     drop = {{0, 0}, 0u, a.k_len};
     dropout = a.dropout_p > 0.f;
@@ -401,12 +405,23 @@ struct Setup {
   }
   template <typename U>
   __device__ U* at(const Strided<U>& s) const { return s.ptr + b * s.batch + h * s.head; }
+  // This lane's word of `keep` for the 16×64 tile of queries [i0, i0 + 16) × keys [k0, k0 + 64).
+  __device__ uint32_t* keep_word(int i0, int k0) const {
+    const int row_groups = (vis.q_len + kBlock - 1) / kBlock * 4, key_tiles = (vis.k_len + kBlock - 1) / kBlock;
+    return keep + ((bh * row_groups + i0 / 16) * key_tiles + k0 / kBlock) * 32 + (threadIdx.x & 31);
+  }
+  // The backward's dropout bits of that tile: the forward's when it kept them, else drawn again.
+  __device__ uint32_t tile_keep_bits(int i0, int k0) const {
+    return keep != nullptr ? *keep_word(i0, k0) : drop.keep_bits(bh * vis.q_len + i0, k0);
+  }
 };
 
 // ---- forward ---------------------------------------------------------------------------------------
 // D ≤ 64: three CTAs per SM (≤ 168 registers; at 170 the allocation granularity leaves room for two).
 // D = 128: shared memory allows two anyway.
-template <typename T, int D>
+// kKeep: also store the dropout bits (AttentionArgs::keep). A separate instantiation, because the kernel is at
+// its register cap: the store's pointer alone made the one without it spill and run 3-5% slower.
+template <typename T, int D, bool kKeep>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kernel(const AttentionArgs<T> a) {
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;  // elements of one [64 × D] shared tile
@@ -446,6 +461,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
     for (int kk = 0; kk < D / 16; ++kk) frag_a(qa[kk], sQ, ld, warp * 16, kk * 16);
   }
 
+  // Where the dropout bits of key tile t go when kept: keep_row[32·t] (one pointer live across the loop).
+  uint32_t* const keep_row = kKeep ? st.keep_word(i0, 0) : nullptr;
   float o[D / 8][4] = {};
   float m[2] = {-kInf, -kInf};  // running max (exp2 domain) of rows g, g + 8
   float l[2] = {0.f, 0.f};      // this lane's part of the running sum
@@ -489,6 +506,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
       }
     if (st.dropout) {
       const uint32_t bits = st.drop.keep_bits(st.bh * a.q_len + i0, k0);
+      if constexpr (kKeep) keep_row[32 * t] = bits;
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -518,10 +536,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
 // lse2/delta: the two rows' lse (exp2 domain) and Δ.
 template <typename T, bool kWantP>
 __device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st, const float* bias,
-                                        const float (&lse2)[2], const float (&delta)[2], int64_t flat_row0, int i0,
-                                        int k0) {
+                                        const float (&lse2)[2], const float (&delta)[2], int i0, int k0) {
   mask_scores(s, bias, st.scale2, st.vis, i0, k0);
-  const uint32_t bits = st.dropout ? st.drop.keep_bits(flat_row0, k0) : 0xFFFFFFFFu;
+  const uint32_t bits = st.dropout ? st.tile_keep_bits(i0, k0) : 0xFFFFFFFFu;
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -610,7 +627,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
     float s[8][4] = {}, dp[8][4] = {};
     tile_abt<T, D>(s, qa, cK);
     tile_abt<T, D>(dp, da, cV);
-    tile_ds<T, false>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, st.bh * a.q_len + i0, i0, k0);
+    tile_ds<T, false>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, k0);
     tile_xb<T, D>(dq, s, cK);
     pipeline_next(t, n_tiles, issue_kv);
   }
@@ -682,7 +699,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     const float* cDelta = sDelta + (t & 1) * kBlock;
     const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
     const float delta[2] = {cDelta[r0 + g], cDelta[r0 + g + 8]};
-    tile_ds<T, true>(s, dp, st, sBias, lse2, delta, st.bh * a.q_len + q0 + r0, q0 + r0, k0);
+    tile_ds<T, true>(s, dp, st, sBias, lse2, delta, q0 + r0, k0);
     // sP/sdS: their readers (iteration t − 1) all passed that iteration's closing barrier.
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -779,7 +796,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
     if (active) {
       tile_s_dp<T, D>(s, dp, cQ, cdO, r0, gK, gV);
       mask_scores(s, sBias + kg, st.scale2, st.vis, q0 + r0, kg);
-      if (st.dropout) bits = st.drop.keep_bits(st.bh * a.q_len + q0 + r0, kg);
+      if (st.dropout) bits = st.tile_keep_bits(q0 + r0, kg);
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -867,7 +884,8 @@ cudaError_t fwd(const AttentionArgs<T>& a, cudaStream_t stream) {
   // Q + 2×K + 2×V tiles + 2 bias arrays: 5·64·(D + 8)·sizeof(T) + 2·64·4 bytes; fp16/bf16:
   // D = 64 → 46 592 B, D = 128 → 87 552 B.
   const size_t bytes = 5 * kBlock * (D + kPad) * sizeof(T) + 2 * kBlock * sizeof(float);
-  return launch(attention_fwd_kernel<T, D>, blocks, bytes, a, stream);
+  if (a.keep != nullptr && a.dropout_p > 0.f) return launch(attention_fwd_kernel<T, D, true>, blocks, bytes, a, stream);
+  return launch(attention_fwd_kernel<T, D, false>, blocks, bytes, a, stream);
 }
 
 template <typename T, int D, int KB>

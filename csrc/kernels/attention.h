@@ -39,12 +39,22 @@ struct AttentionArgs {
   float* lse;                       // [batch, heads, q_len] contiguous; forward writes, backward reads
   float* delta;                     // [batch, heads, q_len] contiguous; backward scratch
   const uint8_t* key_padding_mask;  // [batch, k_len] contiguous, nonzero = pad; or null
+  // The dropout keep bits as the forward drew them, so that backward reads them instead of drawing
+  // again; or null (backward draws them). [batch·heads, 4·ceil(q_len/64), ceil(k_len/64), 32] words:
+  // one per lane of the warp that holds each 16-query × 64-key tile (attention.cu's bit order; the
+  // kernels work in blocks of 64 queries, so a partial last block has all four row groups).
+  uint32_t* keep;
   int batch, heads, q_len, k_len, head_dim;
   float scale;
   bool causal;
   float dropout_p;
   PhiloxArgs rng;  // not read when dropout_p == 0
 };
+
+// Words of AttentionArgs::keep for one call.
+constexpr int64_t attention_keep_numel(int64_t batch, int64_t heads, int64_t q_len, int64_t k_len) {
+  return batch * heads * ((q_len + 63) / 64 * 4) * ((k_len + 63) / 64) * 32;
+}
 
 // T: __half or __nv_bfloat16; head_dim: attention_supports_head_dim.
 template <typename T>

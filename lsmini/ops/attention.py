@@ -18,8 +18,11 @@ get zeros (and zero gradients).
 Dropout: the kept set is the attention_softmax kernel's — element (b, h, i, j) of the [b, h, q_len,
 k_len] probabilities draws Philox at flat index ((b·heads + h)·q_len + i)·k_len + j of the call's
 ``rng`` (``_backend.dropout_rng``) — and kept probabilities are scaled by 1/(1 − p). So, with the same
-rng, the fused op equals ``attention_softmax(scale·q@kᵀ, ...) @ v``. Backward regenerates the mask
-from rng; the kernel saves only out and the row log-sum-exp (fp32 [b, h, q_len]).
+rng, the fused op equals ``attention_softmax(scale·q@kᵀ, ...) @ v``. The kernel saves out and the row
+log-sum-exp (fp32 [b, h, q_len]); backward regenerates the mask from rng, except where the bits cost no
+more memory than q itself (``keep_buffer``: k_len ≤ 16·d, the usual training lengths): there the forward
+also stores the mask it drew, one bit per score, and backward reads it instead. Philox is most of the
+backward's instructions, and the bits are the same either way.
 
 The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) with head_dim d in
 ``lsmini.limits.ATTENTION_HEAD_DIMS``; anything else (float32, float64, other d, CPU tensors) runs
@@ -56,6 +59,22 @@ def fused_attention_supported(dtype, head_dim):
     return dtype in limits.ATTENTION_DTYPES and head_dim in limits.ATTENTION_HEAD_DIMS
 
 
+def keep_numel(batch, heads, q_len, k_len):
+    """int32 words of the kernels' dropout keep-bit buffer (csrc/kernels/attention.h): one per lane of each
+    16-query × 64-key tile, the queries in whole blocks of 64."""
+    return batch * heads * ((q_len + 63) // 64 * 4) * ((k_len + 63) // 64) * 32
+
+
+def keep_buffer(q, k, p):
+    """An empty buffer for the fused forward to store its dropout keep bits in, for the backward to read; None
+    (backward draws the bits again) without dropout, or when the bits would take more memory than q (one bit
+    per score against two bytes per element of q: k_len > 16·head_dim)."""
+    b, h, lq, d = q.shape
+    if p <= 0 or k.shape[2] > 16 * d:
+        return None
+    return torch.empty(keep_numel(b, h, lq, k.shape[2]), dtype=torch.int32, device=q.device)
+
+
 def attention_ref(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, training=True, scale=None,
                   keep=None):
     """Pure-PyTorch attention in fp32 math (the oracle and the CPU path); returns [b, h, q_len, d] in q's dtype.
@@ -87,15 +106,17 @@ def attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, fused):
     Always draws a dropout mask when dropout_p > 0 (training); scale is a float. fused: run the flash kernel
     (CUDA, ``fused_attention_supported``); out is then its merged-heads buffer, with no copy. Otherwise
     ``attention_ref`` runs and its bool keep-mask goes into saved. saved holds the inputs and arguments,
-    "out", and the kernel's "rng" and row log-sum-exp "lse" or the reference's "keep".
+    "out", and the kernel's "rng", row log-sum-exp "lse" and keep bits "bits" (``keep_buffer``), or the
+    reference's "keep".
     """
     batch, heads, q_len, head_dim = q.shape
     saved = {"q": q, "k": k, "v": v, "key_padding_mask": key_padding_mask, "causal": causal, "p": dropout_p,
              "scale": scale}
     if fused:
         saved["rng"] = _backend.dropout_rng(dropout_p, q.device)
+        saved["bits"] = keep_buffer(q, k, dropout_p)
         out, saved["lse"] = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale,
-                                                         saved["rng"])
+                                                         saved["rng"], saved["bits"])
     else:
         saved["keep"] = keep_mask((batch, heads, q_len, k.shape[2]), dropout_p, q.device)
         out = attention_ref(q, k, v, key_padding_mask, causal, dropout_p, True, scale, saved["keep"])
@@ -115,7 +136,7 @@ def attention_bwd(grad_out, saved, grad_q, grad_k, grad_v, fused):
     if fused:
         _backend.ext().attention_bwd(split(grad_out), saved["q"], saved["k"], saved["v"], split(saved["out"]),
                                      saved["lse"], saved["key_padding_mask"], saved["causal"], saved["p"],
-                                     saved["scale"], saved["rng"], grad_q, grad_k, grad_v)
+                                     saved["scale"], saved["rng"], grad_q, grad_k, grad_v, saved["bits"])
         return
 
     def reference(q, k, v):
@@ -131,68 +152,73 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_padding_mask, causal, p, scale):
         rng = _backend.dropout_rng(p, q.device)
-        out, lse = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng)
+        bits = keep_buffer(q, k, p)
+        out, lse = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng, bits)
         # the mask goes through save_for_backward too: an in-place change before backward then errors
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask)
+        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, bits)
         ctx.causal, ctx.p, ctx.scale, ctx.rng = causal, p, scale, rng
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, key_padding_mask = ctx.saved_tensors
+        q, k, v, out, lse, key_padding_mask, bits = ctx.saved_tensors
         if dout.stride(-1) != 1:  # e.g. the all-zero-stride gradient of out.sum()
             dout = dout.contiguous()
         dq, dk, dv = _backend.ext().attention_bwd(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.p,
-                                                  ctx.scale, ctx.rng)
+                                                  ctx.scale, ctx.rng, keep=bits)
         return dq, dk, dv, None, None, None, None
 
 
 @torch.library.custom_op("lsmini::attention", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
 def attention_op(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool, p: float,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, lse, dropout state): out [b, h, lq, d] as the transposed view of a contiguous [b, lq, h, d]
-    buffer, lse float32 [b, h, lq]."""
+                 scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out, lse, dropout state, keep bits): out [b, h, lq, d] as the transposed view of a contiguous
+    [b, lq, h, d] buffer, lse float32 [b, h, lq], the bits int32 (``keep_buffer``; empty when not kept)."""
     rng, state = draw_dropout_state(p, q.device)
-    out, lse = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng)
-    return out, lse, state
+    bits = keep_buffer(q, k, p)
+    out, lse = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng, bits)
+    return out, lse, state, q.new_empty(0, dtype=torch.int32) if bits is None else bits
 
 
 @attention_op.register_fake
 def _(q, k, v, key_padding_mask, causal, p, scale):
     b, h, lq, d = q.shape
     out = q.new_empty((b, lq, h, d)).transpose(1, 2)
-    return out, q.new_empty((b, h, lq), dtype=torch.float32), fake_dropout_state(q)
+    bits = keep_buffer(q, k, p)
+    return (out, q.new_empty((b, h, lq), dtype=torch.float32), fake_dropout_state(q),
+            q.new_empty(0, dtype=torch.int32) if bits is None else bits)
 
 
 @torch.library.custom_op("lsmini::attention_backward", mutates_args=(), device_types="cuda")
 def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          key_padding_mask: Tensor | None, state: Tensor, causal: bool, p: float,
+                          key_padding_mask: Tensor | None, state: Tensor, bits: Tensor, causal: bool, p: float,
                           scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), contiguous, shaped like q, k, v; the dropout mask regenerated from the forward's state."""
+    """(dq, dk, dv), contiguous, shaped like q, k, v; the dropout mask read from the forward's bits, or
+    regenerated from its state when the bits are empty."""
     if dout.stride(-1) != 1:  # e.g. the all-zero-stride gradient of out.sum()
         dout = dout.contiguous()
     dq, dk, dv = _backend.ext().attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, p, scale,
-                                              state_rng(state, p))
+                                              state_rng(state, p), keep=bits if bits.numel() else None)
     return dq, dk, dv
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, key_padding_mask, state, causal, p, scale):
+def _(dout, q, k, v, out, lse, key_padding_mask, state, bits, causal, p, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _attention_setup_context(ctx, inputs, output):
     q, k, v, key_padding_mask, causal, p, scale = inputs
-    out, lse, state = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, state)
+    out, lse, state, bits = output
+    ctx.mark_non_differentiable(lse, bits)
+    ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, state, bits)
     ctx.causal, ctx.p, ctx.scale = causal, p, scale
 
 
-def _attention_backward(ctx, dout, _grad_lse, _grad_state):
-    q, k, v, out, lse, key_padding_mask, state = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, key_padding_mask, state, ctx.causal, ctx.p,
+def _attention_backward(ctx, dout, _grad_lse, _grad_state, _grad_bits):
+    q, k, v, out, lse, key_padding_mask, state, bits = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, key_padding_mask, state, bits, ctx.causal, ctx.p,
                                        ctx.scale)
     return dq, dk, dv, None, None, None, None
 
@@ -249,7 +275,7 @@ def attention(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, train
     empty = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] == 0  # nothing for a kernel to do
     if not empty and fused_attention_supported(q.dtype, d) and _backend.use_kernels(q, k, v, key_padding_mask):
         if torch.compiler.is_compiling():
-            out, _, _ = attention_op(q, k, v, key_padding_mask, causal, p, scale)
+            out = attention_op(q, k, v, key_padding_mask, causal, p, scale)[0]
             return out
         return AttentionFunction.apply(q, k, v, key_padding_mask, causal, p, scale)
     return attention_ref(q, k, v, key_padding_mask, causal, p, training, scale)

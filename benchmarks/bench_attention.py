@@ -1,0 +1,118 @@
+"""The fused attention op over sequence lengths, beside the fastest of PyTorch's SDPA backends, in one run.
+
+    python benchmarks/bench_attention.py [--lengths 128 ... 8192] [--head-dims 64 128] [--dtypes fp16 bf16]
+                                         [--masks causal padding] [--tokens 16384] [--dropout 0.1] [--csv PATH]
+
+Each row: batch = tokens / length sequences (the same work per row up to the length's quadratic term),
+hidden 1024 (16 heads of 64, or 8 of 128), dropout 0.1 as in training (--dropout 0 shows what the draws
+cost). `padding` gives each sequence a random length in [length/2, length] and passes SDPA the equivalent
+boolean attn_mask; `causal` passes is_causal=True. Every SDPA backend (flash, memory-efficient, cuDNN) that
+accepts the row is timed, and the fastest fwd+bwd is the baseline (`sdpa_best`, which one in `backend`).
+Times are device milliseconds (benchmarks/common.time_ms); TFLOP/s counts the nominal GEMM work (causal:
+half), 4·b·h·L²·d forward and 2.5 times that backward.
+"""
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402
+
+_HIDDEN = 1024
+_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION}
+COLUMNS = ["dtype", "d", "mask", "batch×heads×len", "lsmini_fwd_ms", "sdpa_fwd_ms", "lsmini_ms", "sdpa_best_ms",
+           "backend", "speedup", "lsmini_TFLOP/s", "sdpa_TFLOP/s"]
+
+
+def _fwd_bwd(fn, q, k, v, grad):
+    def step():
+        torch.autograd.grad(fn(), (q, k, v), grad)
+    return step
+
+
+def _time_backend(backend, fn, iters):
+    """(fwd ms, fwd+bwd ms) of fn under one SDPA backend, or None when the backend refuses the inputs."""
+    try:
+        with sdpa_kernel(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a refusing backend warns why before it raises
+            fwd, step = fn()
+            return common.time_ms(fwd, warmup=3, iters=iters), common.time_ms(step, warmup=3, iters=iters)
+    except RuntimeError:  # "No available kernel" and the like: this backend does not take the row
+        return None
+
+
+def row(dtype, d, mask, length, tokens, dropout, iters):
+    from lsmini.ops.attention import attention
+
+    b, h = max(1, tokens // length), _HIDDEN // d
+    q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, length, d, device="cuda", dtype=dtype)
+    if mask == "padding":
+        lengths = torch.randint(length // 2, length + 1, (b, 1), device="cuda")
+        kpm, causal = torch.arange(length, device="cuda").view(1, length) >= lengths, False
+        sdpa_kw = {"attn_mask": ~kpm.view(b, 1, 1, length)}
+    else:
+        kpm, causal, sdpa_kw = None, True, {"is_causal": True}
+    ours = lambda: attention(q, k, v, kpm, causal, dropout)  # noqa: E731
+    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **sdpa_kw)  # noqa: E731
+    r = {"dtype": str(dtype).replace("torch.", ""), "d": d, "mask": mask, "batch×heads×len": f"{b}×{h}×{length}",
+         "lsmini_fwd_ms": common.time_ms(ours, warmup=3, iters=iters),
+         "lsmini_ms": common.time_ms(_fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)}
+    best = None
+    for name, backend in _BACKENDS.items():
+        t = _time_backend(backend, lambda: (sdpa, _fwd_bwd(sdpa, q, k, v, grad)), iters)
+        if t is not None and (best is None or t[1] < best[2]):
+            best = (name, t[0], t[1])
+    flops = 4 * b * h * length * length * d * (0.5 if causal else 1.0) * 3.5  # forward + backward
+    r["lsmini_TFLOP/s"] = flops / r["lsmini_ms"] / 1e9
+    if best is not None:
+        r["backend"], r["sdpa_fwd_ms"], r["sdpa_best_ms"] = best
+        r["speedup"] = best[2] / r["lsmini_ms"]
+        r["sdpa_TFLOP/s"] = flops / best[2] / 1e9
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--dtypes", nargs="+", choices=["fp16", "bf16"], default=["fp16", "bf16"])
+    ap.add_argument("--masks", nargs="+", choices=["causal", "padding"], default=["causal", "padding"])
+    ap.add_argument("--tokens", type=int, default=16384, help="batch × length of every row")
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--csv", help="also write the rows to this CSV file")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA device")
+    import lsmini
+
+    if lsmini.backend() != "cuda":
+        sys.exit(f"lsmini backend is {lsmini.backend()!r}: {lsmini.backend().reason}")
+    env = common.environment()
+    print(f"# {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}; dropout {args.dropout}, "
+          f"{args.tokens} tokens a row, hidden {_HIDDEN}")
+    print("| " + " | ".join(COLUMNS) + " |")
+    rows = []
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    for dtype in args.dtypes:
+        for d in args.head_dims:
+            for mask in args.masks:
+                for length in args.lengths:
+                    rows.append(row(dtypes[dtype], d, mask, length, args.tokens, args.dropout, args.iters))
+                    print(common.markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
+                    torch.cuda.empty_cache()
+    if args.csv:
+        common.write_csv(args.csv, rows, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
