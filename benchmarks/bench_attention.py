@@ -24,18 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
+from kernels.attention import fwd_bwd, inputs  # noqa: E402
 
 _HIDDEN = 1024
 _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
              "cudnn": SDPBackend.CUDNN_ATTENTION}
 COLUMNS = ["dtype", "d", "mask", "batch×heads×len", "lsmini_fwd_ms", "sdpa_fwd_ms", "lsmini_ms", "sdpa_best_ms",
            "backend", "speedup", "lsmini_TFLOP/s", "sdpa_TFLOP/s"]
-
-
-def _fwd_bwd(fn, q, k, v, grad):
-    def step():
-        torch.autograd.grad(fn(), (q, k, v), grad)
-    return step
 
 
 def _time_backend(backend, fn, iters):
@@ -53,22 +48,15 @@ def row(dtype, d, mask, length, tokens, dropout, iters):
     from lsmini.ops.attention import attention
 
     b, h = max(1, tokens // length), _HIDDEN // d
-    q, k, v = (torch.randn(b, h, length, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(b, h, length, d, device="cuda", dtype=dtype)
-    if mask == "padding":
-        lengths = torch.randint(length // 2, length + 1, (b, 1), device="cuda")
-        kpm, causal = torch.arange(length, device="cuda").view(1, length) >= lengths, False
-        sdpa_kw = {"attn_mask": ~kpm.view(b, 1, 1, length)}
-    else:
-        kpm, causal, sdpa_kw = None, True, {"is_causal": True}
+    q, k, v, grad, kpm, causal, sdpa_kw = inputs(b, h, length, d, dtype, mask == "padding")
     ours = lambda: attention(q, k, v, kpm, causal, dropout)  # noqa: E731
     sdpa = lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **sdpa_kw)  # noqa: E731
     r = {"dtype": str(dtype).replace("torch.", ""), "d": d, "mask": mask, "batch×heads×len": f"{b}×{h}×{length}",
          "lsmini_fwd_ms": common.time_ms(ours, warmup=3, iters=iters),
-         "lsmini_ms": common.time_ms(_fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)}
+         "lsmini_ms": common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)}
     best = None
     for name, backend in _BACKENDS.items():
-        t = _time_backend(backend, lambda: (sdpa, _fwd_bwd(sdpa, q, k, v, grad)), iters)
+        t = _time_backend(backend, lambda: (sdpa, fwd_bwd(sdpa, q, k, v, grad)), iters)
         if t is not None and (best is None or t[1] < best[2]):
             best = (name, t[0], t[1])
     flops = 4 * b * h * length * length * d * (0.5 if causal else 1.0) * 3.5  # forward + backward

@@ -23,10 +23,22 @@ def _unfused(q, k, v, kpm, causal):
     return torch.matmul(attention_softmax(scores, kpm, causal, _P), v)
 
 
-def _fwd_bwd(fn, q, k, v, grad):
+def fwd_bwd(fn, q, k, v, grad):
     def step():
         torch.autograd.grad(fn(), (q, k, v), grad)  # no .grad accumulation inside the timed region
     return step
+
+
+def inputs(b, h, l, d, dtype, padded):
+    """q, k, v (leaves), the output gradient, and the mask three ways: lsmini's key_padding_mask and causal
+    flag, and SDPA's keyword arguments. padded: random lengths in [l/2, l]; else causal."""
+    q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, l, d, device="cuda", dtype=dtype)
+    if padded:
+        lengths = torch.randint(l // 2, l + 1, (b, 1), device="cuda")
+        kpm = torch.arange(l, device="cuda").view(1, l) >= lengths
+        return q, k, v, grad, kpm, False, {"attn_mask": ~kpm.view(b, 1, 1, l)}
+    return q, k, v, grad, None, True, {"is_causal": True}
 
 
 def bench(ctx):
@@ -34,19 +46,12 @@ def bench(ctx):
     shapes = [_SHAPES[0], _SHAPES[-1]] if ctx.quick else _SHAPES
     for b, h, l, d, setup in shapes:
         shape = f"{b}x{h}x{l}x{d} {setup} p={_P}"
-        q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-        grad = torch.randn(b, h, l, d, device="cuda", dtype=dtype)
-        if setup == "pad":
-            lengths = torch.randint(l // 2, l + 1, (b, 1), device="cuda")
-            kpm, causal = torch.arange(l, device="cuda").view(1, l) >= lengths, False
-            sdpa_kw = {"attn_mask": ~kpm.view(b, 1, 1, l)}
-        else:
-            kpm, causal, sdpa_kw = None, True, {"is_causal": True}
+        q, k, v, grad, kpm, causal, sdpa_kw = inputs(b, h, l, d, dtype, setup == "pad")
         ours = lambda: attention(q, k, v, kpm, causal, _P)  # noqa: E731
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=_P, **sdpa_kw)  # noqa: E731
         unfused = lambda: _unfused(q, k, v, kpm, causal)  # noqa: E731
         rows = (("attention_fwd", "", lambda fn: fn),
-                ("attention_bwd", "fwd+bwd; ", lambda fn: _fwd_bwd(fn, q, k, v, grad)))
+                ("attention_bwd", "fwd+bwd; ", lambda fn: fwd_bwd(fn, q, k, v, grad)))
         for name, what, wrap in rows:
             ctx.row(name, dtype, shape, wrap(ours), wrap(sdpa), note=what + "torch = eager SDPA")
             ctx.row(name, dtype, shape, wrap(ours), wrap(unfused),
