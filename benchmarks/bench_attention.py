@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 from kernels.attention import fwd_bwd, inputs  # noqa: E402
+from lsmini.ops.attention import attention  # noqa: E402
 
 _HIDDEN = 1024
 _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -45,8 +46,6 @@ def _time_backend(backend, fn, iters):
 
 
 def row(dtype, d, mask, length, tokens, dropout, iters):
-    from lsmini.ops.attention import attention
-
     b, h = max(1, tokens // length), _HIDDEN // d
     q, k, v, grad, kpm, causal, sdpa_kw = inputs(b, h, length, d, dtype, mask == "padding")
     ours = lambda: attention(q, k, v, kpm, causal, dropout)  # noqa: E731
@@ -79,12 +78,7 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--csv", help="also write the rows to this CSV file")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA device")
-    import lsmini
-
-    if lsmini.backend() != "cuda":
-        sys.exit(f"lsmini backend is {lsmini.backend()!r}: {lsmini.backend().reason}")
+    common.require_cuda_kernels("bench_attention.py")
     env = common.environment()
     print(f"# {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}; dropout {args.dropout}, "
           f"{args.tokens} tokens a row, hidden {_HIDDEN}")

@@ -63,12 +63,7 @@ def main():
     ap.add_argument("--only", nargs="*", default=[], help="row-name prefixes to run")
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_kernels.py needs a CUDA device")
-    import lsmini
-
-    if lsmini.backend() != "cuda":
-        sys.exit(f"lsmini backend is {lsmini.backend()!r}: {lsmini.backend().reason}")
+    common.require_cuda_kernels("bench_kernels.py")
     env = common.environment()
     ctx = Context(args.quick, args.only)
     print(f"# {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}; "

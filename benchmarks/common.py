@@ -3,6 +3,7 @@ copy bandwidth ceiling, and result tables (markdown + CSV) stamped with GPU, ver
 import csv
 import datetime
 import statistics
+import sys
 import time
 
 import torch
@@ -46,6 +47,16 @@ def copy_bandwidth_gbs(nbytes=2 << 30):
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes / ms / 1e6
+
+
+def require_cuda_kernels(script):
+    """Exit with the reason unless a CUDA device is there and lsmini runs its kernels on it."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA device")
+    import lsmini
+
+    if lsmini.backend() != "cuda":
+        sys.exit(f"lsmini backend is {lsmini.backend()!r}: {lsmini.backend().reason}")
 
 
 def environment():

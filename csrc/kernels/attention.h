@@ -10,7 +10,7 @@
 
 namespace lsmini {
 
-// Head dims with a kernel instantiation (the launchers in attention.cu switch over the same list).
+// Head dims with a kernel instantiation (the launchers in attention*.cu switch over the same list).
 inline constexpr int kAttentionHeadDims[] = {16, 32, 64, 128};
 
 constexpr bool attention_supports_head_dim(int d) {

@@ -48,7 +48,7 @@ def cast_block(block, dtype):
 
 
 def cast_plan(params, dtype):
-    """Where cast_blocks_batched puts its copies: (the positions in params it casts, each copy's offset into
+    """Where cast_into_buffer puts its copies: (the positions in params it casts, each copy's offset into
     one buffer, then the buffer's numel). Each copy starts 128-byte aligned, for the GEMMs."""
     todo = [i for i, p in enumerate(params) if _needs_cast(i % PARAMS_PER_BLOCK, p, dtype)]
     starts = [0]

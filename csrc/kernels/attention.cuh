@@ -1,0 +1,404 @@
+// attention.cuh — what the fused attention forward (attention.cu) and backward (attention_bwd.cu,
+// attention_bwd_short.cu) share: tensor-core fragments, the cp.async tile pipeline, masks, dropout bits,
+// the per-(batch, head) setup and the launch helper. attention.cu's opening comment describes the
+// kernels, their layout and conventions.
+#pragma once
+
+#include "common.cuh"
+#include "attention.h"
+
+namespace lsmini {
+namespace {
+
+constexpr int kBlock = 64;  // rows of a CTA's block and of a streamed tile
+constexpr int kThreads = 128;
+constexpr int kPad = 8;     // elements of padding per shared-memory row
+constexpr int kTileLd = kBlock + kPad;  // pitch of the 64×64 P̃ / dS tiles
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kInf = __builtin_huge_valf();
+
+// ---- tensor-core fragments (PTX ISA, mma.m16n8k16; g = lane / 4, c = lane % 4) --------------------
+// A 16×16 row-major: a0 (g, 2c..2c+1), a1 (g+8, 2c..), a2 (g, 2c+8..), a3 (g+8, 2c+8..)
+// B 16×8:            b0 (k = 2c..2c+1, n = g), b1 (k = 2c+8.., n = g)
+// C 16×8 fp32:       c0, c1 (g, 2c..2c+1), c2, c3 (g+8, 2c..2c+1)
+template <typename T> __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  typename Pair<T>::type v = Pair<T>::make(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// ldmatrix: four 8×8 b16 matrices from shared memory; lanes 8m..8m+7 give the row addresses of matrix m
+// and register m receives it as an mma fragment: (row lane/4, columns 2·(lane%4)..+1), or transposed
+// with .trans: (rows 2·(lane%4)..+1, column lane/4).
+template <bool kTrans>
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* row_address) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(row_address));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+  }
+}
+
+// A fragment of rows [r0, r0+16) × columns [k0, k0+16) of a row-major shared tile.
+template <typename T>
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const T* s, int ld, int r0, int k0) {
+  const int lane = threadIdx.x & 31;
+  ldsm4<false>(a, s + (r0 + (lane & 15)) * ld + k0 + (lane >> 4) * 8);
+}
+
+// A fragment of the TRANSPOSE of a row-major shared tile: A[m][k] = s[k][m], m ∈ [m0, m0+16), k ∈ [k0, k0+16).
+template <typename T>
+__device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const T* s, int ld, int m0, int k0) {
+  const int lane = threadIdx.x & 31;
+  ldsm4<true>(a, s + (k0 + (lane & 7) + ((lane >> 4) << 3)) * ld + m0 + ((lane >> 3) & 1) * 8);
+}
+
+// B fragments (b0, b1 of n-tile n0, then of n0 + 8) with B[k][n] = s[n][k]: rows of s are the n index
+// (K rows for S = QKᵀ); k ∈ [k0, k0+16).
+template <typename T>
+__device__ __forceinline__ void frag_b_rows(uint32_t (&b)[4], const T* s, int ld, int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  ldsm4<false>(b, s + (n0 + (lane & 7) + ((lane >> 4) << 3)) * ld + k0 + ((lane >> 3) & 1) * 8);
+}
+
+// B fragments (n-tiles n0 and n0 + 8) with B[k][n] = s[k][n]: rows of s are the k index (V rows for O = PV).
+template <typename T>
+__device__ __forceinline__ void frag_b_cols(uint32_t (&b)[4], const T* s, int ld, int n0, int k0) {
+  const int lane = threadIdx.x & 31;
+  ldsm4<true>(b, s + (k0 + (lane & 15)) * ld + n0 + (lane >> 4) * 8);
+}
+
+// The A fragments of a 16×64 probability tile held as 8 C tiles (FlashAttention-2's register reuse):
+// columns [16·kk, 16·kk + 16) are C tiles 2kk and 2kk+1.
+template <typename T>
+__device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&x)[8][4], int kk) {
+  a[0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
+  a[1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
+  a[2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+  a[3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+}
+
+// acc[8][4] += rows [r0, r0+16) of sa × (rows of sb)ᵀ: a 16×64 tile of A·Bᵀ over D columns.
+template <typename T, int D>
+__device__ __forceinline__ void tile_abt(float (&acc)[8][4], const uint32_t (&a)[D / 16][4], const T* sb) {
+  constexpr int ld = D + kPad;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int n = 0; n < 8; n += 2) {
+      uint32_t b[4];
+      frag_b_rows(b, sb, ld, n * 8, kk * 16);
+      mma16816<T>(acc[n], a[kk], b[0], b[1]);
+      mma16816<T>(acc[n + 1], a[kk], b[2], b[3]);
+    }
+}
+
+// acc[D/8][4] += X·sb, X the 16×64 tile held as C tiles x (converted to A fragments), sb [64][D] rows.
+template <typename T, int D>
+__device__ __forceinline__ void tile_xb(float (&acc)[D / 8][4], const float (&x)[8][4], const T* sb) {
+  constexpr int ld = D + kPad;
+#pragma unroll
+  for (int kk = 0; kk < kBlock / 16; ++kk) {
+    uint32_t a[4];
+    c_to_a<T>(a, x, kk);
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      uint32_t b[4];
+      frag_b_cols(b, sb, ld, n * 8, kk * 16);
+      mma16816<T>(acc[n], a, b[0], b[1]);
+      mma16816<T>(acc[n + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// s = rows [r0, r0+16) of Q·Kᵀ and dp = the same rows of dO·Vᵀ: the two 16×64 score tiles of the backward.
+template <typename T, int D>
+__device__ __forceinline__ void tile_s_dp(float (&s)[8][4], float (&dp)[8][4], const T* sQ, const T* sdO, int r0,
+                                          const T* sK, const T* sV) {
+  constexpr int ld = D + kPad;
+  uint32_t fa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], sQ, ld, r0, kk * 16);
+  tile_abt<T, D>(s, fa, sK);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) frag_a(fa[kk], sdO, ld, r0, kk * 16);
+  tile_abt<T, D>(dp, fa, sV);
+}
+
+// The warp's 16 keys (columns [m0, m0+16) of the [64 queries][lds] tiles sP/sdS): dV += p̃ᵀ·dO, dK += dSᵀ·Q
+// over a query tile's 64 rows.
+template <typename T, int D>
+__device__ __forceinline__ void tile_dkv(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const T* sP, const T* sdS,
+                                         int lds, int m0, const T* sQ, const T* sdO) {
+  constexpr int ld = D + kPad;
+#pragma unroll
+  for (int kk = 0; kk < kBlock / 16; ++kk) {
+    uint32_t pa[4], sa[4];
+    frag_a_t(pa, sP, lds, m0, kk * 16);
+    frag_a_t(sa, sdS, lds, m0, kk * 16);
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      uint32_t b[4];
+      frag_b_cols(b, sdO, ld, n * 8, kk * 16);
+      mma16816<T>(dv[n], pa, b[0], b[1]);
+      mma16816<T>(dv[n + 1], pa, b[2], b[3]);
+      frag_b_cols(b, sQ, ld, n * 8, kk * 16);
+      mma16816<T>(dk[n], sa, b[0], b[1]);
+      mma16816<T>(dk[n + 1], sa, b[2], b[3]);
+    }
+  }
+}
+
+// Rows [i0, i0+16) (those < rows) × columns [col, col + 8N) of a row-major output with `stride`, from a warp's
+// m16n8 accumulators, times scale.
+template <typename T, int N>
+__device__ __forceinline__ void store_tile(T* out, int64_t stride, int i0, int rows, int col, const float (&acc)[N][4],
+                                           float scale) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = i0 + g + 8 * r;
+    if (i >= rows) continue;
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+      *reinterpret_cast<uint32_t*>(out + int64_t(i) * stride + col + n * 8 + 2 * c) =
+          pack2<T>(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
+  }
+}
+
+// ---- asynchronous global → shared copies (cp.async, sm_80+) ------------------------------------------
+// The copies bypass registers, so a thread issues every chunk of a tile back-to-back (no load → store
+// dependency per chunk) and goes on computing on the other buffer while they land. Each thread waits for
+// its own groups only (cp.async.wait_group); a __syncthreads after the wait publishes all threads' chunks.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Block until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// The two-buffer tile pipeline of every kernel here; issue(t) starts the copies (and plain shared-memory
+// stores) of tile t into buffer t & 1. Start: what the caller issued before, plus tile 0 when there is
+// one, is group 0, tile 1 group 1; returns once group 0 is visible to all threads, tile 1 still in flight.
+// With n_tiles == 0 and nothing issued before, nothing is left in flight at exit.
+template <typename Issue>
+__device__ __forceinline__ void pipeline_start(int n_tiles, Issue&& issue) {
+  if (n_tiles > 0) issue(0);
+  cp_async_commit();
+  if (n_tiles > 1) {
+    issue(1);
+    cp_async_commit();
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+}
+
+// End of iteration t (block-uniform): tile t + 1 becomes visible to all, and no thread reads buffer
+// t & 1 — nor anything else iteration t read — any more, so tile t + 2 goes there, in flight while
+// tile t + 1 is computed on. After the last tile shared memory is no longer touched.
+template <typename Issue>
+__device__ __forceinline__ void pipeline_next(int t, int n_tiles, Issue&& issue) {
+  if (t + 1 < n_tiles) {
+    cp_async_wait<0>();
+    __syncthreads();
+    if (t + 2 < n_tiles) {
+      issue(t + 2);
+      cp_async_commit();
+    }
+  }
+}
+
+// Issue (not wait for) the copy of a [64 × D] tile of a strided operand into shared memory (pitch
+// D + kPad); rows ≥ valid are zero-filled (src-size 0: nothing is read, but the source operand must still
+// be a valid global address, so those rows name the tile's base row, which callers guarantee exists).
+// The copy is made by the 128 threads tid ∈ [0, kThreads) (threadIdx.x, or one 128-thread group's index).
+template <typename T, int D>
+__device__ __forceinline__ void load_tile_async(T* s, const T* g, int64_t row_stride, int valid,
+                                                int tid = threadIdx.x) {
+  constexpr int kChunks = D / 8;                 // 16-byte chunks per row
+  constexpr int kRowsPerPass = kThreads / kChunks;  // rows one pass of the block covers
+  static_assert(kThreads % kChunks == 0 && kBlock % kRowsPerPass == 0, "every thread issues the same chunks");
+  // A thread copies column chunk tid % kChunks of rows r, r + kRowsPerPass, ...: one source
+  // pointer stepped by a row stride multiple (not one 64-bit offset per chunk, which the compiler would
+  // keep live across the whole key loop).
+  const int r = tid / kChunks, col = (tid % kChunks) * 8;
+  const T* src = g + r * row_stride + col;
+  const int64_t step = kRowsPerPass * row_stride;
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(s + r * (D + kPad) + col));
+#pragma unroll
+  for (int it = 0; it < kBlock / kRowsPerPass; ++it, src += step) {
+    const bool in = r + it * kRowsPerPass < valid;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     dst + static_cast<uint32_t>(it * kRowsPerPass * (D + kPad) * sizeof(T))),
+                 "l"(in ? src : g), "r"(in ? 16 : 0)
+                 : "memory");
+  }
+}
+
+// Masks of one (batch, head).
+struct Visibility {
+  const uint8_t* pad;  // this batch's row of the key-padding mask, or null
+  int q_len, k_len;
+  bool causal;
+  // 0 for a visible key, −inf for a padded one or one past k_len: added to the scaled score. Threads
+  // [0, kBlock) fill the block of keys [k0, k0 + kBlock).
+  __device__ __forceinline__ float key_bias(int j) const {
+    return j >= k_len || (pad != nullptr && pad[j]) ? -kInf : 0.f;
+  }
+  __device__ __forceinline__ void fill_key_bias(float* bias, int k0) const {
+    if (threadIdx.x < kBlock) bias[threadIdx.x] = key_bias(k0 + threadIdx.x);
+  }
+  // Some (query, key) of the rows [i0, i0 + 16) × keys [k0, k0 + kBlock) is above the causal diagonal.
+  __device__ __forceinline__ bool crosses_diagonal(int i0, int k0) const {
+    return causal && k0 + kBlock - 1 > i0 + k_len - q_len;
+  }
+  // Keys [0, end) can be visible to some query of the block [q0, q0 + kBlock).
+  __device__ __forceinline__ int key_end(int q0) const {
+    return causal ? max(0, min(k_len, q0 + kBlock + k_len - q_len)) : k_len;
+  }
+  // Queries [begin, q_len) can see some key of the block [k0, k0 + kBlock); begin is a block start.
+  __device__ __forceinline__ int query_begin(int k0) const {
+    return causal ? max(0, k0 - (k_len - q_len)) / kBlock * kBlock : 0;
+  }
+};
+
+// s ← scale2·s + key bias, −inf above the causal diagonal: the masked scores of a 16×64 tile (rows
+// i0 + g, i0 + g + 8; keys k0 + column) in the exp2 domain.
+__device__ __forceinline__ void mask_scores(float (&s)[8][4], const float* bias, float scale2, const Visibility& vis,
+                                            int i0, int k0) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    const float2 kb = *reinterpret_cast<const float2*>(bias + n * 8 + 2 * c);
+    s[n][0] = fmaf(s[n][0], scale2, kb.x);
+    s[n][1] = fmaf(s[n][1], scale2, kb.y);
+    s[n][2] = fmaf(s[n][2], scale2, kb.x);
+    s[n][3] = fmaf(s[n][3], scale2, kb.y);
+  }
+  if (vis.crosses_diagonal(i0, k0)) {
+    const int shift = vis.k_len - vis.q_len;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (k0 + n * 8 + 2 * c + (e & 1) > i0 + g + 8 * (e >> 1) + shift) s[n][e] = -kInf;
+  }
+}
+
+// Dropout of a 16×64 tile (rows row0 + g and row0 + g + 8 of the flat [batch·heads·q_len] rows, keys
+// [j0, j0 + 64)): bit 4n + e set ⇔ element e of the thread's C tile n is kept.
+struct TileDropout {
+  PhiloxSeedOffset so;
+  uint32_t threshold;
+  int k_len;
+
+  __device__ __forceinline__ uint32_t keep_bits(int64_t row0, int j0) const {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    uint32_t bits = 0;
+    if (k_len % 8 == 0) {
+#pragma unroll
+      for (int n = 0; n < 8; n += 2) {
+        // this lane's group: row g + 8·(c & 1), C tile n + (c >> 1)
+        const int64_t row = row0 + g + 8 * (c & 1);
+        const int64_t first = row * k_len + j0 + (n + (c >> 1)) * 8;
+        const uint4 r = dropout_bits(so.seed, so.offset, static_cast<uint64_t>(first) / 8);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int src = (c - s) & 3;  // the quad lane whose group arrives in this round
+          const uint32_t w = __shfl_sync(0xffffffffu, word_of(r, (c + s) & 3), (lane & ~3) | src);
+          // w: word c of group src = the 16-bit values of columns 2c and 2c + 1 of that group's row
+          const uint32_t k2 = uint32_t((w & 0xFFFFu) >= threshold) | (uint32_t((w >> 16) >= threshold) << 1);
+          bits |= k2 << (4 * (n + (src >> 1)) + 2 * (src & 1));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t i = (row0 + g + 8 * (e >> 1)) * k_len + j0 + n * 8 + 2 * c + (e & 1);
+          bits |= uint32_t(dropout_keep(so.seed, so.offset, static_cast<uint64_t>(i), threshold)) << (4 * n + e);
+        }
+    }
+    return bits;
+  }
+};
+
+// What every kernel derives from the arguments: its (batch, head), masks, dropout.
+template <typename T>
+struct Setup {
+  int b, h;
+  int64_t bh;
+  Visibility vis;
+  TileDropout drop;
+  bool dropout;
+  float inv_keep, scale2;
+  uint32_t* keep;  // AttentionArgs::keep
+  __device__ Setup(const AttentionArgs<T>& a, int bh_) : b(bh_ / a.heads), h(bh_ % a.heads), bh(bh_), keep(a.keep) {
+    vis = {a.key_padding_mask ? a.key_padding_mask + int64_t(b) * a.k_len : nullptr, a.q_len, a.k_len, a.causal};
+    drop = {{0, 0}, 0u, a.k_len};
+    dropout = a.dropout_p > 0.f;
+    if (dropout) {
+      drop.so = resolve_philox(a.rng);
+      drop.threshold = dropout_threshold(a.dropout_p);
+    }
+    inv_keep = a.dropout_p < 1.f ? 1.f / (1.f - a.dropout_p) : 0.f;
+    scale2 = a.scale * kLog2e;  // exp2 domain
+  }
+  template <typename U>
+  __device__ U* at(const Strided<U>& s) const { return s.ptr + b * s.batch + h * s.head; }
+  // This lane's word of `keep` for the 16×64 tile of queries [i0, i0 + 16) × keys [k0, k0 + 64).
+  __device__ uint32_t* keep_word(int i0, int k0) const {
+    const int row_groups = (vis.q_len + kBlock - 1) / kBlock * 4, key_tiles = (vis.k_len + kBlock - 1) / kBlock;
+    return keep + ((bh * row_groups + i0 / 16) * key_tiles + k0 / kBlock) * 32 + (threadIdx.x & 31);
+  }
+  // The backward's dropout bits of that tile: the forward's when it kept them, else drawn again.
+  __device__ uint32_t tile_keep_bits(int i0, int k0) const {
+    return keep != nullptr ? *keep_word(i0, k0) : drop.keep_bits(bh * vis.q_len + i0, k0);
+  }
+};
+
+
+// Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed).
+template <typename Kernel, typename T>
+cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a, cudaStream_t stream,
+                   int threads = kThreads) {
+  if (blocks == 0) return cudaSuccess;
+  if (bytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+// Up to how many keys the one-CTA backward (attention_bwd_short.cu) runs: two 64-key groups split dQ's
+// columns, so D / 2 must be a multiple of 16; head_dim 16 has one group.
+constexpr int attention_short_keys(int head_dim) { return head_dim >= 32 ? 128 : 64; }
+
+template <typename T>
+cudaError_t launch_attention_bwd_short(const AttentionArgs<T>& a, cudaStream_t stream);
+
+}  // namespace lsmini

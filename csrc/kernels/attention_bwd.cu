@@ -1,0 +1,230 @@
+/*
+ * attention_bwd.cu — fused attention backward of longer sequences: the dQ and the dK/dV kernel (up to 128
+ * keys attention_bwd_short.cu's one-CTA kernel runs instead). The math, layout, dropout and work split are
+ * described at the top of attention.cu.
+ */
+#include "attention.cuh"
+
+namespace lsmini {
+namespace {
+
+// From S (s, raw scores) and dP (dp) of a 16×64 tile: dS into s and, with kWantP, p̃ = z·p into dp.
+// lse2/delta: the two rows' lse (exp2 domain) and Δ.
+template <typename T, bool kWantP>
+__device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st, const float* bias,
+                                        const float (&lse2)[2], const float (&delta)[2], int i0, int k0) {
+  mask_scores(s, bias, st.scale2, st.vis, i0, k0);
+  const uint32_t bits = st.dropout ? st.tile_keep_bits(i0, k0) : 0xFFFFFFFFu;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2f(s[n][e] - lse2[e >> 1]);
+      const float z = st.dropout ? ((bits >> (4 * n + e)) & 1u ? st.inv_keep : 0.f) : 1.f;
+      s[n][e] = p * (dp[n][e] * z - delta[e >> 1]);
+      if (kWantP) dp[n][e] = p * z;
+    }
+}
+
+// ---- backward: Δ and dQ ------------------------------------------------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const AttentionArgs<T> a) {
+  constexpr int ld = D + kPad;
+  constexpr int kTile = kBlock * ld;
+  // Q, dO, then K and V double-buffered, then Δ, lse and the key bias of each buffer.
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  T* sdO = sQ + kTile;
+  T* sK = sdO + kTile;
+  T* sV = sK + 2 * kTile;
+  float* sDelta = reinterpret_cast<float*>(sV + 2 * kTile);
+  float* sLse = sDelta + kBlock;
+  float* sBias = sLse + kBlock;  // [2][kBlock]
+
+  const int nqb = (a.q_len + kBlock - 1) / kBlock;
+  const int q0 = (blockIdx.x % nqb) * kBlock;
+  const Setup<T> st(a, blockIdx.x / nqb);
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int i0 = q0 + warp * 16;
+  const int valid = min(kBlock, a.q_len - q0);
+
+  const T* k = st.at(a.k);
+  const T* v = st.at(a.v);
+  const int key_end = st.vis.key_end(q0);
+  auto issue_kv = [&](int t) {  // key tile t into buffer t & 1, as in the forward kernel
+    const int kt = t * kBlock, buf = t & 1;
+    load_tile_async<T, D>(sK + buf * kTile, k + int64_t(kt) * a.k.row, a.k.row, min(kBlock, a.k_len - kt));
+    load_tile_async<T, D>(sV + buf * kTile, v + int64_t(kt) * a.v.row, a.v.row, min(kBlock, a.k_len - kt));
+    st.vis.fill_key_bias(sBias + buf * kBlock, kt);
+  };
+  const int n_tiles = (key_end + kBlock - 1) / kBlock;
+  // Prologue: group 0 = Q, dO and key tile 0 (if any key is visible; Δ needs dO), group 1 = key tile 1,
+  // in flight during Δ and tile 0.
+  load_tile_async<T, D>(sQ, st.at(a.q) + int64_t(q0) * a.q.row, a.q.row, valid);
+  load_tile_async<T, D>(sdO, st.at(a.dout) + int64_t(q0) * a.dout.row, a.dout.row, valid);
+  pipeline_start(n_tiles, issue_kv);
+  {  // Δ_i = dout_i·out_i: two threads per row
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    float acc = 0.f;
+    if (r < valid) {
+      const T* o = st.at(a.out) + int64_t(q0 + r) * a.out.row + half * (D / 2);
+      const T* d = sdO + r * ld + half * (D / 2);
+#pragma unroll
+      for (int x = 0; x < D / 2; x += 2) {
+        const float2 of = to_float2(*reinterpret_cast<const typename Pair<T>::type*>(o + x));
+        const float2 df = to_float2(*reinterpret_cast<const typename Pair<T>::type*>(d + x));
+        acc += of.x * df.x + of.y * df.y;
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0) {
+      sDelta[r] = acc;
+      sLse[r] = r < valid ? a.lse[st.bh * a.q_len + q0 + r] * kLog2e : kInf;
+      if (r < valid) a.delta[st.bh * a.q_len + q0 + r] = acc;
+    }
+  }
+  __syncthreads();
+  uint32_t qa[D / 16][4], da[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    frag_a(qa[kk], sQ, ld, warp * 16, kk * 16);
+    frag_a(da[kk], sdO, ld, warp * 16, kk * 16);
+  }
+  const float lse2[2] = {sLse[warp * 16 + g], sLse[warp * 16 + g + 8]};
+  const float delta[2] = {sDelta[warp * 16 + g], sDelta[warp * 16 + g + 8]};
+
+  float dq[D / 8][4] = {};
+  // Same pipeline as the forward kernel: at the top of iteration t, tile t is visible in buffer t & 1
+  // and only tile t + 1 may be in flight.
+  for (int t = 0; t < n_tiles; ++t) {
+    const int k0 = t * kBlock;
+    const T* cK = sK + (t & 1) * kTile;
+    const T* cV = sV + (t & 1) * kTile;
+    float s[8][4] = {}, dp[8][4] = {};
+    tile_abt<T, D>(s, qa, cK);
+    tile_abt<T, D>(dp, da, cV);
+    tile_ds<T, false>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, k0);
+    tile_xb<T, D>(dq, s, cK);
+    pipeline_next(t, n_tiles, issue_kv);
+  }
+
+  store_tile<T, D / 8>(st.at(a.dq), a.dq.row, i0, a.q_len, 0, dq, a.scale);
+}
+
+// ---- backward: dK and dV -----------------------------------------------------------------------------
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const AttentionArgs<T> a) {
+  constexpr int ld = D + kPad;
+  constexpr int kTile = kBlock * ld;
+  // K, V (loaded once), Q and dO double-buffered, P̃, dS (single), lse and Δ double-buffered, key bias.
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sK = reinterpret_cast<T*>(smem);
+  T* sV = sK + kTile;
+  T* sQ = sV + kTile;              // [2] tiles
+  T* sdO = sQ + 2 * kTile;         // [2] tiles
+  T* sP = sdO + 2 * kTile;         // [64 queries][kTileLd]: p̃
+  T* sdS = sP + kBlock * kTileLd;  // [64 queries][kTileLd]: dS
+  float* sLse = reinterpret_cast<float*>(sdS + kBlock * kTileLd);  // [2][kBlock]
+  float* sDelta = sLse + 2 * kBlock;                                // [2][kBlock]
+  float* sBias = sDelta + 2 * kBlock;
+
+  const int nkb = (a.k_len + kBlock - 1) / kBlock;
+  const int k0 = (blockIdx.x % nkb) * kBlock;
+  const Setup<T> st(a, blockIdx.x / nkb);
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  const int r0 = warp * 16;  // the warp's query rows of a tile, then its key rows of the block
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  const T* q = st.at(a.q);
+  const T* dout = st.at(a.dout);
+  const int q_begin = st.vis.query_begin(k0);
+  // Query tile t (queries from q_begin + 64t) into buffer t & 1: Q, dO (asynchronous), lse and Δ
+  // (plain stores, published by the same barrier as the copies).
+  auto issue_q = [&](int t) {
+    const int qt = q_begin + t * kBlock, buf = t & 1;
+    const int qvalid = min(kBlock, a.q_len - qt);
+    load_tile_async<T, D>(sQ + buf * kTile, q + int64_t(qt) * a.q.row, a.q.row, qvalid);
+    load_tile_async<T, D>(sdO + buf * kTile, dout + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
+    if (threadIdx.x < kBlock) {
+      const int r = threadIdx.x;
+      sLse[buf * kBlock + r] = r < qvalid ? a.lse[st.bh * a.q_len + qt + r] * kLog2e : kInf;
+      sDelta[buf * kBlock + r] = r < qvalid ? a.delta[st.bh * a.q_len + qt + r] : 0.f;
+    }
+  };
+  const int n_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
+  // Prologue: group 0 = this block's K and V and query tile 0, group 1 = query tile 1. With no query
+  // tile (causal, every query before the block) nothing is loaded and dK = dV = 0, so no copy is left in
+  // flight at exit.
+  if (n_tiles > 0) {
+    const int kvalid = min(kBlock, a.k_len - k0);
+    load_tile_async<T, D>(sK, st.at(a.k) + int64_t(k0) * a.k.row, a.k.row, kvalid);
+    load_tile_async<T, D>(sV, st.at(a.v) + int64_t(k0) * a.v.row, a.v.row, kvalid);
+    st.vis.fill_key_bias(sBias, k0);
+    pipeline_start(n_tiles, issue_q);
+  }
+
+  // At the top of iteration t, query tile t is visible in buffer t & 1 and only tile t + 1 may be in
+  // flight; two barriers per iteration: P̃/dS written → read (middle), and the pipeline barrier (bottom).
+  for (int t = 0; t < n_tiles; ++t) {
+    const int q0 = q_begin + t * kBlock;
+    const T* cQ = sQ + (t & 1) * kTile;
+    const T* cdO = sdO + (t & 1) * kTile;
+    float s[8][4] = {}, dp[8][4] = {};
+    tile_s_dp<T, D>(s, dp, cQ, cdO, r0, sK, sV);
+    const float* cLse = sLse + (t & 1) * kBlock;
+    const float* cDelta = sDelta + (t & 1) * kBlock;
+    const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
+    const float delta[2] = {cDelta[r0 + g], cDelta[r0 + g + 8]};
+    tile_ds<T, true>(s, dp, st, sBias, lse2, delta, q0 + r0, k0);
+    // sP/sdS: their readers (iteration t − 1) all passed that iteration's closing barrier.
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int off = (r0 + g + 8 * r) * kTileLd + n * 8 + 2 * c;
+        *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(dp[n][2 * r], dp[n][2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + off) = pack2<T>(s[n][2 * r], s[n][2 * r + 1]);
+      }
+    __syncthreads();  // every warp's rows of P̃ and dS are written
+    tile_dkv<T, D>(dk, dv, sP, sdS, kTileLd, r0, cQ, cdO);  // the warp's 16 keys [r0, r0 + 16) of the block
+    pipeline_next(t, n_tiles, issue_q);  // (sP/sdS free for iteration t + 1 too)
+  }
+
+  store_tile<T, D / 8>(st.at(a.dk), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
+  store_tile<T, D / 8>(st.at(a.dv), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+}
+
+template <typename T, int D>
+cudaError_t bwd(const AttentionArgs<T>& a, cudaStream_t stream) {
+  if (a.k_len <= attention_short_keys(D)) return launch_attention_bwd_short(a, stream);
+  const int64_t bh = int64_t(a.batch) * a.heads;
+  // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: 6·64·(D + 8)·sizeof(T) + 4·64·4 bytes;
+  // fp16/bf16: D = 64 → 56 320 B, D = 128 → 105 472 B.
+  const size_t dq_bytes = 6 * kBlock * (D + kPad) * sizeof(T) + 4 * kBlock * sizeof(float);
+  cudaError_t err = launch(attention_bwd_dq_kernel<T, D>, bh * ((a.q_len + kBlock - 1) / kBlock), dq_bytes, a, stream);
+  if (err != cudaSuccess) return err;
+  // dkv: K + V + 2×Q + 2×dO tiles, P̃ and dS, 2 lse + 2 Δ arrays, bias: 6·64·(D + 8)·sizeof(T) +
+  // 2·64·72·sizeof(T) + 5·64·4 bytes; fp16/bf16: D = 64 → 75 008 B, D = 128 → 124 160 B (under the
+  // 227 KB limit, but one CTA per SM at D = 128).
+  const size_t dkv_bytes =
+      6 * kBlock * (D + kPad) * sizeof(T) + 2 * kBlock * kTileLd * sizeof(T) + 5 * kBlock * sizeof(float);
+  return launch(attention_bwd_dkv_kernel<T, D>, bh * ((a.k_len + kBlock - 1) / kBlock), dkv_bytes, a, stream);
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t launch_attention_bwd(const AttentionArgs<T>& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 16: return bwd<T, 16>(a, stream);
+    case 32: return bwd<T, 32>(a, stream);
+    case 64: return bwd<T, 64>(a, stream);
+    case 128: return bwd<T, 128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template cudaError_t launch_attention_bwd<__half>(const AttentionArgs<__half>&, cudaStream_t);
+template cudaError_t launch_attention_bwd<__nv_bfloat16>(const AttentionArgs<__nv_bfloat16>&, cudaStream_t);
+
+}  // namespace lsmini
