@@ -184,3 +184,37 @@ def test_layer_fwd_rejects_mismatched_arguments():
         _backend.ext().layer_fwd(options, x[..., :32], None, None, None, None, params)
     with pytest.raises(RuntimeError, match="layer_fwd: options.kernels is False"):
         _backend.ext().layer_fwd(layer.options(False, False), x, None, None, None, None, params)
+
+
+def test_attention_keep_bits_saved_and_read():
+    """With attention dropout the one-call forward keeps the self-attention's dropout keep bits (slot BITS)
+    and the backward reads them: the gradients equal those of a backward that draws the bits again, and
+    differ once the saved bits are cleared (every score dropped). No bits without attention dropout."""
+    from lsmini.layers.compiled import BITS, SLOTS
+    from lsmini.layers.spec import scratch_numel
+    from lsmini.ops.attention import keep_numel
+
+    ext = _backend.ext()
+    torch.manual_seed(0)
+    layer = TransformerEncoderLayer(TransformerConfig(64, 4, 128, attn_dropout=0.2)).to("cuda", torch.float16)
+    options = layer.options(False, True)
+    params = [p.detach() for block in layer.blocks() for p in block]
+    x = torch.randn(2, 9, 64, device="cuda", dtype=torch.float16)
+    grad = torch.randn_like(x)
+    _, saved, rngs = ext.layer_fwd(options, x, None, None, None, None, params)
+    bits = saved[BITS]
+    assert bits.dtype == torch.int32 and bits.numel() == keep_numel(2, 4, 9, 9) and saved[SLOTS + BITS] is None
+    scratch = torch.empty(scratch_numel(options, 2, 9), device="cuda", dtype=torch.float16)
+
+    def backward(state):
+        g, param_grads = ext.layer_bwd(options, grad, state, rngs, params, scratch, None, None,
+                                       [p.dtype for p in params], [None] * len(params))
+        return [g.clone()] + [p.clone() for p in param_grads]
+
+    kept = backward(saved)
+    drawn = backward(saved[:BITS] + [None] + saved[BITS + 1:])
+    assert all(torch.equal(a, b) for a, b in zip(kept, drawn))
+    bits.zero_()
+    assert not torch.equal(backward(saved)[0], kept[0])
+    _, saved, _ = ext.layer_fwd(options._replace(attn_dropout=0.0), x, None, None, None, None, params)
+    assert saved[BITS] is None

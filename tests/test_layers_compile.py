@@ -12,7 +12,7 @@ import torch
 from layer_testing import _one_thread, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import (CrossEntropyLoss, TransformerConfig, TransformerDecoder, TransformerEncoder,
                            TransformerEncoderLayer)
-from lsmini.layers.compiled import layer_backward_op, layer_op, saved_layout
+from lsmini.layers.compiled import BITS, LSE, MASK, SLOTS, layer_backward_op, layer_op, saved_layout
 from lsmini.layers.spec import LayerOptions
 from util import amp_train_step
 
@@ -106,12 +106,24 @@ def test_saved_layout_repeats_and_inputs():
     and the block input), block 1 keeps the block-0 output once and refers back to it."""
     o = LayerOptions.of(("self", "ffn"), _config(), True, False, True)
     layout = saved_layout(o, 2, 5, True, False, torch.float16)
-    block0, block1 = layout[:12], layout[12:]
+    block0, block1 = layout[:SLOTS], layout[SLOTS:]
     assert block0[0] == ("input", "x") and block0[1] == ("input", "x")
-    assert block0[11] == ("input", "key_padding_mask")
-    assert block1[0][0] == "new" and block1[1] == ("same", 12)
+    assert block0[MASK] == ("input", "key_padding_mask")
+    assert block1[0][0] == "new" and block1[1] == ("same", SLOTS)
     assert block0[4] is None and block1[4] is None  # the core input is recomputed
-    assert block0[8] == ("new", (2, 4, 5), torch.float32)
+    assert block0[LSE] == ("new", (2, 4, 5), torch.float32)
+    assert block0[BITS] is None  # no attention dropout: no keep bits
+
+
+def test_saved_layout_keep_bits():
+    """With attention dropout the self- and cross-attention blocks keep their dropout bits (one int32 word
+    per lane of each 16 × 64 tile), except where the keys are longer than 16·head_dim (drawn again)."""
+    o = LayerOptions.of(("self", "cross", "ffn"), _config(dropout=0.1), True, False, True)  # head_dim 8
+    layout = saved_layout(o, 2, 5, False, False, torch.float16, src_len=70)
+    assert layout[BITS] == ("new", (2 * 4 * 4 * 1 * 32,), torch.int32)
+    assert layout[SLOTS + BITS] == ("new", (2 * 4 * 4 * 2 * 32,), torch.int32)
+    assert layout[2 * SLOTS + BITS] is None
+    assert saved_layout(o, 2, 5, False, False, torch.float16, src_len=129)[SLOTS + BITS] is None
 
 
 @pytest.mark.parametrize("pre", [True, False])
@@ -121,7 +133,7 @@ def test_saved_layout_refers_back_to_made_tensors(pre, act, recompute):
     """Every ("same", j) of a decoder layer's layout names an earlier slot holding a tensor the call made."""
     o = LayerOptions.of(("self", "cross", "ffn"), _config(pre, act), True, False, True, recompute)
     layout = saved_layout(o, 2, 5, True, True, torch.float16)
-    assert len(layout) == 3 * 12
+    assert len(layout) == 3 * SLOTS
     for i, entry in enumerate(layout):
         if entry is not None and entry[0] == "same":
             assert entry[1] < i and layout[entry[1]][0] == "new"

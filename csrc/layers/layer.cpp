@@ -18,6 +18,7 @@
 #include "common.h"
 #include "ops.h"
 
+#include "attention.h"
 #include "bias_act_dropout.h"
 
 #include <optional>
@@ -51,6 +52,7 @@ enum Slot : int {
   kKeys,        // cross-attention: the encoder K/V views and the encoder padding mask
   kValues,
   kMask,        // attention: the key padding mask it used
+  kBits,        // attention: the dropout keep bits its forward stored for its backward (keep_bits), if any
   kSlots
 };
 
@@ -165,6 +167,14 @@ struct Gradients {  // of one block: its input and its six parameters
 };
 
 // ---- forward ---------------------------------------------------------------------------------------------
+// A buffer for the attention forward's dropout keep bits, which its backward then reads instead of drawing
+// them again; none without dropout or where the bits would take more memory than q (k_len > 16·head_dim).
+// The rule of lsmini.ops.attention.keeps_bits, which the compiled layer's saved_layout follows too.
+OptTensor keep_bits(const at::Tensor& q, int64_t k_len, const Options& o) {
+  if (o.attn_dropout <= 0 || k_len > 16 * o.head_dim) return std::nullopt;
+  return at::empty({attention_keep_numel(q.size(0), o.heads, q.size(2), k_len)}, q.options().dtype(at::kInt));
+}
+
 at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, const Options& o, const Shape& s,
                               const Inputs& in, at::Tensor* slots, PhiloxTuple& rng) {
   const bool self = kind == Kind::Self;
@@ -174,7 +184,8 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
   const at::Tensor v = self ? head_view(projection, s.batch, s.q_len, 2, o) : *in.encoder_v;
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
-  auto [out, lse] = attention_fwd(q, k, v, mask, self && o.causal, o.attn_dropout, o.scale, rng);
+  const OptTensor bits = keep_bits(q, k.size(2), o);
+  auto [out, lse] = attention_fwd(q, k, v, mask, self && o.causal, o.attn_dropout, o.scale, rng, bits);
   // out is a [b, h, lq, d] view of a contiguous [b, lq, h, d] buffer: the merged-heads context, no copy
   at::Tensor context = out.as_strided({s.tokens, o.hidden}, {o.hidden, 1}, out.storage_offset());
   slots[kCoreInput] = x;
@@ -186,6 +197,7 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
     slots[kValues] = v;
   }
   if (mask) slots[kMask] = *mask;
+  if (bits) slots[kBits] = *bits;
   return at::mm(context, p.weight_out.t());
 }
 
@@ -286,15 +298,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
   at::Tensor grad_projection = region(scratch, align(t * o.hidden), t, parts * o.hidden);
   auto heads = [&](const at::Tensor& x2d, int64_t part) { return head_view(x2d, s.batch, s.q_len, part, o); };
   const at::Tensor& projection = sv[kProjection];
-  const OptTensor mask = sv[kMask].defined() ? OptTensor(sv[kMask]) : std::nullopt;
+  auto given = [&](int slot) { return sv[slot].defined() ? OptTensor(sv[slot]) : std::nullopt; };
+  const OptTensor mask = given(kMask), bits = given(kBits);
   if (self) {
     attention_bwd(split(grad_context, s, o), heads(projection, 0), heads(projection, 1), heads(projection, 2),
                   split(sv[kContext], s, o), sv[kLse], mask, o.causal, o.attn_dropout, o.scale, rng,
-                  heads(grad_projection, 0), heads(grad_projection, 1), heads(grad_projection, 2));
+                  heads(grad_projection, 0), heads(grad_projection, 1), heads(grad_projection, 2), bits);
   } else {
     attention_bwd(split(grad_context, s, o), heads(projection, 0), sv[kKeys], sv[kValues], split(sv[kContext], s, o),
                   sv[kLse], mask, false, o.attn_dropout, o.scale, rng, heads(grad_projection, 0), kv_grads.first,
-                  kv_grads.second);
+                  kv_grads.second, bits);
   }
   at::Tensor grad_bias_in = bias_grad(grad_projection, p.bias_in.scalar_type());
   // d(context) is dead once the attention backward has read it: the recomputed input may go there

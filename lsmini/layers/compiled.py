@@ -27,15 +27,15 @@ from lsmini import _backend
 from lsmini.layers.blocks import heads_of
 from lsmini.layers.precision import cast_block, cast_into_buffer, cast_plan, cast_views
 from lsmini.layers.spec import PARAMS_PER_BLOCK, LayerOptions, scratch_numel
-from lsmini.ops.attention import attention_ref, fused_attention_supported
+from lsmini.ops.attention import attention_ref, fused_attention_supported, keep_numel, keeps_bits
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual_ref
 from lsmini.ops.layernorm import layer_norm_ref
 from lsmini.ops.library import RANDOM_TAGS
 
 # The slots of one block's saved state, in csrc/layers/layer.cpp's order (its enum Slot).
-(INPUT, NORM_X, MEAN, RSTD, CORE_INPUT, PROJECTION, HIDDEN, CONTEXT, LSE, KEYS, VALUES, MASK) = range(12)
-SLOTS = 12
+(INPUT, NORM_X, MEAN, RSTD, CORE_INPUT, PROJECTION, HIDDEN, CONTEXT, LSE, KEYS, VALUES, MASK, BITS) = range(13)
+SLOTS = 13
 
 _INPUTS = ("x", "key_padding_mask", "encoder_k", "encoder_v", "encoder_padding_mask")
 
@@ -47,10 +47,11 @@ class _Made:
         self.shape, self.dtype = shape, dtype
 
 
-def saved_layout(options, batch, q_len, has_mask, has_encoder_mask, dtype):
+def saved_layout(options, batch, q_len, has_mask, has_encoder_mask, dtype, src_len=0):
     """What ``_C.layer_fwd`` leaves in each of its ``len(options.kinds) · SLOTS`` saved slots, per slot:
     None (nothing), ``("input", name)`` (one of _INPUTS, x as [tokens, hidden]), ``("same", j)`` (the
-    tensor of slot j), or ``("new", shape, dtype)`` (a tensor the call creates, contiguous)."""
+    tensor of slot j), or ``("new", shape, dtype)`` (a tensor the call creates, contiguous). src_len: the
+    encoder's length, for a layer with a cross block."""
     t, hidden = batch * q_len, options.hidden
     layout, placed = [], {}
 
@@ -80,6 +81,9 @@ def saved_layout(options, batch, q_len, has_mask, has_encoder_mask, dtype):
             slots[LSE] = _Made((batch, options.heads, q_len), torch.float32)
             if kind == "cross":
                 slots[KEYS], slots[VALUES] = ("input", "encoder_k"), ("input", "encoder_v")
+            k_len = q_len if kind == "self" else src_len
+            if keeps_bits(options.attn_dropout, k_len, options.head_dim):
+                slots[BITS] = _Made((keep_numel(batch, options.heads, q_len, k_len),), torch.int32)
             if has_mask if kind == "self" else has_encoder_mask:
                 slots[MASK] = ("input", "key_padding_mask" if kind == "self" else "encoder_padding_mask")
         slots[MEAN], slots[RSTD] = _Made((t,), torch.float32), _Made((t,), torch.float32)
@@ -107,9 +111,10 @@ def _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout,
 _cached_layout = functools.lru_cache(maxsize=256)(saved_layout)  # the operators' own calls: concrete sizes
 
 
-def _layout_of(o, x, key_padding_mask, encoder_padding_mask, cached=True):
+def _layout_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask, cached=True):
     layout = _cached_layout if cached else saved_layout  # symbolic sizes (dynamic shapes) do not hash
-    return layout(o, x.shape[0], x.shape[1], key_padding_mask is not None, encoder_padding_mask is not None, x.dtype)
+    return layout(o, x.shape[0], x.shape[1], key_padding_mask is not None, encoder_padding_mask is not None, x.dtype,
+                  0 if encoder_k is None else encoder_k.shape[2])
 
 
 # The options travel as plain arguments (a custom operator takes tensors and scalars only); kinds joined by ",".
@@ -128,7 +133,7 @@ def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: 
     y, saved, rngs = _backend.ext().layer_fwd(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                                               cast)
     made = []
-    for i, entry in enumerate(_layout_of(o, x, key_padding_mask, encoder_padding_mask)):
+    for i, entry in enumerate(_layout_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)):
         if (entry is None) != (saved[i] is None):
             raise RuntimeError(f"lsmini::layer: saved slot {i} does not match saved_layout ({entry})")
         if entry is not None and entry[0] == "new":
@@ -144,9 +149,10 @@ def _layer_fake(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                 scale, eps, pre_ln, activation, dropout, attn_dropout, activation_dropout, causal, recompute):
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
-    static = not any(isinstance(d, torch.SymInt) for d in x.shape)
-    made = [x.new_empty(e[1], dtype=e[2]) for e in _layout_of(o, x, key_padding_mask, encoder_padding_mask, static)
-            if e is not None and e[0] == "new"]
+    sizes = (*x.shape, *(() if encoder_k is None else encoder_k.shape))
+    layout = _layout_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask,
+                        cached=not any(isinstance(d, torch.SymInt) for d in sizes))
+    made = [x.new_empty(e[1], dtype=e[2]) for e in layout if e is not None and e[0] == "new"]
     return (torch.empty_like(x), made, x.new_empty(2 * len(o.kinds), 2, dtype=torch.int64),
             x.new_empty(cast_plan(params, x.dtype)[1][-1]))
 
@@ -166,7 +172,7 @@ def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: t
     inputs = {"x": x.view(-1, hidden), "key_padding_mask": key_padding_mask, "encoder_k": encoder_k,
               "encoder_v": encoder_v, "encoder_padding_mask": encoder_padding_mask}
     saved, next_made = [], iter(made)
-    for entry in _layout_of(o, x, key_padding_mask, encoder_padding_mask):
+    for entry in _layout_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask):
         kind = None if entry is None else entry[0]
         saved.append(None if kind is None else inputs[entry[1]] if kind == "input" else saved[entry[1]]
                      if kind == "same" else next(next_made))

@@ -65,12 +65,18 @@ def keep_numel(batch, heads, q_len, k_len):
     return batch * heads * ((q_len + 63) // 64 * 4) * ((k_len + 63) // 64) * 32
 
 
+def keeps_bits(p, k_len, head_dim):
+    """Whether the fused forward stores its dropout keep bits for the backward to read: with dropout, where
+    the bits take no more memory than q (one bit per score against two bytes per element of q: k_len ≤
+    16·head_dim); else the backward draws them again. csrc/layers/layer.cpp's keep_bits has the same rule."""
+    return p > 0 and k_len <= 16 * head_dim
+
+
 def keep_buffer(q, k, p):
     """An empty buffer for the fused forward to store its dropout keep bits in, for the backward to read; None
-    (backward draws the bits again) without dropout, or when the bits would take more memory than q (one bit
-    per score against two bytes per element of q: k_len > 16·head_dim)."""
+    where they are not kept (``keeps_bits``)."""
     b, h, lq, d = q.shape
-    if p <= 0 or k.shape[2] > 16 * d:
+    if not keeps_bits(p, k.shape[2], d):
         return None
     return torch.empty(keep_numel(b, h, lq, k.shape[2]), dtype=torch.int32, device=q.device)
 
