@@ -365,6 +365,19 @@ def test_kernel_strided_inputs_and_out_params(p, d, dtype):
     grads_c = ext.attention_bwd(dout, qc, kc, vc, out_c, lse_c, kpm, causal, p, scale, rng)
     out, lse = ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng)
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    # the output and lse into given tensors: out in the merged [b, l, h·d] layout, lse one row of a buffer
+    merged = poison(torch.empty(b, l, h, d, dtype=dtype, device="cuda"))
+    lse_buf = torch.full((2, b, h, l), float("nan"), device="cuda")
+    out_g, lse_g = ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng, out=merged.transpose(1, 2), lse=lse_buf[1])
+    assert out_g.data_ptr() == merged.data_ptr() and lse_g.data_ptr() == lse_buf[1].data_ptr()
+    assert torch.equal(out_g, out_c) and torch.equal(lse_buf[1], lse_c)
+    with pytest.raises(RuntimeError, match="attention_fwd: out overlaps q"):
+        ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng, out=q)
+    with pytest.raises(RuntimeError, match="attention_fwd: out must have head_dim contiguous"):
+        ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng, out=torch.empty_like(merged).transpose(1, 3)
+                          .contiguous().transpose(1, 3).transpose(1, 2))
+    with pytest.raises(RuntimeError, match="attention_fwd: lse must have shape"):
+        ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng, lse=lse_buf)
 
     dqkv = poison(torch.empty(b, l, 3, h, d, dtype=dtype, device="cuda"))
     dq, dk, dv = dqkv.permute(2, 0, 3, 1, 4).unbind(0)

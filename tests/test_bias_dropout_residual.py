@@ -205,6 +205,16 @@ def test_binding_outputs_and_grad_bias_dtype(dtype):
     ref = bias_dropout_residual_ref(x.float(), bias, residual.float())
     assert out.dtype == dtype and out.shape == x.shape and out.is_contiguous()
     assert torch.equal(out, ref.to(dtype))  # one rounding of the same fp32 sum
+    given = torch.full_like(x, float("nan"))  # into a given tensor; in place over residual too
+    assert ext.bias_dropout_residual_fwd(x, bias, residual, 0.3, (5, 8, 0, 0), given).data_ptr() == given.data_ptr()
+    fresh = ext.bias_dropout_residual_fwd(x, bias, residual, 0.3, (5, 8, 0, 0))
+    in_place = residual.clone()
+    ext.bias_dropout_residual_fwd(x, bias, in_place, 0.3, (5, 8, 0, 0), out=in_place)
+    assert torch.equal(given, fresh) and torch.equal(in_place, fresh)
+    with pytest.raises(RuntimeError, match="bias_dropout_residual_fwd: out partially overlaps x"):
+        flat = torch.empty(2 * x.numel(), dtype=dtype, device="cuda")
+        ext.bias_dropout_residual_fwd(flat[:x.numel()].view_as(x), bias, residual, 0.3, (5, 8, 0, 0),
+                                      flat[1:x.numel() + 1].view_as(x))
     gx, gb = ext.bias_dropout_residual_bwd(grad, 0.0, (0, 0, 0, 0), True, torch.float32)
     assert gx is grad or gx.data_ptr() == grad.data_ptr()  # p == 0: grad_out passes through, no copy
     assert gb.dtype == torch.float32

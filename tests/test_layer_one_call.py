@@ -218,3 +218,43 @@ def test_attention_keep_bits_saved_and_read():
     assert not torch.equal(backward(saved)[0], kept[0])
     _, saved, _ = ext.layer_fwd(options._replace(attn_dropout=0.0), x, None, None, None, None, params)
     assert saved[BITS] is None
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+@pytest.mark.parametrize("pre", [True, False])
+def test_layer_fwd_into_one_state_buffer(pre, act, recompute):
+    """Given a state buffer and its offsets (the compiled layer's), layer_fwd writes every tensor it saves
+    there, as views at those offsets, with the values it saves without the buffer: the same y and saved
+    tensors bit for bit (decoder layer: self, cross and FFN blocks, dropout on)."""
+    from lsmini.layers.compiled import _plan_of
+
+    ext = _backend.ext()
+    cfg = TransformerConfig(64, 4, 128, activation=act, pre_layer_norm=pre, **DROPOUTS)
+    torch.manual_seed(0)
+    layer = perturb_(TransformerDecoder(cfg, 1)).to("cuda", torch.float16).layers[0]
+    layer.recompute = recompute
+    options = layer.options(True, True)
+    params = [p.detach() for block in layer.blocks() for p in block]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 11, 64, generator=gen).to("cuda", torch.float16)
+    ek, ev = (torch.randn(3, 4, 13, 16, generator=gen).to("cuda", torch.float16) for _ in range(2))
+    mask = padding_mask(3, 13, "suffix").cuda()
+    layout, offsets, nbytes = _plan_of(options, x, None, ek, mask)
+    state = torch.full((nbytes,), 255, dtype=torch.uint8, device="cuda")
+    torch.manual_seed(7)
+    y, saved, _ = ext.layer_fwd(options, x, None, ek, ev, mask, params)
+    torch.manual_seed(7)
+    y_s, saved_s, _ = ext.layer_fwd(options, x, None, ek, ev, mask, params, state, offsets)
+    assert torch.equal(y, y_s)
+    for i, (a, b, offset) in enumerate(zip(saved, saved_s, offsets)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), f"slot {i} differs"
+        if offset >= 0:
+            assert b.data_ptr() == state.data_ptr() + offset, i
+    assert any(o >= 0 for o in offsets)
+    with pytest.raises(RuntimeError, match="layer_fwd: state must be a contiguous uint8 vector"):
+        ext.layer_fwd(options, x, None, ek, ev, mask, params, state.view(torch.int16), offsets)
+    with pytest.raises(RuntimeError, match="does not fit the"):
+        ext.layer_fwd(options, x, None, ek, ev, mask, params, state[:64], offsets)

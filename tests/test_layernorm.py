@@ -256,6 +256,14 @@ def test_kernel_out_and_add(rows, hidden, dtype):
     assert y2.data_ptr() == buf.data_ptr() and torch.equal(y2, y) and torch.equal(rstd2, rstd)
     with pytest.raises(RuntimeError, match="layernorm_fwd: out overlaps x"):
         ext.layernorm_fwd(x, w, b, 1e-5, out=x)
+    stats = torch.full((2, rows), float("nan"), device="cuda")  # the row statistics into given tensors too
+    _, mean3, rstd3 = ext.layernorm_fwd(x, w, b, 1e-5, mean_out=stats[0], rstd_out=stats[1])
+    assert mean3.data_ptr() == stats[0].data_ptr() and rstd3.data_ptr() == stats[1].data_ptr()
+    assert torch.equal(stats[0], mean) and torch.equal(stats[1], rstd)
+    with pytest.raises(RuntimeError, match="layernorm_fwd: mean_out must be Float"):
+        ext.layernorm_fwd(x, w, b, 1e-5, mean_out=stats[0].double())
+    with pytest.raises(RuntimeError, match="layernorm_fwd: rstd_out must be contiguous"):
+        ext.layernorm_fwd(x, w, b, 1e-5, rstd_out=torch.empty(rows, 2, device="cuda")[:, 0])
     dx, dw, db = ext.layernorm_bwd(dy, x, w, b, mean, rstd)
     res = torch.randn(rows, hidden, device="cuda").to(dtype)
     fresh, dw2, db2 = ext.layernorm_bwd(dy, x, w, b, mean, rstd, add=res)

@@ -12,7 +12,8 @@ import torch
 from layer_testing import _one_thread, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import (CrossEntropyLoss, TransformerConfig, TransformerDecoder, TransformerEncoder,
                            TransformerEncoderLayer)
-from lsmini.layers.compiled import BITS, LSE, MASK, SLOTS, layer_backward_op, layer_op, saved_layout
+from lsmini.layers.compiled import (BITS, LSE, MASK, SLOTS, STATE_ALIGN, layer_backward_op, layer_op, saved_layout,
+                                    state_plan)
 from lsmini.layers.spec import LayerOptions
 from util import amp_train_step
 
@@ -139,6 +140,26 @@ def test_saved_layout_refers_back_to_made_tensors(pre, act, recompute):
             assert entry[1] < i and layout[entry[1]][0] == "new"
 
 
+def test_state_plan_places_each_made_tensor_once():
+    """The state buffer holds each tensor the call makes once, aligned, without overlap; a repeated slot
+    shares its tensor's offset; inputs and empty slots have none."""
+    o = LayerOptions.of(("self", "cross", "ffn"), _config(True, "gelu", dropout=0.1), True, False, True, True)
+    layout = saved_layout(o, 2, 5, True, True, torch.float16, src_len=7)
+    offsets, nbytes = state_plan(layout)
+    regions = []
+    for entry, offset in zip(layout, offsets):
+        if entry is None or entry[0] == "input":
+            assert offset == -1
+        elif entry[0] == "same":
+            assert offset == offsets[entry[1]] >= 0
+        else:
+            assert offset % STATE_ALIGN == 0
+            regions.append((offset, offset + torch.Size(entry[1]).numel() * entry[2].itemsize))
+    regions.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(regions, regions[1:]))
+    assert regions[-1][1] <= nbytes == -(-regions[-1][1] // STATE_ALIGN) * STATE_ALIGN
+
+
 # ---- kernel path (CUDA) --------------------------------------------------------------------------------
 def _cuda_model(pre, act, dtype, dropout=0.1, recompute=True):
     torch.manual_seed(0)
@@ -243,11 +264,11 @@ def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype, param_dtyp
     torch.library.opcheck(layer_op, args, test_utils=("test_schema", "test_faketensor",
                                                       "test_autograd_registration"))
     with torch.no_grad():
-        y, made, state, cast = layer_op(*args)
+        y, state, rng_state, cast = layer_op(*args)
     x, mask, ek, ev, enc_mask, params = args[:6]
     # float32 parameters: the GEMM weights' copies in one buffer (in the activations' dtype: none, empty)
     assert (cast.numel() > 0) == (param_dtype is not None) and cast.dtype == dtype
-    bwd_args = (torch.randn_like(y), made, state, cast, x.detach(), mask, None if ek is None else ek.detach(),
+    bwd_args = (torch.randn_like(y), state, rng_state, cast, x.detach(), mask, None if ek is None else ek.detach(),
                 None if ev is None else ev.detach(), enc_mask, [p.detach() for p in params], *args[6:])
     torch.library.opcheck(layer_backward_op, bwd_args)
 

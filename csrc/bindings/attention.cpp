@@ -37,6 +37,22 @@ std::string supported_head_dims() {
   return text;
 }
 
+// Whether the memory from the first to the last element of a and of b intersects. Coarser than
+// at::get_overlap_status where it matters (views that interleave without sharing an element count), but it
+// answers for the strided head views the layers pass, where get_overlap_status gives up ("too hard").
+bool spans_intersect(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const char* first = static_cast<const char*>(t.data_ptr());
+    return std::pair{first, first + (last + 1) * t.element_size()};
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
 template <typename U>
 Strided<U> strided(const at::Tensor& t) {
   return {reinterpret_cast<U*>(t.data_ptr()), t.stride(0), t.stride(1), t.stride(2)};
@@ -145,13 +161,28 @@ uint32_t* keep_words(const std::optional<at::Tensor>& keep, const at::Tensor& q,
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
                                                  const at::Tensor& v_in, const std::optional<at::Tensor>& mask_in,
                                                  bool causal, double p, double scale, const PhiloxTuple& rng,
-                                                 const std::optional<at::Tensor>& keep) {
+                                                 const std::optional<at::Tensor>& keep,
+                                                 const std::optional<at::Tensor>& out_in,
+                                                 const std::optional<at::Tensor>& lse_in) {
   const char* op = "attention_fwd";
   const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
+  if (out_in) {
+    check_operand(*out_in, q_in, op, "out");
+    check_shape(*out_in, q_in.sizes(), op, "out");
+    LSMINI_CHECK(kernel_layout(*out_in), op, ": out must have head_dim contiguous, its other strides multiples of 8 "
+                 "and a 16-byte aligned start, got strides ", out_in->strides());
+    for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&q_in, "q"}, {&k_in, "k"}, {&v_in, "v"}}) {
+      LSMINI_CHECK(!spans_intersect(*out_in, *t), op, ": out overlaps ", name);
+    }
+  }
+  if (lse_in) {
+    check_like(*lse_in, q_in, at::kFloat, {s.b, s.h, s.lq}, op, "lse", "q");
+    LSMINI_CHECK(lse_in->is_contiguous(), op, ": lse must be contiguous, got strides ", lse_in->strides());
+  }
   c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in), mask = contiguous_mask(mask_in);
-  at::Tensor out = at::empty({s.b, s.lq, s.h, s.d}, q.options()).transpose(1, 2);
-  at::Tensor lse = at::empty({s.b, s.h, s.lq}, q.options().dtype(at::kFloat));
+  at::Tensor out = out_in ? *out_in : at::empty({s.b, s.lq, s.h, s.d}, q.options()).transpose(1, 2);
+  at::Tensor lse = lse_in ? *lse_in : at::empty({s.b, s.h, s.lq}, q.options().dtype(at::kFloat));
   dispatch_half(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     using K = typename KernelType<scalar_t>::type;
@@ -207,10 +238,12 @@ namespace {
 
 void register_attention(pybind11::module_& m) {
   m.def("attention_fwd", &attention_fwd,
-        "Fused attention forward: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32)",
+        "Fused attention forward: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32); into "
+        "out / lse when given",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("key_padding_mask"),
         pybind11::arg("causal"), pybind11::arg("p"), pybind11::arg("scale"), pybind11::arg("rng"),
-        pybind11::arg("keep") = pybind11::none());
+        pybind11::arg("keep") = pybind11::none(), pybind11::arg("out") = pybind11::none(),
+        pybind11::arg("lse") = pybind11::none());
   m.def("attention_bwd", &attention_bwd, "Fused attention backward: (dq, dk, dv), into dq/dk/dv when given",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("key_padding_mask"), pybind11::arg("causal"), pybind11::arg("p"),

@@ -19,7 +19,8 @@ constexpr const char* kBwdName = "bias_dropout_residual_bwd";
 }  // namespace
 
 at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                     const at::Tensor& residual, double p, const PhiloxTuple& rng) {
+                                     const at::Tensor& residual, double p, const PhiloxTuple& rng,
+                                     const std::optional<at::Tensor>& out_in) {
   const char* op = kFwdName;
   check_cuda(x, op, "x");
   check_rows_hidden(x, op, "x");
@@ -33,7 +34,15 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
   const at::Tensor xc = x.contiguous();
   const at::Tensor rc = residual.contiguous();
   const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();
-  at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  at::Tensor out;
+  if (out_in) {  // elementwise: each element is read before it is written, so out may be x or residual
+    check_written(*out_in, xc, op, "out");
+    check_overlap(*out_in, xc, true, op, "out", "x");
+    check_overlap(*out_in, rc, true, op, "out", "residual");
+    out = *out_in;
+  } else {
+    out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  }
   const int64_t rows = xc.size(0), hidden = xc.size(1);
   cudaError_t err = cudaSuccess;
   dispatch_float(xc.scalar_type(), op, [&](auto tag) {
@@ -117,8 +126,8 @@ static void register_bias_dropout_residual(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("bias_dropout_residual_fwd", &bias_dropout_residual_fwd,
         "out = residual + dropout(x + bias); x, residual [rows, hidden], bias [hidden] (x's dtype or float32) "
-        "or None",
-        py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("rng"));
+        "or None; into out when given",
+        py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("rng"), py::arg("out") = py::none());
   m.def("bias_dropout_residual_bwd", &bias_dropout_residual_bwd,
         "(grad_x, grad_bias or None) of bias_dropout_residual; grad_bias in bias_dtype (default grad_out's dtype); "
         "with p > 0 grad_x is written into grad_x when given (else fresh), with p == 0 it is grad_out itself",

@@ -47,7 +47,9 @@ const W* opt_ptr(const c10::optional<at::Tensor>& t) {
 // Returns (y, mean, rstd); y written into `out` when given.
 std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
                                       const c10::optional<at::Tensor>& bias_in, double eps,
-                                      const c10::optional<at::Tensor>& out) {
+                                      const c10::optional<at::Tensor>& out,
+                                      const c10::optional<at::Tensor>& mean_out,
+                                      const c10::optional<at::Tensor>& rstd_out) {
   const char* op = "layernorm_fwd";
   check_x(x_in, op, "x");
   LSMINI_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
@@ -67,8 +69,13 @@ std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optiona
   } else {
     y = at::empty_like(x);
   }
-  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
-  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto stats = [&](const c10::optional<at::Tensor>& given, const char* name) {
+    if (!given) return at::empty({rows}, x.options().dtype(at::kFloat));
+    check_like(*given, x, at::kFloat, {rows}, op, name, "x");
+    LSMINI_CHECK(given->is_contiguous(), op, ": ", name, " must be contiguous, got strides ", given->strides());
+    return *given;
+  };
+  at::Tensor mean = stats(mean_out, "mean_out"), rstd = stats(rstd_out, "rstd_out");
   dispatch_float(x.scalar_type(), op, [&](auto tag) {
     using scalar_t = decltype(tag);
     using K = typename KernelType<scalar_t>::type;
@@ -162,9 +169,11 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
 namespace {
 
 void register_layernorm(pybind11::module_& m) {
-  m.def("layernorm_fwd", &layernorm_fwd, "LayerNorm forward: (y, mean, rstd), y into out when given",
+  m.def("layernorm_fwd", &layernorm_fwd,
+        "LayerNorm forward: (y, mean, rstd), each into out / mean_out / rstd_out when given",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"),
-        pybind11::arg("out") = pybind11::none());
+        pybind11::arg("out") = pybind11::none(), pybind11::arg("mean_out") = pybind11::none(),
+        pybind11::arg("rstd_out") = pybind11::none());
   m.def("layernorm_bwd", &layernorm_bwd,
         "LayerNorm backward: (dx, dweight, dbias); with add, dx = input gradient + add; dx into out when given "
         "(out may be add)",

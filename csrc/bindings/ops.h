@@ -13,10 +13,12 @@ namespace lsmini {
 // module.cpp: the Philox state of one dropout call from torch's CUDA generator of the current device.
 PhiloxTuple philox_seed_offset();
 
-// layernorm.cpp: (y, mean, rstd), y into out when given.
+// layernorm.cpp: (y, mean, rstd), each into out / mean_out / rstd_out when given.
 std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                       const std::optional<at::Tensor>& bias, double eps,
-                                      const std::optional<at::Tensor>& out);
+                                      const std::optional<at::Tensor>& out,
+                                      const std::optional<at::Tensor>& mean_out = std::nullopt,
+                                      const std::optional<at::Tensor>& rstd_out = std::nullopt);
 // (dx, dweight, dbias); with add, dx = input gradient + add; dx into out when given (out may be add).
 std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                                      const std::optional<at::Tensor>& weight,
@@ -26,10 +28,13 @@ std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const
 
 // attention.cpp: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32).
 // keep: int32 [attention_keep_numel] that receives the dropout keep bits for attention_bwd to read.
+// out / lse: where the output and lse go when given (out of q's shape, rows 16-byte aligned).
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& key_padding_mask, bool causal,
                                                  double p, double scale, const PhiloxTuple& rng,
-                                                 const std::optional<at::Tensor>& keep = std::nullopt);
+                                                 const std::optional<at::Tensor>& keep = std::nullopt,
+                                                 const std::optional<at::Tensor>& out = std::nullopt,
+                                                 const std::optional<at::Tensor>& lse = std::nullopt);
 // (dq, dk, dv), into dq/dk/dv when given; keep: the forward's keep bits, or none (drawn again).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
@@ -37,9 +42,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const PhiloxTuple& rng, const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
     const std::optional<at::Tensor>& dv, const std::optional<at::Tensor>& keep = std::nullopt);
 
-// bias_dropout_residual.cpp: residual + dropout(x + bias).
+// bias_dropout_residual.cpp: residual + dropout(x + bias); into out when given.
 at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                     const at::Tensor& residual, double p, const PhiloxTuple& rng);
+                                     const at::Tensor& residual, double p, const PhiloxTuple& rng,
+                                     const std::optional<at::Tensor>& out = std::nullopt);
 // (grad_x, grad_bias or None); with p == 0 grad_x is grad_out itself.
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
     const at::Tensor& grad_out, double p, const PhiloxTuple& rng, bool has_bias,

@@ -14,7 +14,9 @@
 // parameters in spec.BLOCK_PARAMS order with the GEMM weights already in the compute dtype. Forward
 // returns (y, saved, rngs): kSlots tensors per block in `saved` (None where a block keeps nothing) and
 // two Philox states per block in `rngs` (the core's dropout, the residual dropout); backward takes
-// both back with the arena view `scratch` (spec.scratch_numel elements).
+// both back with the arena view `scratch` (spec.scratch_numel elements). Forward makes the tensors it
+// saves one by one, or, given `state` (the compiled layer's), as views of that one byte buffer at the
+// byte `offsets` (per slot) that lsmini.layers.compiled.saved_layout chose.
 #include "common.h"
 #include "ops.h"
 
@@ -106,6 +108,29 @@ Params block_params(const std::vector<at::Tensor>& params, size_t block) {
   return {p[0], p[1], p[2], p[3], p[4], p[5]};
 }
 
+// Where forward puts the tensors it saves: fresh tensors, or views of one byte buffer (layer_fwd's
+// `state`). at(slot, ...) is that slot's view, or none (then the caller allocates as usual).
+class Destinations {
+ public:
+  Destinations(const OptTensor& state, const std::vector<int64_t>& offsets) : state_(state), offsets_(offsets) {}
+
+  OptTensor at(size_t slot, at::IntArrayRef sizes, at::ScalarType dtype) const {
+    if (!state_ || offsets_[slot] < 0) return std::nullopt;
+    const int64_t item = int64_t(c10::elementSize(dtype)), offset = offsets_[slot];
+    const int64_t numel = c10::multiply_integers(sizes);
+    LSMINI_CHECK(offset % 64 == 0 && offset + numel * item <= state_->numel(), "layer_fwd: saved slot ", slot,
+                 " (", numel * item, " bytes at offset ", offset, ") does not fit the ", state_->numel(),
+                 "-byte state");
+    std::vector<int64_t> strides(sizes.size(), 1);
+    for (size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * sizes[i];
+    return state_->view(dtype).as_strided(sizes, strides, state_->storage_offset() / item + offset / item);
+  }
+
+ private:
+  const OptTensor& state_;
+  const std::vector<int64_t>& offsets_;
+};
+
 // What the attention blocks read besides their parameters.
 struct Inputs {
   OptTensor key_padding_mask, encoder_k, encoder_v, encoder_padding_mask;
@@ -136,9 +161,22 @@ at::Tensor split(const at::Tensor& merged, const Shape& s, const Options& o) {
   return head_view(merged, s.batch, s.q_len, 0, o);
 }
 
-// x·weightᵀ + bias in one GEMM (the bias in its epilogue).
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+// x·weightᵀ + bias in one GEMM (the bias in its epilogue), into out when given.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const OptTensor& out) {
+  if (out) {
+    at::Tensor dst = *out;
+    return at::addmm_out(dst, bias.to(x.scalar_type()), x, weight.t());
+  }
   return at::addmm(bias.to(x.scalar_type()), x, weight.t());
+}
+
+// x·weightᵀ, into out when given.
+at::Tensor matmul_t(const at::Tensor& x, const at::Tensor& weight, const OptTensor& out) {
+  if (out) {
+    at::Tensor dst = *out;
+    return at::mm_out(dst, x, weight.t());
+  }
+  return at::mm(x, weight.t());
 }
 
 // a·b in the parameters' dtype: float32 straight out of the GEMM under autocast (blocks.weight_grad).
@@ -170,22 +208,39 @@ struct Gradients {  // of one block: its input and its six parameters
 // A buffer for the attention forward's dropout keep bits, which its backward then reads instead of drawing
 // them again; none without dropout or where the bits would take more memory than q (k_len > 16·head_dim).
 // The rule of lsmini.ops.attention.keeps_bits, which the compiled layer's saved_layout follows too.
-OptTensor keep_bits(const at::Tensor& q, int64_t k_len, const Options& o) {
+OptTensor keep_bits(const at::Tensor& q, int64_t k_len, const Options& o, const OptTensor& into) {
   if (o.attn_dropout <= 0 || k_len > 16 * o.head_dim) return std::nullopt;
+  if (into) return into;
   return at::empty({attention_keep_numel(q.size(0), o.heads, q.size(2), k_len)}, q.options().dtype(at::kInt));
 }
 
+// A block's view of the destinations: at(slot, ...) for its own slots.
+struct BlockDestinations {
+  const Destinations& all;
+  size_t base;
+  OptTensor at(int slot, at::IntArrayRef sizes, at::ScalarType dtype) const {
+    return all.at(base + size_t(slot), sizes, dtype);
+  }
+};
+
 at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, const Options& o, const Shape& s,
-                              const Inputs& in, at::Tensor* slots, PhiloxTuple& rng) {
+                              const Inputs& in, at::Tensor* slots, PhiloxTuple& rng, const BlockDestinations& dest) {
   const bool self = kind == Kind::Self;
-  at::Tensor projection = project(x, p.weight_in, p.bias_in);
+  const at::ScalarType dtype = x.scalar_type();
+  at::Tensor projection =
+      project(x, p.weight_in, p.bias_in, dest.at(kProjection, {s.tokens, (self ? 3 : 1) * o.hidden}, dtype));
   const at::Tensor q = head_view(projection, s.batch, s.q_len, 0, o);
   const at::Tensor k = self ? head_view(projection, s.batch, s.q_len, 1, o) : *in.encoder_k;
   const at::Tensor v = self ? head_view(projection, s.batch, s.q_len, 2, o) : *in.encoder_v;
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
-  const OptTensor bits = keep_bits(q, k.size(2), o);
-  auto [out, lse] = attention_fwd(q, k, v, mask, self && o.causal, o.attn_dropout, o.scale, rng, bits);
+  const int64_t k_len = k.size(2);
+  const OptTensor bits =
+      keep_bits(q, k_len, o, dest.at(kBits, {attention_keep_numel(s.batch, o.heads, s.q_len, k_len)}, at::kInt));
+  const OptTensor context_out = dest.at(kContext, {s.tokens, o.hidden}, dtype);
+  auto [out, lse] = attention_fwd(q, k, v, mask, self && o.causal, o.attn_dropout, o.scale, rng, bits,
+                                  context_out ? OptTensor(split(*context_out, s, o)) : std::nullopt,
+                                  dest.at(kLse, {s.batch, o.heads, s.q_len}, at::kFloat));
   // out is a [b, h, lq, d] view of a contiguous [b, lq, h, d] buffer: the merged-heads context, no copy
   at::Tensor context = out.as_strided({s.tokens, o.hidden}, {o.hidden, 1}, out.storage_offset());
   slots[kCoreInput] = x;
@@ -201,12 +256,19 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
   return at::mm(context, p.weight_out.t());
 }
 
-at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, at::Tensor* slots, PhiloxTuple& rng) {
-  at::Tensor pre_activation = at::mm(x, p.weight_in.t());
+at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, const Shape& s, at::Tensor* slots,
+                   PhiloxTuple& rng, const BlockDestinations& dest) {
+  const bool relu = o.act == int(BiasAct::Relu);
+  const at::ScalarType dtype = x.scalar_type();
+  // the slots these go to when they are kept (see below), so only then into the destinations
+  at::Tensor pre_activation =
+      matmul_t(x, p.weight_in, relu ? std::nullopt : dest.at(kProjection, {s.tokens, o.ffn}, dtype));
   rng = draw(o.act_dropout);
-  at::Tensor hidden = bias_act_dropout_fwd(pre_activation, p.bias_in, o.act, o.act_dropout, rng, std::nullopt);
+  at::Tensor hidden = bias_act_dropout_fwd(pre_activation, p.bias_in, o.act, o.act_dropout, rng,
+                                           relu || !o.recompute ? dest.at(kHidden, {s.tokens, o.ffn}, dtype)
+                                                                : std::nullopt);
   slots[kCoreInput] = x;
-  if (o.act == int(BiasAct::Relu)) {  // relu's derivative is read off its output: keep that, not the GEMM output
+  if (relu) {  // relu's derivative is read off its output: keep that, not the GEMM output
     slots[kHidden] = hidden;
   } else {
     slots[kProjection] = pre_activation;
@@ -215,17 +277,23 @@ at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, at::T
   return at::mm(hidden, p.weight_out.t());
 }
 
-// residual [tokens, hidden] → the block's output; fills the block's slots and its two Philox states.
+// residual [tokens, hidden] → the block's output (into `output` when given: where the next block saves it);
+// fills the block's slots and its two Philox states.
 at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, const Options& o, const Shape& s,
-                     const Inputs& in, at::Tensor* slots, PhiloxTuple* rngs) {
+                     const Inputs& in, at::Tensor* slots, PhiloxTuple* rngs, const BlockDestinations& dest,
+                     const OptTensor& output) {
   auto core = [&](const at::Tensor& x) {
-    return kind == Kind::Ffn ? ffn_fwd(x, p, o, slots, rngs[0]) : attention_core_fwd(kind, x, p, o, s, in, slots, rngs[0]);
+    return kind == Kind::Ffn ? ffn_fwd(x, p, o, s, slots, rngs[0], dest)
+                             : attention_core_fwd(kind, x, p, o, s, in, slots, rngs[0], dest);
   };
+  const at::ScalarType dtype = residual.scalar_type();
+  const OptTensor mean = dest.at(kMean, {s.tokens}, at::kFloat), rstd = dest.at(kRstd, {s.tokens}, at::kFloat);
   if (o.pre_ln) {
-    const std::vector<at::Tensor> norm = layernorm_fwd(residual, p.norm_weight, p.norm_bias, o.eps, std::nullopt);
+    const OptTensor normed = o.recompute ? std::nullopt : dest.at(kCoreInput, {s.tokens, o.hidden}, dtype);
+    const std::vector<at::Tensor> norm = layernorm_fwd(residual, p.norm_weight, p.norm_bias, o.eps, normed, mean, rstd);
     const at::Tensor out_core = core(norm[0]);
     rngs[1] = draw(o.dropout);
-    at::Tensor out = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1]);
+    at::Tensor out = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1], output);
     slots[kNormX] = residual;
     slots[kMean] = norm[1];
     slots[kRstd] = norm[2];
@@ -237,8 +305,9 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
   }
   const at::Tensor out_core = core(residual);
   rngs[1] = draw(o.dropout);
-  at::Tensor summed = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1]);
-  std::vector<at::Tensor> norm = layernorm_fwd(summed, p.norm_weight, p.norm_bias, o.eps, std::nullopt);
+  at::Tensor summed = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1],
+                                                dest.at(kNormX, {s.tokens, o.hidden}, dtype));
+  std::vector<at::Tensor> norm = layernorm_fwd(summed, p.norm_weight, p.norm_bias, o.eps, output, mean, rstd);
   slots[kNormX] = summed;
   slots[kMean] = norm[1];
   slots[kRstd] = norm[2];
@@ -247,7 +316,8 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
 
 std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<PhiloxTuple>> layer_fwd(
     const py::object& options, const at::Tensor& x, const OptTensor& key_padding_mask, const OptTensor& encoder_k,
-    const OptTensor& encoder_v, const OptTensor& encoder_padding_mask, const std::vector<at::Tensor>& params) {
+    const OptTensor& encoder_v, const OptTensor& encoder_padding_mask, const std::vector<at::Tensor>& params,
+    const OptTensor& state, const std::vector<int64_t>& offsets) {
   const char* op = "layer_fwd";
   const Options o = read_options(options, op);
   const size_t blocks = o.kinds.size();
@@ -260,15 +330,37 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<PhiloxTuple>> layer_
     LSMINI_CHECK(o.kinds[i] != Kind::Cross || (encoder_k && encoder_v), op,
                  ": a cross-attention block needs encoder_k and encoder_v");
   }
+  if (state) {
+    check_cuda(*state, op, "state");
+    LSMINI_CHECK(state->scalar_type() == at::kByte && state->dim() == 1 && state->is_contiguous() &&
+                     state->device() == x.device() && offsets.size() == blocks * kSlots,
+                 op, ": state must be a contiguous uint8 vector on ", x.device(), " with one offset per saved slot (",
+                 blocks * kSlots, "), got ", state->scalar_type(), " ", state->sizes(), " and ", offsets.size(),
+                 " offsets");
+  }
   c10::cuda::CUDAGuard guard(x.device());
   const Shape s{x.size(0), x.size(1), x.size(0) * x.size(1), params[0].scalar_type()};
   const Inputs in{key_padding_mask, encoder_k, encoder_v, encoder_padding_mask};
+  const Destinations dest(state, offsets);
   std::vector<at::Tensor> saved(blocks * kSlots);
   std::vector<PhiloxTuple> rngs(blocks * 2, kNoRng);
   at::Tensor residual = x.view({s.tokens, o.hidden});
   for (size_t i = 0; i < blocks; ++i) {
+    // a block's output is the next block's input, which that block saves as its LayerNorm input (pre-LN) or
+    // its core's input (post-LN)
+    const OptTensor output =
+        i + 1 < blocks ? dest.at((i + 1) * kSlots + (o.pre_ln ? kNormX : kCoreInput), {s.tokens, o.hidden},
+                                 x.scalar_type())
+                       : std::nullopt;
     residual = block_fwd(o.kinds[i], residual, block_params(params, i), o, s, in, saved.data() + i * kSlots,
-                         rngs.data() + i * 2);
+                         rngs.data() + i * 2, BlockDestinations{dest, i * kSlots}, output);
+  }
+  if (state) {  // every saved tensor that has a place in state is there (else backward would read garbage)
+    for (size_t i = 0; i < saved.size(); ++i) {
+      const char* at = saved[i].defined() ? static_cast<const char*>(saved[i].data_ptr()) : nullptr;
+      LSMINI_CHECK(offsets[i] < 0 || at == static_cast<const char*>(state->data_ptr()) + offsets[i], op,
+                   ": saved slot ", i, " is not at its offset ", offsets[i], " in state");
+    }
   }
   return {residual.view({s.batch, s.q_len, o.hidden}), saved, rngs};
 }
@@ -455,9 +547,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
 
 void register_layer(py::module_& m) {
   m.def("layer_fwd", &layer_fwd,
-        "One layer's whole forward (lsmini.layers.blocks, kernel path): (y [b, l, H], saved, rngs) for layer_bwd",
+        "One layer's whole forward (lsmini.layers.blocks, kernel path): (y [b, l, H], saved, rngs) for layer_bwd; "
+        "the saved tensors as views of state (uint8) at offsets (bytes per slot, -1: not there) when given",
         py::arg("options"), py::arg("x"), py::arg("key_padding_mask"), py::arg("encoder_k"), py::arg("encoder_v"),
-        py::arg("encoder_padding_mask"), py::arg("params"));
+        py::arg("encoder_padding_mask"), py::arg("params"), py::arg("state") = py::none(),
+        py::arg("offsets") = std::vector<int64_t>());
   m.def("layer_bwd", &layer_bwd,
         "One layer's whole backward from layer_fwd's saved state: (grad_x [b, l, H], parameter gradients in "
         "param_dtypes); a cross block's dK/dV go into grad_encoder_k/grad_encoder_v; a parameter with a tensor in "

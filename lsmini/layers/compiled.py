@@ -12,6 +12,9 @@ What differs from the eager one-call layer, because a custom operator must be a 
 - Its outputs may not alias its inputs or each other, so of the state layer_fwd saves, ``lsmini::layer``
   returns only the tensors it creates (``saved_layout`` says which slot is which, computed from the options
   as csrc/layers/layer.cpp fills them; the slots that are inputs or repeats are put back for backward).
+  They come back as ONE byte buffer: layer_fwd writes each where ``state_plan`` puts it. One output
+  instead of ~10–20 per layer is what keeps the compiled graph, and the compile time, small: each output
+  of an operator is a node and a buffer of its own in every stage of the compiler.
 - The dropout states travel as a tensor (``_backend.dropout_state``: resolved on the device, right inside a
   CUDA-graph replay of the compiled step too); backward reads them back through pointers into it.
 - Backward takes a fresh scratch tensor instead of the shared arena, and returns the encoder K/V
@@ -108,13 +111,39 @@ def _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout,
                         recompute=recompute)
 
 
-_cached_layout = functools.lru_cache(maxsize=256)(saved_layout)  # the operators' own calls: concrete sizes
+STATE_ALIGN = 64  # bytes; csrc/layers/layer.cpp checks it
 
 
-def _layout_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask, cached=True):
-    layout = _cached_layout if cached else saved_layout  # symbolic sizes (dynamic shapes) do not hash
-    return layout(o, x.shape[0], x.shape[1], key_padding_mask is not None, encoder_padding_mask is not None, x.dtype,
-                  0 if encoder_k is None else encoder_k.shape[2])
+def state_plan(layout):
+    """(per slot the byte offset of its tensor in the state buffer, or -1 where the slot holds an input or
+    nothing; the buffer's size in bytes): the "new" tensors one after the other, each aligned to
+    STATE_ALIGN, and a "same" slot at the offset of the slot it repeats. Sizes may be symbolic."""
+    offsets, end = [], 0
+    for entry in layout:
+        if entry is not None and entry[0] == "new":
+            offsets.append(end)
+            numel = 1
+            for d in entry[1]:
+                numel = numel * d
+            end = (end + numel * entry[2].itemsize + STATE_ALIGN - 1) // STATE_ALIGN * STATE_ALIGN
+        else:
+            offsets.append(offsets[entry[1]] if entry is not None and entry[0] == "same" else -1)
+    return offsets, end
+
+
+def _plan(*args):
+    layout = saved_layout(*args)
+    return (layout, *state_plan(layout))
+
+
+_cached_plan = functools.lru_cache(maxsize=256)(_plan)  # the operators' own calls: concrete sizes
+
+
+def _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask, cached=True):
+    """(saved_layout, its state offsets, the state's bytes) of a call."""
+    plan = _cached_plan if cached else _plan  # symbolic sizes (dynamic shapes) do not hash
+    return plan(o, x.shape[0], x.shape[1], key_padding_mask is not None, encoder_padding_mask is not None, x.dtype,
+                0 if encoder_k is None else encoder_k.shape[2])
 
 
 # The options travel as plain arguments (a custom operator takes tensors and scalars only); kinds joined by ",".
@@ -123,25 +152,26 @@ def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: 
              encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None, params: list[torch.Tensor],
              kinds: str, hidden: int, ffn: int, heads: int, scale: float, eps: float, pre_ln: bool, activation: str,
              dropout: float, attn_dropout: float, activation_dropout: float, causal: bool,
-             recompute: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """(y [b, l, H], the tensors the call created for backward (saved_layout's "new" slots, in order), the
-    dropout states [2·blocks, 2], the GEMM weights cast to x's dtype in one buffer (precision.cast_plan's
-    layout; empty when none needs casting) for backward to read again)."""
+             recompute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [b, l, H], the tensors the call created for backward in one uint8 buffer (saved_layout's "new"
+    slots where state_plan puts them), the dropout states [2·blocks, 2], the GEMM weights cast to x's dtype
+    in one buffer (precision.cast_plan's layout; empty when none needs casting) for backward to read again)."""
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
     cast, buffer = cast_into_buffer(params, x.dtype)
+    layout, offsets, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
+    state = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    # layer_fwd checks that every slot with an offset holds its view of state
     y, saved, rngs = _backend.ext().layer_fwd(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                                              cast)
-    made = []
-    for i, entry in enumerate(_layout_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)):
+                                              cast, state, offsets)
+    for i, entry in enumerate(layout):
         if (entry is None) != (saved[i] is None):
             raise RuntimeError(f"lsmini::layer: saved slot {i} does not match saved_layout ({entry})")
         if entry is not None and entry[0] == "new":
             if tuple(saved[i].shape) != entry[1] or saved[i].dtype != entry[2]:
                 raise RuntimeError(f"lsmini::layer: saved slot {i} is {saved[i].dtype} {tuple(saved[i].shape)}, "
                                    f"saved_layout says {entry[2]} {entry[1]}")
-            made.append(saved[i])
-    return y, made, _backend.dropout_state(rngs, x.device), buffer
+    return y, state, _backend.dropout_state(rngs, x.device), buffer
 
 
 @layer_op.register_fake
@@ -150,15 +180,14 @@ def _layer_fake(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
     sizes = (*x.shape, *(() if encoder_k is None else encoder_k.shape))
-    layout = _layout_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask,
-                        cached=not any(isinstance(d, torch.SymInt) for d in sizes))
-    made = [x.new_empty(e[1], dtype=e[2]) for e in layout if e is not None and e[0] == "new"]
-    return (torch.empty_like(x), made, x.new_empty(2 * len(o.kinds), 2, dtype=torch.int64),
-            x.new_empty(cast_plan(params, x.dtype)[1][-1]))
+    _, _, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask,
+                            cached=not any(isinstance(d, torch.SymInt) for d in sizes))
+    return (torch.empty_like(x), x.new_empty(nbytes, dtype=torch.uint8),
+            x.new_empty(2 * len(o.kinds), 2, dtype=torch.int64), x.new_empty(cast_plan(params, x.dtype)[1][-1]))
 
 
 @torch.library.custom_op("lsmini::layer_backward", mutates_args=(), device_types="cuda")
-def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: torch.Tensor, cast: torch.Tensor,
+def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, rng_state: torch.Tensor, cast: torch.Tensor,
                       x: torch.Tensor,
                       key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
                       encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None,
@@ -171,11 +200,20 @@ def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: t
                  activation_dropout, causal, recompute)
     inputs = {"x": x.view(-1, hidden), "key_padding_mask": key_padding_mask, "encoder_k": encoder_k,
               "encoder_v": encoder_v, "encoder_padding_mask": encoder_padding_mask}
-    saved, next_made = [], iter(made)
-    for entry in _layout_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask):
+    layout, offsets, _ = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
+    typed, saved = {}, []  # state as each dtype it holds, then each made tensor as one as_strided of that
+    for entry, offset in zip(layout, offsets):
         kind = None if entry is None else entry[0]
-        saved.append(None if kind is None else inputs[entry[1]] if kind == "input" else saved[entry[1]]
-                     if kind == "same" else next(next_made))
+        if kind == "new":
+            shape, dtype = entry[1], entry[2]
+            if dtype not in typed:
+                typed[dtype] = state.view(dtype)
+            strides = [1] * len(shape)
+            for i in range(len(shape) - 1, 0, -1):
+                strides[i - 1] = strides[i] * shape[i]
+            saved.append(typed[dtype].as_strided(shape, strides, offset // dtype.itemsize))
+        else:
+            saved.append(None if kind is None else inputs[entry[1]] if kind == "input" else saved[entry[1]])
     rngs = [_backend.rng_in(rng_state, i) for i in range(rng_state.shape[0])]
     scratch = grad.new_empty(scratch_numel(o, x.shape[0], x.shape[1]))
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
@@ -187,7 +225,7 @@ def layer_backward_op(grad: torch.Tensor, made: list[torch.Tensor], rng_state: t
 
 
 @layer_backward_op.register_fake
-def _layer_backward_fake(grad, made, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+def _layer_backward_fake(grad, state, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                          params, *options):
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
     return x.new_empty(x.shape), [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params], kv
@@ -195,19 +233,16 @@ def _layer_backward_fake(grad, made, rng_state, cast, x, key_padding_mask, encod
 
 def _setup_context(ctx, inputs, output):
     x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params = inputs[:6]
-    _, made, rng_state, cast = output
+    _, state, rng_state, cast = output
     ctx.options = inputs[6:]
-    ctx.n_made = len(made)
-    ctx.save_for_backward(*made, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+    ctx.save_for_backward(state, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                           *params)
 
 
-def _backward(ctx, grad, grad_made, grad_state, grad_cast):
-    saved = ctx.saved_tensors
-    made, rest = saved[:ctx.n_made], saved[ctx.n_made:]
-    rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask = rest[:7]
-    params = rest[7:]
-    grad_x, param_grads, kv = layer_backward_op(grad.contiguous(), list(made), rng_state, cast, x, key_padding_mask,
+def _backward(ctx, grad, grad_state, grad_rng_state, grad_cast):
+    state, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params = \
+        ctx.saved_tensors
+    grad_x, param_grads, kv = layer_backward_op(grad.contiguous(), state, rng_state, cast, x, key_padding_mask,
                                                 encoder_k, encoder_v, encoder_padding_mask, list(params),
                                                 *ctx.options)
     grad_k, grad_v = kv if encoder_k is not None else (None, None)
