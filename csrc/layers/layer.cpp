@@ -16,7 +16,7 @@
 // two Philox states per block in `rngs` (the core's dropout, the residual dropout); backward takes
 // both back with the arena view `scratch` (spec.scratch_numel elements). Forward makes the tensors it
 // saves one by one, or, given `state` (the compiled layer's), as views of that one byte buffer at the
-// byte `offsets` (per slot) that lsmini.layers.compiled.saved_layout chose.
+// byte `offsets` (per slot) that lsmini.layers.compiled.state_plan chose.
 #include "common.h"
 #include "ops.h"
 
@@ -36,6 +36,7 @@ using OptTensor = std::optional<at::Tensor>;
 
 constexpr int64_t kParamsPerBlock = 6;  // spec.BLOCK_PARAMS
 constexpr int64_t kAlign = 64;          // arena.ALIGN
+constexpr int64_t kStateAlign = 64;     // compiled.STATE_ALIGN, bytes
 constexpr PhiloxTuple kNoRng{0, 0, 0, 0};
 
 enum class Kind { Self, Cross, Ffn };
@@ -118,8 +119,8 @@ class Destinations {
     if (!state_ || offsets_[slot] < 0) return std::nullopt;
     const int64_t item = int64_t(c10::elementSize(dtype)), offset = offsets_[slot];
     const int64_t numel = c10::multiply_integers(sizes);
-    LSMINI_CHECK(offset % 64 == 0 && offset + numel * item <= state_->numel(), "layer_fwd: saved slot ", slot,
-                 " (", numel * item, " bytes at offset ", offset, ") does not fit the ", state_->numel(),
+    LSMINI_CHECK(offset % kStateAlign == 0 && offset + numel * item <= state_->numel(), "layer_fwd: saved slot ",
+                 slot, " (", numel * item, " bytes at offset ", offset, ") does not fit the ", state_->numel(),
                  "-byte state");
     std::vector<int64_t> strides(sizes.size(), 1);
     for (size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * sizes[i];
