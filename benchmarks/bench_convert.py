@@ -2,7 +2,8 @@
 each eager and under torch.compile.
 
     python benchmarks/bench_convert.py [--variants torch,lsmini,...] [--iters 30] [--warmup 10] [--quick]
-                                       [--norm-first] [--dtype bf16|fp16] [--no-fullgraph] [--csv PATH]
+                                       [--norm-first] [--dtype bf16|fp16] [--no-fullgraph] [--repeats N]
+                                       [--no-isolate] [--csv PATH]
     python benchmarks/bench_convert.py --device cpu --quick --layers 1 --d-model 32 --heads 4 --ffn 64 \\
                                        --vocab 50 --batch 4 --src-len 8 --tgt-len 8 --variants torch,lsmini
 
@@ -20,7 +21,8 @@ differ in type, and under torch.compile that warning breaks the graph (the graph
 --padding-masks float passes additive masks (0 / -inf) instead, for a torch.compile baseline without those
 breaks; lsmini's converted modules read float padding masks by value, in eager mode only.
 
-Variants, each on a fresh model built from the same seed, all in this process:
+Variants, each on a fresh model built from the same seed, each in a fresh Python process (--no-isolate: all in
+this one, where the first compiled variant pays several seconds of compiler start-up that later ones do not):
     torch                  the script as written (eager).
     torch+compile          loss_fn = torch.compile(loss_fn).
     torch+compile-graphs   the same with mode="reduce-overhead" (forward and backward replayed as CUDA graphs).
@@ -42,6 +44,7 @@ Reported per variant:
                   add to; it includes reading step 1's loss. Each compile is cold: Inductor's
                   caches are off (--compile-cache keeps them), and process-wide one-time costs (CUDA context,
                   cuBLAS, Inductor's compile workers) are paid by an untimed warm-up before the first variant.
+                  The per-variant line printed as it finishes splits compile_s into its steps.
     ms_step       median wall time of one step over --iters steps after --warmup steps (at least the steps
                   compile_s spans), CUDA events around each step with the host running ahead as in real
                   training, so launch gaps count (on CPU: time.perf_counter around each step).
@@ -63,11 +66,14 @@ import argparse
 import datetime
 import gc
 import importlib
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -262,14 +268,17 @@ def run_variant(variant, args, device, batches, row):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
+    marks = [t0]
     for i in range(warmup):
         loss = step(*batches[i % len(batches)])
         if i == 0:
             row["loss_first"] = loss.item()  # synchronises; inside compile_s, as in any script that logs it
-        if i + 1 == ready_steps:
+        if i < ready_steps:
             synchronize(device)
-            row["compile_s"] = time.perf_counter() - t0
+            marks.append(time.perf_counter())
     synchronize(device)
+    row["compile_s"] = marks[-1] - t0
+    row["compile_steps"] = [b - a for a, b in zip(marks, marks[1:])]
 
     # Counted before the timed loop: reading a count off the device inside it would stop the host running ahead.
     batch_tokens = [int((b[2] != PAD).sum()) for b in batches]
@@ -405,6 +414,15 @@ def parse_args(argv=None):
     ap.add_argument("--src-len", type=int, default=64)
     ap.add_argument("--tgt-len", type=int, default=64)
     ap.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+                    help="run each variant in a fresh Python process (default), so that none inherits compiled "
+                         "code, caches or warmed-up compiler state from the one before; --no-isolate runs all "
+                         "in this process, where the first compiled variant pays several seconds the later "
+                         "ones do not")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every variant this many times (round-robin) and report, per variant, the run with "
+                         "the median compile time; all runs' compile times are listed under the table")
+    ap.add_argument("--row-json", metavar="PATH", help=argparse.SUPPRESS)  # --isolate's child writes its row here
     ap.add_argument("--compile-profile", action="store_true",
                     help="after each compiled variant, print where its compile time went: the phases torch "
                          "times itself (torch._dynamo.utils.compile_times), longest first")
@@ -417,11 +435,64 @@ def parse_args(argv=None):
         ap.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}")
     if args.iters < 1:
         ap.error("--iters must be at least 1")
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     return args
+
+
+def run_here(variant, args, device, batches):
+    """One variant in this process: its row (an error row if it fails)."""
+    row = {"variant": variant}
+    compile_phases().clear()
+    try:
+        run_variant(variant, args, device, batches, row)
+    except Exception as e:  # noqa: BLE001 — a failed variant is a result too; the others still run
+        traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0]
+        # What convert reported stays; measurements cut short do not.
+        row = {k: v for k, v in row.items() if k in ("variant", "replaced", "kept", "kept_names")}
+        row["error"] = f"{type(e).__name__}: {first}"[:300]
+    if args.compile_profile and split_variant(variant)[1] is not None:
+        print_compile_profile(variant)  # before release: torch._dynamo.reset() clears the timings
+    release(device)
+    return row
+
+
+def run_isolated(variant, argv):
+    """One variant in a fresh Python process (this script, --no-isolate, that variant only): its row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--variants", variant, "--no-isolate",
+               "--repeats", "1", "--row-json", path]
+        done = subprocess.run(cmd)
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+    return {"variant": variant, "error": f"its process exited with code {done.returncode} before reporting"}
+
+
+def median_run(rows):
+    """Of one variant's runs, the row of the run with the median compile time (an error row if any failed),
+    with every run's compile time in compile_runs."""
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        return failed[0]
+    row = sorted(rows, key=lambda r: r["compile_s"])[(len(rows) - 1) // 2]
+    return {**row, "compile_runs": [r["compile_s"] for r in rows]}
+
+
+def report_line(row):
+    if "error" in row:
+        return f"# {row['variant']}: FAILED — {row['error']}"
+    steps = " + ".join(f"{s:.1f}" for s in row["compile_steps"])
+    return (f"# {row['variant']}: {row['ms_step']:.2f} ms/step, {row['tgt_tokens_s']:,.0f} target tokens/s, "
+            f"compile {row['compile_s']:.1f} s ({len(row['compile_steps'])} steps: {steps}), "
+            f"loss {row['loss_first']:.3f} → {row['loss_final']:.3f}")
 
 
 def main(argv=None):
     """Runs the variants, prints the markdown table (and writes --csv); returns the rows."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     device = torch.device(args.device)
     notes = []
@@ -438,34 +509,30 @@ def main(argv=None):
     if not args.compile_cache:
         disable_compile_caches()
 
-    header = header_line(args, device)
-    print(f"# {header}", flush=True)
-    batches = make_batches(args, device)
-    warm_up_process(args, device, batches)
-    rows = []
-    for variant in args.variants:
-        row = {"variant": variant}
-        compile_phases().clear()
-        try:
-            run_variant(variant, args, device, batches, row)
-        except Exception as e:  # noqa: BLE001 — a failed variant is a result too; the others still run
-            traceback.print_exc()
-            first = (str(e).strip().splitlines() or [""])[0]
-            # What convert reported stays; measurements cut short do not.
-            row = {k: v for k, v in row.items() if k in ("variant", "replaced", "kept", "kept_names")}
-            row["error"] = f"{type(e).__name__}: {first}"[:300]
-        rows.append(row)
-        if args.compile_profile and split_variant(variant)[1] is not None:
-            print_compile_profile(variant)  # before release: torch._dynamo.reset() clears the timings
-        release(device)
-        if "error" in row:
-            print(f"# {variant}: FAILED — {row['error']}", flush=True)
-        else:
-            print(f"# {variant}: {row['ms_step']:.2f} ms/step, {row['tgt_tokens_s']:,.0f} target tokens/s, "
-                  f"compile {row['compile_s']:.1f} s, loss {row['loss_first']:.3f} → {row['loss_final']:.3f}",
-                  flush=True)
+    if args.row_json is None:
+        print(f"# {header_line(args, device)}", flush=True)
+    if not args.isolate:
+        batches = make_batches(args, device)
+        warm_up_process(args, device, batches)
+    runs = {v: [] for v in args.variants}
+    for _ in range(args.repeats):  # round-robin, so that a slow spell of the machine is shared out
+        for variant in args.variants:
+            if args.isolate:  # the child prints its report line
+                runs[variant].append(run_isolated(variant, argv))
+            else:
+                runs[variant].append(run_here(variant, args, device, batches))
+                print(report_line(runs[variant][-1]), flush=True)
+    rows = [median_run(runs[v]) for v in args.variants]
+    if args.row_json is not None:  # a child of run_isolated: its one row goes back to the parent
+        with open(args.row_json, "w") as f:
+            json.dump(rows[0], f)
+        return rows
     add_ratios(rows)
     for r in rows:
+        compiles = r.pop("compile_runs", [])
+        if len(compiles) > 1:
+            notes.append(f"{r['variant']}: compile_s of its {len(compiles)} runs: "
+                         f"{', '.join(f'{c:.2f}' for c in compiles)} (the table shows the median run)")
         kept = r.pop("kept_names", None)
         if kept:
             shown = ", ".join(kept[:8]) + (f", … ({len(kept)} in all)" if len(kept) > 8 else "")

@@ -30,12 +30,13 @@ def table_rows(text):
 def check_trained(row):
     assert "error" not in row, row["error"]
     assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_final"])
+    assert len(row["compile_steps"]) == 1 and row["compile_s"] == pytest.approx(sum(row["compile_steps"]))
     assert row["ms_step"] > 0 and row["tgt_tokens_s"] > 0
 
 
 def test_torch_row_csv_and_graph_variant_skipped(tmp_path, capsys):
     path = tmp_path / "convert.csv"
-    rows = bench_convert.main(TINY + ["--variants", "torch,torch+compile-graphs", "--csv", str(path)])
+    rows = bench_convert.main(TINY + ["--variants", "torch,torch+compile-graphs", "--csv", str(path), "--no-isolate"])
     assert [r["variant"] for r in rows] == ["torch"]  # CUDA graphs: skipped on the CPU, with a note
     check_trained(rows[0])
     out = capsys.readouterr().out
@@ -45,7 +46,7 @@ def test_torch_row_csv_and_graph_variant_skipped(tmp_path, capsys):
     assert [r["variant"] for r in written] == ["torch"] and float(written[0]["loss_final"]) == rows[0]["loss_final"]
 
 
-def test_torch_and_lsmini_rows(capsys):
+def test_torch_and_lsmini_rows(capsys):  # each variant in its own process (the default)
     if not callable(getattr(lsmini, "convert", None)):  # the function, not only its module
         pytest.skip("lsmini.convert is not available")
     rows = bench_convert.main(TINY + ["--variants", "torch,lsmini"])
