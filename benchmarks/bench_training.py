@@ -1,7 +1,7 @@
 """Whole training steps: lsmini against PyTorch eager AMP and torch.compile, same data, same initial weights.
 
     python benchmarks/bench_training.py [--configs base big ...] [--variants lsmini eager compiled]
-                                        [--steps 30] [--check] [--profile] [--out DIR]
+                                        [--steps 30] [--check] [--profile] [--memory] [--out DIR]
     python benchmarks/bench_training.py --nproc 2 --configs base big     # data-parallel scaling
 
 Configs (tokens counted on source + target):
@@ -37,7 +37,9 @@ tokens/s, and the peak of torch.cuda.max_memory_allocated from the first step on
 and timed steps — (parameters, gradients, optimizer state and activations). --check trains every variant
 200 steps on the same batches and prints the loss curves (mean of each 20-step window) side by side.
 --profile adds, per variant, where the time of a step goes: GEMMs, attention, lsmini's fused kernels,
-other kernels, the optimizer, and the idle gaps between kernels. Results go to stdout and to training.md / training.csv in --out.
+other kernels, the optimizer, and the idle gaps between kernels. --memory adds, per variant, what is
+allocated at the peak of the warm-up steps (where graphs record and the peak is reached), summed by the
+line of lsmini, this script or torch that allocated it. Results go to stdout and to training.md / training.csv in --out.
 
 --nproc N times each lsmini variant on one GPU and data-parallel on N GPUs (torchrun, NCCL,
 lsmini.distributed.GradientReducer; every GPU takes the config's batch; with +graph the bucket all-reduces
@@ -359,7 +361,53 @@ def profile_step(step, batches, steps=5):
 
 
 # ---- the worker: one (config, variant) in this process ------------------------------------------------------
-def run_worker(config, variant, steps, warmup, check, profile):
+# ---- memory: what is allocated at the peak ------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEMORY_TRACE_ENTRIES = 2_000_000  # allocator events kept; a big step makes ~20k
+
+
+def _site(frames):
+    """Where an allocation was made: the innermost frame in lsmini or this benchmark, else the innermost
+    Python frame (a torch module, or the optimizer)."""
+    python = [f for f in frames if f["filename"].endswith(".py")]
+    for f in python:
+        if "/lsmini/" in f["filename"] or f["filename"].endswith("bench_training.py"):
+            return f"{os.path.relpath(f['filename'], ROOT)}:{f['line']} ({f['name']})"
+    if python:
+        f = python[0]
+        return f"{f['filename'].split('site-packages/')[-1]}:{f['line']} ({f['name']})"
+    return "(no Python frame)"
+
+
+def peak_breakdown(trace, top=20):
+    """From the allocator's event trace (torch.cuda.memory._snapshot()["device_traces"][device], recorded from
+    before the model was built): the bytes allocated at the moment the most were, summed by allocation
+    site, largest first, as [(site, MB, blocks)], and that peak in MB."""
+    live, total, peak, peak_at = {}, 0, 0, -1
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev["size"]
+            total += ev["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif ev["action"] in ("free_requested", "free_completed"):
+            total -= live.pop(ev["addr"], 0)
+    live = {}
+    for ev in trace[:peak_at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] in ("free_requested", "free_completed"):
+            live.pop(ev["addr"], None)
+    sites = {}
+    for ev in live.values():
+        site = sites.setdefault(_site(ev.get("frames", [])), [0, 0])
+        site[0] += ev["size"]
+        site[1] += 1
+    rows = sorted(((k, v[0] / 2 ** 20, v[1]) for k, v in sites.items()), key=lambda r: -r[1])
+    return rows[:top], peak / 2 ** 20
+
+
+def run_worker(config, variant, steps, warmup, check, profile, memory=False):
     cfg = CONFIGS[config]
     if check:
         lr_lambda = lambda i: min(1.0, (i + 1) / CHECK_WARMUP)  # noqa: E731
@@ -374,6 +422,8 @@ def run_worker(config, variant, steps, warmup, check, profile):
         torch.cuda.set_device(rank)
         torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", rank))
     batches = [tuple(t.cuda() for t in b) for b in make_batches(cfg, 4, seed=torch.cuda.current_device())]
+    if memory:  # from before the model exists, so parameters and optimizer state are in the trace too
+        torch.cuda.memory._record_memory_history(max_entries=MEMORY_TRACE_ENTRIES, stacks="python")
     step = make_trainer(cfg, variant, data_parallel=world > 1)
     torch.cuda.reset_peak_memory_stats()  # from the first step: a graph allocates its memory while recording
     t0 = time.perf_counter()
@@ -381,6 +431,9 @@ def run_worker(config, variant, steps, warmup, check, profile):
         step(*batches[i % len(batches)])
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
+    if memory:  # the warm-up reaches the peak (graphs record in it); recording would slow the timed steps
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        torch.cuda.memory._record_memory_history(enabled=None)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
     for i, (s, e) in enumerate(events):
         s.record()
@@ -390,6 +443,8 @@ def run_worker(config, variant, steps, warmup, check, profile):
     ms = statistics.median(s.elapsed_time(e) for s, e in events)
     r = {"config": config, "variant": variant, "ms_step": ms, "tokens_s": world * tokens_per_step(cfg) / ms * 1e3,
          "peak_mb": torch.cuda.max_memory_allocated() / 2 ** 20, "warmup_s": warm_s, "gpus": world}
+    if memory:
+        r["memory_sites"], r["memory_trace_peak_mb"] = peak_breakdown(trace)
     if profile:
         r["profile"] = profile_step(step, batches)
     if world > 1:
@@ -413,6 +468,7 @@ def spawn_worker(config, variant, args, nproc=1):
                       "--warmup", str(args.warmup)]
     cmd += ["--check"] if args.check else []
     cmd += ["--profile"] if args.profile else []
+    cmd += ["--memory"] if args.memory else []
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = [l for l in p.stdout.splitlines() if l.startswith("{")]  # under torchrun: every rank's line
     if p.returncode != 0 or not lines:
@@ -428,7 +484,8 @@ def speed_rows(results):
     by = {(r["config"], r["variant"]): r for r in results}
     for r in results:
         row = dict(r)
-        row.pop("profile", None)
+        for detail in ("profile", "memory_sites", "memory_trace_peak_mb"):
+            row.pop(detail, None)
         for base, col in (("eager", "x_eager"), ("compiled", "x_compiled"), ("compiled-graphs", "x_compiled_graphs")):
             b = by.get((r["config"], base))
             if b is not None and r["variant"] != base:
@@ -456,6 +513,20 @@ def profile_report(results):
         out.append("\n| top kernels | ms per step |\n|---|---|")
         for n, v in p["top_kernels_ms"]:
             out.append(f"| `{n}` | {v:.3f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def memory_report(results):
+    out = []
+    for r in results:
+        if "memory_sites" not in r:
+            continue
+        out.append(f"### {r['config']} / {r['variant']}: peak {r['peak_mb']:,.0f} MB (allocator trace: "
+                   f"{r['memory_trace_peak_mb']:,.0f} MB), what is allocated at that moment\n")
+        out.append("| allocated at | MB | blocks |\n|---|---|---|")
+        for site, mb, blocks in r["memory_sites"]:
+            out.append(f"| `{site}` | {mb:,.1f} | {blocks} |")
         out.append("")
     return "\n".join(out)
 
@@ -521,6 +592,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=8, help="untimed steps first (compilation happens here)")
     ap.add_argument("--check", action="store_true", help=f"train {CHECK_STEPS} steps per variant, compare losses")
     ap.add_argument("--profile", action="store_true", help="also profile where a step's time goes")
+    ap.add_argument("--memory", action="store_true",
+                    help="also report what is allocated at the peak, by the line of code that allocated it "
+                         "(the allocator's history, recorded from before the model is built)")
     ap.add_argument("--nproc", type=int, default=1,
                     help="data-parallel on this many GPUs (torchrun + lsmini.distributed.GradientReducer), "
                          "reported beside one GPU; lsmini variants only")
@@ -530,7 +604,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_training.py needs a CUDA device")
     if args.worker:
-        r = run_worker(*args.worker, args.steps, args.warmup, args.check, args.profile)
+        r = run_worker(*args.worker, args.steps, args.warmup, args.check, args.profile, args.memory)
         if os.environ.get("RANK", "0") == "0":
             print(json.dumps(r), flush=True)
         return
@@ -558,7 +632,7 @@ def main():
         name = "training_check.md"
     else:
         rows = speed_rows(results)
-        text = common.markdown_table(rows, COLUMNS) + "\n\n" + profile_report(results)
+        text = common.markdown_table(rows, COLUMNS) + "\n\n" + profile_report(results) + memory_report(results)
         common.write_csv(os.path.join(args.out, "training.csv"), rows, COLUMNS)
         name = "training.md"
     print(text)
