@@ -360,7 +360,6 @@ def profile_step(step, batches, steps=5):
             "top_kernels_ms": [(n[:110], v / 1e3 / steps) for n, v in top]}
 
 
-# ---- the worker: one (config, variant) in this process ------------------------------------------------------
 # ---- memory: what is allocated at the peak ------------------------------------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_TRACE_ENTRIES = 2_000_000  # allocator events kept; a big step makes ~20k
@@ -407,6 +406,7 @@ def peak_breakdown(trace, top=20):
     return rows[:top], peak / 2 ** 20
 
 
+# ---- the worker: one (config, variant) in this process ------------------------------------------------------
 def run_worker(config, variant, steps, warmup, check, profile, memory=False):
     cfg = CONFIGS[config]
     if check:
