@@ -122,9 +122,7 @@ class Destinations {
     LSMINI_CHECK(offset % kStateAlign == 0 && offset + numel * item <= state_->numel(), "layer_fwd: saved slot ",
                  slot, " (", numel * item, " bytes at offset ", offset, ") does not fit the ", state_->numel(),
                  "-byte state");
-    std::vector<int64_t> strides(sizes.size(), 1);
-    for (size_t i = sizes.size(); i-- > 1;) strides[i - 1] = strides[i] * sizes[i];
-    return state_->view(dtype).as_strided(sizes, strides, state_->storage_offset() / item + offset / item);
+    return state_->narrow(0, offset, numel * item).view(dtype).view(sizes);
   }
 
  private:
@@ -206,15 +204,6 @@ struct Gradients {  // of one block: its input and its six parameters
 };
 
 // ---- forward ---------------------------------------------------------------------------------------------
-// A buffer for the attention forward's dropout keep bits, which its backward then reads instead of drawing
-// them again; none without dropout or where the bits would take more memory than q (k_len > 16·head_dim).
-// The rule of lsmini.ops.attention.keeps_bits, which the compiled layer's saved_layout follows too.
-OptTensor keep_bits(const at::Tensor& q, int64_t k_len, const Options& o, const OptTensor& into) {
-  if (o.attn_dropout <= 0 || k_len > 16 * o.head_dim) return std::nullopt;
-  if (into) return into;
-  return at::empty({attention_keep_numel(q.size(0), o.heads, q.size(2), k_len)}, q.options().dtype(at::kInt));
-}
-
 // A block's view of the destinations: at(slot, ...) for its own slots.
 struct BlockDestinations {
   const Destinations& all;
@@ -223,6 +212,16 @@ struct BlockDestinations {
     return all.at(base + size_t(slot), sizes, dtype);
   }
 };
+
+// A buffer for the attention forward's dropout keep bits, which its backward then reads instead of drawing
+// them again; none without dropout or where the bits would take more memory than q (k_len > 16·head_dim).
+// The rule of lsmini.ops.attention.keeps_bits, which the compiled layer's saved_layout follows too.
+OptTensor keep_bits(const at::Tensor& q, int64_t k_len, const Options& o, const BlockDestinations& dest) {
+  if (o.attn_dropout <= 0 || k_len > 16 * o.head_dim) return std::nullopt;
+  const int64_t numel = attention_keep_numel(q.size(0), o.heads, q.size(2), k_len);
+  if (OptTensor into = dest.at(kBits, {numel}, at::kInt)) return into;
+  return at::empty({numel}, q.options().dtype(at::kInt));
+}
 
 at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, const Options& o, const Shape& s,
                               const Inputs& in, at::Tensor* slots, PhiloxTuple& rng, const BlockDestinations& dest) {
@@ -236,8 +235,7 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
   const int64_t k_len = k.size(2);
-  const OptTensor bits =
-      keep_bits(q, k_len, o, dest.at(kBits, {attention_keep_numel(s.batch, o.heads, s.q_len, k_len)}, at::kInt));
+  const OptTensor bits = keep_bits(q, k_len, o, dest);
   const OptTensor context_out = dest.at(kContext, {s.tokens, o.hidden}, dtype);
   auto [out, lse] = attention_fwd(q, k, v, mask, self && o.causal, o.attn_dropout, o.scale, rng, bits,
                                   context_out ? OptTensor(split(*context_out, s, o)) : std::nullopt,

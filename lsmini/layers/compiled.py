@@ -22,6 +22,7 @@ What differs from the eager one-call layer, because a custom operator must be a 
 The kernels, GEMMs and dropout draws are those of the eager layer: same seed, same outputs.
 """
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -122,10 +123,7 @@ def state_plan(layout):
     for entry in layout:
         if entry is not None and entry[0] == "new":
             offsets.append(end)
-            numel = 1
-            for d in entry[1]:
-                numel = numel * d
-            end = (end + numel * entry[2].itemsize + STATE_ALIGN - 1) // STATE_ALIGN * STATE_ALIGN
+            end = (end + math.prod(entry[1]) * entry[2].itemsize + STATE_ALIGN - 1) // STATE_ALIGN * STATE_ALIGN
         else:
             offsets.append(offsets[entry[1]] if entry is not None and entry[0] == "same" else -1)
     return offsets, end
@@ -201,17 +199,12 @@ def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, rng_state: torch.
     inputs = {"x": x.view(-1, hidden), "key_padding_mask": key_padding_mask, "encoder_k": encoder_k,
               "encoder_v": encoder_v, "encoder_padding_mask": encoder_padding_mask}
     layout, offsets, _ = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
-    typed, saved = {}, []  # state as each dtype it holds, then each made tensor as one as_strided of that
+    saved = []
     for entry, offset in zip(layout, offsets):
         kind = None if entry is None else entry[0]
-        if kind == "new":
+        if kind == "new":  # its bytes of state, as layer_fwd wrote them (csrc/layers/layer.cpp, Destinations)
             shape, dtype = entry[1], entry[2]
-            if dtype not in typed:
-                typed[dtype] = state.view(dtype)
-            strides = [1] * len(shape)
-            for i in range(len(shape) - 1, 0, -1):
-                strides[i - 1] = strides[i] * shape[i]
-            saved.append(typed[dtype].as_strided(shape, strides, offset // dtype.itemsize))
+            saved.append(state[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
         else:
             saved.append(None if kind is None else inputs[entry[1]] if kind == "input" else saved[entry[1]])
     rngs = [_backend.rng_in(rng_state, i) for i in range(rng_state.shape[0])]
