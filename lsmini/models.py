@@ -35,12 +35,13 @@ def _check_tokens(owner, name, tokens):
 class Transformer(nn.Module):
     """Encoder-decoder Transformer (e.g. translation).
 
-    forward(src_tokens [b, ls], tgt_tokens [b, lt]) → logits [b, lt, tgt_vocab_size]; tgt_tokens is the
-    decoder input (targets shifted right). Source positions equal to ``padding_idx`` are masked out of
+    forward(src_tokens [b, ls], tgt_tokens [b, lt], features_only=False) → logits [b, lt, tgt_vocab_size];
+    tgt_tokens is the decoder input (targets shifted right). With features_only=True: the decoder's output
+    [b, lt, H] before the output projection (``output_weight()``), for ``LinearCrossEntropyLoss``. Source positions equal to ``padding_idx`` are masked out of
     attention; the decoder's self-attention is causal.
 
     encode(src_tokens) → (encoder_out [b, ls, H], encoder_padding_mask [b, ls] bool or None)
-    decode(tgt_tokens, encoder_out, encoder_padding_mask, cache=None) → logits. With cache (a dict,
+    decode(tgt_tokens, encoder_out, encoder_padding_mask, cache=None, features_only=False) → logits. With cache (a dict,
     start with {}), tgt_tokens holds the newest token(s) [b, 1]; their position is the number of steps
     already in the cache. reorder_cache(cache, new_order) for beam search.
 
@@ -82,15 +83,15 @@ class Transformer(nn.Module):
         mask = None if self.padding_idx is None else src_tokens.eq(self.src_embed.padding_idx)
         return self.encoder(self.src_embed(src_tokens), mask), mask
 
-    def decode(self, tgt_tokens, encoder_out, encoder_padding_mask, cache=None):
+    def decode(self, tgt_tokens, encoder_out, encoder_padding_mask, cache=None, features_only=False):
         _check_tokens("Transformer.decode", "tgt_tokens", tgt_tokens)
         step = cache.get("step", 0) if cache is not None else 0
         y = self.decoder(self.tgt_embed(tgt_tokens, step), encoder_out, encoder_padding_mask, cache)
-        return F.linear(y, self.output_weight())
+        return y if features_only else F.linear(y, self.output_weight())
 
-    def forward(self, src_tokens, tgt_tokens):
+    def forward(self, src_tokens, tgt_tokens, features_only=False):
         encoder_out, mask = self.encode(src_tokens)
-        return self.decode(tgt_tokens, encoder_out, mask)
+        return self.decode(tgt_tokens, encoder_out, mask, features_only=features_only)
 
     def reorder_cache(self, cache, new_order):
         return self.decoder.reorder_cache(cache, new_order)
@@ -100,8 +101,9 @@ class TransformerLM(nn.Module):
     """Decoder-only causal language model: embedding, ``num_layers`` causal self-attention layers
     (TransformerEncoder with causal=True), output projection.
 
-    forward(tokens [b, l], cache=None) → logits [b, l, vocab_size]. Tokens equal to ``padding_idx`` are
-    masked out as keys. With cache (a dict, start with {}): incremental decoding, tokens holds the
+    forward(tokens [b, l], cache=None, features_only=False) → logits [b, l, vocab_size] (with features_only:
+    the last layer's output [b, l, H] before the output projection ``output_weight()``, for
+    ``LinearCrossEntropyLoss``). Tokens equal to ``padding_idx`` are masked out as keys. With cache (a dict, start with {}): incremental decoding, tokens holds the
     newest token(s) [b, 1]. reorder_cache(cache, new_order) for beam search.
     """
 
@@ -121,7 +123,7 @@ class TransformerLM(nn.Module):
     def output_weight(self):
         return self.embed.weight if self.output_projection is None else self.output_projection.weight
 
-    def forward(self, tokens, cache=None):
+    def forward(self, tokens, cache=None, features_only=False):
         _check_tokens("TransformerLM", "tokens", tokens)
         mask = None if self.padding_idx is None else tokens.eq(self.embed.padding_idx)
         if cache is None:
@@ -136,7 +138,7 @@ class TransformerLM(nn.Module):
             h = self.decoder(self.embed(tokens, cache.get("step", 0)), mask, causal=True, cache=cache)
             if mask is not None:
                 cache["padding_mask"] = mask
-        return F.linear(h, self.output_weight())
+        return h if features_only else F.linear(h, self.output_weight())
 
     def reorder_cache(self, cache, new_order):
         return self.decoder.reorder_cache(cache, new_order)

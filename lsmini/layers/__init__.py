@@ -2,7 +2,7 @@
 
 The public modules (one file each): ``layernorm.LayerNorm``, ``embedding.TransformerEmbedding``,
 ``encoder.TransformerEncoder(Layer)``, ``decoder.TransformerDecoder(Layer)``, ``criterion.CrossEntropyLoss``,
-and ``config.TransformerConfig``, the options of an encoder/decoder layer.
+``criterion.LinearCrossEntropyLoss`` and ``config.TransformerConfig``, the options of an encoder/decoder layer.
 
 How an encoder/decoder layer is put together, a room each:
     base.py         what encoder and decoder share: parameter set-up, input checks, stacks, reorder_cache
@@ -21,8 +21,9 @@ from lsmini.layers.config import TransformerConfig
 from lsmini.layers.embedding import TransformerEmbedding
 from lsmini.layers.encoder import TransformerEncoder, TransformerEncoderLayer
 from lsmini.layers.decoder import TransformerDecoder, TransformerDecoderLayer
-from lsmini.layers.criterion import CrossEntropyLoss
+from lsmini.layers.criterion import CrossEntropyLoss, LinearCrossEntropyLoss
 from lsmini.layers import arena
 
 __all__ = ["LayerNorm", "TransformerConfig", "TransformerEmbedding", "TransformerEncoderLayer", "TransformerEncoder",
-           "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss", "arena"]
+           "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss", "LinearCrossEntropyLoss",
+           "arena"]

@@ -1,9 +1,24 @@
-"""CrossEntropyLoss: the label-smoothed softmax cross-entropy criterion on lsmini's fused kernel."""
+"""The label-smoothed softmax cross-entropy criteria on lsmini's fused kernel: CrossEntropyLoss (of logits) and
+LinearCrossEntropyLoss (of the features before the output projection, never holding all the logits)."""
 import numbers
 
 from torch import nn
 
 from lsmini.ops.cross_entropy import REDUCTIONS, cross_entropy
+from lsmini.ops.linear_cross_entropy import REDUCTIONS as LINEAR_REDUCTIONS, linear_cross_entropy
+
+
+def _set_options(module, owner, label_smoothing, ignore_index, reduction, reductions):
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{owner}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"{owner}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if reduction not in reductions:
+        raise ValueError(f"{owner}: reduction must be one of {reductions}, got {reduction!r}")
+    module.label_smoothing = float(label_smoothing)
+    module.ignore_index = int(ignore_index)
+    module.reduction = reduction
 
 
 class CrossEntropyLoss(nn.Module):
@@ -24,16 +39,7 @@ class CrossEntropyLoss(nn.Module):
     def __init__(self, label_smoothing=0.0, ignore_index=-100, reduction="mean", inplace_backward=False,
                  check_targets=True):
         super().__init__()
-        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real) \
-                or not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"CrossEntropyLoss: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-            raise TypeError(f"CrossEntropyLoss: ignore_index must be an int, got {type(ignore_index).__name__}")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"CrossEntropyLoss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        self.label_smoothing = float(label_smoothing)
-        self.ignore_index = int(ignore_index)
-        self.reduction = reduction
+        _set_options(self, "CrossEntropyLoss", label_smoothing, ignore_index, reduction, REDUCTIONS)
         self.inplace_backward = bool(inplace_backward)
         self.check_targets = bool(check_targets)
 
@@ -43,3 +49,33 @@ class CrossEntropyLoss(nn.Module):
 
     def extra_repr(self):
         return f"label_smoothing={self.label_smoothing}, ignore_index={self.ignore_index}, reduction={self.reduction!r}"
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """The output projection and CrossEntropyLoss in one: ``forward(features, weight, target)`` equals
+    ``CrossEntropyLoss(...)(F.linear(features, weight), target)`` and never holds more than one chunk of the
+    logits (``lsmini.ops.linear_cross_entropy``: the logits' gradient is computed in the forward, chunk by
+    chunk). With lsmini's models: ``crit(model(src, tgt_in, features_only=True), model.output_weight(), tgt_out)``.
+
+    forward(features, weight, target, return_nll=False) → loss, or (loss, nll). ``reduction`` is "mean" or
+    "sum" (per-row losses need the logits: CrossEntropyLoss); ``chunk_tokens`` rows per chunk (None: one
+    chunk's logits within 64 MiB); ``check_targets`` as in CrossEntropyLoss.
+    """
+
+    def __init__(self, label_smoothing=0.0, ignore_index=-100, reduction="mean", check_targets=True,
+                 chunk_tokens=None):
+        super().__init__()
+        _set_options(self, "LinearCrossEntropyLoss", label_smoothing, ignore_index, reduction, LINEAR_REDUCTIONS)
+        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                         or chunk_tokens < 1):
+            raise ValueError(f"LinearCrossEntropyLoss: chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+        self.chunk_tokens = chunk_tokens
+        self.check_targets = bool(check_targets)
+
+    def forward(self, features, weight, target, return_nll=False):
+        return linear_cross_entropy(features, weight, target, self.label_smoothing, self.ignore_index, self.reduction,
+                                    return_nll, check_targets=self.check_targets, chunk_tokens=self.chunk_tokens)
+
+    def extra_repr(self):
+        return (f"label_smoothing={self.label_smoothing}, ignore_index={self.ignore_index}, "
+                f"reduction={self.reduction!r}, chunk_tokens={self.chunk_tokens}")

@@ -202,7 +202,7 @@ def _check_args(logits, target, label_smoothing, ignore_index, reduction):
         raise TypeError(f"cross_entropy: ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
-def _check_target_values(target, vocab, ignore_index):
+def _check_target_values(target, vocab, ignore_index, op="cross_entropy"):
     """Raise when a target is outside [0, vocab) and not ignore_index. Costs one device→host sync, so it
     skips itself while torch.compile traces the op (the sync would break the graph) and while the
     current CUDA stream is capturing a graph (it would abort the capture). Those calls are not checked: a
@@ -213,7 +213,7 @@ def _check_target_values(target, vocab, ignore_index):
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bool(bad.any()):
         first = bad.reshape(-1).nonzero()[0, 0].item()
-        raise ValueError(f"cross_entropy: target values must be in [0, {vocab}) or equal ignore_index "
+        raise ValueError(f"{op}: target values must be in [0, {vocab}) or equal ignore_index "
                          f"({ignore_index}); {int(bad.sum())} are not, the first is {target.reshape(-1)[first].item()} "
                          f"at flat position {first}")
 

@@ -1,0 +1,232 @@
+"""The output projection and the label-smoothed cross-entropy as one op, without materialising the logits:
+``linear_cross_entropy(x, weight, target) == cross_entropy(F.linear(x, weight), target)``.
+
+For features x [..., H], the projection weight [V, H] (an ``nn.Linear(H, V, bias=False)``'s weight or a tied
+embedding table) and class ids target [...] (int64), the loss is ``cross_entropy``'s (see
+``lsmini.ops.cross_entropy`` for the formula, ``label_smoothing`` and ``ignore_index``), reduced by "mean"
+(over non-ignored rows) or "sum". A model's logits [N, V] are its largest activation (8192 tokens × 32000
+classes in fp16: 500 MB) and live from the end of the forward to the start of the backward, where the
+activation memory peaks. This op never holds more than one chunk of them.
+
+CUDA path (float32/float16/bfloat16): the rows go in chunks of ``chunk_tokens`` (default: as many as keep
+one chunk's logits within 64 MiB). Per chunk, in the forward: the logits GEMM, the cross-entropy kernel's
+forward (per-row losses and log-sum-exp), and — when a gradient will be needed — at once its backward,
+written into the chunk's logits, then the two gradient GEMMs: d x = d logits · W into the chunk's rows of
+a float32 [N, H] buffer, d W += d logitsᵀ · x into a float32 [V, H] buffer (cuBLAS accumulates in place,
+so the sum over chunks is rounded once, to float32). The logits' gradient is that of the *summed* loss;
+it is written scaled by ``GRAD_SCALE`` (2¹⁵: each entry is softmax − target distribution, in [−1, 1]),
+so that float16 keeps the small entries that an unscaled gradient would flush to zero, and the GEMMs
+divide it back out in their epilogue (alpha = 1/2¹⁵, exact). The backward only multiplies the two float32
+sums by the incoming gradient (÷ the row count for "mean") and rounds them to the parameters' dtypes:
+no GEMM runs there. The cost is the float32 sums, alive in place of the logits: [N, H] + [V, H] floats.
+Without a gradient (``torch.no_grad``, inputs that do not require grad) only the loss is computed.
+
+In eager mode the chunks run in an autograd Function; while torch.compile traces the op, in the custom
+operator ``lsmini::linear_cross_entropy`` (registered autograd, a fake implementation for tracing). Elsewhere (CPU tensors, float64,
+the reference path forced) the op is ``linear_cross_entropy_ref``: the projection, then ``cross_entropy_ref``.
+"""
+import numbers
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from lsmini import _backend, limits
+from lsmini.ops.checks import check_floating, check_same_device, check_tensor
+from lsmini.ops.cross_entropy import _check_target_values, cross_entropy_ref
+
+REDUCTIONS = ("mean", "sum")
+GRAD_SCALE = 2.0 ** 15  # |softmax − target distribution| <= 1, so the scaled gradient stays below 65504
+CHUNK_BYTES = 64 << 20  # one chunk's logits; the GEMMs run at full speed from ~1000 rows on
+
+
+def default_chunk_tokens(vocab, dtype):
+    """Rows per chunk when ``chunk_tokens`` is not given: one chunk's logits within CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // (vocab * dtype.itemsize))
+
+
+def linear_cross_entropy_ref(x, weight, target, label_smoothing=0.0, ignore_index=-100, reduction="mean",
+                             return_nll=False):
+    """Pure-PyTorch oracle and CPU path: ``cross_entropy_ref(F.linear(x, weight), ...)``."""
+    return cross_entropy_ref(F.linear(x, weight), target, label_smoothing, ignore_index, reduction, return_nll)
+
+
+def _gemm_into(out, a, b, accumulate):
+    """out (float32) = a · b / GRAD_SCALE, or += with accumulate; a and b in one floating dtype. float16 and
+    bfloat16 GEMMs write their float32 result directly (out_dtype): no rounding to the inputs' dtype."""
+    beta = 1.0 if accumulate else 0.0  # beta 0: out's old contents are not read
+    if a.dtype == torch.float32:
+        torch.addmm(out, a, b, beta=beta, alpha=1.0 / GRAD_SCALE, out=out)
+    else:
+        torch.addmm(out, a, b, out_dtype=torch.float32, beta=beta, alpha=1.0 / GRAD_SCALE, out=out)
+
+
+def _chunks(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with_grad):
+    """(loss_sum, nll_sum, grad_x, grad_weight) for x [rows, H], weight [V, H], target int64 [rows]:
+    the float32 sums over rows of the loss and of the plain NLL, and with ``with_grad`` the float32
+    gradients of loss_sum with respect to x and weight ([rows, H], [V, H]); without, two empty tensors."""
+    ext = _backend.ext()
+    rows, hidden = x.shape
+    vocab = weight.shape[0]
+    loss_sum = x.new_zeros((), dtype=torch.float32)
+    nll_sum = x.new_zeros((), dtype=torch.float32)
+    grad_x = x.new_empty((rows, hidden) if with_grad else (0,), dtype=torch.float32)
+    grad_weight = x.new_empty((vocab, hidden) if with_grad else (0,), dtype=torch.float32)
+    scale = x.new_full((min(chunk_tokens, rows),), GRAD_SCALE, dtype=torch.float32)  # per-row gradient
+    for start in range(0, rows, chunk_tokens):
+        x_c = x[start:start + chunk_tokens]
+        t_c = target[start:start + chunk_tokens]
+        logits = torch.mm(x_c, weight.t())
+        loss_rows, nll_rows, lse = ext.cross_entropy_fwd(logits, t_c, label_smoothing, ignore_index)
+        loss_sum += loss_rows.sum()
+        nll_sum += nll_rows.sum()
+        if with_grad:
+            grad_logits = ext.cross_entropy_bwd(scale[:x_c.shape[0]], logits, t_c, lse, label_smoothing,
+                                                ignore_index, True)  # into the logits' storage
+            _gemm_into(grad_x[start:start + chunk_tokens], grad_logits, weight, False)
+            _gemm_into(grad_weight, grad_logits.t(), x_c, start > 0)
+    return loss_sum, nll_sum, grad_x, grad_weight
+
+
+def _scaled(grad_sum, grad_loss, dtype):
+    """The gradient of the summed loss times the loss's incoming gradient, in the input's dtype."""
+    return grad_sum.mul(grad_loss.float()).to(dtype)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Eager mode: the chunks in the forward; the backward scales their gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, label_smoothing, ignore_index, chunk_tokens):
+        loss_sum, nll_sum, grad_x, grad_weight = _chunks(x, weight, target, label_smoothing, ignore_index,
+                                                         chunk_tokens, True)
+        ctx.mark_non_differentiable(nll_sum)
+        ctx.save_for_backward(grad_x, grad_weight)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return loss_sum, nll_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_nll):
+        grad_x, grad_weight = ctx.saved_tensors
+        return (_scaled(grad_x, grad_loss, ctx.dtypes[0]), _scaled(grad_weight, grad_loss, ctx.dtypes[1]),
+                None, None, None, None)
+
+
+@torch.library.custom_op("lsmini::linear_cross_entropy", mutates_args=(), device_types="cuda")
+def linear_cross_entropy_op(x: Tensor, weight: Tensor, target: Tensor, label_smoothing: float, ignore_index: int,
+                            chunk_tokens: int, with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``_chunks`` as a custom operator, for torch.compile: (loss_sum, nll_sum, grad_x, grad_weight)."""
+    return _chunks(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with_grad)
+
+
+@linear_cross_entropy_op.register_fake
+def _(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with_grad):
+    rows, hidden = x.shape
+    scalar = x.new_empty((), dtype=torch.float32)
+    if not with_grad:
+        return scalar, scalar.clone(), x.new_empty((0,), dtype=torch.float32), x.new_empty((0,), dtype=torch.float32)
+    return (scalar, scalar.clone(), x.new_empty((rows, hidden), dtype=torch.float32),
+            x.new_empty((weight.shape[0], hidden), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _target, _label_smoothing, _ignore_index, _chunk_tokens, with_grad = inputs
+    _, nll_sum, grad_x, grad_weight = output
+    ctx.mark_non_differentiable(nll_sum, grad_x, grad_weight)
+    ctx.save_for_backward(grad_x, grad_weight)
+    ctx.with_grad = with_grad
+    ctx.dtypes = (x.dtype, weight.dtype)
+
+
+def _backward(ctx, grad_loss, _grad_nll, _grad_grad_x, _grad_grad_weight):
+    if not ctx.with_grad:
+        raise RuntimeError("linear_cross_entropy: backward through a call made with with_grad=False (the "
+                           "gradients were not computed); call it with with_grad=True")
+    grad_x, grad_weight = ctx.saved_tensors
+    return (_scaled(grad_x, grad_loss, ctx.dtypes[0]), _scaled(grad_weight, grad_loss, ctx.dtypes[1]),
+            None, None, None, None, None)
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_args(x, weight, target, label_smoothing, ignore_index, reduction, chunk_tokens):
+    op = "linear_cross_entropy"
+    for name, value in (("x", x), ("weight", weight), ("target", target)):
+        check_tensor(op, name, value)
+    check_floating(op, "x", x)
+    check_floating(op, "weight", weight)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{op}: x must have shape [..., hidden] with hidden >= 1, got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] < 1:
+        raise ValueError(f"{op}: weight must have shape [vocab, {x.shape[-1]}] (vocab >= 1; the hidden size is x's "
+                         f"last dimension), got shape {tuple(weight.shape)}")
+    if target.dtype != torch.int64:
+        raise TypeError(f"{op}: target must hold class indices as torch.int64, got {target.dtype}")
+    if target.shape != x.shape[:-1]:
+        raise ValueError(f"{op}: target must have shape {tuple(x.shape[:-1])} (x's shape without its last, hidden "
+                         f"dimension), got {tuple(target.shape)}")
+    check_same_device(op, "weight", weight, "x", x.device)
+    check_same_device(op, "target", target, "x", x.device)
+    if reduction not in REDUCTIONS:
+        hint = " (for per-row losses, project the features and call cross_entropy)" if reduction == "none" else ""
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}{hint}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"{op}: label_smoothing must be a float, got {type(label_smoothing).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 1):
+        raise ValueError(f"{op}: chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+
+
+def linear_cross_entropy(x, weight, target, label_smoothing=0.0, ignore_index=-100, reduction="mean",
+                         return_nll=False, check_targets=True, chunk_tokens=None):
+    """``cross_entropy(F.linear(x, weight), target, ...)`` computed in chunks of rows, never holding all the
+    logits (see the module doc for how, and what it costs).
+
+    Args:
+        x: [..., H] features (the last layer's output).
+        weight: [V, H] projection weight (no bias), in x's dtype. Under ``torch.autocast`` both are cast to
+            the autocast dtype first, as ``F.linear`` would.
+        target: [...] int64 class ids in [0, V), or ``ignore_index``.
+        label_smoothing, ignore_index, check_targets: as in ``cross_entropy``.
+        reduction: "mean" (over non-ignored rows; NaN when every row is ignored) or "sum". Per-row losses
+            ("none") need the logits: project and call ``cross_entropy``.
+        return_nll: also return the plain negative log-likelihood, same reduction, detached.
+        chunk_tokens: rows per chunk (default: as many as keep one chunk's logits within 64 MiB).
+
+    Returns:
+        the 0-d float32 loss (float64 for float64 inputs), or ``(loss, nll)`` with ``return_nll``.
+    """
+    _check_args(x, weight, target, label_smoothing, ignore_index, reduction, chunk_tokens)
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+    if weight.dtype != x.dtype:
+        raise TypeError(f"linear_cross_entropy: weight must be in x's dtype {x.dtype}, got {weight.dtype}")
+    if check_targets:
+        _check_target_values(target, weight.shape[0], ignore_index, op="linear_cross_entropy")
+    if x.dtype not in limits.KERNEL_DTYPES or not _backend.use_kernels(x, weight, target):
+        return linear_cross_entropy_ref(x, weight, target, float(label_smoothing), int(ignore_index), reduction,
+                                        return_nll)
+    x2d = x.reshape(-1, x.shape[-1]).contiguous()
+    target1d = target.reshape(-1).contiguous()
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], x.dtype)
+    args = (x2d, weight.contiguous(), target1d, float(label_smoothing), int(ignore_index), chunk)
+    with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if torch.compiler.is_compiling():
+        loss, nll, _, _ = linear_cross_entropy_op(*args, with_grad)
+    elif with_grad:
+        loss, nll = LinearCrossEntropyFunction.apply(*args)
+    else:
+        loss, nll, _, _ = _chunks(*args, False)
+    if reduction == "mean":  # NaN when every row is ignored, as cross_entropy; the clamp keeps the gradient 0
+        count = (target1d != ignore_index).sum()  # on the device: no sync
+        nan = loss.new_full((), float("nan"))
+        loss, nll = (torch.where(count > 0, v / count.clamp(min=1), nan) for v in (loss, nll))
+    return (loss, nll.detach()) if return_nll else loss
