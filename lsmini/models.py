@@ -37,13 +37,13 @@ class Transformer(nn.Module):
 
     forward(src_tokens [b, ls], tgt_tokens [b, lt], features_only=False) → logits [b, lt, tgt_vocab_size];
     tgt_tokens is the decoder input (targets shifted right). With features_only=True: the decoder's output
-    [b, lt, H] before the output projection (``output_weight()``), for ``LinearCrossEntropyLoss``. Source positions equal to ``padding_idx`` are masked out of
-    attention; the decoder's self-attention is causal.
+    [b, lt, H] before the output projection (``output_weight()``), for ``LinearCrossEntropyLoss``. Source
+    positions equal to ``padding_idx`` are masked out of attention; the decoder's self-attention is causal.
 
     encode(src_tokens) → (encoder_out [b, ls, H], encoder_padding_mask [b, ls] bool or None)
-    decode(tgt_tokens, encoder_out, encoder_padding_mask, cache=None, features_only=False) → logits. With cache (a dict,
-    start with {}), tgt_tokens holds the newest token(s) [b, 1]; their position is the number of steps
-    already in the cache. reorder_cache(cache, new_order) for beam search.
+    decode(tgt_tokens, encoder_out, encoder_padding_mask, cache=None, features_only=False) → logits. With
+    cache (a dict, start with {}), tgt_tokens holds the newest token(s) [b, 1]; their position is the number
+    of steps already in the cache. reorder_cache(cache, new_order) for beam search.
 
     share_embeddings: one embedding table for source and target (needs src_vocab_size ==
     tgt_vocab_size). tie_output: the output projection is the target embedding table (no bias);
@@ -103,8 +103,9 @@ class TransformerLM(nn.Module):
 
     forward(tokens [b, l], cache=None, features_only=False) → logits [b, l, vocab_size] (with features_only:
     the last layer's output [b, l, H] before the output projection ``output_weight()``, for
-    ``LinearCrossEntropyLoss``). Tokens equal to ``padding_idx`` are masked out as keys. With cache (a dict, start with {}): incremental decoding, tokens holds the
-    newest token(s) [b, 1]. reorder_cache(cache, new_order) for beam search.
+    ``LinearCrossEntropyLoss``). Tokens equal to ``padding_idx`` are masked out as keys. With cache (a dict,
+    start with {}): incremental decoding, tokens holds the newest token(s) [b, 1]. reorder_cache(cache,
+    new_order) for beam search.
     """
 
     def __init__(self, vocab_size, config, num_layers, padding_idx=0, tie_output=True, learned_positions=False,

@@ -194,12 +194,16 @@ def _check_args(logits, target, label_smoothing, ignore_index, reduction):
     check_same_device(op, "target", target, "logits", logits.device)
     if reduction not in REDUCTIONS:
         raise ValueError(f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_smoothing_and_ignore_index(op, label_smoothing, ignore_index)
+
+
+def _check_smoothing_and_ignore_index(op, label_smoothing, ignore_index):
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
-        raise TypeError(f"cross_entropy: label_smoothing must be a float, got {type(label_smoothing).__name__}")
+        raise TypeError(f"{op}: label_smoothing must be a float, got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"cross_entropy: ignore_index must be an int, got {type(ignore_index).__name__}")
+        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
 
 
 def _check_target_values(target, vocab, ignore_index, op="cross_entropy"):

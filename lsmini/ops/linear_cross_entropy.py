@@ -22,11 +22,10 @@ no GEMM runs there. The cost is the float32 sums, alive in place of the logits: 
 Without a gradient (``torch.no_grad``, inputs that do not require grad) only the loss is computed.
 
 In eager mode the chunks run in an autograd Function; while torch.compile traces the op, in the custom
-operator ``lsmini::linear_cross_entropy`` (registered autograd, a fake implementation for tracing). Elsewhere (CPU tensors, float64,
-the reference path forced) the op is ``linear_cross_entropy_ref``: the projection, then ``cross_entropy_ref``.
+operator ``lsmini::linear_cross_entropy`` (registered autograd, a fake implementation for tracing).
+Elsewhere (CPU tensors, float64, the reference path forced) the op is ``linear_cross_entropy_ref``: the
+projection, then ``cross_entropy_ref``.
 """
-import numbers
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -34,7 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_floating, check_same_device, check_tensor
-from lsmini.ops.cross_entropy import _check_target_values, cross_entropy_ref
+from lsmini.ops.cross_entropy import _check_smoothing_and_ignore_index, _check_target_values, cross_entropy_ref
 
 REDUCTIONS = ("mean", "sum")
 GRAD_SCALE = 2.0 ** 15  # |softmax − target distribution| <= 1, so the scaled gradient stays below 65504
@@ -173,12 +172,7 @@ def _check_args(x, weight, target, label_smoothing, ignore_index, reduction, chu
     if reduction not in REDUCTIONS:
         hint = " (for per-row losses, project the features and call cross_entropy)" if reduction == "none" else ""
         raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}{hint}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
-        raise TypeError(f"{op}: label_smoothing must be a float, got {type(label_smoothing).__name__}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"{op}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    _check_smoothing_and_ignore_index(op, label_smoothing, ignore_index)
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                      or chunk_tokens < 1):
         raise ValueError(f"{op}: chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
