@@ -5,7 +5,7 @@ import numbers
 from torch import nn
 
 from lsmini.ops.cross_entropy import REDUCTIONS, cross_entropy
-from lsmini.ops.linear_cross_entropy import REDUCTIONS as LINEAR_REDUCTIONS, linear_cross_entropy
+from lsmini.ops.linear_cross_entropy import REDUCTIONS as LINEAR_REDUCTIONS, check_chunk_tokens, linear_cross_entropy
 
 
 def _set_options(module, owner, label_smoothing, ignore_index, reduction, reductions):
@@ -66,9 +66,7 @@ class LinearCrossEntropyLoss(nn.Module):
                  chunk_tokens=None):
         super().__init__()
         _set_options(self, "LinearCrossEntropyLoss", label_smoothing, ignore_index, reduction, LINEAR_REDUCTIONS)
-        if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                         or chunk_tokens < 1):
-            raise ValueError(f"LinearCrossEntropyLoss: chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+        check_chunk_tokens("LinearCrossEntropyLoss", chunk_tokens)
         self.chunk_tokens = chunk_tokens
         self.check_targets = bool(check_targets)
 

@@ -122,12 +122,8 @@ def linear_cross_entropy_op(x: Tensor, weight: Tensor, target: Tensor, label_smo
 
 @linear_cross_entropy_op.register_fake
 def _(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with_grad):
-    rows, hidden = x.shape
-    scalar = x.new_empty((), dtype=torch.float32)
-    if not with_grad:
-        return scalar, scalar.clone(), x.new_empty((0,), dtype=torch.float32), x.new_empty((0,), dtype=torch.float32)
-    return (scalar, scalar.clone(), x.new_empty((rows, hidden), dtype=torch.float32),
-            x.new_empty((weight.shape[0], hidden), dtype=torch.float32))
+    shapes = ((), (), x.shape, weight.shape) if with_grad else ((), (), (0,), (0,))
+    return tuple(x.new_empty(shape, dtype=torch.float32) for shape in shapes)
 
 
 def _setup_context(ctx, inputs, output):
@@ -173,6 +169,11 @@ def _check_args(x, weight, target, label_smoothing, ignore_index, reduction, chu
         hint = " (for per-row losses, project the features and call cross_entropy)" if reduction == "none" else ""
         raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}{hint}")
     _check_smoothing_and_ignore_index(op, label_smoothing, ignore_index)
+    check_chunk_tokens(op, chunk_tokens)
+
+
+def check_chunk_tokens(op, chunk_tokens):
+    """chunk_tokens is None or an int >= 1 (LinearCrossEntropyLoss checks it when built)."""
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                      or chunk_tokens < 1):
         raise ValueError(f"{op}: chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
