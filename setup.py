@@ -11,7 +11,9 @@ kernels, not a silent fallback); the last line of the output says so and how to 
 (LSMINI_NO_EXTENSION=1).
 
 Environment knobs:
-  LSMINI_CUDA_ARCHS   semicolon/comma separated compute capabilities, default "80;90"
+  LSMINI_CUDA_ARCHS   semicolon/comma separated compute capabilities, default "80;90a" (90a: Hopper's
+                      architecture-specific code, which the attention kernels' wgmma path needs; it runs on
+                      compute capability 9.0 devices only, as sm_90 code would)
   LSMINI_NO_EXTENSION=1  skip the extension even where it could be built
 """
 import glob
@@ -45,10 +47,12 @@ def sources():
 def extension_and_build_ext():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    archs = os.environ.get("LSMINI_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
+    archs = os.environ.get("LSMINI_CUDA_ARCHS", "80;90a").replace(",", ";").split(";")
     gencode = []
     for a in filter(None, (x.strip().replace(".", "") for x in archs)):
         gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        if a == "90a":  # the Hopper attention kernels (wgmma) exist in this build: the launchers may pick them
+            gencode += ["-DLSMINI_SM90A"]
     ext = CUDAExtension(
         name="lsmini._C",
         sources=sources(),

@@ -9,7 +9,8 @@ cost). `padding` gives each sequence a random length in [length/2, length] and p
 boolean attn_mask; `causal` passes is_causal=True. Every SDPA backend (flash, memory-efficient, cuDNN) that
 accepts the row is timed, and the fastest fwd+bwd is the baseline (`sdpa_best`, which one in `backend`).
 Times are device milliseconds (benchmarks/common.time_ms); TFLOP/s counts the nominal GEMM work (causal:
-half), 4·b·h·L²·d forward and 2.5 times that backward.
+half), 4·b·h·L²·d forward and 2.5 times that backward. Where the Hopper kernels run (sm_90a build on a compute
+capability 9.0 device), `lsmini_sm80_ms` is the same row on the sm_80 kernels (`sm90_kernels(False)`).
 """
 import argparse
 import os
@@ -25,13 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 from kernels.attention import fwd_bwd, inputs  # noqa: E402
-from lsmini.ops.attention import attention  # noqa: E402
+from lsmini.ops.attention import attention, sm90_kernels, sm90_kernels_available  # noqa: E402
 
 _HIDDEN = 1024
 _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
              "cudnn": SDPBackend.CUDNN_ATTENTION}
-COLUMNS = ["dtype", "d", "mask", "batch×heads×len", "lsmini_fwd_ms", "sdpa_fwd_ms", "lsmini_ms", "sdpa_best_ms",
-           "backend", "speedup", "lsmini_TFLOP/s", "sdpa_TFLOP/s"]
+COLUMNS = ["dtype", "d", "mask", "batch×heads×len", "lsmini_fwd_ms", "sdpa_fwd_ms", "lsmini_ms", "lsmini_sm80_ms",
+           "sdpa_best_ms", "backend", "speedup", "lsmini_TFLOP/s", "sdpa_TFLOP/s"]
 
 
 def _time_backend(backend, fn, iters):
@@ -53,6 +54,9 @@ def row(dtype, d, mask, length, tokens, dropout, iters):
     r = {"dtype": str(dtype).replace("torch.", ""), "d": d, "mask": mask, "batch×heads×len": f"{b}×{h}×{length}",
          "lsmini_fwd_ms": common.time_ms(ours, warmup=3, iters=iters),
          "lsmini_ms": common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)}
+    if sm90_kernels_available():
+        with sm90_kernels(False):
+            r["lsmini_sm80_ms"] = common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)
     best = None
     for name, backend in _BACKENDS.items():
         t = _time_backend(backend, lambda: (sdpa, fwd_bwd(sdpa, q, k, v, grad)), iters)

@@ -9,7 +9,7 @@ import lsmini
 from lsmini import _backend
 from lsmini.limits import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
 from lsmini.ops.attention import (AttentionFunction, attention, attention_ref, fused_attention_supported, keep_buffer,
-                                  keep_numel)
+                                  keep_numel, keeps_bits, sm90_kernels, sm90_kernels_available)
 from lsmini.ops.attention_softmax import attention_softmax
 from util import (attention_masks, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err,
                   next_seed_offset, philox_keep_mask, poison)
@@ -274,6 +274,16 @@ def test_bad_input_errors():
 
 # ----------------------------------------------------------------------------------------- CUDA ---
 
+@pytest.fixture(params=["sm90", "sm80"])
+def family(request):
+    """Runs a kernel test with each kernel family: the Hopper kernels (head dims 64 and 128 on a compute
+    capability 9.0 device; elsewhere, and for 16 and 32, the same kernels as "sm80") and the sm_80 ones."""
+    if request.param == "sm90" and not sm90_kernels_available():
+        pytest.skip("the Hopper attention kernels need an sm_90a build and a compute capability 9.0 device")
+    with sm90_kernels(request.param == "sm90"):
+        yield request.param
+
+
 # (lq, lk) pairs; each pair runs with every head dim, the mask kind cycling so that each pair also sees
 # every kind: causal with lq < lk (a decode-like step over more keys) and lq > lk (leading queries dead).
 # lk ≤ 64, and ≤ 128 for d ≥ 32, take the one-CTA-per-head backward; the rest the two tiled kernels.
@@ -310,7 +320,7 @@ def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None):
 @pytest.mark.cuda
 @pytest.mark.parametrize("lq,lk,d,kind", KERNEL_CASES)
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
-def test_kernel_matches_reference(dtype, lq, lk, d, kind):
+def test_kernel_matches_reference(dtype, lq, lk, d, kind, family):
     # b = 3: with a padding mask, one unpadded, one randomly padded and one fully padded sequence
     _kernel_case(3, 2, lq, lk, d, dtype, kind)
 
@@ -318,7 +328,7 @@ def test_kernel_matches_reference(dtype, lq, lk, d, kind):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("d", ATTENTION_HEAD_DIMS)
-def test_kernel_long_peaked_and_custom_scale(d, dtype):
+def test_kernel_long_peaked_and_custom_scale(d, dtype, family):
     _kernel_case(2, 3, 1000, 1000, d, dtype, "both", seed=1)
     _kernel_case(2, 2, 130, 257, d, dtype, "pad", seed=2, q_scale=6.0)  # near one-hot softmax rows
     _kernel_case(2, 2, 65, 64, d, dtype, "causal", seed=3, scale=0.5)
@@ -346,7 +356,7 @@ def test_kernel_uses_the_fused_path_and_lse(dtype):
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("d", ATTENTION_HEAD_DIMS)
 @pytest.mark.parametrize("p", [0.0, P])
-def test_kernel_strided_inputs_and_out_params(p, d, dtype):
+def test_kernel_strided_inputs_and_out_params(p, d, dtype, family):
     # q/k/v as views into one [b, l, 3, h, d] projection output, gradients written into views of one
     # [b, l, 3, h, d] buffer: the same bits as the contiguous call
     ext = _backend.ext()
@@ -405,7 +415,7 @@ def test_kernel_strided_inputs_and_out_params(p, d, dtype):
 # rows with every key masked ("both")
 @pytest.mark.parametrize("lq,lk,kind", [(7, 9, "both"), (65, 130, "causal"), (129, 129, "pad"), (70, 200, "both"),
                                         (200, 70, "causal")])
-def test_kernel_kept_dropout_bits(lq, lk, kind, d, dtype):
+def test_kernel_kept_dropout_bits(lq, lk, kind, d, dtype, family):
     # The forward stores the dropout bits it drew and the backward reads them: outputs and gradients
     # equal to the backward that draws them again, and the bits are really read (another rng, same bits,
     # same gradients).
@@ -426,6 +436,41 @@ def test_kernel_kept_dropout_bits(lq, lk, kind, d, dtype):
         assert torch.equal(y, z), f"{name}: the backward drew bits instead of reading them"
     assert not torch.equal(ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, scale, (4321, 0, 0, 0))[2],
                            drawn[2]), "another rng must draw another mask"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+# partial blocks, q_len ≠ k_len both ways, dead rows ("both", and causal with q_len > k_len), lengths past
+# what keeps the dropout bits at d 64 (1031 keys), one query over many keys
+@pytest.mark.parametrize("lq,lk,kind", [(129, 129, "both"), (1031, 129, "causal"), (129, 1031, "pad"),
+                                        (1, 300, "none"), (300, 1031, "causal"), (1031, 1031, "both")])
+def test_sm90_kernels_match_sm80(lq, lk, kind, d, dtype):
+    # The Hopper kernels against the sm_80 ones on the same call: the same dropout bits (the stored words
+    # equal), outputs and gradients within accumulation-order rounding, and both within the reference rule.
+    if not sm90_kernels_available():
+        pytest.skip("the Hopper attention kernels need an sm_90a build and a compute capability 9.0 device")
+    ext = _backend.ext()
+    b, h = 2, 2
+    q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=11)
+    kpm, causal, _ = attention_masks(b, lq, lk, kind, gen, "cuda")
+    scale = 1.0 / math.sqrt(d)
+    results = {}
+    for hopper in (True, False):
+        keep = None
+        if keeps_bits(P, lk, d):
+            keep = torch.full((keep_numel(b, h, lq, lk),), -1, dtype=torch.int32, device="cuda")
+        with sm90_kernels(hopper):
+            out, lse = ext.attention_fwd(q, k, v, kpm, causal, P, scale, RNG, keep)
+            grads = ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, scale, RNG, keep=keep)
+        results[hopper] = (out, lse, grads, keep)
+    (out9, lse9, grads9, keep9), (out8, lse8, grads8, keep8) = results[True], results[False]
+    if keep9 is not None:
+        assert torch.equal(keep9, keep8), "the two kernel families drew different dropout bits"
+    torch.testing.assert_close(lse9, lse8, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out9, out8, atol=2e-3, rtol=1e-2)
+    for name, x, y in zip(("dq", "dk", "dv"), grads9, grads8):
+        torch.testing.assert_close(x, y, atol=GRAD_ATOL[dtype], rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
 def test_keep_buffer_policy():
@@ -457,7 +502,7 @@ def test_kernel_backward_of_sum_and_partial_grads():
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("lq,lk,d,kind", [(64, 64, 64, "pad"), (65, 200, 32, "both"), (200, 63, 128, "both"),
                                           (7, 7, 16, "none"), (100, 128, 64, "both")])
-def test_dropout_mask_is_attention_softmax_mask(lq, lk, d, kind, dtype, monkeypatch):
+def test_dropout_mask_is_attention_softmax_mask(lq, lk, d, kind, dtype, monkeypatch, family):
     # With the same rng, fused attention = attention_softmax(scale·q@kᵀ) @ v, forward and backward.
     # Both functionals get RNG through the patched _backend.dropout_rng; the oracle runs the softmax
     # kernel in fp32.
@@ -555,7 +600,7 @@ def test_dropout_reproducible_and_p0_exact():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("l", [128, 1024])  # one CTA per (batch, head) / the two tiled kernels
-def test_backward_is_deterministic(dtype, l):
+def test_backward_is_deterministic(dtype, l, family):
     ext = _backend.ext()
     b, h, d = 2, 4, 64
     q, k, v, dout, gen = _inputs(b, h, l, l, d, dtype, "cuda", seed=9)

@@ -250,6 +250,13 @@ void register_attention(pybind11::module_& m) {
         pybind11::arg("scale"), pybind11::arg("rng"), pybind11::arg("dq") = pybind11::none(),
         pybind11::arg("dk") = pybind11::none(), pybind11::arg("dv") = pybind11::none(),
         pybind11::arg("keep") = pybind11::none());
+  m.def("attention_sm90_available", &attention_sm90_available,
+        "Whether this build holds the Hopper attention kernels (wgmma, head dims 64 and 128) and the current "
+        "device (compute capability 9.0) runs them");
+  m.def("set_attention_sm90", &set_attention_sm90,
+        "Let fused attention use the Hopper kernels where available (True, the default) or not; returns the "
+        "previous setting",
+        pybind11::arg("enabled"));
 }
 
 }  // namespace

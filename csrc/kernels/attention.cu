@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
   const int nqb = (a.q_len + kBlock - 1) / kBlock;
   const int q0 = (blockIdx.x % nqb) * kBlock;
   const Setup<T> st(a, blockIdx.x / nqb);
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  const int warp = threadIdx.x >> 5;
   const int i0 = q0 + warp * 16;  // the warp's first query
 
   const T* k = st.at(a.k);
@@ -108,61 +108,12 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
     const float* cBias = sBias + (t & 1) * kBlock;
     float s[8][4] = {};
     tile_abt<T, D>(s, qa, cK);
-    mask_scores(s, cBias, st.scale2, st.vis, i0, k0);
-    float mx[2] = {-kInf, -kInf};
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-    float base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m[r], mx[r]);
-      base[r] = m_new == -kInf ? 0.f : m_new;  // a row with nothing visible yet: exp2(−inf − 0) = 0
-      const float alpha = exp2f(m[r] - base[r]);
-      m[r] = m_new;
-      l[r] *= alpha;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][2 * r] *= alpha;
-        o[n][2 * r + 1] *= alpha;
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[n][e] = exp2f(s[n][e] - base[e >> 1]);
-        l[e >> 1] += s[n][e];
-      }
-    if (st.dropout) {
-      const uint32_t bits = st.drop.keep_bits(st.bh * a.q_len + i0, k0);
-      if constexpr (kKeep) keep_row[32 * t] = bits;
-#pragma unroll
-      for (int n = 0; n < 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = (bits >> (4 * n + e)) & 1u ? s[n][e] * st.inv_keep : 0.f;
-    }
+    softmax_step<T, D, kKeep>(s, o, m, l, st, cBias, i0, k0, kKeep ? keep_row + 32 * t : nullptr);
     tile_xb<T, D>(o, s, cV);
     pipeline_next(t, n_tiles, issue_kv);
   }
 
-  T* out = st.at(a.out);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    const int i = i0 + g + 8 * r;
-    if (i >= a.q_len) continue;
-    const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<uint32_t*>(out + int64_t(i) * a.out.row + n * 8 + 2 * c) =
-          pack2<T>(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
-    if (c == 0) a.lse[st.bh * a.q_len + i] = l[r] > 0.f ? (m[r] + log2f(l[r])) / kLog2e : kInf;
-  }
+  store_out_lse<T, D>(a, st, i0, o, m, l);
 }
 
 template <typename T, int D>
@@ -179,6 +130,7 @@ cudaError_t fwd(const AttentionArgs<T>& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_attention_fwd(const AttentionArgs<T>& a, cudaStream_t stream) {
+  if (attention_sm90_runs(a.head_dim)) return launch_attention_fwd_sm90(a, stream);
   switch (a.head_dim) {
     case 16: return fwd<T, 16>(a, stream);
     case 32: return fwd<T, 32>(a, stream);

@@ -199,7 +199,16 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // stores) of tile t into buffer t & 1. Start: what the caller issued before, plus tile 0 when there is
 // one, is group 0, tile 1 group 1; returns once group 0 is visible to all threads, tile 1 still in flight.
 // With n_tiles == 0 and nothing issued before, nothing is left in flight at exit.
-template <typename Issue>
+// Shared memory written by this thread's generic-proxy stores (cp.async included) becomes visible to the
+// async proxy, through which wgmma reads its operands (sm_90; the barrier after it publishes it to all).
+__device__ __forceinline__ void fence_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// kAsyncProxy: the tiles are read by wgmma (attention_sm90.cuh) as well.
+template <bool kAsyncProxy = false, typename Issue>
 __device__ __forceinline__ void pipeline_start(int n_tiles, Issue&& issue) {
   if (n_tiles > 0) issue(0);
   cp_async_commit();
@@ -210,16 +219,18 @@ __device__ __forceinline__ void pipeline_start(int n_tiles, Issue&& issue) {
   } else {
     cp_async_wait<0>();
   }
+  if constexpr (kAsyncProxy) fence_async_shared();
   __syncthreads();
 }
 
 // End of iteration t (block-uniform): tile t + 1 becomes visible to all, and no thread reads buffer
 // t & 1 — nor anything else iteration t read — any more, so tile t + 2 goes there, in flight while
 // tile t + 1 is computed on. After the last tile shared memory is no longer touched.
-template <typename Issue>
+template <bool kAsyncProxy = false, typename Issue>
 __device__ __forceinline__ void pipeline_next(int t, int n_tiles, Issue&& issue) {
   if (t + 1 < n_tiles) {
     cp_async_wait<0>();
+    if constexpr (kAsyncProxy) fence_async_shared();
     __syncthreads();
     if (t + 2 < n_tiles) {
       issue(t + 2);
@@ -379,6 +390,94 @@ struct Setup {
 };
 
 
+// ---- what the forward kernels (attention.cu, attention_sm90.cu) do with a score tile ------------------
+// One step of the online softmax on the warp's 16×64 tile of raw scores s (rows i0 + g, i0 + g + 8; keys
+// k0 + column): masked and scaled, the rows' running max m and this lane's part of their running sum l
+// updated, o rescaled to the new max, s replaced by p̃ = z·exp2(s − m). With kKeep the tile's dropout
+// bits also go to *keep_out.
+template <typename T, int D, bool kKeep>
+__device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+                                             const Setup<T>& st, const float* bias, int i0, int k0,
+                                             uint32_t* keep_out) {
+  mask_scores(s, bias, st.scale2, st.vis, i0, k0);
+  float mx[2] = {-kInf, -kInf};
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+  float base[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(m[r], mx[r]);
+    base[r] = m_new == -kInf ? 0.f : m_new;  // a row with nothing visible yet: exp2(−inf − 0) = 0
+    const float alpha = exp2f(m[r] - base[r]);
+    m[r] = m_new;
+    l[r] *= alpha;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][2 * r] *= alpha;
+      o[n][2 * r + 1] *= alpha;
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] = exp2f(s[n][e] - base[e >> 1]);
+      l[e >> 1] += s[n][e];
+    }
+  if (st.dropout) {
+    const uint32_t bits = st.drop.keep_bits(st.bh * st.vis.q_len + i0, k0);
+    if constexpr (kKeep) *keep_out = bits;
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = (bits >> (4 * n + e)) & 1u ? s[n][e] * st.inv_keep : 0.f;
+  }
+}
+
+// The forward's end: the warp's 16 rows of out = o / l and their lse.
+template <typename T, int D>
+__device__ __forceinline__ void store_out_lse(const AttentionArgs<T>& a, const Setup<T>& st, int i0,
+                                              const float (&o)[D / 8][4], const float (&m)[2], float (&l)[2]) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  T* out = st.at(a.out);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    const int i = i0 + g + 8 * r;
+    if (i >= a.q_len) continue;
+    const float inv_l = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + int64_t(i) * a.out.row + n * 8 + 2 * c) =
+          pack2<T>(o[n][2 * r] * inv_l, o[n][2 * r + 1] * inv_l);
+    if (c == 0) a.lse[st.bh * a.q_len + i] = l[r] > 0.f ? (m[r] + log2f(l[r])) / kLog2e : kInf;
+  }
+}
+
+// ---- what the backward kernels (attention_bwd.cu, attention_sm90_bwd.cu) do with a score tile ---------
+// From S (s, raw scores) and dP (dp) of a 16×64 tile: dS into s and, with kWantP, p̃ = z·p into dp.
+// lse2/delta: the two rows' lse (exp2 domain) and Δ.
+template <typename T, bool kWantP>
+__device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st, const float* bias,
+                                        const float (&lse2)[2], const float (&delta)[2], int i0, int k0) {
+  mask_scores(s, bias, st.scale2, st.vis, i0, k0);
+  const uint32_t bits = st.dropout ? st.tile_keep_bits(i0, k0) : 0xFFFFFFFFu;
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = exp2f(s[n][e] - lse2[e >> 1]);
+      const float z = st.dropout ? ((bits >> (4 * n + e)) & 1u ? st.inv_keep : 0.f) : 1.f;
+      s[n][e] = p * (dp[n][e] * z - delta[e >> 1]);
+      if (kWantP) dp[n][e] = p * z;
+    }
+}
+
 // Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed).
 template <typename Kernel, typename T>
 cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a, cudaStream_t stream,
@@ -400,5 +499,15 @@ constexpr int attention_short_keys(int head_dim) { return head_dim >= 32 ? 128 :
 
 template <typename T>
 cudaError_t launch_attention_bwd_short(const AttentionArgs<T>& a, cudaStream_t stream);
+
+// Whether a call of this head dim runs the Hopper kernels: attention_sm90_available and set_attention_sm90
+// (attention.h) allow it, and head_dim is 64 or 128.
+bool attention_sm90_runs(int head_dim);
+
+template <typename T>
+cudaError_t launch_attention_fwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream);
+// The tiled backward (dQ, then dK/dV) of calls with more keys than attention_short_keys.
+template <typename T>
+cudaError_t launch_attention_bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream);
 
 }  // namespace lsmini

@@ -56,6 +56,13 @@ constexpr int64_t attention_keep_numel(int64_t batch, int64_t heads, int64_t q_l
   return batch * heads * ((q_len + 63) / 64 * 4) * ((k_len + 63) / 64) * 32;
 }
 
+// The Hopper kernels (attention_sm90*.cu: wgmma, head dims 64 and 128): whether this build holds them
+// (sm_90a code, LSMINI_SM90A) and the current device, compute capability 9.0, can run them. Where they can
+// they run, unless switched off: set_attention_sm90(false) makes every call take the sm_80 kernels (for
+// tests and benchmarks that compare the two); it returns the previous setting.
+bool attention_sm90_available();
+bool set_attention_sm90(bool enabled);
+
 // T: __half or __nv_bfloat16; head_dim: attention_supports_head_dim.
 template <typename T>
 cudaError_t launch_attention_fwd(const AttentionArgs<T>& args, cudaStream_t stream);

@@ -8,24 +8,6 @@
 namespace lsmini {
 namespace {
 
-// From S (s, raw scores) and dP (dp) of a 16×64 tile: dS into s and, with kWantP, p̃ = z·p into dp.
-// lse2/delta: the two rows' lse (exp2 domain) and Δ.
-template <typename T, bool kWantP>
-__device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st, const float* bias,
-                                        const float (&lse2)[2], const float (&delta)[2], int i0, int k0) {
-  mask_scores(s, bias, st.scale2, st.vis, i0, k0);
-  const uint32_t bits = st.dropout ? st.tile_keep_bits(i0, k0) : 0xFFFFFFFFu;
-#pragma unroll
-  for (int n = 0; n < 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float p = exp2f(s[n][e] - lse2[e >> 1]);
-      const float z = st.dropout ? ((bits >> (4 * n + e)) & 1u ? st.inv_keep : 0.f) : 1.f;
-      s[n][e] = p * (dp[n][e] * z - delta[e >> 1]);
-      if (kWantP) dp[n][e] = p * z;
-    }
-}
-
 // ---- backward: Δ and dQ ------------------------------------------------------------------------------
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const AttentionArgs<T> a) {
@@ -197,6 +179,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
 template <typename T, int D>
 cudaError_t bwd(const AttentionArgs<T>& a, cudaStream_t stream) {
   if (a.k_len <= attention_short_keys(D)) return launch_attention_bwd_short(a, stream);
+  if (attention_sm90_runs(D)) return launch_attention_bwd_sm90(a, stream);
   const int64_t bh = int64_t(a.batch) * a.heads;
   // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: 6·64·(D + 8)·sizeof(T) + 4·64·4 bytes;
   // fp16/bf16: D = 64 → 56 320 B, D = 128 → 105 472 B.

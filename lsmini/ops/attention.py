@@ -26,7 +26,9 @@ backward's instructions, and the bits are the same either way.
 
 The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) with head_dim d in
 ``lsmini.limits.ATTENTION_HEAD_DIMS``; anything else (float32, float64, other d, CPU tensors) runs
-``attention_ref``. Backward is deterministic (no atomics).
+``attention_ref``. Backward is deterministic (no atomics). On Hopper (compute capability 9.0, an sm_90a
+build) head dims 64 and 128 run kernels built on warpgroup MMAs (``sm90_kernels_available``); the same
+math, masks and dropout bits as the sm_80 kernels, which ``sm90_kernels(False)`` selects instead.
 
 - ``attention(q, k, v, key_padding_mask, causal, dropout_p, training, scale)``: the op; the kernel where
   ``fused_attention_supported`` and the tensors are on CUDA, ``attention_ref`` elsewhere.
@@ -38,6 +40,7 @@ The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) wit
 - ``lsmini::attention`` / ``lsmini::attention_backward`` (``attention_op``, ``attention_backward_op``): the
   kernel path as custom operators, which ``attention`` calls while torch.compile traces it.
 """
+import contextlib
 import math
 
 import torch
@@ -57,6 +60,30 @@ from lsmini.ops.reference_grads import reference_grads
 def fused_attention_supported(dtype, head_dim):
     """True when the fused CUDA kernel handles this dtype and head_dim (the device is checked apart)."""
     return dtype in limits.ATTENTION_DTYPES and head_dim in limits.ATTENTION_HEAD_DIMS
+
+
+def sm90_kernels_available():
+    """True when fused attention on the current CUDA device runs the Hopper kernels for head dims 64 and 128:
+    the extension was built for sm_90a (``LSMINI_CUDA_ARCHS``, default) and the device is compute capability
+    9.0."""
+    ext = _backend.ext_or_none()
+    return ext is not None and torch.cuda.is_available() and ext.attention_sm90_available()
+
+
+@contextlib.contextmanager
+def sm90_kernels(enabled):
+    """Within the block, fused attention uses the Hopper kernels where available (True, the default outside
+    any block) or the sm_80 kernels everywhere (False): for comparing the two. A process-wide switch, read
+    when a call launches (a CUDA graph keeps the kernels it captured)."""
+    ext = _backend.ext_or_none()
+    if ext is None:  # no extension: every call runs the reference
+        yield
+        return
+    previous = ext.set_attention_sm90(bool(enabled))
+    try:
+        yield
+    finally:
+        ext.set_attention_sm90(previous)
 
 
 def keep_numel(batch, heads, q_len, k_len):

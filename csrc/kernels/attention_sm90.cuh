@@ -1,0 +1,204 @@
+// attention_sm90.cuh — what the Hopper attention kernels (attention_sm90.cu, attention_sm90_bwd.cu) add to
+// attention.cuh: warpgroup MMAs (wgmma) that read their shared-memory operands through matrix descriptors,
+// and the 128-byte-swizzled tile layout those descriptors describe.
+//
+// Why: mma.sync needs every B fragment in registers (one ldmatrix per two MMAs of a 16-row warp tile), so
+// the tiled sm_80 kernels are bound by shared-memory loads and issue slots at about half of cuDNN's speed
+// (benchmarks/RESULTS.md). wgmma multiplies a 64-row warpgroup tile straight out of shared memory,
+// asynchronously: the same kernels, with their masks, dropout bits and pipeline unchanged, issue a
+// handful of instructions per tile product instead of dozens.
+//
+// The instructions exist on sm_90a only (architecture-specific features): the code using them is compiled
+// where __CUDA_ARCH_FEAT_SM90_ALL is defined, and the launchers (attention_sm90.cu) run the kernels only
+// when the build holds sm_90a code (LSMINI_SM90A, set by setup.py) and the device is compute capability 9.0.
+#pragma once
+
+#include "attention.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LSMINI_SM90A_DEVICE 1
+#endif
+
+namespace lsmini {
+namespace {
+
+// ---- the swizzled tile -------------------------------------------------------------------------------
+// A [64 rows × D] tile of 2-byte elements as D/64 blocks of [64 rows][64 elements]: 128-byte rows, 8-row
+// groups of 1 KB, the 16-byte chunk j of row r stored at chunk j ^ (r % 8) (the 128-byte swizzle, so that
+// neither the row-wise copies nor the tensor cores' reads meet bank conflicts). Blocks start 1 KB aligned.
+// The same bytes serve as a K-major operand (rows are the M or N index: Q, K in S = QKᵀ) and as an
+// MN-major one (rows are the k index: V in O = P̃V).
+template <int D>
+constexpr int kSwTileBytes = kBlock * D * 2;
+constexpr int kSwBlockBytes = kBlock * 128;
+
+// Byte offset of element (r, col) of a swizzled tile; col a multiple of 8.
+__device__ __forceinline__ uint32_t sw_offset(int r, int col) {
+  return (col >> 6) * kSwBlockBytes + r * 128 + ((((col & 63) >> 3) ^ (r & 7)) << 4);
+}
+
+// load_tile_async (attention.cuh) into a swizzled tile at shared address s.
+template <typename T, int D>
+__device__ __forceinline__ void load_tile_sw(uint32_t s, const T* g, int64_t row_stride, int valid,
+                                             int tid = threadIdx.x) {
+  constexpr int kChunks = D / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;  // 16 or 8: a multiple of 8, so the swizzle keeps each
+  static_assert(kRowsPerPass % 8 == 0, "");         // thread's chunk at the same place in every pass
+  const int r = tid / kChunks, col = (tid % kChunks) * 8;
+  const T* src = g + r * row_stride + col;
+  const int64_t step = kRowsPerPass * row_stride;
+  const uint32_t dst = s + sw_offset(r, col);
+#pragma unroll
+  for (int it = 0; it < kBlock / kRowsPerPass; ++it, src += step) {
+    const bool in = r + it * kRowsPerPass < valid;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + it * kRowsPerPass * 128),
+                 "l"(in ? src : g), "r"(in ? 16 : 0)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- descriptors (PTX ISA, "matrix descriptor") ------------------------------------------------------
+// Start address, leading and stride byte offsets (each >> 4), swizzle mode 1 (128 bytes) in bits 62-63.
+// The stride byte offset is 1 KB for both majors here: the distance between 8-row groups.
+__device__ __forceinline__ uint64_t sw_desc(uint32_t addr, uint32_t leading_bytes) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(leading_bytes >> 4) << 16 | uint64_t(1024 >> 4) << 32 |
+         uint64_t(1) << 62;
+}
+// K-major: the 16 columns [16kk, 16kk + 16) of a swizzled tile, 32 bytes into its 128-byte rows (the
+// hardware applies the swizzle to the address it computes, so the start moves like an unswizzled one).
+__device__ __forceinline__ uint64_t desc_k(uint32_t tile, int kk) {
+  return sw_desc(tile + (kk >> 2) * kSwBlockBytes + (kk & 3) * 32, 16);
+}
+// MN-major: the 16 rows [16kk, 16kk + 16) of a swizzled tile; the next 64 columns lie one block further.
+__device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int kk) {
+  return sw_desc(tile + kk * 16 * 128, kSwBlockBytes);
+}
+
+#if defined(LSMINI_SM90A_DEVICE)
+// ---- warpgroup MMA ----------------------------------------------------------------------------------
+// The accumulator of m64nNk16 is, per warp w of the warpgroup, the warp's rows [16w, 16w + 16) in the
+// mma.m16n8 C layout repeated over N / 8 column tiles: float d[N/8][4], as the sm_80 kernels hold theirs.
+// A from registers has the mma.m16n8k16 A layout of the warp's 16 rows (c_to_a builds it).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// After wgmma_wait_all: the compiler must not move reads of the accumulators above the wait (the MMA's asm
+// statement is where it thinks they were written).
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+#define LSMINI_D32                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define LSMINI_D64                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "  \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define LSMINI_ACC4(d, n) "+f"(d[n][0]), "+f"(d[n][1]), "+f"(d[n][2]), "+f"(d[n][3])
+#define LSMINI_ACC32(d)                                                                                      \
+  LSMINI_ACC4(d, 0), LSMINI_ACC4(d, 1), LSMINI_ACC4(d, 2), LSMINI_ACC4(d, 3), LSMINI_ACC4(d, 4),            \
+      LSMINI_ACC4(d, 5), LSMINI_ACC4(d, 6), LSMINI_ACC4(d, 7)
+#define LSMINI_ACC64(d)                                                                                      \
+  LSMINI_ACC32(d), LSMINI_ACC4(d, 8), LSMINI_ACC4(d, 9), LSMINI_ACC4(d, 10), LSMINI_ACC4(d, 11),            \
+      LSMINI_ACC4(d, 12), LSMINI_ACC4(d, 13), LSMINI_ACC4(d, 14), LSMINI_ACC4(d, 15)
+
+// Wgmma<T, N>::ss: d (+)= A·B, both from shared memory (descriptors a, b), A K-major (kTransA 0) or M-major
+// (1), B K-major (kTransB 0) or N-major (1); rs: A from registers. accumulate 0 ignores d's old values.
+// The operand numbers after the accumulators (A, B, the predicate's source, the immediates) are spelled
+// per N.
+template <typename T, int N>
+struct Wgmma;
+
+#define LSMINI_WGMMA(TT, TY, N, DREGS, ACC, A, B, P, TA, TB, RA, RB, RP, RTB)                                  \
+  template <>                                                                                                \
+  struct Wgmma<TT, N> {                                                                                      \
+    template <int kTransA, int kTransB>                                                                      \
+    static __device__ __forceinline__ void ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n"                                           \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DREGS ", %" A ", %" B     \
+                   ", p, 1, 1, %" TA ", %" TB ";\n}\n"                                                       \
+                   : ACC(d)                                                                                  \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA), "n"(kTransB));                          \
+    }                                                                                                        \
+    template <int kTransB>                                                                                   \
+    static __device__ __forceinline__ void rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b,      \
+                                              int accumulate) {                                              \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" RP ", 0;\n"                                          \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " " DREGS ", " RA ", %" RB    \
+                   ", p, 1, 1, %" RTB ";\n}\n"                                                               \
+                   : ACC(d)                                                                                  \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB));     \
+    }                                                                                                        \
+  };
+
+LSMINI_WGMMA(__half, "f16", 64, LSMINI_D32, LSMINI_ACC32, "32", "33", "34", "35", "36", "{%32, %33, %34, %35}",
+             "36", "37", "38")
+LSMINI_WGMMA(__nv_bfloat16, "bf16", 64, LSMINI_D32, LSMINI_ACC32, "32", "33", "34", "35", "36",
+             "{%32, %33, %34, %35}", "36", "37", "38")
+LSMINI_WGMMA(__half, "f16", 128, LSMINI_D64, LSMINI_ACC64, "64", "65", "66", "67", "68", "{%64, %65, %66, %67}",
+             "68", "69", "70")
+LSMINI_WGMMA(__nv_bfloat16, "bf16", 128, LSMINI_D64, LSMINI_ACC64, "64", "65", "66", "67", "68",
+             "{%64, %65, %66, %67}", "68", "69", "70")
+
+#undef LSMINI_WGMMA
+#undef LSMINI_ACC64
+#undef LSMINI_ACC32
+#undef LSMINI_ACC4
+#undef LSMINI_D64
+#undef LSMINI_D32
+
+// The tile products. Each issues its MMAs after a wgmma.fence; the caller commits and waits (so that
+// several products can go in one group). Each makes its tile addresses opaque first: otherwise the
+// compiler hoists every descriptor of every tile out of the key loop and keeps them all live (two
+// registers each, ~70 registers in the backward kernels), where recomputing one is an add.
+__device__ __forceinline__ void opaque(uint32_t& a, uint32_t& b) { asm volatile("" : "+r"(a), "+r"(b)); }
+
+// acc = the tile at a × (the tile at b)ᵀ over D columns: both K-major, e.g. S = Q·Kᵀ.
+template <typename T, int D>
+__device__ __forceinline__ void wg_abt(float (&acc)[8][4], uint32_t a, uint32_t b) {
+  opaque(a, b);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, 64>::template ss<0, 0>(acc, desc_k(a, kk), desc_k(b, kk), kk > 0);
+}
+
+// acc += X·(the [64 × D] tile at b), X the warpgroup's 64×64 tile held as C tiles x: B MN-major, e.g. O += P̃V.
+template <typename T, int D>
+__device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8][4], uint32_t b) {
+  uint32_t unused = 0;
+  opaque(b, unused);
+  uint32_t xa[kBlock / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kBlock / 16; ++kk) c_to_a<T>(xa[kk], x, kk);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template rs<1>(acc, xa[kk], desc_mn(b, kk), 1);
+}
+
+// acc += (the 64×64 tile at a)ᵀ·(the [64 × D] tile at b): A M-major, B N-major, e.g. dV += P̃ᵀ·dO.
+template <typename T, int D>
+__device__ __forceinline__ void wg_atb(float (&acc)[D / 8][4], uint32_t a, uint32_t b) {
+  opaque(a, b);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template ss<1, 1>(acc, desc_mn(a, kk), desc_mn(b, kk), 1);
+}
+#endif  // LSMINI_SM90A_DEVICE
+
+// Dynamic shared memory rounded up to the swizzle's 1 KB period (launches ask for 1 KB more).
+__device__ __forceinline__ unsigned char* smem_1k(unsigned char* raw) {
+  return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+}
+
+}  // namespace
+}  // namespace lsmini

@@ -1,0 +1,216 @@
+/*
+ * attention_sm90_bwd.cu — the fused attention backward of longer sequences for Hopper (sm_90a): the dQ and
+ * the dK/dV kernel of attention_bwd.cu with warpgroup MMAs (attention_sm90.cuh) for every tile product.
+ * Math, layout, work split, masks and dropout bits as attention.cu describes; up to attention_short_keys
+ * keys the one-CTA sm_80 kernel (attention_bwd_short.cu) still runs.
+ *
+ * Per tile, one warpgroup (the CTA) computes
+ *   bwd_dq:  S = Q·Kᵀ, dP = dO·Vᵀ (A and B K-major from shared memory), dS in registers (tile_ds),
+ *            dQ += dS·K (A = dS from registers, B = K N-major);
+ *   bwd_dkv: S and dP as above with the query tile streaming, P̃ and dS stored as swizzled 64×64 tiles,
+ *            dV += P̃ᵀ·dO and dK += dSᵀ·Q (A M-major and B N-major, both from shared memory).
+ * The transposes cost nothing: wgmma reads a tile either way through its descriptor.
+ */
+#include "attention_sm90.cuh"
+
+namespace lsmini {
+namespace {
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm90_kernel(const AttentionArgs<T> a) {
+#if defined(LSMINI_SM90A_DEVICE)
+  // Q, dO, then K and V double-buffered (swizzled tiles), then Δ, lse and the key bias of each buffer.
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_1k(smem_raw);
+  constexpr int kTile = kSwTileBytes<D>;
+  const uint32_t sQ = smem_u32(smem), sdO = sQ + kTile, sK = sdO + kTile, sV = sK + 2 * kTile;
+  float* sDelta = reinterpret_cast<float*>(smem + 6 * kTile);
+  float* sLse = sDelta + kBlock;
+  float* sBias = sLse + kBlock;  // [2][kBlock]
+
+  const int nqb = (a.q_len + kBlock - 1) / kBlock;
+  const int q0 = (blockIdx.x % nqb) * kBlock;
+  const Setup<T> st(a, blockIdx.x / nqb);
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int i0 = q0 + warp * 16;
+  const int valid = min(kBlock, a.q_len - q0);
+
+  const T* k = st.at(a.k);
+  const T* v = st.at(a.v);
+  auto issue_kv = [&](int t) {
+    const int kt = t * kBlock, buf = t & 1;
+    load_tile_sw<T, D>(sK + buf * kTile, k + int64_t(kt) * a.k.row, a.k.row, min(kBlock, a.k_len - kt));
+    load_tile_sw<T, D>(sV + buf * kTile, v + int64_t(kt) * a.v.row, a.v.row, min(kBlock, a.k_len - kt));
+    st.vis.fill_key_bias(sBias + buf * kBlock, kt);
+  };
+  const int n_tiles = (st.vis.key_end(q0) + kBlock - 1) / kBlock;
+  load_tile_sw<T, D>(sQ, st.at(a.q) + int64_t(q0) * a.q.row, a.q.row, valid);
+  load_tile_sw<T, D>(sdO, st.at(a.dout) + int64_t(q0) * a.dout.row, a.dout.row, valid);
+  pipeline_start<true>(n_tiles, issue_kv);
+  {  // Δ_i = dout_i·out_i: two threads per row, dO from its swizzled tile
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    float acc = 0.f;
+    if (r < valid) {
+      const T* o = st.at(a.out) + int64_t(q0 + r) * a.out.row;
+#pragma unroll
+      for (int x = half * (D / 2); x < (half + 1) * (D / 2); x += 8) {
+        float of[8], df[8];
+        load_pack<T, 8>(o + x, of);
+        load_pack<T, 8>(reinterpret_cast<const T*>(smem + kTile + sw_offset(r, x)), df);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc += of[e] * df[e];
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    if (half == 0) {
+      sDelta[r] = acc;
+      sLse[r] = r < valid ? a.lse[st.bh * a.q_len + q0 + r] * kLog2e : kInf;
+      if (r < valid) a.delta[st.bh * a.q_len + q0 + r] = acc;
+    }
+  }
+  __syncthreads();
+  const float lse2[2] = {sLse[warp * 16 + g], sLse[warp * 16 + g + 8]};
+  const float delta[2] = {sDelta[warp * 16 + g], sDelta[warp * 16 + g + 8]};
+
+  float dq[D / 8][4] = {};
+  for (int t = 0; t < n_tiles; ++t) {
+    const uint32_t cK = sK + (t & 1) * kTile, cV = sV + (t & 1) * kTile;
+    float s[8][4], dp[8][4];
+    wg_abt<T, D>(s, sQ, cK);
+    wg_abt<T, D>(dp, sdO, cV);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_acc(s);
+    fence_acc(dp);
+    tile_ds<T, false>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, t * kBlock);
+    wg_xb<T, D>(dq, s, cK);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_acc(dq);
+    pipeline_next<true>(t, n_tiles, issue_kv);
+  }
+
+  store_tile<T, D / 8>(st.at(a.dq), a.dq.row, i0, a.q_len, 0, dq, a.scale);
+#else
+  __trap();  // never launched: attention_sm90_runs is false without sm_90a code
+#endif
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
+#if defined(LSMINI_SM90A_DEVICE)
+  // K, V (loaded once), Q and dO double-buffered, P̃ and dS (swizzled [64 queries][64 keys] tiles), lse and
+  // Δ double-buffered, key bias.
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_1k(smem_raw);
+  constexpr int kTile = kSwTileBytes<D>;
+  unsigned char* pP = smem + 6 * kTile;
+  unsigned char* pdS = pP + kSwTileBytes<kBlock>;
+  const uint32_t sK = smem_u32(smem), sV = sK + kTile, sQ = sV + kTile, sdO = sQ + 2 * kTile;
+  const uint32_t sP = smem_u32(pP), sdS = smem_u32(pdS);
+  float* sLse = reinterpret_cast<float*>(pdS + kSwTileBytes<kBlock>);  // [2][kBlock]
+  float* sDelta = sLse + 2 * kBlock;                                    // [2][kBlock]
+  float* sBias = sDelta + 2 * kBlock;
+
+  const int nkb = (a.k_len + kBlock - 1) / kBlock;
+  const int k0 = (blockIdx.x % nkb) * kBlock;
+  const Setup<T> st(a, blockIdx.x / nkb);
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  const int r0 = warp * 16;  // the warp's query rows of a tile, then its key rows of the block
+
+  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  const T* q = st.at(a.q);
+  const T* dout = st.at(a.dout);
+  const int q_begin = st.vis.query_begin(k0);
+  auto issue_q = [&](int t) {  // query tile t into buffer t & 1, as in attention_bwd.cu
+    const int qt = q_begin + t * kBlock, buf = t & 1;
+    const int qvalid = min(kBlock, a.q_len - qt);
+    load_tile_sw<T, D>(sQ + buf * kTile, q + int64_t(qt) * a.q.row, a.q.row, qvalid);
+    load_tile_sw<T, D>(sdO + buf * kTile, dout + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
+    if (threadIdx.x < kBlock) {
+      const int r = threadIdx.x;
+      sLse[buf * kBlock + r] = r < qvalid ? a.lse[st.bh * a.q_len + qt + r] * kLog2e : kInf;
+      sDelta[buf * kBlock + r] = r < qvalid ? a.delta[st.bh * a.q_len + qt + r] : 0.f;
+    }
+  };
+  const int n_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
+  if (n_tiles > 0) {
+    const int kvalid = min(kBlock, a.k_len - k0);
+    load_tile_sw<T, D>(sK, st.at(a.k) + int64_t(k0) * a.k.row, a.k.row, kvalid);
+    load_tile_sw<T, D>(sV, st.at(a.v) + int64_t(k0) * a.v.row, a.v.row, kvalid);
+    st.vis.fill_key_bias(sBias, k0);
+    pipeline_start<true>(n_tiles, issue_q);
+  }
+
+  // Two barriers per iteration, as in attention_bwd.cu: P̃/dS written → read, and the pipeline barrier.
+  for (int t = 0; t < n_tiles; ++t) {
+    const uint32_t cQ = sQ + (t & 1) * kTile, cdO = sdO + (t & 1) * kTile;
+    float s[8][4], dp[8][4];
+    wg_abt<T, D>(s, cQ, sK);
+    wg_abt<T, D>(dp, cdO, sV);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_acc(s);
+    fence_acc(dp);
+    const float* cLse = sLse + (t & 1) * kBlock;
+    const float* cDelta = sDelta + (t & 1) * kBlock;
+    const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
+    const float delta[2] = {cDelta[r0 + g], cDelta[r0 + g + 8]};
+    tile_ds<T, true>(s, dp, st, sBias, lse2, delta, q_begin + t * kBlock + r0, k0);
+    // P̃ and dS: the wgmmas of iteration t − 1 that read them were waited for before its closing barrier.
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t off = sw_offset(r0 + g + 8 * r, n * 8) + 4 * c;
+        *reinterpret_cast<uint32_t*>(pP + off) = pack2<T>(dp[n][2 * r], dp[n][2 * r + 1]);
+        *reinterpret_cast<uint32_t*>(pdS + off) = pack2<T>(s[n][2 * r], s[n][2 * r + 1]);
+      }
+    fence_async_shared();
+    __syncthreads();  // every warp's rows of P̃ and dS are written
+    wg_atb<T, D>(dv, sP, cdO);  // the warpgroup's rows are the block's 64 keys: the warp's [r0, r0 + 16)
+    wg_atb<T, D>(dk, sdS, cQ);
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_acc(dv);
+    fence_acc(dk);
+    pipeline_next<true>(t, n_tiles, issue_q);
+  }
+
+  store_tile<T, D / 8>(st.at(a.dk), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
+  store_tile<T, D / 8>(st.at(a.dv), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+#else
+  __trap();  // never launched: attention_sm90_runs is false without sm_90a code
+#endif
+}
+
+template <typename T, int D>
+cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
+  const int64_t bh = int64_t(a.batch) * a.heads;
+  // dq: 1 KB alignment slack, Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: D = 64 → 51 200 B,
+  // D = 128 → 100 352 B.
+  const size_t dq_bytes = 1024 + 6 * kSwTileBytes<D> + 4 * kBlock * sizeof(float);
+  cudaError_t err =
+      launch(attention_bwd_dq_sm90_kernel<T, D>, bh * ((a.q_len + kBlock - 1) / kBlock), dq_bytes, a, stream);
+  if (err != cudaSuccess) return err;
+  // dkv: 1 KB slack, K + V + 2×Q + 2×dO tiles, P̃ and dS, 2 lse + 2 Δ arrays, bias: D = 64 → 67 840 B,
+  // D = 128 → 116 992 B.
+  const size_t dkv_bytes = 1024 + 6 * kSwTileBytes<D> + 2 * kSwTileBytes<kBlock> + 5 * kBlock * sizeof(float);
+  return launch(attention_bwd_dkv_sm90_kernel<T, D>, bh * ((a.k_len + kBlock - 1) / kBlock), dkv_bytes, a, stream);
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t launch_attention_bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 64: return bwd_sm90<T, 64>(a, stream);
+    case 128: return bwd_sm90<T, 128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template cudaError_t launch_attention_bwd_sm90<__half>(const AttentionArgs<__half>&, cudaStream_t);
+template cudaError_t launch_attention_bwd_sm90<__nv_bfloat16>(const AttentionArgs<__nv_bfloat16>&, cudaStream_t);
+
+}  // namespace lsmini
