@@ -21,7 +21,7 @@ namespace lsmini {
 namespace {
 
 template <typename T, int D, bool kKeep>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
   // Q, then K and V double-buffered (swizzled tiles), then the key bias of each buffer.
   extern __shared__ __align__(1024) unsigned char smem_raw[];

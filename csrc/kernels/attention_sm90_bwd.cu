@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
   // K, V (loaded once), Q and dO double-buffered, P̃ and dS (swizzled [64 queries][64 keys] tiles), lse and
   // Δ double-buffered, key bias.
