@@ -48,11 +48,10 @@ def extension_and_build_ext():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     archs = os.environ.get("LSMINI_CUDA_ARCHS", "80;90a").replace(",", ";").split(";")
-    gencode = []
-    for a in filter(None, (x.strip().replace(".", "") for x in archs)):
-        gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-        if a == "90a":  # the Hopper attention kernels (wgmma) exist in this build: the launchers may pick them
-            gencode += ["-DLSMINI_SM90A"]
+    archs = [a for a in (x.strip().replace(".", "") for x in archs) if a]
+    gencode = [flag for a in archs for flag in ("-gencode", f"arch=compute_{a},code=sm_{a}")]
+    if "90a" in archs:  # the Hopper attention kernels (wgmma) exist in this build: the launchers may pick them
+        gencode.append("-DLSMINI_SM90A")
     ext = CUDAExtension(
         name="lsmini._C",
         sources=sources(),

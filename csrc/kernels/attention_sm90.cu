@@ -57,15 +57,11 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_
     const uint32_t cK = sK + (t & 1) * kTile, cV = sV + (t & 1) * kTile;
     float s[8][4];
     wg_abt<T, D>(s, sQ, cK);
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_acc(s);
+    wgmma_sync(s);
     softmax_step<T, D, kKeep>(s, o, m, l, st, sBias + (t & 1) * kBlock, i0, t * kBlock,
                               kKeep ? keep_row + 32 * t : nullptr);
     wg_xb<T, D>(o, s, cV);
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_acc(o);
+    wgmma_sync(o);
     pipeline_next<true>(t, n_tiles, issue_kv);
   }
 

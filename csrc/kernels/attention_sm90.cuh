@@ -84,17 +84,21 @@ __device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int kk) {
 // mma.m16n8 C layout repeated over N / 8 column tiles: float d[N/8][4], as the sm_80 kernels hold theirs.
 // A from registers has the mma.m16n8k16 A layout of the warp's 16 rows (c_to_a builds it).
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
-// After wgmma_wait_all: the compiler must not move reads of the accumulators above the wait (the MMA's asm
-// statement is where it thinks they were written).
+// Commit the MMAs issued since the last commit and wait for all of them; then the compiler must not move
+// reads of their accumulators above the wait (the MMA's asm statement is where it thinks they were written).
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+template <typename... Acc>
+__device__ __forceinline__ void wgmma_sync(Acc&... acc) {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  (fence_acc(acc), ...);
 }
 
 #define LSMINI_D32                                                                                           \
@@ -157,16 +161,11 @@ LSMINI_WGMMA(__nv_bfloat16, "bf16", 128, LSMINI_D64, LSMINI_ACC64, "64", "65", "
 #undef LSMINI_D64
 #undef LSMINI_D32
 
-// The tile products. Each issues its MMAs after a wgmma.fence; the caller commits and waits (so that
-// several products can go in one group). Each makes its tile addresses opaque first: otherwise the
-// compiler hoists every descriptor of every tile out of the key loop and keeps them all live (two
-// registers each, ~70 registers in the backward kernels), where recomputing one is an add.
-__device__ __forceinline__ void opaque(uint32_t& a, uint32_t& b) { asm volatile("" : "+r"(a), "+r"(b)); }
-
+// The tile products. Each issues its MMAs after a wgmma.fence; the caller waits with wgmma_sync (so that
+// several products can go in one group).
 // acc = the tile at a × (the tile at b)ᵀ over D columns: both K-major, e.g. S = Q·Kᵀ.
 template <typename T, int D>
 __device__ __forceinline__ void wg_abt(float (&acc)[8][4], uint32_t a, uint32_t b) {
-  opaque(a, b);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, 64>::template ss<0, 0>(acc, desc_k(a, kk), desc_k(b, kk), kk > 0);
@@ -175,8 +174,6 @@ __device__ __forceinline__ void wg_abt(float (&acc)[8][4], uint32_t a, uint32_t 
 // acc += X·(the [64 × D] tile at b), X the warpgroup's 64×64 tile held as C tiles x: B MN-major, e.g. O += P̃V.
 template <typename T, int D>
 __device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8][4], uint32_t b) {
-  uint32_t unused = 0;
-  opaque(b, unused);
   uint32_t xa[kBlock / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kBlock / 16; ++kk) c_to_a<T>(xa[kk], x, kk);
@@ -188,7 +185,6 @@ __device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8
 // acc += (the 64×64 tile at a)ᵀ·(the [64 × D] tile at b): A M-major, B N-major, e.g. dV += P̃ᵀ·dO.
 template <typename T, int D>
 __device__ __forceinline__ void wg_atb(float (&acc)[D / 8][4], uint32_t a, uint32_t b) {
-  opaque(a, b);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template ss<1, 1>(acc, desc_mn(a, kk), desc_mn(b, kk), 1);

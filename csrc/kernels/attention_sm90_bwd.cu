@@ -16,6 +16,17 @@
 namespace lsmini {
 namespace {
 
+#if defined(LSMINI_SM90A_DEVICE)
+// The backward's two score tiles, waited for: s = S = Q·Kᵀ and dp = dP = dO·Vᵀ (tiles at shared addresses).
+template <typename T, int D>
+__device__ __forceinline__ void wg_s_dp(float (&s)[8][4], float (&dp)[8][4], uint32_t q, uint32_t dout, uint32_t k,
+                                        uint32_t v) {
+  wg_abt<T, D>(s, q, k);
+  wg_abt<T, D>(dp, dout, v);
+  wgmma_sync(s, dp);
+}
+#endif
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
@@ -76,17 +87,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
   for (int t = 0; t < n_tiles; ++t) {
     const uint32_t cK = sK + (t & 1) * kTile, cV = sV + (t & 1) * kTile;
     float s[8][4], dp[8][4];
-    wg_abt<T, D>(s, sQ, cK);
-    wg_abt<T, D>(dp, sdO, cV);
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_acc(s);
-    fence_acc(dp);
+    wg_s_dp<T, D>(s, dp, sQ, sdO, cK, cV);
     tile_ds<T, false>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, t * kBlock);
     wg_xb<T, D>(dq, s, cK);
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_acc(dq);
+    wgmma_sync(dq);
     pipeline_next<true>(t, n_tiles, issue_kv);
   }
 
@@ -146,12 +150,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_s
   for (int t = 0; t < n_tiles; ++t) {
     const uint32_t cQ = sQ + (t & 1) * kTile, cdO = sdO + (t & 1) * kTile;
     float s[8][4], dp[8][4];
-    wg_abt<T, D>(s, cQ, sK);
-    wg_abt<T, D>(dp, cdO, sV);
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_acc(s);
-    fence_acc(dp);
+    wg_s_dp<T, D>(s, dp, cQ, cdO, sK, sV);
     const float* cLse = sLse + (t & 1) * kBlock;
     const float* cDelta = sDelta + (t & 1) * kBlock;
     const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
@@ -170,10 +169,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_s
     __syncthreads();  // every warp's rows of P̃ and dS are written
     wg_atb<T, D>(dv, sP, cdO);  // the warpgroup's rows are the block's 64 keys: the warp's [r0, r0 + 16)
     wg_atb<T, D>(dk, sdS, cQ);
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_acc(dv);
-    fence_acc(dk);
+    wgmma_sync(dv, dk);
     pipeline_next<true>(t, n_tiles, issue_q);
   }
 
