@@ -63,6 +63,7 @@ Reported per variant:
 The data are Zipf-distributed random tokens: the loss falls as the model learns the token frequencies.
 """
 import argparse
+import cProfile
 import datetime
 import gc
 import importlib
@@ -267,15 +268,23 @@ def run_variant(variant, args, device, batches, row):
     torch._dynamo.utils.counters.clear()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    profiler = cProfile.Profile() if args.cprofile else None
     t0 = time.perf_counter()
     marks = [t0]
     for i in range(warmup):
+        if profiler is not None and i < ready_steps:
+            profiler.enable()
         loss = step(*batches[i % len(batches)])
         if i == 0:
             row["loss_first"] = loss.item()  # synchronises; inside compile_s, as in any script that logs it
         if i < ready_steps:
             synchronize(device)
             marks.append(time.perf_counter())
+            if profiler is not None:
+                profiler.disable()
+    if profiler is not None:
+        os.makedirs(args.cprofile, exist_ok=True)
+        profiler.dump_stats(os.path.join(args.cprofile, variant.replace("+", "_") + ".pstats"))
     synchronize(device)
     row["compile_s"] = marks[-1] - t0
     row["compile_steps"] = [b - a for a, b in zip(marks, marks[1:])]
@@ -319,7 +328,7 @@ def warm_up_process(args, device, batches):
     """One-time costs outside every variant's numbers: CUDA context, cuBLAS handles and kernel loading (eager
     steps of a one-layer model of the same widths) and Inductor's start-up (imports and its pool of compile
     workers, by compiling a one-line function)."""
-    small = argparse.Namespace(**{**vars(args), "layers": 1, "warmup": 2, "iters": 1})
+    small = argparse.Namespace(**{**vars(args), "layers": 1, "warmup": 2, "iters": 1, "cprofile": None})
     run_variant("torch", small, device, batches, {})
     if any(split_variant(v)[1] is not None for v in args.variants):
         f = torch.compile(lambda x: x * 2 + 1)
@@ -426,6 +435,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile-profile", action="store_true",
                     help="after each compiled variant, print where its compile time went: the phases torch "
                          "times itself (torch._dynamo.utils.compile_times), longest first")
+    ap.add_argument("--cprofile", metavar="DIR",
+                    help="profile the steps compile_s spans with cProfile, into DIR/<variant, + as _>.pstats (read "
+                         "them with python -m pstats); the profiler slows the host, so compile_s is not comparable")
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup, args.iters = 3, 10

@@ -12,8 +12,8 @@ import torch
 from layer_testing import _one_thread, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import (CrossEntropyLoss, TransformerConfig, TransformerDecoder, TransformerEncoder,
                            TransformerEncoderLayer)
-from lsmini.layers.compiled import (BITS, LSE, MASK, SLOTS, STATE_ALIGN, layer_backward_op, layer_op, saved_layout,
-                                    state_plan)
+from lsmini.layers.compiled import (BITS, GRAD_ALIGN, LSE, MASK, SLOTS, STATE_ALIGN, grad_plan, layer_backward_op,
+                                    layer_op, saved_layout, state_plan)
 from lsmini.layers.spec import LayerOptions
 from util import amp_train_step
 
@@ -160,6 +160,18 @@ def test_state_plan_places_each_made_tensor_once():
     assert regions[-1][1] <= nbytes == -(-regions[-1][1] // STATE_ALIGN) * STATE_ALIGN
 
 
+def test_grad_plan_places_each_gradient_once():
+    """The backward operator's one gradient tensor holds every gradient of params[0]'s dtype once, aligned,
+    without overlap, in parameter order; a parameter of another dtype has none there (-1)."""
+    params = [torch.empty(6, 4, dtype=torch.float16), torch.empty(5, dtype=torch.float16),
+              torch.empty(3, dtype=torch.float32), torch.empty(7, 2, dtype=torch.float16)]
+    offsets, numel = grad_plan(params)
+    assert offsets[2] == -1
+    step = GRAD_ALIGN // 2
+    assert offsets[0] == 0 and offsets[1] == step and offsets[3] == 2 * step and numel == 3 * step
+    assert grad_plan(params[:2])[1] == 2 * step
+
+
 # ---- kernel path (CUDA) --------------------------------------------------------------------------------
 def _cuda_model(pre, act, dtype, dropout=0.1, recompute=True):
     torch.manual_seed(0)
@@ -235,7 +247,10 @@ def _op_args(kinds, pre, act, recompute, dtype, masked, cross, param_dtype=None)
         cols_out = ffn if kind == "ffn" else h
         params += [torch.randn(rows, h) * 0.2, torch.randn(rows) * 0.1, torch.randn(h, cols_out) * 0.2,
                    torch.randn(h) * 0.1, 1 + 0.1 * torch.randn(h), 0.1 * torch.randn(h)]
-    params = [p.cuda().to(param_dtype or dtype).requires_grad_() for p in params]
+    # "mixed": the LayerNorm parameters float32, the others in the activations' dtype
+    dtypes = [torch.float32 if param_dtype == "mixed" and i % 6 >= 4 else
+              dtype if param_dtype in (None, "mixed") else param_dtype for i in range(len(params))]
+    params = [p.cuda().to(dt).requires_grad_() for p, dt in zip(params, dtypes)]
     x = torch.randn(b, l, h, device="cuda", dtype=dtype, requires_grad=True)
     mask = torch.zeros(b, l, dtype=torch.bool, device="cuda")
     mask[0, -1] = True
@@ -250,7 +265,7 @@ def _op_args(kinds, pre, act, recompute, dtype, masked, cross, param_dtype=None)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("param_dtype", [None, torch.float32])
+@pytest.mark.parametrize("param_dtype", [None, torch.float32, "mixed"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kinds,pre,act,recompute,masked", [
     (("self", "ffn"), True, "relu", True, True), (("self", "ffn"), False, "gelu", False, False),
@@ -258,7 +273,8 @@ def _op_args(kinds, pre, act, recompute, dtype, masked, cross, param_dtype=None)
 def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype, param_dtype):
     """Schema, fake implementation (shapes, dtypes, strides of every output) and autograd registration of
     lsmini::layer, and of lsmini::layer_backward with the state a forward returned; parameters in the
-    activations' dtype, or float32 as under autocast (the operators cast them, gradients come back float32)."""
+    activations' dtype, or float32 as under autocast (the operators cast them, gradients come back float32),
+    or mixed (the gradients of the float32 ones come back on their own, the others in one tensor)."""
     args = _op_args(kinds, pre, act, recompute, dtype, masked, "cross" in kinds, param_dtype)
     # dropout differs between the calls opcheck makes; its comparisons are of metadata and registration
     torch.library.opcheck(layer_op, args, test_utils=("test_schema", "test_faketensor",
@@ -267,10 +283,24 @@ def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype, param_dtyp
         y, state, rng_state, cast = layer_op(*args)
     x, mask, ek, ev, enc_mask, params = args[:6]
     # float32 parameters: the GEMM weights' copies in one buffer (in the activations' dtype: none, empty)
-    assert (cast.numel() > 0) == (param_dtype is not None) and cast.dtype == dtype
+    assert (cast.numel() > 0) == (param_dtype == torch.float32) and cast.dtype == dtype
     bwd_args = (torch.randn_like(y), state, rng_state, cast, x.detach(), mask, None if ek is None else ek.detach(),
                 None if ev is None else ev.detach(), enc_mask, [p.detach() for p in params], *args[6:])
     torch.library.opcheck(layer_backward_op, bwd_args)
+    # every gradient where grad_plan puts it: the one tensor's slices and the rest, against what autograd
+    # hands on (the views the registered backward makes) from the same forward
+    y, state, rng_state, cast = layer_op(*args)
+    grad = torch.randn_like(y)
+    expected = torch.autograd.grad(y, params, grad)
+    with torch.no_grad():
+        _, grads, others, _ = layer_backward_op(grad, state, rng_state, cast, *bwd_args[4:])
+    offsets, numel = grad_plan(params)
+    assert grads.shape == (numel,) and grads.dtype == params[0].dtype
+    assert len(others) == sum(at < 0 for at in offsets) == (2 * len(kinds) if param_dtype == "mixed" else 0)
+    others = iter(others)
+    for p, at, e in zip(params, offsets, expected):
+        got = next(others) if at < 0 else grads[at:at + p.numel()].view(p.shape)
+        assert got.dtype == p.dtype and torch.equal(got, e)
 
 
 @pytest.mark.cuda

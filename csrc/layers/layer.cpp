@@ -178,16 +178,25 @@ at::Tensor matmul_t(const at::Tensor& x, const at::Tensor& weight, const OptTens
   return at::mm(x, weight.t());
 }
 
+// Where a block's parameter gradients go: per parameter a destination, or none (the gradient is returned).
+// add: the destinations are the parameters' existing .grad, and each gradient is added there; else each is
+// written there (a destination of the caller's, e.g. its place in one tensor holding every gradient).
+struct GradInto {
+  const OptTensor* dest;
+  bool add;
+};
+
 // a·b in the parameters' dtype: float32 straight out of the GEMM under autocast (blocks.weight_grad).
-// With `into` (the parameter's existing .grad) the GEMM adds its product there itself (beta = 1) and
-// returns undefined: no gradient tensor, no separate accumulation pass.
-at::Tensor weight_grad(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype, const OptTensor& into) {
+// With `into` the GEMM adds its product there itself (beta = 1) or writes it there, and returns undefined:
+// no gradient tensor, no separate accumulation or copy pass.
+at::Tensor weight_grad(const at::Tensor& a, const at::Tensor& b, at::ScalarType dtype, const OptTensor& into,
+                       bool add) {
   if (into) {
     at::Tensor dst = *into;
     if (dst.scalar_type() == a.scalar_type()) {
-      at::addmm_out(dst, dst, a, b);
+      add ? at::addmm_out(dst, dst, a, b) : at::mm_out(dst, a, b);
     } else {
-      at::addmm_out(dst, dst, a, b, dst.scalar_type());
+      add ? at::addmm_out(dst, dst, a, b, dst.scalar_type()) : at::mm_out(dst, a, b, dst.scalar_type());
     }
     return at::Tensor();
   }
@@ -380,10 +389,10 @@ template <typename InputOf>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     Kind kind, const at::Tensor& grad_core, const Params& p, const Slots& sv, const PhiloxTuple& rng,
     const Options& o, const Shape& s, const at::Tensor& scratch, const InputOf& input_of,
-    const std::pair<OptTensor, OptTensor>& kv_grads, const OptTensor* into) {
+    const std::pair<OptTensor, OptTensor>& kv_grads, const GradInto& into) {
   const bool self = kind == Kind::Self;
   const int64_t t = s.tokens, parts = self ? 3 : 1;
-  at::Tensor grad_weight_out = weight_grad(grad_core.t(), sv[kContext], s.weight_dtype, into[2]);
+  at::Tensor grad_weight_out = weight_grad(grad_core.t(), sv[kContext], s.weight_dtype, into.dest[2], into.add);
   at::Tensor grad_context = region(scratch, 0, t, o.hidden);
   at::mm_out(grad_context, grad_core, p.weight_out);
   at::Tensor grad_projection = region(scratch, align(t * o.hidden), t, parts * o.hidden);
@@ -403,7 +412,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
   at::Tensor grad_bias_in = bias_grad(grad_projection, p.bias_in.scalar_type());
   // d(context) is dead once the attention backward has read it: the recomputed input may go there
   at::Tensor grad_weight_in =
-      weight_grad(grad_projection.t(), input_of(region(scratch, 0, t, o.hidden)), s.weight_dtype, into[0]);
+      weight_grad(grad_projection.t(), input_of(region(scratch, 0, t, o.hidden)), s.weight_dtype, into.dest[0],
+                  into.add);
   at::Tensor grad_input = region(scratch, 0, t, o.hidden);  // so is a recomputed input, once that GEMM read it
   at::mm_out(grad_input, grad_projection, p.weight_in);
   return {grad_input, grad_weight_in, grad_bias_in, grad_weight_out};
@@ -414,7 +424,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Ten
                                                                    const Slots& sv, const PhiloxTuple& rng,
                                                                    const Options& o, const Shape& s,
                                                                    const at::Tensor& scratch,
-                                                                   const InputOf& input_of, const OptTensor* into) {
+                                                                   const InputOf& input_of, const GradInto& into) {
   // The arena holds the activation (recomputed, unless kept), then its gradient, then (in place) the
   // gradient of the first GEMM's output; the [t, H] temporaries are fresh (blocks.ffn_backward says why).
   at::Tensor act_region = region(scratch, 0, s.tokens, o.ffn);
@@ -423,22 +433,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Ten
   if (!hidden.defined()) {  // recompute the activation from its saved input, same dropout mask
     hidden = bias_act_dropout_fwd(sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region);
   }
-  at::Tensor grad_weight_out = weight_grad(grad_core.t(), hidden, s.weight_dtype, into[2]);
+  at::Tensor grad_weight_out = weight_grad(grad_core.t(), hidden, s.weight_dtype, into.dest[2], into.add);
   hidden.reset();
   at::mm_out(act_region, grad_core, p.weight_out);
   auto [grad_hidden, grad_bias_in] =
       relu ? bias_act_dropout_bwd(act_region, sv[kHidden], p.bias_in, o.act, o.act_dropout, kNoRng, act_region, true)
            : bias_act_dropout_bwd(act_region, sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region, false);
-  at::Tensor grad_weight_in = weight_grad(grad_hidden.t(), input_of(std::nullopt), s.weight_dtype, into[0]);
+  at::Tensor grad_weight_in =
+      weight_grad(grad_hidden.t(), input_of(std::nullopt), s.weight_dtype, into.dest[0], into.add);
   return {at::mm(grad_hidden, p.weight_in), grad_weight_in, *grad_bias_in, grad_weight_out};
 }
 
 // grad: the gradient of the block output; grad_is_ours: it is this backward's own tensor, which may become
-// the result (else it is not modified). into: per parameter where its GEMM weight gradient is accumulated
-// (weight_grad), or none.
+// the result (else it is not modified). into: where its GEMM weight gradients go (weight_grad).
 Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Slots& sv, const PhiloxTuple* rngs,
                     const Options& o, const Shape& s, const at::Tensor& scratch, bool grad_is_ours,
-                    const std::pair<OptTensor, OptTensor>& kv_grads, const OptTensor* into) {
+                    const std::pair<OptTensor, OptTensor>& kv_grads, const GradInto& into) {
   // An attention core's output gradient goes into its projection-gradient region, not written before it is dead.
   const OptTensor grad_core_out =
       kind == Kind::Ffn ? std::nullopt : OptTensor(region(scratch, align(s.tokens * o.hidden), s.tokens, o.hidden));
@@ -487,7 +497,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
     const py::object& options, const at::Tensor& grad_in, const std::vector<OptTensor>& saved,
     const std::vector<PhiloxTuple>& rngs, const std::vector<at::Tensor>& params, const at::Tensor& scratch,
     const OptTensor& grad_encoder_k, const OptTensor& grad_encoder_v, const std::vector<at::ScalarType>& param_dtypes,
-    const std::vector<OptTensor>& grad_into) {
+    const std::vector<OptTensor>& grad_into, bool add_into) {
   const char* op = "layer_bwd";
   const Options o = read_options(options, op);
   const size_t blocks = o.kinds.size();
@@ -516,7 +526,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
     const std::pair<OptTensor, OptTensor> kv_grads =
         o.kinds[i] == Kind::Cross ? std::make_pair(grad_encoder_k, grad_encoder_v) : std::make_pair(OptTensor(), OptTensor());
     Gradients r = block_bwd(o.kinds[i], g, block_params(params, i), Slots{saved.data() + i * kSlots},
-                            rngs.data() + i * 2, o, s, scratch, ours, kv_grads, grad_into.data() + i * kParamsPerBlock);
+                            rngs.data() + i * 2, o, s, scratch, ours, kv_grads,
+                            GradInto{grad_into.data() + i * kParamsPerBlock, add_into});
     g = r.input;
     at::Tensor* out = param_grads.data() + i * kParamsPerBlock;
     out[0] = r.weight_in;
@@ -526,7 +537,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
     out[4] = r.norm_weight;
     out[5] = r.norm_bias;
   }
-  // The vectors' gradients: into their parameters' .grad in one multi-tensor add where given (the GEMM
+  // The vectors' gradients: into their destinations in one multi-tensor add (or copy) where given (the GEMM
   // weights' went there already), else returned in their parameters' dtypes (casts are no-ops but for
   // mixed parameter dtypes).
   std::vector<at::Tensor> into, added;
@@ -540,7 +551,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
       pg = at::Tensor();
     }
   }
-  if (!into.empty()) at::_foreach_add_(into, added);
+  if (!into.empty() && add_into) at::_foreach_add_(into, added);
+  if (!into.empty() && !add_into) at::_foreach_copy_(into, added);
   return {g.view({s.batch, s.q_len, o.hidden}), param_grads};
 }
 
@@ -554,9 +566,10 @@ void register_layer(py::module_& m) {
   m.def("layer_bwd", &layer_bwd,
         "One layer's whole backward from layer_fwd's saved state: (grad_x [b, l, H], parameter gradients in "
         "param_dtypes); a cross block's dK/dV go into grad_encoder_k/grad_encoder_v; a parameter with a tensor in "
-        "grad_into gets its gradient added there (and None returned)",
+        "grad_into gets its gradient added there (add_into) or written there (and None returned)",
         py::arg("options"), py::arg("grad"), py::arg("saved"), py::arg("rngs"), py::arg("params"), py::arg("scratch"),
-        py::arg("grad_encoder_k"), py::arg("grad_encoder_v"), py::arg("param_dtypes"), py::arg("grad_into"));
+        py::arg("grad_encoder_k"), py::arg("grad_encoder_v"), py::arg("param_dtypes"), py::arg("grad_into"),
+        py::arg("add_into") = true);
   m.attr("layer_saved_slots") = int(kSlots);
 }
 

@@ -19,6 +19,8 @@ What differs from the eager one-call layer, because a custom operator must be a 
   CUDA-graph replay of the compiled step too); backward reads them back through pointers into it.
 - Backward takes a fresh scratch tensor instead of the shared arena, and returns the encoder K/V
   gradients of a cross-attention block as tensors instead of writing a decoder stack's slots.
+- Backward returns the parameters' gradients as ONE tensor too: layer_bwd writes each where ``grad_plan``
+  puts it, and autograd is handed views of it.
 The kernels, GEMMs and dropout draws are those of the eager layer: same seed, same outputs.
 """
 import functools
@@ -144,6 +146,35 @@ def _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask, cached=Tru
                 0 if encoder_k is None else encoder_k.shape[2])
 
 
+GRAD_ALIGN = 64  # bytes: each gradient in the backward operator's one gradient tensor starts at a multiple
+
+
+def grad_plan(params):
+    """(per parameter the element offset of its gradient in the one gradient tensor ``lsmini::layer_backward``
+    returns, of params[0]'s dtype — -1 for a parameter of another dtype, whose gradient comes back on its own
+    —; that tensor's length). One output instead of one per parameter (12–18 a layer): as with the saved
+    state, each output of an operator is a node and a buffer of its own in every stage of the compiler, while
+    the gradients handed to autograd are views of it, which cost the compiler no buffer."""
+    dtype = params[0].dtype
+    step = max(1, GRAD_ALIGN // dtype.itemsize)
+    offsets, end = [], 0
+    for p in params:
+        if p.dtype != dtype:
+            offsets.append(-1)
+            continue
+        offsets.append(end)
+        end = (end + p.numel() + step - 1) // step * step
+    return offsets, end
+
+
+def _contiguous_strides(shape):
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
+
+
 # The options travel as plain arguments (a custom operator takes tensors and scalars only); kinds joined by ",".
 @torch.library.custom_op("lsmini::layer", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
 def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
@@ -192,8 +223,9 @@ def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, rng_state: torch.
                       params: list[torch.Tensor], kinds: str, hidden: int, ffn: int, heads: int, scale: float,
                       eps: float, pre_ln: bool, activation: str, dropout: float, attn_dropout: float,
                       activation_dropout: float, causal: bool,
-                      recompute: bool) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """(grad_x [b, l, H], one gradient per parameter, [grad_encoder_k, grad_encoder_v] or [])."""
+                      recompute: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """(grad_x [b, l, H], the parameters' gradients in one tensor (grad_plan: each where its offset puts it),
+    the gradients of the parameters grad_plan leaves out, [grad_encoder_k, grad_encoder_v] or [])."""
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
     inputs = {"x": x.view(-1, hidden), "key_padding_mask": key_padding_mask, "encoder_k": encoder_k,
@@ -212,16 +244,21 @@ def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, rng_state: torch.
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
     grad_k, grad_v = kv if kv else (None, None)
     weights = cast_views(params, cast, cast_plan(params, x.dtype))
-    grad_x, param_grads = _backend.ext().layer_bwd(o, grad, saved, rngs, weights, scratch, grad_k, grad_v,
-                                                   [p.dtype for p in params], [None] * len(params))
-    return grad_x, param_grads, kv
+    offsets, numel = grad_plan(params)
+    grads = grad.new_empty(numel, dtype=params[0].dtype)
+    into = [None if at < 0 else grads[at:at + p.numel()].view(p.shape) for p, at in zip(params, offsets)]
+    grad_x, others = _backend.ext().layer_bwd(o, grad, saved, rngs, weights, scratch, grad_k, grad_v,
+                                              [p.dtype for p in params], into, add_into=False)
+    return grad_x, grads, [g for g, at in zip(others, offsets) if at < 0], kv
 
 
 @layer_backward_op.register_fake
 def _layer_backward_fake(grad, state, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                          params, *options):
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
-    return x.new_empty(x.shape), [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params], kv
+    offsets, numel = grad_plan(params)
+    others = [torch.empty_like(p, memory_format=torch.contiguous_format) for p, at in zip(params, offsets) if at < 0]
+    return x.new_empty(x.shape), x.new_empty(numel, dtype=params[0].dtype), others, kv
 
 
 def _setup_context(ctx, inputs, output):
@@ -235,11 +272,14 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad, grad_state, grad_rng_state, grad_cast):
     state, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params = \
         ctx.saved_tensors
-    grad_x, param_grads, kv = layer_backward_op(grad.contiguous(), state, rng_state, cast, x, key_padding_mask,
-                                                encoder_k, encoder_v, encoder_padding_mask, list(params),
-                                                *ctx.options)
+    grad_x, grads, others, kv = layer_backward_op(grad.contiguous(), state, rng_state, cast, x, key_padding_mask,
+                                                  encoder_k, encoder_v, encoder_padding_mask, list(params),
+                                                  *ctx.options)
+    others = iter(others)
+    param_grads = [next(others) if at < 0 else grads.as_strided(p.shape, _contiguous_strides(p.shape), at)
+                   for p, at in zip(params, grad_plan(params)[0])]
     grad_k, grad_v = kv if encoder_k is not None else (None, None)
-    return (grad_x, None, grad_k, grad_v, None, list(param_grads)) + (None,) * len(ctx.options)
+    return (grad_x, None, grad_k, grad_v, None, param_grads) + (None,) * len(ctx.options)
 
 
 layer_op.register_autograd(_backward, setup_context=_setup_context)
