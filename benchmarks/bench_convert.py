@@ -43,7 +43,8 @@ Reported per variant:
                   first replay). For eager variants it is the first step's time, the floor the compiled ones
                   add to; it includes reading step 1's loss. Each compile is cold: Inductor's
                   caches are off (--compile-cache keeps them), and process-wide one-time costs (CUDA context,
-                  cuBLAS, Inductor's compile workers) are paid by an untimed warm-up before the first variant.
+                  cuBLAS, loading the kernels the eager steps run — torch's, and lsmini's for its variants —,
+                  Inductor's compile workers) are paid by an untimed warm-up before the first variant.
                   The per-variant line printed as it finishes splits compile_s into its steps.
     ms_step       median wall time of one step over --iters steps after --warmup steps (at least the steps
                   compile_s spans), CUDA events around each step with the host running ahead as in real
@@ -326,10 +327,13 @@ def disable_compile_caches():
 
 def warm_up_process(args, device, batches):
     """One-time costs outside every variant's numbers: CUDA context, cuBLAS handles and kernel loading (eager
-    steps of a one-layer model of the same widths) and Inductor's start-up (imports and its pool of compile
-    workers, by compiling a one-line function)."""
+    steps of a one-layer model of the same widths: torch's as written, and converted when an lsmini variant
+    is to run, so that each variant finds its own kernels loaded) and Inductor's start-up (imports and its
+    pool of compile workers, by compiling a one-line function)."""
     small = argparse.Namespace(**{**vars(args), "layers": 1, "warmup": 2, "iters": 1, "cprofile": None})
     run_variant("torch", small, device, batches, {})
+    if any(split_variant(v)[0] for v in args.variants):
+        run_variant("lsmini", small, device, batches, {})
     if any(split_variant(v)[1] is not None for v in args.variants):
         f = torch.compile(lambda x: x * 2 + 1)
         f(torch.ones(8, device=device))

@@ -12,8 +12,10 @@ import torch
 from layer_testing import _one_thread, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import (CrossEntropyLoss, TransformerConfig, TransformerDecoder, TransformerEncoder,
                            TransformerEncoderLayer)
-from lsmini.layers.compiled import (BITS, GRAD_ALIGN, LSE, MASK, SLOTS, STATE_ALIGN, grad_plan, layer_backward_op,
-                                    layer_op, saved_layout, state_plan)
+from lsmini.layers import compiled
+from lsmini.layers.compiled import (BITS, CAST_ALIGN, GRAD_ALIGN, LSE, MASK, SLOTS, STATE_ALIGN, grad_plan,
+                                    layer_backward_op, layer_op, saved_layout, state_plan, state_tail)
+from lsmini.layers.precision import cast_plan
 from lsmini.layers.spec import LayerOptions
 from util import amp_train_step
 
@@ -158,6 +160,10 @@ def test_state_plan_places_each_made_tensor_once():
     regions.sort()
     assert all(end <= start for (_, end), (start, _) in zip(regions, regions[1:]))
     assert regions[-1][1] <= nbytes == -(-regions[-1][1] // STATE_ALIGN) * STATE_ALIGN
+    # then the dropout states (int64 [2·blocks, 2]) and the cast weights, aligned, after them
+    rng_at, cast_at, total = state_tail(o, nbytes, 1000, torch.float16)
+    assert rng_at == nbytes and rng_at % 8 == 0
+    assert cast_at >= rng_at + 2 * 3 * 16 and cast_at % CAST_ALIGN == 0 and total == cast_at + 2000
 
 
 def test_grad_plan_places_each_gradient_once():
@@ -280,20 +286,24 @@ def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype, param_dtyp
     torch.library.opcheck(layer_op, args, test_utils=("test_schema", "test_faketensor",
                                                       "test_autograd_registration"))
     with torch.no_grad():
-        y, state, rng_state, cast = layer_op(*args)
+        y, state = layer_op(*args)
     x, mask, ek, ev, enc_mask, params = args[:6]
-    # float32 parameters: the GEMM weights' copies in one buffer (in the activations' dtype: none, empty)
-    assert (cast.numel() > 0) == (param_dtype == torch.float32) and cast.dtype == dtype
-    bwd_args = (torch.randn_like(y), state, rng_state, cast, x.detach(), mask, None if ek is None else ek.detach(),
+    # float32 parameters: the GEMM weights' copies at the end of the state (in the activations' dtype: none)
+    o = compiled._options(*args[6:])
+    cast_numel = cast_plan(params, dtype)[1][-1]
+    assert (cast_numel > 0) == (param_dtype == torch.float32)
+    nbytes = compiled._plan_of(o, x, mask, ek, enc_mask)[2]
+    assert state.numel() == state_tail(o, nbytes, cast_numel, dtype)[2]
+    bwd_args = (torch.randn_like(y), state, x.detach(), mask, None if ek is None else ek.detach(),
                 None if ev is None else ev.detach(), enc_mask, [p.detach() for p in params], *args[6:])
     torch.library.opcheck(layer_backward_op, bwd_args)
     # every gradient where grad_plan puts it: the one tensor's slices and the rest, against what autograd
     # hands on (the views the registered backward makes) from the same forward
-    y, state, rng_state, cast = layer_op(*args)
+    y, state = layer_op(*args)
     grad = torch.randn_like(y)
     expected = torch.autograd.grad(y, params, grad)
     with torch.no_grad():
-        _, grads, others, _ = layer_backward_op(grad, state, rng_state, cast, *bwd_args[4:])
+        _, grads, others, _ = layer_backward_op(grad, state, *bwd_args[2:])
     offsets, numel = grad_plan(params)
     assert grads.shape == (numel,) and grads.dtype == params[0].dtype
     assert len(others) == sum(at < 0 for at in offsets) == (2 * len(kinds) if param_dtype == "mixed" else 0)

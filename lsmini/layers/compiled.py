@@ -16,7 +16,9 @@ What differs from the eager one-call layer, because a custom operator must be a 
   instead of ~10–20 per layer is what keeps the compiled graph, and the compile time, small: each output
   of an operator is a node and a buffer of its own in every stage of the compiler.
 - The dropout states travel as a tensor (``_backend.dropout_state``: resolved on the device, right inside a
-  CUDA-graph replay of the compiled step too); backward reads them back through pointers into it.
+  CUDA-graph replay of the compiled step too); backward reads them back through pointers into it. They and
+  the GEMM weights the call casts (for backward to read again) go into the same buffer (``state_tail``), so
+  the operator has two outputs: y and the state.
 - Backward takes a fresh scratch tensor instead of the shared arena, and returns the encoder K/V
   gradients of a cross-attention block as tensors instead of writing a decoder stack's slots.
 - Backward returns the parameters' gradients as ONE tensor too: layer_bwd writes each where ``grad_plan``
@@ -115,6 +117,7 @@ def _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout,
 
 
 STATE_ALIGN = 64  # bytes; csrc/layers/layer.cpp checks it
+CAST_ALIGN = 128  # bytes: where the cast weights start in the state (cast_plan aligns each copy from there)
 
 
 def state_plan(layout):
@@ -129,6 +132,22 @@ def state_plan(layout):
         else:
             offsets.append(offsets[entry[1]] if entry is not None and entry[0] == "same" else -1)
     return offsets, end
+
+
+def state_tail(o, nbytes, cast_numel, dtype):
+    """After the saved tensors (nbytes, state_plan's), the state buffer holds the dropout states (int64
+    [2·blocks, 2], _backend.dropout_state's) and then the GEMM weights cast to the activations' dtype
+    (cast_plan's layout, cast_numel elements): (the dropout states' byte offset, the weights', the buffer's
+    size in bytes). Sizes may be symbolic."""
+    rng_at = nbytes
+    cast_at = (rng_at + 2 * len(o.kinds) * 16 + CAST_ALIGN - 1) // CAST_ALIGN * CAST_ALIGN
+    return rng_at, cast_at, cast_at + cast_numel * dtype.itemsize
+
+
+def _tail_views(state, o, rng_at, cast_at, dtype):
+    """(the dropout states, the cast weights' buffer): their views of the state buffer."""
+    rows = 2 * len(o.kinds)
+    return state[rng_at:rng_at + 16 * rows].view(torch.int64).view(rows, 2), state[cast_at:].view(dtype)
 
 
 def _plan(*args):
@@ -181,15 +200,18 @@ def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: 
              encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None, params: list[torch.Tensor],
              kinds: str, hidden: int, ffn: int, heads: int, scale: float, eps: float, pre_ln: bool, activation: str,
              dropout: float, attn_dropout: float, activation_dropout: float, causal: bool,
-             recompute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [b, l, H], the tensors the call created for backward in one uint8 buffer (saved_layout's "new"
-    slots where state_plan puts them), the dropout states [2·blocks, 2], the GEMM weights cast to x's dtype
-    in one buffer (precision.cast_plan's layout; empty when none needs casting) for backward to read again)."""
+             recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [b, l, H], the call's state for backward in one uint8 buffer: the tensors it created (saved_layout's
+    "new" slots where state_plan puts them), then its dropout states and the GEMM weights it cast to x's dtype
+    (state_tail), for backward to read again)."""
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
-    cast, buffer = cast_into_buffer(params, x.dtype)
     layout, offsets, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
-    state = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    plan = cast_plan(params, x.dtype)
+    rng_at, cast_at, total = state_tail(o, nbytes, plan[1][-1], x.dtype)
+    state = torch.empty(total, dtype=torch.uint8, device=x.device)
+    rng_state, buffer = _tail_views(state, o, rng_at, cast_at, x.dtype)
+    cast, _ = cast_into_buffer(params, x.dtype, plan, buffer)
     # layer_fwd checks that every slot with an offset holds its view of state
     y, saved, rngs = _backend.ext().layer_fwd(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                                               cast, state, offsets)
@@ -200,7 +222,8 @@ def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: 
             if tuple(saved[i].shape) != entry[1] or saved[i].dtype != entry[2]:
                 raise RuntimeError(f"lsmini::layer: saved slot {i} is {saved[i].dtype} {tuple(saved[i].shape)}, "
                                    f"saved_layout says {entry[2]} {entry[1]}")
-    return y, state, _backend.dropout_state(rngs, x.device), buffer
+    _backend.dropout_state(rngs, x.device, out=rng_state)
+    return y, state
 
 
 @layer_op.register_fake
@@ -211,13 +234,12 @@ def _layer_fake(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
     sizes = (*x.shape, *(() if encoder_k is None else encoder_k.shape))
     _, _, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask,
                             cached=not any(isinstance(d, torch.SymInt) for d in sizes))
-    return (torch.empty_like(x), x.new_empty(nbytes, dtype=torch.uint8),
-            x.new_empty(2 * len(o.kinds), 2, dtype=torch.int64), x.new_empty(cast_plan(params, x.dtype)[1][-1]))
+    total = state_tail(o, nbytes, cast_plan(params, x.dtype)[1][-1], x.dtype)[2]
+    return torch.empty_like(x), x.new_empty(total, dtype=torch.uint8)
 
 
 @torch.library.custom_op("lsmini::layer_backward", mutates_args=(), device_types="cuda")
-def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, rng_state: torch.Tensor, cast: torch.Tensor,
-                      x: torch.Tensor,
+def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, x: torch.Tensor,
                       key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
                       encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None,
                       params: list[torch.Tensor], kinds: str, hidden: int, ffn: int, heads: int, scale: float,
@@ -230,7 +252,9 @@ def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, rng_state: torch.
                  activation_dropout, causal, recompute)
     inputs = {"x": x.view(-1, hidden), "key_padding_mask": key_padding_mask, "encoder_k": encoder_k,
               "encoder_v": encoder_v, "encoder_padding_mask": encoder_padding_mask}
-    layout, offsets, _ = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
+    layout, offsets, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
+    plan = cast_plan(params, x.dtype)
+    rng_state, cast = _tail_views(state, o, *state_tail(o, nbytes, plan[1][-1], x.dtype)[:2], x.dtype)
     saved = []
     for entry, offset in zip(layout, offsets):
         kind = None if entry is None else entry[0]
@@ -243,7 +267,7 @@ def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, rng_state: torch.
     scratch = grad.new_empty(scratch_numel(o, x.shape[0], x.shape[1]))
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
     grad_k, grad_v = kv if kv else (None, None)
-    weights = cast_views(params, cast, cast_plan(params, x.dtype))
+    weights = cast_views(params, cast, plan)
     offsets, numel = grad_plan(params)
     grads = grad.new_empty(numel, dtype=params[0].dtype)
     into = [None if at < 0 else grads[at:at + p.numel()].view(p.shape) for p, at in zip(params, offsets)]
@@ -253,8 +277,8 @@ def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, rng_state: torch.
 
 
 @layer_backward_op.register_fake
-def _layer_backward_fake(grad, state, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                         params, *options):
+def _layer_backward_fake(grad, state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params,
+                         *options):
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
     offsets, numel = grad_plan(params)
     others = [torch.empty_like(p, memory_format=torch.contiguous_format) for p, at in zip(params, offsets) if at < 0]
@@ -263,18 +287,14 @@ def _layer_backward_fake(grad, state, rng_state, cast, x, key_padding_mask, enco
 
 def _setup_context(ctx, inputs, output):
     x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params = inputs[:6]
-    _, state, rng_state, cast = output
     ctx.options = inputs[6:]
-    ctx.save_for_backward(state, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                          *params)
+    ctx.save_for_backward(output[1], x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params)
 
 
-def _backward(ctx, grad, grad_state, grad_rng_state, grad_cast):
-    state, rng_state, cast, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params = \
-        ctx.saved_tensors
-    grad_x, grads, others, kv = layer_backward_op(grad.contiguous(), state, rng_state, cast, x, key_padding_mask,
-                                                  encoder_k, encoder_v, encoder_padding_mask, list(params),
-                                                  *ctx.options)
+def _backward(ctx, grad, grad_state):
+    state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params = ctx.saved_tensors
+    grad_x, grads, others, kv = layer_backward_op(grad.contiguous(), state, x, key_padding_mask, encoder_k, encoder_v,
+                                                  encoder_padding_mask, list(params), *ctx.options)
     others = iter(others)
     param_grads = [next(others) if at < 0 else grads.as_strided(p.shape, _contiguous_strides(p.shape), at)
                    for p, at in zip(params, grad_plan(params)[0])]

@@ -65,12 +65,14 @@ def cast_views(params, buffer, plan):
     return out
 
 
-def cast_into_buffer(params, dtype, plan=None):
-    """(cast_block over consecutive blocks, the one buffer holding the copies: numel 0 when nothing is cast),
-    without autograd: the casts run as one multi-tensor copy — one launch per layer instead of one per
-    weight. Whoever keeps the buffer can rebuild the list with cast_views, without casting again."""
+def cast_into_buffer(params, dtype, plan=None, buffer=None):
+    """(cast_block over consecutive blocks, the one buffer holding the copies: numel 0 when nothing is cast;
+    the given one, at least plan's numel, 128-byte aligned, when given), without autograd: the casts run as
+    one multi-tensor copy — one launch per layer instead of one per weight. Whoever keeps the buffer can
+    rebuild the list with cast_views, without casting again."""
     plan = plan or cast_plan(params, dtype)
-    buffer = torch.empty(plan[1][-1], dtype=dtype, device=params[0].device)
+    if buffer is None:
+        buffer = torch.empty(plan[1][-1], dtype=dtype, device=params[0].device)
     out = cast_views(params, buffer, plan)
     if plan[0]:
         torch._foreach_copy_([out[i] for i in plan[0]], [params[i] for i in plan[0]])
