@@ -342,6 +342,11 @@ def profile_step(step, batches, steps=5):
         for i in range(steps):
             step(*batches[i % len(batches)])
         torch.cuda.synchronize()
+    return kernel_summary(prof, steps)
+
+
+def kernel_summary(prof, steps):
+    """profile_step's report from a finished torch.profiler `prof` that spanned `steps` steps."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("Optimizer.", "ProfilerStep"))]  # annotations, not kernels
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)

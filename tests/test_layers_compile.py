@@ -13,7 +13,8 @@ from layer_testing import _one_thread, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import (CrossEntropyLoss, TransformerConfig, TransformerDecoder, TransformerEncoder,
                            TransformerEncoderLayer)
 from lsmini.layers import compiled
-from lsmini.layers.compiled import (BITS, CAST_ALIGN, GRAD_ALIGN, LSE, MASK, SLOTS, STATE_ALIGN, grad_plan,
+from lsmini.layers.arena import ALIGN
+from lsmini.layers.compiled import (BITS, CAST_ALIGN, LSE, MASK, SLOTS, STATE_ALIGN, grad_plan,
                                     layer_backward_op, layer_op, saved_layout, state_plan, state_tail)
 from lsmini.layers.precision import cast_plan
 from lsmini.layers.spec import LayerOptions
@@ -173,7 +174,7 @@ def test_grad_plan_places_each_gradient_once():
               torch.empty(3, dtype=torch.float32), torch.empty(7, 2, dtype=torch.float16)]
     offsets, numel = grad_plan(params)
     assert offsets[2] == -1
-    step = GRAD_ALIGN // 2
+    step = ALIGN
     assert offsets[0] == 0 and offsets[1] == step and offsets[3] == 2 * step and numel == 3 * step
     assert grad_plan(params[:2])[1] == 2 * step
 
@@ -222,6 +223,29 @@ def test_fullgraph_autocast_and_dynamic_shapes():
             comp = _step(compiled, model, src, tgt, mask, grad.bfloat16())
         assert all(g.dtype == torch.float32 for g in comp[3].values())
         _assert_close(comp, eager, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+def test_gradients_accumulate_without_zero_grad():
+    """Three backwards with no zero_grad between them: under compile each parameter's .grad starts as a view
+    into its layer's one gradient tensor, and autograd then adds the next backwards into it in place. The
+    sums equal eager's (output gradients 1x, 2x, 3x: keeping only one backward's share cannot pass).
+    Default mode only: under mode="reduce-overhead" PyTorch 2.11 refuses to accumulate into a .grad that a
+    graph replay made, for torch.nn modules too ("accessing tensor output of CUDAGraphs that has been
+    overwritten", pytorch/pytorch#169545)."""
+    model = _cuda_model(True, "gelu", torch.float16, dropout=0.0)
+    src, tgt, mask, grad = _inputs("cuda", torch.float16)
+
+    def accumulated(fn):
+        model.zero_grad(set_to_none=True)
+        for i in range(3):
+            fn(src, tgt, mask).backward(grad * (i + 1))
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    eager = accumulated(model)
+    compiled = accumulated(torch.compile(model, fullgraph=True))
+    for name, g in eager.items():  # atol: 2.5x the one-backward tests' 2e-2, for sums up to 6x one gradient
+        torch.testing.assert_close(compiled[name], g, atol=5e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.cuda
