@@ -346,7 +346,8 @@ def profile_step(step, batches, steps=5):
 
 
 def kernel_summary(prof, steps):
-    """profile_step's report from a finished torch.profiler `prof` that spanned `steps` steps."""
+    """profile_step's report from a finished torch.profiler `prof` that spanned `steps` steps; with the host's
+    ATen operators and CUDA runtime calls by own CPU time (what a C++ layer call spends its time in)."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and not e.name.startswith(("Optimizer.", "ProfilerStep"))]  # annotations, not kernels
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
@@ -368,10 +369,12 @@ def kernel_summary(prof, steps):
         cats[c] = cats.get(c, 0.0) + dur
         names[e.name] = names.get(e.name, 0.0) + dur
     top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+    host = sorted(((e.key[:80], e.count / steps, e.self_cpu_time_total / 1e3 / steps) for e in prof.key_averages()),
+                  key=lambda r: -r[2])[:30]
     return {"steps": steps, "kernels_per_step": len(kernels) / steps, "gpu_span_ms": wall / 1e3 / steps,
             "busy_ms": busy / 1e3 / steps, "idle_ms": (wall - busy) / 1e3 / steps,
             "categories_ms": {k: v / 1e3 / steps for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [(n[:110], v / 1e3 / steps) for n, v in top]}
+            "top_kernels_ms": [(n[:110], v / 1e3 / steps) for n, v in top], "host_ops_ms": host}
 
 
 # ---- memory: what is allocated at the peak ------------------------------------------------------------------
@@ -527,6 +530,9 @@ def profile_report(results):
         out.append("\n| top kernels | ms per step |\n|---|---|")
         for n, v in p["top_kernels_ms"]:
             out.append(f"| `{n}` | {v:.3f} |")
+        out.append("\n| host: ATen operators, CUDA runtime calls | calls per step | own ms per step |\n|---|---|---|")
+        for n, calls, v in p["host_ops_ms"][:15]:
+            out.append(f"| `{n}` | {calls:.1f} | {v:.3f} |")
         out.append("")
     return "\n".join(out)
 

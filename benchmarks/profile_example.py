@@ -43,7 +43,7 @@ class StepWatch:
         self.skip, self.steps, self.count = skip, steps, 0
         self.starts = []
         self.prof = self.cprof = None
-        self.kernels = self.host_ops = None
+        self.kernels = None
 
     def before(self):
         k = self.count - self.skip
@@ -56,7 +56,6 @@ class StepWatch:
             torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
             self.kernels = kernel_summary(self.prof, self.steps)
-            self.host_ops = host_ops(self.prof, self.steps)
             self.prof = None
             self.cprof = cProfile.Profile()
             self.cprof.enable()
@@ -71,13 +70,6 @@ class StepWatch:
         """Start-to-start times of the window's steps (0: torch.profiler, 1: cProfile), the median."""
         t = self.starts[window * self.steps:(window + 1) * self.steps + 1]
         return statistics.median(b - a for a, b in zip(t, t[1:])) * 1e3 if len(t) > 1 else None
-
-
-def host_ops(prof, steps, top=30):
-    """The host's ATen operators and CUDA runtime calls by own (self) CPU time: (name, calls, own ms) per step.
-    These are what the extension's layer calls spend their time in, which cProfile sees as one C++ call."""
-    rows = [(e.key[:80], e.count / steps, e.self_cpu_time_total / 1e3 / steps) for e in prof.key_averages()]
-    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 def host_report(cprof, steps, top):
@@ -126,7 +118,7 @@ def main():
     report = {"example": args.example, "flags": flags, "steps_in_run": watch.count,
               "example_tokens_per_s": metrics.get("tokens_per_s"),
               "step_ms_profiled": watch.intervals_ms(0), "step_ms_cprofiled": watch.intervals_ms(1),
-              "kernels": watch.kernels, "host_ops": watch.host_ops,
+              "kernels": watch.kernels,
               "host": host_report(watch.cprof, args.steps, args.top)}
     k = report["kernels"]
     print(f"\n{args.example} {' '.join(flags)}: {watch.count} steps, example tokens/s "
@@ -140,7 +132,7 @@ def main():
     for name, ms in k["top_kernels_ms"]:
         print(f"  {ms:7.3f} ms  {name}")
     print("\nhost, ATen operators and CUDA runtime calls by own time (per step: calls, own ms)")
-    for name, calls, own in watch.host_ops:
+    for name, calls, own in k["host_ops_ms"]:
         print(f"  {calls:7.1f} {own:8.3f}  {name}")
     for key, rows in report["host"].items():
         print(f"\nhost, top by {key} (per step: calls, own ms, cumulative ms)")
