@@ -227,7 +227,7 @@ def test_layer_fwd_into_one_state_buffer(pre, act, recompute):
     """Given a state buffer and its offsets (the compiled layer's), layer_fwd writes every tensor it saves
     there, as views at those offsets, with the values it saves without the buffer: the same y and saved
     tensors bit for bit (decoder layer: self, cross and FFN blocks, dropout on)."""
-    from lsmini.layers.compiled import _plan_of
+    from lsmini.layers.compiled import _heads, _plan_of
 
     ext = _backend.ext()
     cfg = TransformerConfig(64, 4, 128, activation=act, pre_layer_norm=pre, **DROPOUTS)
@@ -238,9 +238,11 @@ def test_layer_fwd_into_one_state_buffer(pre, act, recompute):
     params = [p.detach() for block in layer.blocks() for p in block]
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 11, 64, generator=gen).to("cuda", torch.float16)
-    ek, ev = (torch.randn(3, 4, 13, 16, generator=gen).to("cuda", torch.float16) for _ in range(2))
+    # the encoder K/V as the compiled layer takes them, [b, ls, H], and the [b, heads, ls, d] views layer_fwd reads
+    ek, ev = (torch.randn(3, 13, 64, generator=gen).to("cuda", torch.float16) for _ in range(2))
     mask = padding_mask(3, 13, "suffix").cuda()
     layout, offsets, nbytes = _plan_of(options, x, None, ek, mask)
+    ek, ev = _heads(ek, 4), _heads(ev, 4)
     state = torch.full((nbytes,), 255, dtype=torch.uint8, device="cuda")
     torch.manual_seed(7)
     y, saved, _ = ext.layer_fwd(options, x, None, ek, ev, mask, params)

@@ -288,8 +288,8 @@ def _op_args(kinds, pre, act, recompute, dtype, masked, cross, param_dtype=None)
     enc_mask[1, -3:] = True
     ek = ev = None
     if cross:
-        kv = torch.randn(b, ls, 2, heads, h // heads, device="cuda", dtype=dtype)
-        ek, ev = (t.requires_grad_() for t in kv.permute(2, 0, 3, 1, 4).clone().unbind(0))
+        kv = torch.randn(b, ls, 2, h, device="cuda", dtype=dtype)  # [b, ls, H] column blocks, as the decoder's
+        ek, ev = (t.requires_grad_() for t in kv.unbind(2))
     return (x, mask if masked else None, ek, ev, enc_mask if (cross and masked) else None, params, ",".join(kinds), h,
             ffn, heads, (h // heads) ** -0.5, 1e-5, pre, act, 0.1, 0.1, 0.1, not cross, recompute)
 

@@ -163,7 +163,14 @@ def _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask, cached=Tru
     """(saved_layout, its state offsets, the state's bytes) of a call."""
     plan = _cached_plan if cached else _plan  # symbolic sizes (dynamic shapes) do not hash
     return plan(o, x.shape[0], x.shape[1], key_padding_mask is not None, encoder_padding_mask is not None, x.dtype,
-                0 if encoder_k is None else encoder_k.shape[2])
+                0 if encoder_k is None else encoder_k.shape[1])
+
+
+def _heads(t, heads):
+    """[b, ls, H] encoder keys or values (a column block of the cross-K/V projection: any row stride) as the
+    [b, heads, ls, d] view the attention kernels read."""
+    b, ls, hidden = t.shape
+    return t.view(b, ls, heads, hidden // heads).transpose(1, 2)
 
 
 def grad_plan(params):
@@ -210,6 +217,8 @@ def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: 
     rng_state, buffer = _tail_views(state, o, rng_at, cast_at, x.dtype)
     cast, _ = cast_into_buffer(params, x.dtype, plan, buffer)
     # layer_fwd checks that every slot with an offset holds its view of state
+    if encoder_k is not None:
+        encoder_k, encoder_v = _heads(encoder_k, heads), _heads(encoder_v, heads)
     y, saved, rngs = _backend.ext().layer_fwd(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
                                               cast, state, offsets)
     for i, entry in enumerate(layout):
@@ -247,9 +256,13 @@ def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, x: torch.Tensor,
     the gradients of the parameters grad_plan leaves out, [grad_encoder_k, grad_encoder_v] or [])."""
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
+    layout, offsets, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
+    # dK/dV [b, ls, H] each, as the keys and values came in; the kernels write them through heads views
+    kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
+    if encoder_k is not None:
+        encoder_k, encoder_v = _heads(encoder_k, heads), _heads(encoder_v, heads)
     inputs = {"x": x.view(-1, hidden), "key_padding_mask": key_padding_mask, "encoder_k": encoder_k,
               "encoder_v": encoder_v, "encoder_padding_mask": encoder_padding_mask}
-    layout, offsets, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
     plan = cast_plan(params, x.dtype)
     rng_state, cast = _tail_views(state, o, *state_tail(o, nbytes, plan[1][-1], x.dtype)[:2], x.dtype)
     saved = []
@@ -262,8 +275,7 @@ def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, x: torch.Tensor,
             saved.append(None if kind is None else inputs[entry[1]] if kind == "input" else saved[entry[1]])
     rngs = [_backend.rng_in(rng_state, i) for i in range(rng_state.shape[0])]
     scratch = grad.new_empty(scratch_numel(o, x.shape[0], x.shape[1]))
-    kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
-    grad_k, grad_v = kv if kv else (None, None)
+    grad_k, grad_v = (_heads(kv[0], heads), _heads(kv[1], heads)) if kv else (None, None)
     weights = cast_views(params, cast, plan)
     offsets, numel = grad_plan(params)
     # the alignment gaps between gradients are never written: zeroed, the whole tensor is defined (opcheck
@@ -341,8 +353,11 @@ def reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_paddin
 
 def layer_call(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params):
     """One layer call while compiling: x [b, l, H] contiguous in the compute dtype, params as the module
-    holds them (e.g. float32 under autocast), encoder_k/encoder_v [b, heads, ls, d] for a layer with a cross
-    block. The custom operator on the kernel path with the fused attention, the references otherwise.
+    holds them (e.g. float32 under autocast), encoder_k/encoder_v [b, ls, H] for a layer with a cross block
+    (column blocks of the decoder's one cross-K/V projection: their gradients then gather back into the
+    projection's by a stack along the columns, where [b, heads, ls, d] views needed a permuting copy too,
+    whose index arithmetic the compiler spent time simplifying). The custom operator on the kernel path
+    with the fused attention, the references otherwise.
 
     The operators cast the GEMM weights themselves (one multi-tensor copy into one buffer, which forward
     returns for backward to read) and return every gradient in its parameter's dtype straight out of its
@@ -354,4 +369,6 @@ def layer_call(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mas
                         o.dropout, o.attn_dropout, o.activation_dropout, o.causal, o.recompute)[0]
     cast = [p for i in range(len(o.kinds))
             for p in cast_block(params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)], x.dtype)]
+    if encoder_k is not None:
+        encoder_k, encoder_v = _heads(encoder_k, o.heads), _heads(encoder_v, o.heads)
     return reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cast)

@@ -14,7 +14,6 @@ from torch import nn
 
 from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
                                 kernels_for)
-from lsmini.layers.blocks import heads_of
 from lsmini.layers.compiled import layer_call
 from lsmini.layers.function import CrossKVFunction, KVGradSlots, LayerFunction
 from lsmini.layers.incremental import incremental_layer, project_kv
@@ -54,14 +53,15 @@ def _check_padding_mask(owner, mask, y, cache):
 
 
 def _cross_kv(enc, weight, bias, heads, slots, kernels):
-    """The cross-attention K/V views of every layer from one GEMM over enc [b, ls, H] (CrossKVFunction);
-    while compiling, the same GEMM as plain PyTorch, whose backward the compiler derives."""
+    """The cross-attention K/V views of every layer from one GEMM over enc [b, ls, H] (CrossKVFunction):
+    [b, heads, ls, d] each. While compiling, the same GEMM as plain PyTorch, whose backward the compiler
+    derives, and its column blocks [b, ls, H] (compiled.layer_call takes those)."""
     if not torch.compiler.is_compiling():
         return CrossKVFunction.apply(enc, weight, bias, heads, slots, kernels)
     b, ls, hidden = enc.shape
     weight, bias = cast_block((weight, bias), enc.dtype)
     kv = F.linear(enc.reshape(b * ls, hidden), weight, bias.to(enc.dtype))
-    return heads_of(kv, b, ls, slots.parts, heads, hidden // heads)
+    return kv.view(b, ls, slots.parts, hidden).unbind(2)
 
 
 class TransformerDecoderLayer(TransformerLayerBase):
