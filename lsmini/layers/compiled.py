@@ -20,7 +20,9 @@ What differs from the eager one-call layer, because a custom operator must be a 
   the GEMM weights the call casts (for backward to read again) go into the same buffer (``state_tail``), so
   the operator has two outputs: y and the state.
 - Backward takes a fresh scratch tensor instead of the shared arena, and returns the encoder K/V
-  gradients of a cross-attention block as tensors instead of writing a decoder stack's slots.
+  gradients of a cross-attention block as tensors instead of writing a decoder stack's slots. Both
+  operators take the encoder K/V as [b, ls, H] column blocks of the decoder's one projection (``_heads``
+  makes the kernels' views), so those gradients gather back by a stack along the columns.
 - Backward returns the parameters' gradients as ONE tensor too: layer_bwd writes each where ``grad_plan``
   puts it, and autograd is handed views of it.
 The kernels, GEMMs and dropout draws are those of the eager layer: same seed, same outputs.
