@@ -243,9 +243,9 @@ def test_gradients_accumulate_without_zero_grad():
         return {n: p.grad.clone() for n, p in model.named_parameters()}
 
     eager = accumulated(model)
-    compiled = accumulated(torch.compile(model, fullgraph=True))
+    comp = accumulated(torch.compile(model, fullgraph=True))
     for name, g in eager.items():  # atol: 2.5x the one-backward tests' 2e-2, for sums up to 6x one gradient
-        torch.testing.assert_close(compiled[name], g, atol=5e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(comp[name], g, atol=5e-2, rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.cuda
