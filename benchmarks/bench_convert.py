@@ -3,7 +3,7 @@ each eager and under torch.compile.
 
     python benchmarks/bench_convert.py [--variants torch,lsmini,...] [--iters 30] [--warmup 10] [--quick]
                                        [--norm-first] [--dtype bf16|fp16] [--no-fullgraph] [--repeats N]
-                                       [--no-isolate] [--csv PATH]
+                                       [--padding-masks bool|float|per-model] [--no-isolate] [--csv PATH]
     python benchmarks/bench_convert.py --device cpu --quick --layers 1 --d-model 32 --heads 4 --ffn 64 \\
                                        --vocab 50 --batch 4 --src-len 8 --tgt-len 8 --variants torch,lsmini
 
@@ -17,9 +17,13 @@ nn.Transformer.generate_square_subsequent_mask(L) passed with tgt_is_causal=True
 zero_grad(set_to_none=True), forward, loss, backward, optimizer step.
 
 The padding masks are bool, as most scripts pass them. PyTorch then warns that they and the float causal mask
-differ in type, and under torch.compile that warning breaks the graph (the graphs column counts the pieces).
---padding-masks float passes additive masks (0 / -inf) instead, for a torch.compile baseline without those
-breaks; lsmini's converted modules read float padding masks by value, in eager mode only.
+differ in type, and under torch.compile that warning breaks the graph inside nn.Transformer's loop over its
+layers: Dynamo then runs the transformer eagerly and compiles only the embedding, the output projection and the
+loss (the graphs column counts the pieces, the captured column the operations they hold). --padding-masks float
+passes additive masks (0 / -inf) instead, the causal mask's type, and torch.compile traces the whole model in one
+graph; lsmini's converted modules read float padding masks by value, in eager mode only, so under torch.compile
+they need bool masks. --padding-masks per-model gives each model the masks its whole model compiles with, float
+to torch's and bool to lsmini's: the strongest torch.compile baseline beside lsmini.
 
 Variants, each on a fresh model built from the same seed, each in a fresh Python process (--no-isolate: all in
 this one, where the first compiled variant pays several seconds of compiler start-up that later ones do not):
@@ -35,6 +39,7 @@ variants compile with fullgraph=True (--no-fullgraph turns it off), so that a gr
 variant that fails is reported as a row carrying the first line of its error, and the run goes on.
 
 Reported per variant:
+    masks         the padding masks its model was given (bool or float; --padding-masks).
     compile_s     wall time (synchronised) from the start of the first step to the end of the first step that
                   runs the way every later step does: step 1 for eager and default-mode variants (its
                   forward call traces and compiles the forward and runs it, its backward compiles and runs
@@ -57,6 +62,7 @@ Reported per variant:
     loss_first    the loss of step 1 (the same initial weights in every variant; the dropout draws differ).
     loss_final    the mean loss of the last (up to 10) timed steps: the variants train alike if these agree.
     graphs        graphs Dynamo captured (1: no graph break and no recompilation).
+    captured      operations Dynamo captured into those graphs (the rest of the model runs eagerly).
     replaced/kept the lengths of lsmini.convert's report lists.
     x_torch_compile  tgt_tokens_s over torch+compile's; x_same_mode: over the unconverted model's under the
                   same compile mode (lsmini / torch, lsmini+compile / torch+compile, ...); mem_vs_torch:
@@ -101,8 +107,8 @@ GRAPH_READY_STEPS = 3  # reduce-overhead: compile + warm-up run, recording, firs
 
 VARIANTS = ("torch", "torch+compile", "torch+compile-graphs", "lsmini", "lsmini+compile", "lsmini+compile-graphs")
 COMPILE_MODES = {"": None, "compile": "default", "compile-graphs": "reduce-overhead"}
-COLUMNS = ["variant", "compile_s", "ms_step", "tgt_tokens_s", "peak_mb", "loss_first", "loss_final", "graphs",
-           "replaced", "kept", "x_torch_compile", "x_same_mode", "mem_vs_torch", "error"]
+COLUMNS = ["variant", "masks", "compile_s", "ms_step", "tgt_tokens_s", "peak_mb", "loss_first", "loss_final",
+           "graphs", "captured", "replaced", "kept", "x_torch_compile", "x_same_mode", "mem_vs_torch", "error"]
 FORMATS = {"compile_s": "{:.2f}", "ms_step": "{:.2f}", "tgt_tokens_s": "{:,.0f}", "peak_mb": "{:,.0f}",
            "loss_first": "{:.4f}", "loss_final": "{:.4f}", "x_torch_compile": "{:.2f}×", "x_same_mode": "{:.2f}×",
            "mem_vs_torch": "{:.2f}"}
@@ -164,8 +170,16 @@ def padded_rows(g, weights, rows, length):
     return tokens.masked_fill(padding, PAD), padding
 
 
-def make_batches(args, device):
-    """N_BATCHES batches of (src, tgt_in, tgt_out, (src_padding, tgt_padding, tgt_mask)) on device."""
+def mask_type(args, variant):
+    """The padding masks a variant's model is given: "bool" or "float" (--padding-masks)."""
+    if args.padding_masks == "per-model":
+        return "bool" if split_variant(variant)[0] else "float"
+    return args.padding_masks
+
+
+def make_batches(args, device, masks):
+    """N_BATCHES batches of (src, tgt_in, tgt_out, (src_padding, tgt_padding, tgt_mask)) on device, with
+    padding masks of type masks ("bool" or "float"); the same tokens whatever the masks."""
     g = torch.Generator().manual_seed(DATA_SEED)
     weights = 1.0 / (torch.arange(args.vocab - FIRST_TOKEN, dtype=torch.float64) + 10.0)
     tgt_mask = nn.Transformer.generate_square_subsequent_mask(args.tgt_len, device=device)
@@ -176,11 +190,11 @@ def make_batches(args, device):
         # Teacher forcing: the decoder reads BOS and the target shifted right; position t predicts tgt_out[t],
         # so the input's padding starts where the target's does.
         tgt_in = torch.cat([torch.full((args.batch, 1), BOS), tgt_out[:, :-1]], 1).masked_fill(tgt_padding, PAD)
-        if args.padding_masks == "float":  # additive, of the causal mask's type: 0 to keep, -inf at padding
+        if masks == "float":  # additive, of the causal mask's type: 0 to keep, -inf at padding
             src_padding, tgt_padding = (torch.zeros(m.shape).masked_fill(m, -math.inf)
                                         for m in (src_padding, tgt_padding))
-        masks = (src_padding.to(device), tgt_padding.to(device), tgt_mask)
-        batches.append((src.to(device), tgt_in.to(device), tgt_out.to(device), masks))
+        batches.append((src.to(device), tgt_in.to(device), tgt_out.to(device),
+                        (src_padding.to(device), tgt_padding.to(device), tgt_mask)))
     return batches
 
 
@@ -225,9 +239,11 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def run_variant(variant, args, device, batches, row):
+def run_variant(variant, args, device, row):
     """Fills row (a dict holding "variant") with the variant's measurements."""
     use_lsmini, mode = split_variant(variant)
+    row["masks"] = mask_type(args, variant)
+    batches = make_batches(args, device, row["masks"])
     model = build_model(args).to(device).train()
     if use_lsmini:
         # The one line the script gains. The optimizer is created after it, over the converted parameters.
@@ -306,6 +322,7 @@ def run_variant(variant, args, device, batches, row):
     row["loss_final"] = torch.stack(losses[-LOSS_WINDOW:]).float().mean().item()
     if mode is not None:
         row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        row["captured"] = torch._dynamo.utils.counters["stats"]["calls_captured"]
 
 
 def release(device):
@@ -325,15 +342,15 @@ def disable_compile_caches():
         importlib.import_module("torch._inductor.config").force_disable_caches = True
 
 
-def warm_up_process(args, device, batches):
+def warm_up_process(args, device):
     """One-time costs outside every variant's numbers: CUDA context, cuBLAS handles and kernel loading (eager
     steps of a one-layer model of the same widths: torch's as written, and converted when an lsmini variant
     is to run, so that each variant finds its own kernels loaded) and Inductor's start-up (imports and its
     pool of compile workers, by compiling a one-line function)."""
     small = argparse.Namespace(**{**vars(args), "layers": 1, "warmup": 2, "iters": 1, "cprofile": None})
-    run_variant("torch", small, device, batches, {})
+    run_variant("torch", small, device, {})
     if any(split_variant(v)[0] for v in args.variants):
-        run_variant("lsmini", small, device, batches, {})
+        run_variant("lsmini", small, device, {})
     if any(split_variant(v)[1] is not None for v in args.variants):
         f = torch.compile(lambda x: x * 2 + 1)
         f(torch.ones(8, device=device))
@@ -392,10 +409,11 @@ def header_line(args, device):
         env = {"gpu": f"CPU ({platform.processor() or platform.machine()})", "torch": torch.__version__,
                "cuda": torch.version.cuda, "date": datetime.date.today().isoformat()}
     layout = "pre-LN" if args.norm_first else "post-LN"
+    masks = "float (torch) / bool (lsmini)" if args.padding_masks == "per-model" else args.padding_masks
     return (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']} — nn.Transformer "
             f"{args.layers}+{args.layers}, d_model {args.d_model}, {args.heads} heads, FFN {args.ffn}, vocab "
-            f"{args.vocab}, {layout}, batch {args.batch} × {args.src_len}/{args.tgt_len} tokens, {args.padding_masks} "
-            f"padding masks, {args.dtype}, "
+            f"{args.vocab}, {layout}, batch {args.batch} × {args.src_len}/{args.tgt_len} tokens, {masks} padding "
+            f"masks, {args.dtype}, "
             f"{args.warmup} warm-up + {args.iters} timed steps, {'cached' if args.compile_cache else 'cold'} "
             f"compiles, lsmini compiled with fullgraph={args.fullgraph}, lsmini backend {lsmini.backend()}")
 
@@ -413,10 +431,11 @@ def parse_args(argv=None):
                     help="compile the lsmini variants with fullgraph=True (a failure becomes an error row)")
     ap.add_argument("--compile-cache", action="store_true",
                     help="keep Inductor's caches on (warm compile times) instead of compiling cold")
-    ap.add_argument("--padding-masks", default="bool", choices=["bool", "float"],
-                    help="bool (True at padding, as most scripts pass them) or float (0 / -inf, the causal mask's "
+    ap.add_argument("--padding-masks", default="bool", choices=["bool", "float", "per-model"],
+                    help="bool (True at padding, as most scripts pass them), float (0 / -inf, the causal mask's "
                          "type: PyTorch then neither warns about mismatched masks nor, under torch.compile, "
-                         "breaks the graph at that warning; lsmini reads float masks by value, eagerly only)")
+                         "breaks the graph at that warning; lsmini reads float masks by value, eagerly only) or "
+                         "per-model (float for torch's model, bool for lsmini's: each compiles whole)")
     ap.add_argument("--norm-first", action="store_true", help="pre-LN layers (nn.Transformer norm_first=True)")
     ap.add_argument("--layers", type=int, default=6, help="encoder layers, and as many decoder layers")
     ap.add_argument("--d-model", type=int, default=512)
@@ -456,17 +475,17 @@ def parse_args(argv=None):
     return args
 
 
-def run_here(variant, args, device, batches):
+def run_here(variant, args, device):
     """One variant in this process: its row (an error row if it fails)."""
     row = {"variant": variant}
     compile_phases().clear()
     try:
-        run_variant(variant, args, device, batches, row)
+        run_variant(variant, args, device, row)
     except Exception as e:  # noqa: BLE001 — a failed variant is a result too; the others still run
         traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0]
         # What convert reported stays; measurements cut short do not.
-        row = {k: v for k, v in row.items() if k in ("variant", "replaced", "kept", "kept_names")}
+        row = {k: v for k, v in row.items() if k in ("variant", "masks", "replaced", "kept", "kept_names")}
         row["error"] = f"{type(e).__name__}: {first}"[:300]
     if args.compile_profile and split_variant(variant)[1] is not None:
         print_compile_profile(variant)  # before release: torch._dynamo.reset() clears the timings
@@ -528,15 +547,14 @@ def main(argv=None):
     if args.row_json is None:
         print(f"# {header_line(args, device)}", flush=True)
     if not args.isolate:
-        batches = make_batches(args, device)
-        warm_up_process(args, device, batches)
+        warm_up_process(args, device)
     runs = {v: [] for v in args.variants}
     for _ in range(args.repeats):  # round-robin, so that a slow spell of the machine is shared out
         for variant in args.variants:
             if args.isolate:  # the child prints its report line
                 runs[variant].append(run_isolated(variant, argv))
             else:
-                runs[variant].append(run_here(variant, args, device, batches))
+                runs[variant].append(run_here(variant, args, device))
                 print(report_line(runs[variant][-1]), flush=True)
     rows = [median_run(runs[v]) for v in args.variants]
     if args.row_json is not None:  # a child of run_isolated: its one row goes back to the parent

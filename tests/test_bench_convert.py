@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 import lsmini
 
@@ -59,3 +60,31 @@ def test_torch_and_lsmini_rows(capsys):  # each variant in its own process (the 
     table = table_rows(capsys.readouterr().out)
     assert {"torch", "lsmini"} <= set(table)
 
+
+
+def test_per_model_masks(capsys):
+    """--padding-masks per-model: float masks for torch's model (so that torch.compile traces it whole), bool for
+    lsmini's (which reads float masks in eager mode only). The float masks mean what the bool ones do: torch's
+    model gives the same first loss with either (same weights, same dropout draws)."""
+    if not callable(getattr(lsmini, "convert", None)):
+        pytest.skip("lsmini.convert is not available")
+    rows = bench_convert.main(TINY + ["--variants", "torch,lsmini", "--padding-masks", "per-model", "--no-isolate"])
+    by = {r["variant"]: r for r in rows}
+    assert by["torch"]["masks"] == "float" and by["lsmini"]["masks"] == "bool"
+    for r in rows:
+        check_trained(r)
+    assert "float (torch) / bool (lsmini) padding masks" in capsys.readouterr().out
+    with_bool = bench_convert.main(TINY + ["--variants", "torch", "--no-isolate"])[0]
+    assert with_bool["masks"] == "bool"
+    assert with_bool["loss_first"] == pytest.approx(by["torch"]["loss_first"], rel=1e-5)
+
+
+def test_mask_types_carry_the_same_padding():
+    args = bench_convert.parse_args(TINY)
+    bools = bench_convert.make_batches(args, torch.device("cpu"), "bool")
+    floats = bench_convert.make_batches(args, torch.device("cpu"), "float")
+    for b, f in zip(bools, floats):
+        assert torch.equal(b[0], f[0]) and torch.equal(b[2], f[2])
+        for mb, mf in zip(b[3][:2], f[3][:2]):
+            assert mb.dtype == torch.bool and mf.dtype == torch.float32
+            assert torch.equal(mb, mf == float("-inf")) and bool(((mf == 0) | mb).all())
