@@ -19,7 +19,6 @@ does while a CUDA graph is captured). Beyond the bindings, a dropout call with p
 
 Every binding call is logged in ``calls`` as ``(name, {argument: value})``, rng included.
 """
-import contextlib
 import functools
 import inspect
 
@@ -186,7 +185,7 @@ class FakeExt:
         self.calls = []  # (binding name, {argument: value}) of every binding call, in order
 
     # ---- dropout rng -------------------------------------------------------------------------------
-    def philox_seed_offset(self):
+    def philox_seed_offset(self, device_index=-1):
         """(seed, offset, 0, 0) eager; captured: (0, offset within the graph, seed_ptr, offset_ptr) with
         the pointers at the fake's words, which hold the generator's seed and offset when read."""
         if self.captured:
@@ -557,20 +556,13 @@ class FakeExt:
 def fake_kernels(monkeypatch):
     """Installs a FakeExt for one test and returns it: ``_backend.ext()`` is the fake and
     ``_backend.use_kernels`` says yes for CPU tensors, so the ops and the layers take their kernel path on
-    CPU; ``_backend.dropout_rng`` draws from the fake (a CPU device has no CUDA device to switch to, so
-    entering one is a no-op)."""
+    CPU; ``_backend.dropout_rng`` draws from the fake."""
     fake = FakeExt()
-    use_kernels, cuda_device = _backend.use_kernels, torch.cuda.device
+    use_kernels = _backend.use_kernels
 
     def use_kernels_on_cpu(*tensors):
         return all(t is None or t.device.type == "cpu" for t in tensors) or use_kernels(*tensors)
 
-    def device_context(device):
-        if isinstance(device, torch.device) and device.type == "cpu":
-            return contextlib.nullcontext()
-        return cuda_device(device)
-
     monkeypatch.setattr(_backend, "ext", lambda: fake)
     monkeypatch.setattr(_backend, "use_kernels", use_kernels_on_cpu)
-    monkeypatch.setattr(torch.cuda, "device", device_context)
     return fake

@@ -214,6 +214,34 @@ def test_philox_seed_offset_eager_and_captured_forms():
     assert _backend.dropout_rng(0.0, torch.device("cuda")) == _backend.NO_RNG
 
 
+@pytest.mark.cuda
+def test_philox_seed_offset_of_a_device():
+    """A draw for a given device comes from that device's generator; "cuda" without an index, the current one."""
+    torch.cuda.manual_seed(5)
+    here = torch.device("cuda", torch.cuda.current_device())
+    assert _backend.philox_seed_offset(here) == (5, 0, 0, 0)
+    assert _backend.dropout_rng(0.1, here) == (5, 4, 0, 0)
+    assert _backend.dropout_rng(0.1, torch.device("cuda")) == (5, 8, 0, 0)
+    assert _backend.philox_seed_offset() == (5, 12, 0, 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (a draw for the other one)")
+def test_philox_seed_offset_of_another_device():
+    torch.cuda.set_device(0)
+    torch.cuda.manual_seed_all(5)
+    assert _backend.dropout_rng(0.1, torch.device("cuda", 1)) == (5, 0, 0, 0)
+    assert _backend.dropout_rng(0.1, torch.device("cuda", 1)) == (5, 4, 0, 0)
+    assert _backend.dropout_rng(0.1, torch.device("cuda", 0)) == (5, 0, 0, 0)  # device 0's own offset
+    assert torch.cuda.current_device() == 0
+    x = torch.randn(64, 32, device="cuda:1")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(1), torch.cuda.graph(graph):  # captured on device 1: its generator's device words
+        rng = _backend.dropout_rng(0.1, x.device)
+        x.add_(1)
+    assert rng[0] == 0 and rng[2] != 0
+
+
 # -------------------------------------------------------------------------------------- CPU (CI) ---
 def _cpu_forward(op, p):
     """A forward of the public op on small CPU tensors (taking its kernel path); returns the output."""

@@ -21,14 +21,18 @@ std::vector<Registrar>& registrars() {
   return r;
 }
 
-// The Philox state of one dropout call, from torch's CUDA generator of the current device, so
-// torch.manual_seed reproduces every mask: (seed, offset, seed_ptr, offset_ptr) as the bindings take it
-// (common.h's philox_args). Eager: (seed, offset, 0, 0). Under CUDA graph capture torch hands out device
-// words that it refills before every replay, so each replay draws fresh masks: (0, offset within the
-// graph, address of the seed, address of the base offset).
-PhiloxTuple philox_seed_offset() {
-  auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(std::nullopt,
-                                                                 at::cuda::detail::getDefaultCUDAGenerator());
+// The Philox state of one dropout call, from torch's CUDA generator of device device_index (-1: the
+// current device), so torch.manual_seed reproduces every mask: (seed, offset, seed_ptr, offset_ptr) as the
+// bindings take it (common.h's philox_args). Eager: (seed, offset, 0, 0). Under CUDA graph capture torch
+// hands out device words that it refills before every replay, so each replay draws fresh masks: (0, offset
+// within the graph, address of the seed, address of the base offset).
+PhiloxTuple philox_seed_offset(c10::DeviceIndex device_index) {
+  // That device current while the generator is read: whether a capture is under way is asked of the
+  // current device's stream. A guard here costs far less than switching devices from Python per call.
+  c10::cuda::OptionalCUDAGuard guard;
+  if (device_index >= 0) guard.set_index(device_index);
+  auto gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(device_index));
   std::lock_guard<std::mutex> lock(gen->mutex_);
   // Our counters put the element group in words 0-1 and the offset in words 2-3, so any distinct
   // offset gives an independent stream; advancing by a multiple of 4 keeps torch's own accounting.
@@ -57,8 +61,9 @@ static pybind11::dict limits() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "lsmini fused CUDA kernels";
   m.def("philox_seed_offset", &lsmini::philox_seed_offset,
-        "(seed, offset, seed_ptr, offset_ptr) for one dropout call; the pointers are 0 unless a CUDA graph "
-        "is being captured");
+        "(seed, offset, seed_ptr, offset_ptr) for one dropout call on CUDA device device_index (-1: the "
+        "current one); the pointers are 0 unless a CUDA graph is being captured",
+        pybind11::arg("device_index") = -1);
   m.def("limits", &lsmini::limits,
         "the kernels' size limits: {layernorm_max_hidden, attention_softmax_max_keys, attention_head_dims, "
         "adam_max_groups, cross_entropy_max_vocab}, a fresh dict on each call");

@@ -10,8 +10,8 @@
 
 namespace lsmini {
 
-// module.cpp: the Philox state of one dropout call from torch's CUDA generator of the current device.
-PhiloxTuple philox_seed_offset();
+// module.cpp: the Philox state of one dropout call from torch's CUDA generator of that device (-1: current).
+PhiloxTuple philox_seed_offset(c10::DeviceIndex device_index = -1);
 
 // layernorm.cpp: (y, mean, rstd), each into out / mean_out / rstd_out when given.
 std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& weight,

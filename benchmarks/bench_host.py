@@ -1,0 +1,67 @@
+"""Host time of eager op calls: what a training step pays per lsmini op before any kernel runs.
+
+    python benchmarks/bench_host.py [--calls N]
+
+Each dropout op is called with dropout 0.1 and with dropout 0 on small inputs (the GPU finishes each call long
+before the host issues the next, so the wall time per call is the host's), without autograd; the difference
+is what a call pays to draw its Philox state (``_backend.dropout_rng``), which graph capture needs to be able
+to redirect. ``dropout_rng`` itself is timed alone too. Best of 5 repeats of --calls calls, µs per call.
+"""
+import argparse
+import os
+import sys
+import timeit
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402
+from lsmini import _backend  # noqa: E402
+from lsmini.ops import (attention, attention_softmax, bias_act_dropout, bias_dropout_residual, embedding,  # noqa: E402
+                        sinusoidal_positions)
+
+P = 0.1
+
+
+def host_us(fn, calls):
+    fn()
+    torch.cuda.synchronize()
+    best = min(timeit.repeat(fn, number=calls, repeat=5)) / calls
+    torch.cuda.synchronize()
+    return best * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=5000)
+    args = ap.parse_args()
+    env = common.environment()
+    print(f"# {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}: host µs per eager call")
+    dev, half = torch.device("cuda"), torch.float16
+    x = torch.randn(256, 512, device=dev, dtype=half)
+    bias = torch.randn(512, device=dev, dtype=half)
+    q = torch.randn(2, 8, 64, 64, device=dev, dtype=half)
+    scores = torch.randn(2, 8, 64, 64, device=dev, dtype=half)
+    tokens = torch.randint(4, 1000, (4, 64), device=dev)
+    weight = torch.randn(1000, 512, device=dev, dtype=half)
+    positions = sinusoidal_positions(64, 512).to(dev, half)
+    ops = {
+        "bias_dropout_residual": lambda p: bias_dropout_residual(x, bias, x, p),
+        "bias_act_dropout": lambda p: bias_act_dropout(x, bias, "gelu", p),
+        "attention_softmax": lambda p: attention_softmax(scores, None, True, p),
+        "attention": lambda p: attention(q, q, q, None, True, p),
+        "embedding": lambda p: embedding(tokens, weight, positions, dropout_p=p, check_tokens=False),
+    }
+    rows = [{"op": "dropout_rng", "p 0.1 µs": host_us(lambda: _backend.dropout_rng(P, dev), args.calls)}]
+    for name, call in ops.items():
+        with_p, without = host_us(lambda: call(P), args.calls), host_us(lambda: call(0.0), args.calls)
+        rows.append({"op": name, "p 0.1 µs": with_p, "p 0 µs": without, "dropout's share": 1 - without / with_p})
+    shown = [{k: (f"{v:.1%}" if k == "dropout's share" else f"{v:.2f}") if isinstance(v, float) else v
+              for k, v in r.items()} for r in rows]
+    print(common.markdown_table(shown, ["op", "p 0.1 µs", "p 0 µs", "dropout's share"]))
+
+
+if __name__ == "__main__":
+    main()
