@@ -1,0 +1,75 @@
+"""Where the host time of a converted model's training step goes: bench_convert.py's nn.Transformer after
+lsmini.convert, eager and under torch.compile (default mode), in one process.
+
+    python benchmarks/profile_convert.py [--out DIR] [--steps 20] [--modes eager default]
+
+Per mode, after 5 warm-up steps (the compile): the synced wall time per step over --steps steps, a cProfile of
+--steps more steps into DIR/<mode>.pstats (read with python -m pstats: the per-call times of _C.layer_fwd and
+_C.layer_bwd, the Python around them), and torch.profiler's host operators over 5 steps, most self time first
+(the counts of view operators and launches). Bool padding masks, bf16 autocast, fused AdamW, as bench_convert.py.
+"""
+import argparse
+import cProfile
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench_convert  # noqa: E402
+import lsmini  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".", help="directory for the .pstats files")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--modes", nargs="+", default=["eager", "default"], choices=["eager", "default"])
+    cli = ap.parse_args()
+    os.makedirs(cli.out, exist_ok=True)
+    args = bench_convert.parse_args(["--quick"])
+    device = torch.device("cuda")
+    for mode in cli.modes:
+        batches = bench_convert.make_batches(args, device, "bool")
+        model = bench_convert.build_model(args).to(device).train()
+        n = max(args.src_len, args.tgt_len)
+        lsmini.convert(model, max_batch_tokens=args.batch * n, max_seq_len=n)
+
+        def loss_fn(src, tgt_in, tgt_out, masks):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(src, tgt_in, *masks)
+                return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
+                                       ignore_index=bench_convert.PAD, label_smoothing=0.1)
+
+        if mode != "eager":
+            loss_fn = torch.compile(loss_fn, fullgraph=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=bench_convert.LR, fused=True)
+
+        def steps(k):
+            for i in range(k):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(*batches[i % len(batches)]).backward()
+                opt.step()
+            torch.cuda.synchronize()
+
+        steps(5)
+        t0 = time.perf_counter()
+        steps(cli.steps)
+        print(f"# {mode}: {(time.perf_counter() - t0) / cli.steps * 1e3:.2f} ms/step (synced at the end)")
+        prof = cProfile.Profile()
+        prof.enable()
+        steps(cli.steps)
+        prof.disable()
+        prof.dump_stats(os.path.join(cli.out, f"{mode}.pstats"))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+            steps(5)
+        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
