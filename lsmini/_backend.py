@@ -122,8 +122,8 @@ def philox_seed_offset(device=None):
 def dropout_rng(p, device):
     """``rng`` for one fused dropout call with probability p on a CUDA device: drawn from that device's
     generator (``philox_seed_offset``) when p > 0, else ``NO_RNG`` without drawing. The extension selects
-    the device itself: ``with torch.cuda.device(...)`` costs ~3 µs of Python per call, a tenth of an eager
-    op call's host time."""
+    the device itself: ``with torch.cuda.device(...)`` would cost 3–4 µs of Python per call, more than the
+    draw (benchmarks/RESULTS.md, the graph-safe dropout state's host cost)."""
     return philox_seed_offset(device) if p > 0 else NO_RNG
 
 

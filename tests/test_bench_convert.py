@@ -61,7 +61,6 @@ def test_torch_and_lsmini_rows(capsys):  # each variant in its own process (the 
     assert {"torch", "lsmini"} <= set(table)
 
 
-
 def test_per_model_masks(capsys):
     """--padding-masks per-model: float masks for torch's model (so that torch.compile traces it whole), bool for
     lsmini's (which reads float masks in eager mode only). The float masks mean what the bool ones do: torch's
