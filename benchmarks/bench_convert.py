@@ -3,7 +3,7 @@ each eager and under torch.compile.
 
     python benchmarks/bench_convert.py [--variants torch,lsmini,...] [--iters 30] [--warmup 10] [--quick]
                                        [--norm-first] [--dtype bf16|fp16] [--no-fullgraph] [--repeats N]
-                                       [--padding-masks bool|float|per-model] [--no-isolate] [--csv PATH]
+                                       [--padding-masks per-model|bool|float] [--no-isolate] [--csv PATH]
     python benchmarks/bench_convert.py --device cpu --quick --layers 1 --d-model 32 --heads 4 --ffn 64 \\
                                        --vocab 50 --batch 4 --src-len 8 --tgt-len 8 --variants torch,lsmini
 
@@ -16,14 +16,15 @@ of the row at most), with src/tgt/memory key padding masks and the causal target
 nn.Transformer.generate_square_subsequent_mask(L) passed with tgt_is_causal=True. One training step:
 zero_grad(set_to_none=True), forward, loss, backward, optimizer step.
 
-The padding masks are bool, as most scripts pass them. PyTorch then warns that they and the float causal mask
-differ in type, and under torch.compile that warning breaks the graph inside nn.Transformer's loop over its
-layers: Dynamo then runs the transformer eagerly and compiles only the embedding, the output projection and the
-loss (the graphs column counts the pieces, the captured column the operations they hold). --padding-masks float
-passes additive masks (0 / -inf) instead, the causal mask's type, and torch.compile traces the whole model in one
-graph; lsmini's converted modules read float padding masks by value, in eager mode only, so under torch.compile
-they need bool masks. --padding-masks per-model gives each model the masks its whole model compiles with, float
-to torch's and bool to lsmini's: the strongest torch.compile baseline beside lsmini.
+Padding masks (--padding-masks). Most scripts pass bool masks. PyTorch then warns that they and the float causal
+mask differ in type, and under torch.compile that warning breaks the graph inside nn.Transformer's loop over
+its layers: Dynamo then runs the transformer eagerly and compiles only the embedding, the output projection and
+the loss (the graphs column counts the pieces, the captured column the operations they hold). With float masks
+(0 / -inf, the causal mask's type) torch.compile traces torch's whole model in one graph. lsmini's converted
+modules read float padding masks by value, in eager mode only, so under torch.compile they need bool masks. The
+default, per-model, gives each model the masks with which it compiles whole, float to torch's and bool to
+lsmini's: the strongest torch.compile baseline beside lsmini. bool (the script as most users write it) and float
+give every variant the same masks.
 
 Variants, each on a fresh model built from the same seed, each in a fresh Python process (--no-isolate: all in
 this one, where the first compiled variant pays several seconds of compiler start-up that later ones do not):
@@ -431,11 +432,11 @@ def parse_args(argv=None):
                     help="compile the lsmini variants with fullgraph=True (a failure becomes an error row)")
     ap.add_argument("--compile-cache", action="store_true",
                     help="keep Inductor's caches on (warm compile times) instead of compiling cold")
-    ap.add_argument("--padding-masks", default="bool", choices=["bool", "float", "per-model"],
-                    help="bool (True at padding, as most scripts pass them), float (0 / -inf, the causal mask's "
-                         "type: PyTorch then neither warns about mismatched masks nor, under torch.compile, "
-                         "breaks the graph at that warning; lsmini reads float masks by value, eagerly only) or "
-                         "per-model (float for torch's model, bool for lsmini's: each compiles whole)")
+    ap.add_argument("--padding-masks", default="per-model", choices=["per-model", "bool", "float"],
+                    help="per-model (default: float for torch's model, bool for lsmini's, so each compiles "
+                         "whole), bool (True at padding, as most scripts pass them: torch.compile then runs "
+                         "torch's transformer eagerly) or float (0 / -inf, the causal mask's type; lsmini reads "
+                         "float masks by value, eagerly only)")
     ap.add_argument("--norm-first", action="store_true", help="pre-LN layers (nn.Transformer norm_first=True)")
     ap.add_argument("--layers", type=int, default=6, help="encoder layers, and as many decoder layers")
     ap.add_argument("--d-model", type=int, default=512)

@@ -62,18 +62,18 @@ def test_torch_and_lsmini_rows(capsys):  # each variant in its own process (the 
 
 
 def test_per_model_masks(capsys):
-    """--padding-masks per-model: float masks for torch's model (so that torch.compile traces it whole), bool for
-    lsmini's (which reads float masks in eager mode only). The float masks mean what the bool ones do: torch's
-    model gives the same first loss with either (same weights, same dropout draws)."""
+    """--padding-masks per-model (the default): float masks for torch's model (so that torch.compile traces it
+    whole), bool for lsmini's (which reads float masks in eager mode only). The float masks mean what the bool
+    ones do: torch's model gives the same first loss with either (same weights, same dropout draws)."""
     if not callable(getattr(lsmini, "convert", None)):
         pytest.skip("lsmini.convert is not available")
-    rows = bench_convert.main(TINY + ["--variants", "torch,lsmini", "--padding-masks", "per-model", "--no-isolate"])
+    rows = bench_convert.main(TINY + ["--variants", "torch,lsmini", "--no-isolate"])  # per-model: the default
     by = {r["variant"]: r for r in rows}
     assert by["torch"]["masks"] == "float" and by["lsmini"]["masks"] == "bool"
     for r in rows:
         check_trained(r)
     assert "float (torch) / bool (lsmini) padding masks" in capsys.readouterr().out
-    with_bool = bench_convert.main(TINY + ["--variants", "torch", "--no-isolate"])[0]
+    with_bool = bench_convert.main(TINY + ["--variants", "torch", "--padding-masks", "bool", "--no-isolate"])[0]
     assert with_bool["masks"] == "bool"
     assert with_bool["loss_first"] == pytest.approx(by["torch"]["loss_first"], rel=1e-5)
 
