@@ -240,6 +240,18 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
+def loss_function(model, device, dtype):
+    """The script's loss_fn(src, tgt_in, tgt_out, masks): under autocast in dtype, the model's forward and the
+    label-smoothed loss over the non-pad targets."""
+    def loss_fn(src, tgt_in, tgt_out, masks):
+        with torch.autocast(device.type, dtype=dtype):
+            logits = model(src, tgt_in, *masks)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1), ignore_index=PAD,
+                                   label_smoothing=0.1)
+
+    return loss_fn
+
+
 def run_variant(variant, args, device, row):
     """Fills row (a dict holding "variant") with the variant's measurements."""
     use_lsmini, mode = split_variant(variant)
@@ -252,14 +264,7 @@ def run_variant(variant, args, device, row):
         report = lsmini.convert(model, max_batch_tokens=args.batch * n, max_seq_len=n)
         row["replaced"], row["kept"] = len(report.replaced), len(report.kept)
         row["kept_names"] = [describe_kept(k) for k in report.kept]
-    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-
-    def loss_fn(src, tgt_in, tgt_out, masks):
-        with torch.autocast(device.type, dtype=dtype):
-            logits = model(src, tgt_in, *masks)
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1), ignore_index=PAD,
-                                   label_smoothing=0.1)
-
+    loss_fn = loss_function(model, device, torch.float16 if args.dtype == "fp16" else torch.bfloat16)
     if mode is not None:
         loss_fn = torch.compile(loss_fn, mode=mode, fullgraph=use_lsmini and args.fullgraph)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True)

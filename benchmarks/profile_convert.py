@@ -15,7 +15,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,13 +37,7 @@ def main():
         model = bench_convert.build_model(args).to(device).train()
         n = max(args.src_len, args.tgt_len)
         lsmini.convert(model, max_batch_tokens=args.batch * n, max_seq_len=n)
-
-        def loss_fn(src, tgt_in, tgt_out, masks):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(src, tgt_in, *masks)
-                return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
-                                       ignore_index=bench_convert.PAD, label_smoothing=0.1)
-
+        loss_fn = bench_convert.loss_function(model, device, torch.bfloat16)
         if mode != "eager":
             loss_fn = torch.compile(loss_fn, fullgraph=True)
         opt = torch.optim.AdamW(model.parameters(), lr=bench_convert.LR, fused=True)
