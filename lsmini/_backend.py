@@ -127,14 +127,12 @@ def dropout_rng(p, device):
     return philox_seed_offset(device) if p > 0 else NO_RNG
 
 
-def dropout_state(rngs, device, out=None):
+def dropout_state(rngs, device):
     """The Philox states ``rngs`` (``philox_seed_offset`` tuples, ``NO_RNG`` allowed) as an int64 tensor
-    [len(rngs), 2] on the CUDA device (``out`` when given: contiguous, that shape): each row the resolved
-    (seed, offset), written by one kernel, so it holds the right values even in a replay of a captured CUDA
-    graph. For torch.compile's custom operators, whose forward hands the state to its backward as a tensor;
-    ``rng_in`` reads it back."""
-    if out is None:
-        out = torch.empty(len(rngs), 2, dtype=torch.int64, device=device)
+    [len(rngs), 2] on the CUDA device: each row the resolved (seed, offset), written by one kernel, so it
+    holds the right values even in a replay of a captured CUDA graph. For torch.compile's custom operators,
+    whose forward hands the state to its backward as a tensor; ``rng_in`` reads it back."""
+    out = torch.empty(len(rngs), 2, dtype=torch.int64, device=device)
     ext().philox_state_fwd(list(rngs), out)
     return out
 

@@ -83,8 +83,8 @@ def _padding_mask(owner, name, mask, x, unbatched):
 
 def _decoder_inputs(owner, module, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
                     tgt_is_causal, memory_is_causal):
-    """(y, padding_mask, encoder_out, encoder_padding_mask, unbatched) of a torch decoder call, or ValueError where the call
-    means something lsmini's decoder does not compute."""
+    """(y, padding_mask, encoder_out, encoder_padding_mask, unbatched) of a torch decoder call, or ValueError
+    where the call means something lsmini's decoder does not compute."""
     if memory_mask is not None:
         raise ValueError(f"{owner}: memory_mask must be None; lsmini supports only key padding masks and causal "
                          f"self-attention (use memory_key_padding_mask)")
@@ -251,7 +251,8 @@ class ConvertedTransformerDecoderLayer(TransformerDecoderLayer):
         y, pad, enc, enc_pad, unbatched = _decoder_inputs(type(self).__name__, self, tgt, memory, tgt_mask, memory_mask,
                                                      tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal,
                                                      memory_is_causal)
-        return _to_torch(super().forward(y, enc, encoder_padding_mask=enc_pad, padding_mask=pad), self.batch_first, unbatched)
+        y = super().forward(y, enc, encoder_padding_mask=enc_pad, padding_mask=pad)
+        return _to_torch(y, self.batch_first, unbatched)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, batch_first={self.batch_first}"
@@ -284,7 +285,8 @@ class ConvertedTransformerDecoder(TransformerDecoder):
         y, pad, enc, enc_pad, unbatched = _decoder_inputs(type(self).__name__, self, tgt, memory, tgt_mask, memory_mask,
                                                      tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal,
                                                      memory_is_causal)
-        return _to_torch(super().forward(y, enc, encoder_padding_mask=enc_pad, padding_mask=pad), self.batch_first, unbatched)
+        y = super().forward(y, enc, encoder_padding_mask=enc_pad, padding_mask=pad)
+        return _to_torch(y, self.batch_first, unbatched)
 
     def extra_repr(self):
         return f"batch_first={self.batch_first}"

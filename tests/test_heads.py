@@ -143,7 +143,8 @@ def test_split_heads_ref_does_not_alias_input():
     assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 5, 4), (1, 1, 1, 1), (3, 4, 7, 7)], ids=lambda s: "b{}_h{}_l{}_d{}".format(*s))
+@pytest.mark.parametrize("shape", [(2, 3, 5, 4), (1, 1, 1, 1), (3, 4, 7, 7)],
+                         ids=lambda s: "b{}_h{}_l{}_d{}".format(*s))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("contiguous", [True, False], ids=["contig", "strided"])
 def test_merge_heads_ref_vs_slicing(shape, dtype, contiguous):

@@ -338,6 +338,35 @@ def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype, param_dtyp
 
 
 @pytest.mark.cuda
+def test_layer_op_errors_name_the_problem():
+    """The operators' C++ kernels ask compiled.cpp_plan for a call's layout: a planner that fails, or none,
+    is a RuntimeError naming it (and nothing is cached from it); a state that is not the forward's is one
+    naming the state."""
+    from lsmini import _backend
+    args = _op_args(("self", "ffn"), True, "relu", True, torch.float16, True, False)
+    x = args[0][:, :3].contiguous()  # a shape no other test plans, so no cached plan answers it
+    args = (x, args[1][:, :3].contiguous(), *args[2:])
+
+    def broken(*_):
+        raise ValueError("planner broke")
+
+    try:
+        _backend.ext().set_layer_planner(broken)
+        with pytest.raises(RuntimeError, match="lsmini::layer: the layer planner failed: .*planner broke"):
+            layer_op(*args)
+        _backend.ext().set_layer_planner(None)
+        with pytest.raises(RuntimeError, match="no layer planner"):
+            layer_op(*args)
+    finally:
+        _backend.ext().set_layer_planner(compiled.cpp_plan)
+    with torch.no_grad():
+        y, state = layer_op(*args)
+    bwd = (torch.randn_like(y), state, x.detach(), *args[1:5], [p.detach() for p in args[5]], *args[6:])
+    with pytest.raises(RuntimeError, match="lsmini::layer_backward: state must be the contiguous uint8"):
+        layer_backward_op(bwd[0], state[:-1], *bwd[2:])
+
+
+@pytest.mark.cuda
 def test_checkpoint_around_a_layer_keeps_gradients():
     """torch.utils.checkpoint (non-reentrant) around lsmini layers: the recomputed forward draws the same
     dropout masks (checkpoint restores the RNG state), so the gradients equal those without it."""

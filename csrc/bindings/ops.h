@@ -12,6 +12,8 @@ namespace lsmini {
 
 // module.cpp: the Philox state of one dropout call from torch's CUDA generator of that device (-1: current).
 PhiloxTuple philox_seed_offset(c10::DeviceIndex device_index = -1);
+// philox_state.cpp: rngs → out, an int64 CUDA tensor [len(rngs), 2] of resolved (seed, offset).
+void philox_state_fwd(const std::vector<PhiloxTuple>& rngs, const at::Tensor& out);
 
 // layernorm.cpp: (y, mean, rstd), each into out / mean_out / rstd_out when given.
 std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& weight,

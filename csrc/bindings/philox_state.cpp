@@ -2,13 +2,12 @@
 // device tensor. lsmini's custom operators (what torch.compile sees, lsmini/ops/library.py) carry a dropout
 // call's state from forward to backward this way, as a tensor (_backend.rng_in reads it back).
 #include "common.h"
+#include "ops.h"
 #include "philox_state.h"
 
 #include <vector>
 
 namespace lsmini {
-
-namespace {
 
 // rngs (philox_seed_offset tuples) → out, an int64 CUDA tensor [len(rngs), 2] of resolved (seed, offset).
 void philox_state_fwd(const std::vector<PhiloxTuple>& rngs, const at::Tensor& out) {
@@ -24,8 +23,6 @@ void philox_state_fwd(const std::vector<PhiloxTuple>& rngs, const at::Tensor& ou
   c10::cuda::CUDAGuard guard(out.device());
   check_launch(launch_philox_state_fwd(draws, static_cast<int>(n), out.data_ptr<int64_t>(), current_stream()), op);
 }
-
-}  // namespace
 
 static void register_philox_state(pybind11::module_& m) {
   m.def("philox_state_fwd", &philox_state_fwd,

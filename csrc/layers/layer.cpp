@@ -23,9 +23,15 @@
 #include "attention.h"
 #include "bias_act_dropout.h"
 
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <algorithm>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace lsmini {
@@ -67,13 +73,20 @@ struct Options {
   int act;
 };
 
+Kind kind_of(const std::string& name, const char* op) {
+  LSMINI_CHECK(name == "self" || name == "cross" || name == "ffn", op, ": unknown block kind '", name, "'");
+  return name == "self" ? Kind::Self : name == "cross" ? Kind::Cross : Kind::Ffn;
+}
+
+int activation_of(const std::string& act, const char* op) {
+  LSMINI_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh", op, ": unknown activation '", act, "'");
+  return int(act == "relu" ? BiasAct::Relu : act == "gelu" ? BiasAct::Gelu : BiasAct::GeluTanh);
+}
+
+// From the call's lsmini.layers.spec.LayerOptions (the pybind entry points).
 Options read_options(const py::object& o, const char* op) {
   Options opt;
-  for (const py::handle kind : o.attr("kinds")) {
-    const std::string name = kind.cast<std::string>();
-    LSMINI_CHECK(name == "self" || name == "cross" || name == "ffn", op, ": unknown block kind '", name, "'");
-    opt.kinds.push_back(name == "self" ? Kind::Self : name == "cross" ? Kind::Cross : Kind::Ffn);
-  }
+  for (const py::handle kind : o.attr("kinds")) opt.kinds.push_back(kind_of(kind.cast<std::string>(), op));
   opt.hidden = o.attr("hidden").cast<int64_t>();
   opt.ffn = o.attr("ffn").cast<int64_t>();
   opt.heads = o.attr("heads").cast<int64_t>();
@@ -86,9 +99,7 @@ Options read_options(const py::object& o, const char* op) {
   opt.pre_ln = o.attr("pre_ln").cast<bool>();
   opt.causal = o.attr("causal").cast<bool>();
   opt.recompute = o.attr("recompute").cast<bool>();
-  const std::string act = o.attr("activation").cast<std::string>();
-  LSMINI_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh", op, ": unknown activation '", act, "'");
-  opt.act = int(act == "relu" ? BiasAct::Relu : act == "gelu" ? BiasAct::Gelu : BiasAct::GeluTanh);
+  opt.act = activation_of(o.attr("activation").cast<std::string>(), op);
   LSMINI_CHECK(o.attr("kernels").cast<bool>(), op, ": options.kernels is False; the one-call layer runs the kernels");
   return opt;
 }
@@ -109,6 +120,25 @@ Params block_params(const std::vector<at::Tensor>& params, size_t block) {
   return {p[0], p[1], p[2], p[3], p[4], p[5]};
 }
 
+// A contiguous `dtype` tensor of `sizes` over base's storage, byte_offset bytes past base's first element
+// (base contiguous), made directly on that storage: narrow + view(dtype) + view(sizes) would be four ATen
+// calls through the dispatcher, and the compiled layer's operators carve dozens of these per call.
+at::Tensor carve(const at::Tensor& base, int64_t byte_offset, at::ScalarType dtype, at::IntArrayRef sizes,
+                 const char* op) {
+  const int64_t item = int64_t(c10::elementSize(dtype));
+  const int64_t bytes = c10::multiply_integers(sizes) * item;
+  const int64_t start = base.storage_offset() * int64_t(base.element_size()) + byte_offset;
+  LSMINI_CHECK(base.is_contiguous() && byte_offset >= 0 && start % item == 0 &&
+                   byte_offset + bytes <= base.numel() * int64_t(base.element_size()),
+               op, ": ", bytes, " bytes of ", dtype, " at byte ", byte_offset, " do not fit a ",
+               base.numel() * int64_t(base.element_size()), "-byte buffer");
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                         caffe2::TypeMeta::fromScalarType(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+  t.unsafeGetTensorImpl()->set_storage_offset(start / item);
+  return t;
+}
+
 // Where forward puts the tensors it saves: fresh tensors, or views of one byte buffer (layer_fwd's
 // `state`). at(slot, ...) is that slot's view, or none (then the caller allocates as usual).
 class Destinations {
@@ -122,7 +152,7 @@ class Destinations {
     LSMINI_CHECK(offset % kStateAlign == 0 && offset + numel * item <= state_->numel(), "layer_fwd: saved slot ",
                  slot, " (", numel * item, " bytes at offset ", offset, ") does not fit the ", state_->numel(),
                  "-byte state");
-    return state_->narrow(0, offset, numel * item).view(dtype).view(sizes);
+    return carve(*state_, offset, dtype, sizes, "layer_fwd");
   }
 
  private:
@@ -322,12 +352,11 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
   return norm[0];
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<PhiloxTuple>> layer_fwd(
-    const py::object& options, const at::Tensor& x, const OptTensor& key_padding_mask, const OptTensor& encoder_k,
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<PhiloxTuple>> layer_fwd_impl(
+    const Options& o, const at::Tensor& x, const OptTensor& key_padding_mask, const OptTensor& encoder_k,
     const OptTensor& encoder_v, const OptTensor& encoder_padding_mask, const std::vector<at::Tensor>& params,
     const OptTensor& state, const std::vector<int64_t>& offsets) {
   const char* op = "layer_fwd";
-  const Options o = read_options(options, op);
   const size_t blocks = o.kinds.size();
   check_cuda(x, op, "x");
   LSMINI_CHECK(x.dim() == 3 && x.size(2) == o.hidden && x.is_contiguous(), op,
@@ -371,6 +400,14 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<PhiloxTuple>> layer_
     }
   }
   return {residual.view({s.batch, s.q_len, o.hidden}), saved, rngs};
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<PhiloxTuple>> layer_fwd(
+    const py::object& options, const at::Tensor& x, const OptTensor& key_padding_mask, const OptTensor& encoder_k,
+    const OptTensor& encoder_v, const OptTensor& encoder_padding_mask, const std::vector<at::Tensor>& params,
+    const OptTensor& state, const std::vector<int64_t>& offsets) {
+  return layer_fwd_impl(read_options(options, "layer_fwd"), x, key_padding_mask, encoder_k, encoder_v,
+                        encoder_padding_mask, params, state, offsets);
 }
 
 // ---- backward --------------------------------------------------------------------------------------------
@@ -493,13 +530,12 @@ Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Sl
   return g;
 }
 
-std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
-    const py::object& options, const at::Tensor& grad_in, const std::vector<OptTensor>& saved,
+std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd_impl(
+    const Options& o, const at::Tensor& grad_in, const std::vector<OptTensor>& saved,
     const std::vector<PhiloxTuple>& rngs, const std::vector<at::Tensor>& params, const at::Tensor& scratch,
     const OptTensor& grad_encoder_k, const OptTensor& grad_encoder_v, const std::vector<at::ScalarType>& param_dtypes,
     const std::vector<OptTensor>& grad_into, bool add_into) {
   const char* op = "layer_bwd";
-  const Options o = read_options(options, op);
   const size_t blocks = o.kinds.size();
   check_cuda(grad_in, op, "grad");
   LSMINI_CHECK(grad_in.dim() == 3 && grad_in.size(2) == o.hidden, op, ": grad must be [batch, len, hidden=", o.hidden,
@@ -523,8 +559,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
   std::vector<at::Tensor> param_grads(params.size());
   for (size_t i = blocks; i-- > 0;) {
     const bool ours = i < blocks - 1;  // the incoming gradient is autograd's, the others ours
-    const std::pair<OptTensor, OptTensor> kv_grads =
-        o.kinds[i] == Kind::Cross ? std::make_pair(grad_encoder_k, grad_encoder_v) : std::make_pair(OptTensor(), OptTensor());
+    const std::pair<OptTensor, OptTensor> kv_grads = o.kinds[i] == Kind::Cross
+                                                         ? std::make_pair(grad_encoder_k, grad_encoder_v)
+                                                         : std::make_pair(OptTensor(), OptTensor());
     Gradients r = block_bwd(o.kinds[i], g, block_params(params, i), Slots{saved.data() + i * kSlots},
                             rngs.data() + i * 2, o, s, scratch, ours, kv_grads,
                             GradInto{grad_into.data() + i * kParamsPerBlock, add_into});
@@ -556,6 +593,283 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
   return {g.view({s.batch, s.q_len, o.hidden}), param_grads};
 }
 
+std::tuple<at::Tensor, std::vector<at::Tensor>> layer_bwd(
+    const py::object& options, const at::Tensor& grad_in, const std::vector<OptTensor>& saved,
+    const std::vector<PhiloxTuple>& rngs, const std::vector<at::Tensor>& params, const at::Tensor& scratch,
+    const OptTensor& grad_encoder_k, const OptTensor& grad_encoder_v, const std::vector<at::ScalarType>& param_dtypes,
+    const std::vector<OptTensor>& grad_into, bool add_into) {
+  return layer_bwd_impl(read_options(options, "layer_bwd"), grad_in, saved, rngs, params, scratch, grad_encoder_k,
+                        grad_encoder_v, param_dtypes, grad_into, add_into);
+}
+
+// ---- the compiled layer's operators ------------------------------------------------------------------------
+// lsmini::layer and lsmini::layer_backward: their schemas, fake implementations and autograd are
+// lsmini/layers/compiled.py's; these are their CUDA kernels, so that a step torch.compile made calls no Python per
+// layer. Where each saved tensor, the dropout states, the cast weights and each gradient go is compiled.cpp_plan's
+// answer for the call's options and shapes: asked once per shape (through the planner compiled.py installs) and
+// kept, so the Python that decides the layout is the one the fake implementations use.
+enum LayoutKind : int { kLayoutNone, kLayoutInput, kLayoutSame, kLayoutNew };  // compiled._LAYOUT_*
+
+struct SlotLayout {
+  int kind;
+  int64_t ref;  // kLayoutInput: index into (x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask)
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+};
+
+struct CallPlan {
+  std::vector<SlotLayout> slots;
+  std::vector<int64_t> offsets;                  // bytes into the state, per slot (-1: not there)
+  int64_t rng_at, cast_at, total;                // bytes
+  std::vector<int64_t> cast_positions, cast_at_elements;
+  std::vector<int64_t> grad_offsets;             // elements into the gradient tensor, per parameter (-1: apart)
+  int64_t grad_numel;
+  bool grad_gaps;
+  int64_t scratch_numel;
+};
+
+py::object& planner() {
+  static auto* fn = new py::object();  // never destroyed: it may outlive the interpreter's teardown
+  return *fn;
+}
+
+void set_layer_planner(py::object fn) { planner() = std::move(fn); }
+
+struct OpArgs {
+  c10::string_view kinds, activation;
+  int64_t hidden, ffn, heads;
+  double scale, eps, dropout, attn_dropout, act_dropout;
+  bool pre_ln, causal, recompute;
+};
+
+Options op_options(const OpArgs& a, const char* op) {
+  Options o;
+  for (size_t start = 0; start <= a.kinds.size();) {  // "self,cross,ffn"
+    const size_t end = std::min(a.kinds.find(',', start), a.kinds.size());
+    o.kinds.push_back(kind_of(std::string(a.kinds.substr(start, end - start)), op));
+    start = end + 1;
+  }
+  LSMINI_CHECK(!o.kinds.empty() && a.heads > 0 && a.hidden % a.heads == 0, op, ": bad options (kinds '",
+               std::string(a.kinds), "', hidden ", a.hidden, ", heads ", a.heads, ")");
+  o.hidden = a.hidden;
+  o.ffn = a.ffn;
+  o.heads = a.heads;
+  o.head_dim = a.hidden / a.heads;
+  o.scale = a.scale;
+  o.eps = a.eps;
+  o.dropout = a.dropout;
+  o.attn_dropout = a.attn_dropout;
+  o.act_dropout = a.act_dropout;
+  o.pre_ln = a.pre_ln;
+  o.causal = a.causal;
+  o.recompute = a.recompute;
+  o.act = activation_of(std::string(a.activation), op);
+  return o;
+}
+
+// The plan of a call: from the cache, or from the planner (under the GIL) the first time.
+const CallPlan& call_plan(const OpArgs& a, const at::Tensor& x, bool has_mask, bool has_encoder_mask,
+                          int64_t src_len, at::TensorList params, const char* op) {
+  // The key holds each number's bytes: no number goes through an ostream here (common.h says why).
+  std::string key(a.kinds);
+  key += '|';
+  key += a.activation;
+  key += '|';
+  const auto put = [&key](const auto v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  for (const auto v : {a.hidden, a.ffn, a.heads, x.size(0), x.size(1), src_len}) put(v);
+  for (const auto v : {a.scale, a.eps, a.dropout, a.attn_dropout, a.act_dropout}) put(v);
+  for (const auto v : {a.pre_ln, a.causal, a.recompute, has_mask, has_encoder_mask}) put(v);
+  put(x.scalar_type());
+  for (const at::Tensor& p : params) {
+    put(p.scalar_type());
+    put(p.dim());
+    for (const int64_t d : p.sizes()) put(d);
+  }
+  static std::mutex mutex;
+  static auto* cache = new std::unordered_map<std::string, std::unique_ptr<const CallPlan>>();
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = cache->find(key);
+    if (it != cache->end()) return *it->second;
+  }
+  auto plan = std::make_unique<CallPlan>();
+  {
+    py::gil_scoped_acquire gil;
+    LSMINI_CHECK(planner() && !planner().is_none(), op, ": no layer planner; import lsmini.layers.compiled first");
+    std::vector<at::ScalarType> param_dtypes;
+    std::vector<std::vector<int64_t>> param_shapes;
+    for (const at::Tensor& p : params) {
+      param_dtypes.push_back(p.scalar_type());
+      param_shapes.push_back(p.sizes().vec());
+    }
+    py::tuple r;
+    try {  // a Python error becomes torch's, with its message, while the GIL is held
+      r = planner()(std::string(a.kinds), a.hidden, a.ffn, a.heads, a.scale, a.eps, a.pre_ln,
+                    std::string(a.activation), a.dropout, a.attn_dropout, a.act_dropout, a.causal, a.recompute,
+                    x.size(0), x.size(1), has_mask, has_encoder_mask, x.scalar_type(), src_len, param_dtypes,
+                    param_shapes);
+    } catch (py::error_already_set& e) {
+      LSMINI_CHECK(false, op, ": the layer planner failed: ", std::string(e.what()));
+    }
+    for (const py::handle item : r[0]) {
+      const py::tuple t = item.cast<py::tuple>();
+      plan->slots.push_back(SlotLayout{t[0].cast<int>(), t[1].cast<int64_t>(), t[2].cast<at::ScalarType>(),
+                                       t[3].cast<std::vector<int64_t>>()});
+    }
+    plan->offsets = r[1].cast<std::vector<int64_t>>();
+    plan->rng_at = r[2].cast<int64_t>();
+    plan->cast_at = r[3].cast<int64_t>();
+    plan->total = r[4].cast<int64_t>();
+    plan->cast_positions = r[5].cast<std::vector<int64_t>>();
+    plan->cast_at_elements = r[6].cast<std::vector<int64_t>>();
+    plan->grad_offsets = r[7].cast<std::vector<int64_t>>();
+    plan->grad_numel = r[8].cast<int64_t>();
+    plan->grad_gaps = r[9].cast<bool>();
+    plan->scratch_numel = r[10].cast<int64_t>();
+  }
+  LSMINI_CHECK(plan->slots.size() == plan->offsets.size() && plan->grad_offsets.size() == params.size() &&
+                   plan->cast_positions.size() == plan->cast_at_elements.size(),
+               op, ": the planner's answer does not fit the call");
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& kept = (*cache)[key];
+  if (!kept) kept = std::move(plan);
+  return *kept;
+}
+
+// params with the GEMM weights the plan casts replaced by their views in the state's tail (copied there when
+// cast: forward; backward reads the copies).
+std::vector<at::Tensor> cast_weights(at::TensorList params, const at::Tensor& state, const CallPlan& plan,
+                                     at::ScalarType dtype, bool cast) {
+  std::vector<at::Tensor> weights(params.begin(), params.end());
+  if (plan.cast_positions.empty()) return weights;
+  const int64_t item = int64_t(c10::elementSize(dtype));
+  std::vector<at::Tensor> copies, sources;
+  for (size_t j = 0; j < plan.cast_positions.size(); ++j) {
+    const at::Tensor& p = params[plan.cast_positions[j]];
+    at::Tensor copy = carve(state, plan.cast_at + plan.cast_at_elements[j] * item, dtype, p.sizes(), "lsmini::layer");
+    weights[plan.cast_positions[j]] = copy;
+    copies.push_back(std::move(copy));
+    sources.push_back(p);
+  }
+  if (cast) at::_foreach_copy_(copies, sources);
+  return weights;
+}
+
+// [b, ls, H] encoder keys or values (column blocks of the decoder's cross-K/V projection) → [b, heads, ls, d].
+OptTensor heads_of(const OptTensor& t, const Options& o) {
+  if (!t) return std::nullopt;
+  return t->view({t->size(0), t->size(1), o.heads, o.head_dim}).transpose(1, 2);
+}
+
+at::Tensor rng_rows(const at::Tensor& state, const CallPlan& plan, int64_t rows) {
+  return carve(state, plan.rng_at, at::kLong, {rows, 2}, "lsmini::layer");
+}
+
+std::tuple<at::Tensor, at::Tensor> layer_op_cuda(
+    const at::Tensor& x, const OptTensor& key_padding_mask, const OptTensor& encoder_k, const OptTensor& encoder_v,
+    const OptTensor& encoder_padding_mask, at::TensorList params, c10::string_view kinds, int64_t hidden,
+    int64_t ffn, int64_t heads, double scale, double eps, bool pre_ln, c10::string_view activation, double dropout,
+    double attn_dropout, double activation_dropout, bool causal, bool recompute) {
+  const char* op = "lsmini::layer";
+  const OpArgs a{kinds, activation, hidden, ffn, heads, scale, eps, dropout, attn_dropout, activation_dropout,
+                 pre_ln, causal, recompute};
+  const Options o = op_options(a, op);
+  check_cuda(x, op, "x");
+  LSMINI_CHECK(x.dim() == 3 && !params.empty(), op, ": x must be [batch, len, hidden], got shape ", x.sizes());
+  LSMINI_CHECK(!encoder_k || (encoder_v && encoder_k->dim() == 3 && encoder_v->sizes() == encoder_k->sizes()), op,
+               ": encoder_k and encoder_v must both be [batch, src_len, hidden]");
+  c10::cuda::CUDAGuard guard(x.device());
+  const CallPlan& plan = call_plan(a, x, key_padding_mask.has_value(), encoder_padding_mask.has_value(),
+                                   encoder_k ? encoder_k->size(1) : 0, params, op);
+  at::Tensor state = at::empty({plan.total}, x.options().dtype(at::kByte));
+  const std::vector<at::Tensor> weights = cast_weights(params, state, plan, x.scalar_type(), true);
+  auto [y, saved, rngs] = layer_fwd_impl(o, x, key_padding_mask, heads_of(encoder_k, o), heads_of(encoder_v, o),
+                                         encoder_padding_mask, weights, state, plan.offsets);
+  // each created tensor as the plan says, since backward rebuilds it from the plan (layer_fwd_impl checked
+  // that each is at its offset)
+  LSMINI_CHECK(saved.size() == plan.slots.size(), op, ": ", saved.size(), " saved slots, the plan has ",
+               plan.slots.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const SlotLayout& slot = plan.slots[i];
+    LSMINI_CHECK((slot.kind == kLayoutNone) != saved[i].defined() &&
+                     (slot.kind != kLayoutNew ||
+                      (saved[i].sizes() == at::IntArrayRef(slot.shape) && saved[i].scalar_type() == slot.dtype)),
+                 op, ": saved slot ", i, " does not match the plan");
+  }
+  philox_state_fwd(rngs, rng_rows(state, plan, int64_t(rngs.size())));
+  return {y, state};
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> layer_backward_op_cuda(
+    const at::Tensor& grad, const at::Tensor& state, const at::Tensor& x, const OptTensor& key_padding_mask,
+    const OptTensor& encoder_k, const OptTensor& encoder_v, const OptTensor& encoder_padding_mask,
+    at::TensorList params, c10::string_view kinds, int64_t hidden, int64_t ffn, int64_t heads, double scale,
+    double eps, bool pre_ln, c10::string_view activation, double dropout, double attn_dropout,
+    double activation_dropout, bool causal, bool recompute) {
+  const char* op = "lsmini::layer_backward";
+  const OpArgs a{kinds, activation, hidden, ffn, heads, scale, eps, dropout, attn_dropout, activation_dropout,
+                 pre_ln, causal, recompute};
+  const Options o = op_options(a, op);
+  check_cuda(grad, op, "grad");
+  check_cuda(state, op, "state");
+  LSMINI_CHECK(x.dim() == 3 && !params.empty(), op, ": x must be [batch, len, hidden], got shape ", x.sizes());
+  LSMINI_CHECK(!encoder_k || (encoder_v && encoder_k->dim() == 3 && encoder_v->sizes() == encoder_k->sizes()), op,
+               ": encoder_k and encoder_v must both be [batch, src_len, hidden]");
+  c10::cuda::CUDAGuard guard(grad.device());
+  const CallPlan& plan = call_plan(a, x, key_padding_mask.has_value(), encoder_padding_mask.has_value(),
+                                   encoder_k ? encoder_k->size(1) : 0, params, op);
+  LSMINI_CHECK(state.scalar_type() == at::kByte && state.dim() == 1 && state.is_contiguous() &&
+                   state.numel() == plan.total,
+               op, ": state must be the contiguous uint8 [", plan.total, "] tensor lsmini::layer returned, got ",
+               state.scalar_type(), " ", state.sizes());
+  // dK/dV [b, ls, H] each, as the keys and values came in; the kernels write them through heads views
+  std::vector<at::Tensor> kv;
+  if (encoder_k) kv = {at::empty(encoder_k->sizes(), encoder_k->options()), at::empty(encoder_v->sizes(),
+                                                                                      encoder_v->options())};
+  const OptTensor inputs[] = {x.view({-1, o.hidden}), key_padding_mask, heads_of(encoder_k, o),
+                              heads_of(encoder_v, o), encoder_padding_mask};
+  std::vector<OptTensor> saved(plan.slots.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    const SlotLayout& slot = plan.slots[i];
+    if (slot.kind == kLayoutInput) saved[i] = inputs[slot.ref];
+    if (slot.kind == kLayoutSame) saved[i] = saved[slot.ref];
+    if (slot.kind == kLayoutNew) {  // its bytes of state, as layer_fwd_impl wrote them
+      saved[i] = carve(state, plan.offsets[i], slot.dtype, slot.shape, op);
+    }
+  }
+  const int64_t rows = 2 * int64_t(o.kinds.size());
+  const auto* words = static_cast<const char*>(rng_rows(state, plan, rows).data_ptr());
+  std::vector<PhiloxTuple> rngs;
+  for (int64_t r = 0; r < rows; ++r) {
+    rngs.push_back({0, 0, reinterpret_cast<int64_t>(words + 16 * r), reinterpret_cast<int64_t>(words + 16 * r + 8)});
+  }
+  const at::Tensor scratch = at::empty({plan.scratch_numel}, grad.options());
+  const std::vector<at::Tensor> weights = cast_weights(params, state, plan, x.scalar_type(), false);
+  // the alignment gaps between gradients are never written: zeroed, the whole tensor is defined (opcheck
+  // compares it); widths that are multiples of 64, as in every real model, leave no gaps and no extra kernel
+  const at::TensorOptions grad_options = params[0].options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor grads = plan.grad_gaps ? at::zeros({plan.grad_numel}, grad_options)
+                                    : at::empty({plan.grad_numel}, grad_options);
+  std::vector<OptTensor> into(params.size());
+  std::vector<at::ScalarType> dtypes;
+  for (size_t i = 0; i < params.size(); ++i) {
+    dtypes.push_back(params[i].scalar_type());
+    if (plan.grad_offsets[i] >= 0) {
+      into[i] = carve(grads, plan.grad_offsets[i] * int64_t(grads.element_size()), grads.scalar_type(),
+                      params[i].sizes(), op);
+    }
+  }
+  const OptTensor grad_k = kv.empty() ? OptTensor() : heads_of(kv[0], o);
+  const OptTensor grad_v = kv.empty() ? OptTensor() : heads_of(kv[1], o);
+  auto [grad_x, param_grads] =
+      layer_bwd_impl(o, grad, saved, rngs, weights, scratch, grad_k, grad_v, dtypes, into, false);
+  std::vector<at::Tensor> apart;  // the gradients of the parameters the plan keeps out of grads
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (plan.grad_offsets[i] < 0) apart.push_back(param_grads[i]);
+  }
+  return {grad_x, grads, apart, kv};
+}
+
 void register_layer(py::module_& m) {
   m.def("layer_fwd", &layer_fwd,
         "One layer's whole forward (lsmini.layers.blocks, kernel path): (y [b, l, H], saved, rngs) for layer_bwd; "
@@ -571,10 +885,19 @@ void register_layer(py::module_& m) {
         py::arg("grad_encoder_k"), py::arg("grad_encoder_v"), py::arg("param_dtypes"), py::arg("grad_into"),
         py::arg("add_into") = true);
   m.attr("layer_saved_slots") = int(kSlots);
+  m.def("set_layer_planner", &set_layer_planner,
+        "The Python function (lsmini.layers.compiled.cpp_plan) the lsmini::layer operators' CUDA kernels ask for "
+        "a call's layout, once per options and shapes", py::arg("planner"));
 }
 
 }  // namespace
 
 LSMINI_REGISTER_OPS(register_layer);
+
+// The schemas are lsmini/layers/compiled.py's (torch.library.define); these kernels serve them on CUDA.
+TORCH_LIBRARY_IMPL(lsmini, CUDA, m) {
+  m.impl("layer", TORCH_FN(layer_op_cuda));
+  m.impl("layer_backward", TORCH_FN(layer_backward_op_cuda));
+}
 
 }  // namespace lsmini

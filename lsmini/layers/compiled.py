@@ -1,12 +1,17 @@
-"""A layer call as torch.compile sees it: the PyTorch custom operators ``lsmini::layer`` (the whole forward,
-``_C.layer_fwd``) and ``lsmini::layer_backward`` (the whole backward, ``_C.layer_bwd``), with fake
-implementations and registered autograd, so ``torch.compile(model, fullgraph=True)`` traces a model built
-from lsmini layers without a graph break; and, for the reference path, the layer as plain differentiable
-PyTorch for the compiler to trace.
+"""A layer call as torch.compile sees it: the PyTorch custom operators ``lsmini::layer`` (the whole forward)
+and ``lsmini::layer_backward`` (the whole backward), with fake implementations and registered autograd, so
+``torch.compile(model, fullgraph=True)`` traces a model built from lsmini layers without a graph break; and,
+for the reference path, the layer as plain differentiable PyTorch for the compiler to trace.
+
+This module defines the operators' schemas, fake implementations and autograd, and plans each call's layout
+(``cpp_plan``). Their CUDA kernels are C++ (csrc/layers/layer.cpp, around the eager layer's layer_fwd /
+layer_bwd), so that a compiled step calls no Python per layer: they ask ``cpp_plan`` once per options and
+shapes and keep the answer, so the layout they follow is the one the fake implementations compute.
 
 The layer modules call ``layer_call`` instead of ``LayerFunction`` while ``torch.compiler.is_compiling()``;
-eager calls keep LayerFunction, which costs less host time per call and adds weight gradients straight into
-an existing .grad (the compiled path returns them to autograd, which is what a compiled graph expects).
+eager calls keep LayerFunction, which takes its temporaries from the layer's arena and adds weight gradients
+straight into an existing .grad (the compiled path returns them to autograd, which is what a compiled graph
+expects).
 
 What differs from the eager one-call layer, because a custom operator must be a pure function of tensors:
 - Its outputs may not alias its inputs or each other, so of the state layer_fwd saves, ``lsmini::layer``
@@ -15,14 +20,14 @@ What differs from the eager one-call layer, because a custom operator must be a 
   They come back as ONE byte buffer: layer_fwd writes each where ``state_plan`` puts it. One output
   instead of ~10–20 per layer is what keeps the compiled graph, and the compile time, small: each output
   of an operator is a node and a buffer of its own in every stage of the compiler.
-- The dropout states travel as a tensor (``_backend.dropout_state``: resolved on the device, right inside a
-  CUDA-graph replay of the compiled step too); backward reads them back through pointers into it. They and
-  the GEMM weights the call casts (for backward to read again) go into the same buffer (``state_tail``), so
-  the operator has two outputs: y and the state.
+- The dropout states travel as a tensor (written by the philox_state kernel: resolved on the device, right
+  inside a CUDA-graph replay of the compiled step too); backward reads them back through pointers into it.
+  They and the GEMM weights the call casts (for backward to read again) go into the same buffer
+  (``state_tail``), so the operator has two outputs: y and the state.
 - Backward takes a fresh scratch tensor instead of the shared arena, and returns the encoder K/V
   gradients of a cross-attention block as tensors instead of writing a decoder stack's slots. Both
-  operators take the encoder K/V as [b, ls, H] column blocks of the decoder's one projection (``_heads``
-  makes the kernels' views), so those gradients gather back by a stack along the columns.
+  operators take the encoder K/V as [b, ls, H] column blocks of the decoder's one projection (the kernels
+  make the [b, heads, ls, d] views), so those gradients gather back by a stack along the columns.
 - Backward returns the parameters' gradients as ONE tensor too: layer_bwd writes each where ``grad_plan``
   puts it, and autograd is handed views of it.
 The kernels, GEMMs and dropout draws are those of the eager layer: same seed, same outputs.
@@ -36,7 +41,7 @@ import torch.nn.functional as F
 from lsmini import _backend
 from lsmini.layers.arena import align
 from lsmini.layers.blocks import heads_of
-from lsmini.layers.precision import cast_block, cast_into_buffer, cast_plan, cast_views
+from lsmini.layers.precision import cast_block, cast_plan
 from lsmini.layers.spec import PARAMS_PER_BLOCK, LayerOptions, scratch_numel
 from lsmini.ops.attention import attention_ref, fused_attention_supported, keep_numel, keeps_bits
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
@@ -139,18 +144,12 @@ def state_plan(layout):
 
 def state_tail(o, nbytes, cast_numel, dtype):
     """After the saved tensors (nbytes, state_plan's), the state buffer holds the dropout states (int64
-    [2·blocks, 2], _backend.dropout_state's) and then the GEMM weights cast to the activations' dtype
-    (cast_plan's layout, cast_numel elements): (the dropout states' byte offset, the weights', the buffer's
-    size in bytes). Sizes may be symbolic."""
+    [2·blocks, 2], as the philox_state kernel writes them) and then the GEMM weights cast to the activations'
+    dtype (cast_plan's layout, cast_numel elements): (the dropout states' byte offset, the weights', the
+    buffer's size in bytes). Sizes may be symbolic."""
     rng_at = nbytes
     cast_at = (rng_at + 2 * len(o.kinds) * 16 + CAST_ALIGN - 1) // CAST_ALIGN * CAST_ALIGN
     return rng_at, cast_at, cast_at + cast_numel * dtype.itemsize
-
-
-def _tail_views(state, o, rng_at, cast_at, dtype):
-    """(the dropout states, the cast weights' buffer): their views of the state buffer."""
-    rows = 2 * len(o.kinds)
-    return state[rng_at:rng_at + 16 * rows].view(torch.int64).view(rows, 2), state[cast_at:].view(dtype)
 
 
 def _plan(*args):
@@ -200,41 +199,66 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
-# The options travel as plain arguments (a custom operator takes tensors and scalars only); kinds joined by ",".
-@torch.library.custom_op("lsmini::layer", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
-def layer_op(x: torch.Tensor, key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
-             encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None, params: list[torch.Tensor],
-             kinds: str, hidden: int, ffn: int, heads: int, scale: float, eps: float, pre_ln: bool, activation: str,
-             dropout: float, attn_dropout: float, activation_dropout: float, causal: bool,
-             recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [b, l, H], the call's state for backward in one uint8 buffer: the tensors it created (saved_layout's
-    "new" slots where state_plan puts them), then its dropout states and the GEMM weights it cast to x's dtype
-    (state_tail), for backward to read again)."""
+# The operators' schemas. The options travel as plain arguments (an operator takes tensors and scalars only),
+# kinds joined by ",". Their CUDA kernels are C++ (csrc/layers/layer.cpp, TORCH_LIBRARY_IMPL), so that a
+# compiled step calls no Python per layer; the plans they follow come from cpp_plan, once per shape.
+_OPTION_ARGS = ("str kinds, int hidden, int ffn, int heads, float scale, float eps, bool pre_ln, str activation, "
+                "float dropout, float attn_dropout, float activation_dropout, bool causal, bool recompute")
+_LIB = torch.library.Library("lsmini", "FRAGMENT")
+# (y [b, l, H], the call's state for backward in one uint8 buffer: the tensors it created (saved_layout's "new"
+# slots where state_plan puts them), then its dropout states and the GEMM weights it cast to x's dtype
+# (state_tail), for backward to read again)
+_LIB.define("layer(Tensor x, Tensor? key_padding_mask, Tensor? encoder_k, Tensor? encoder_v, "
+            f"Tensor? encoder_padding_mask, Tensor[] params, {_OPTION_ARGS}) -> (Tensor, Tensor)",
+            tags=(torch.Tag.pt2_compliant_tag, *RANDOM_TAGS))
+# (grad_x [b, l, H], the parameters' gradients in one tensor (grad_plan: each where its offset puts it), the
+# gradients of the parameters grad_plan leaves out, [grad_encoder_k, grad_encoder_v] ([b, ls, H]) or [])
+_LIB.define("layer_backward(Tensor grad, Tensor state, Tensor x, Tensor? key_padding_mask, Tensor? encoder_k, "
+            f"Tensor? encoder_v, Tensor? encoder_padding_mask, Tensor[] params, {_OPTION_ARGS}) -> "
+            "(Tensor, Tensor, Tensor[], Tensor[])", tags=(torch.Tag.pt2_compliant_tag,))
+layer_op = torch.ops.lsmini.layer.default
+layer_backward_op = torch.ops.lsmini.layer_backward.default
+
+_INPUT_INDEX = {name: i for i, name in enumerate(_INPUTS)}
+_LAYOUT_NONE, _LAYOUT_INPUT, _LAYOUT_SAME, _LAYOUT_NEW = range(4)
+
+
+def cpp_plan(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout, activation_dropout,
+             causal, recompute, batch, q_len, has_mask, has_encoder_mask, dtype, src_len, param_dtypes,
+             param_shapes):
+    """Everything the operators' C++ kernels need to lay out one call, as plain numbers (they ask once per
+    shape and keep the answer): (per slot (kind, reference, dtype, shape) — _LAYOUT_NONE / _INPUT (reference:
+    _INPUTS index) / _SAME (reference: slot) / _NEW (dtype, shape) —, the slots' byte offsets (state_plan),
+    the dropout states' and the cast weights' byte offsets and the state's bytes (state_tail), the cast
+    positions and their element offsets (cast_plan), the gradients' element offsets and length (grad_plan),
+    whether the gradient tensor has gaps to zero, the backward's scratch elements)."""
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
                  activation_dropout, causal, recompute)
-    layout, offsets, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
-    plan = cast_plan(params, x.dtype)
-    rng_at, cast_at, total = state_tail(o, nbytes, plan[1][-1], x.dtype)
-    state = torch.empty(total, dtype=torch.uint8, device=x.device)
-    rng_state, buffer = _tail_views(state, o, rng_at, cast_at, x.dtype)
-    cast, _ = cast_into_buffer(params, x.dtype, plan, buffer)
-    # layer_fwd checks that every slot with an offset holds its view of state
-    if encoder_k is not None:
-        encoder_k, encoder_v = _heads(encoder_k, heads), _heads(encoder_v, heads)
-    y, saved, rngs = _backend.ext().layer_fwd(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                                              cast, state, offsets)
-    for i, entry in enumerate(layout):
-        if (entry is None) != (saved[i] is None):
-            raise RuntimeError(f"lsmini::layer: saved slot {i} does not match saved_layout ({entry})")
-        if entry is not None and entry[0] == "new":
-            if tuple(saved[i].shape) != entry[1] or saved[i].dtype != entry[2]:
-                raise RuntimeError(f"lsmini::layer: saved slot {i} is {saved[i].dtype} {tuple(saved[i].shape)}, "
-                                   f"saved_layout says {entry[2]} {entry[1]}")
-    _backend.dropout_state(rngs, x.device, out=rng_state)
-    return y, state
+    layout, offsets, nbytes = _plan(o, batch, q_len, has_mask, has_encoder_mask, dtype, src_len)
+    params = [torch.empty(shape, dtype=d, device="meta") for d, shape in zip(param_dtypes, param_shapes)]
+    positions, starts = cast_plan(params, dtype)
+    rng_at, cast_at, total = state_tail(o, nbytes, starts[-1], dtype)
+    grad_offsets, grad_numel = grad_plan(params)
+    gaps = grad_numel != sum(p.numel() for p, at in zip(params, grad_offsets) if at >= 0)
+    slots = []
+    for entry in layout:
+        if entry is None:
+            slots.append((_LAYOUT_NONE, 0, dtype, []))
+        elif entry[0] == "input":
+            slots.append((_LAYOUT_INPUT, _INPUT_INDEX[entry[1]], dtype, []))
+        elif entry[0] == "same":
+            slots.append((_LAYOUT_SAME, entry[1], dtype, []))
+        else:
+            slots.append((_LAYOUT_NEW, 0, entry[2], list(entry[1])))
+    return (slots, offsets, rng_at, cast_at, total, list(positions), starts[:-1], grad_offsets, grad_numel, gaps,
+            scratch_numel(o, batch, q_len))
 
 
-@layer_op.register_fake
+if _backend.ext_or_none() is not None:
+    _backend.ext().set_layer_planner(cpp_plan)
+
+
+@torch.library.register_fake("lsmini::layer", lib=_LIB)
 def _layer_fake(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, kinds, hidden, ffn, heads,
                 scale, eps, pre_ln, activation, dropout, attn_dropout, activation_dropout, causal, recompute):
     o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
@@ -246,51 +270,7 @@ def _layer_fake(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
     return torch.empty_like(x), x.new_empty(total, dtype=torch.uint8)
 
 
-@torch.library.custom_op("lsmini::layer_backward", mutates_args=(), device_types="cuda")
-def layer_backward_op(grad: torch.Tensor, state: torch.Tensor, x: torch.Tensor,
-                      key_padding_mask: torch.Tensor | None, encoder_k: torch.Tensor | None,
-                      encoder_v: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None,
-                      params: list[torch.Tensor], kinds: str, hidden: int, ffn: int, heads: int, scale: float,
-                      eps: float, pre_ln: bool, activation: str, dropout: float, attn_dropout: float,
-                      activation_dropout: float, causal: bool,
-                      recompute: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """(grad_x [b, l, H], the parameters' gradients in one tensor (grad_plan: each where its offset puts it),
-    the gradients of the parameters grad_plan leaves out, [grad_encoder_k, grad_encoder_v] or [])."""
-    o = _options(kinds, hidden, ffn, heads, scale, eps, pre_ln, activation, dropout, attn_dropout,
-                 activation_dropout, causal, recompute)
-    layout, offsets, nbytes = _plan_of(o, x, key_padding_mask, encoder_k, encoder_padding_mask)
-    # dK/dV [b, ls, H] each, as the keys and values came in; the kernels write them through heads views
-    kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
-    if encoder_k is not None:
-        encoder_k, encoder_v = _heads(encoder_k, heads), _heads(encoder_v, heads)
-    inputs = {"x": x.view(-1, hidden), "key_padding_mask": key_padding_mask, "encoder_k": encoder_k,
-              "encoder_v": encoder_v, "encoder_padding_mask": encoder_padding_mask}
-    plan = cast_plan(params, x.dtype)
-    rng_state, cast = _tail_views(state, o, *state_tail(o, nbytes, plan[1][-1], x.dtype)[:2], x.dtype)
-    saved = []
-    for entry, offset in zip(layout, offsets):
-        kind = None if entry is None else entry[0]
-        if kind == "new":  # its bytes of state, as layer_fwd wrote them (csrc/layers/layer.cpp, Destinations)
-            shape, dtype = entry[1], entry[2]
-            saved.append(state[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
-        else:
-            saved.append(None if kind is None else inputs[entry[1]] if kind == "input" else saved[entry[1]])
-    rngs = [_backend.rng_in(rng_state, i) for i in range(rng_state.shape[0])]
-    scratch = grad.new_empty(scratch_numel(o, x.shape[0], x.shape[1]))
-    grad_k, grad_v = (_heads(kv[0], heads), _heads(kv[1], heads)) if kv else (None, None)
-    weights = cast_views(params, cast, plan)
-    offsets, numel = grad_plan(params)
-    # the alignment gaps between gradients are never written: zeroed, the whole tensor is defined (opcheck
-    # compares it); widths that are multiples of 64, as in every real model, leave no gaps and no extra kernel
-    gaps = numel != sum(p.numel() for p, at in zip(params, offsets) if at >= 0)
-    grads = (grad.new_zeros if gaps else grad.new_empty)(numel, dtype=params[0].dtype)
-    into = [None if at < 0 else grads[at:at + p.numel()].view(p.shape) for p, at in zip(params, offsets)]
-    grad_x, others = _backend.ext().layer_bwd(o, grad, saved, rngs, weights, scratch, grad_k, grad_v,
-                                              [p.dtype for p in params], into, add_into=False)
-    return grad_x, grads, [g for g, at in zip(others, offsets) if at < 0], kv
-
-
-@layer_backward_op.register_fake
+@torch.library.register_fake("lsmini::layer_backward", lib=_LIB)
 def _layer_backward_fake(grad, state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params,
                          *options):
     kv = [] if encoder_k is None else [encoder_k.new_empty(encoder_k.shape), encoder_v.new_empty(encoder_v.shape)]
@@ -316,7 +296,7 @@ def _backward(ctx, grad, grad_state):
     return (grad_x, None, grad_k, grad_v, None, param_grads) + (None,) * len(ctx.options)
 
 
-layer_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("lsmini::layer", _backward, setup_context=_setup_context, lib=_LIB)
 
 
 # ---- the reference path: plain differentiable PyTorch ------------------------------------------------------

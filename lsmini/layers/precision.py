@@ -48,8 +48,9 @@ def cast_block(block, dtype):
 
 
 def cast_plan(params, dtype):
-    """Where cast_into_buffer puts its copies: (the positions in params it casts, each copy's offset into
-    one buffer, then the buffer's numel). Each copy starts 128-byte aligned, for the GEMMs."""
+    """Where the cast copies of params go in one buffer (cast_blocks_batched's, and the compiled layer's
+    state: csrc/layers/layer.cpp, cast_weights): (the positions in params that are cast, each copy's offset
+    into the buffer, then the buffer's numel). Each copy starts 128-byte aligned, for the GEMMs."""
     todo = [i for i, p in enumerate(params) if _needs_cast(i % PARAMS_PER_BLOCK, p, dtype)]
     starts = [0]
     for i in todo:
@@ -57,36 +58,17 @@ def cast_plan(params, dtype):
     return todo, starts
 
 
-def cast_views(params, buffer, plan):
-    """params with the positions of plan (cast_plan's) replaced by their copies' views into buffer."""
-    out = list(params)
-    for i, s in zip(*plan):
-        out[i] = buffer[s:s + params[i].numel()].view(params[i].shape)
-    return out
-
-
-def cast_into_buffer(params, dtype, plan=None, buffer=None):
-    """(cast_block over consecutive blocks, the one buffer holding the copies: numel 0 when nothing is cast;
-    the given one, at least plan's numel, 128-byte aligned, when given), without autograd: the casts run as
-    one multi-tensor copy — one launch per layer instead of one per weight. Whoever keeps the buffer can
-    rebuild the list with cast_views, without casting again."""
-    plan = plan or cast_plan(params, dtype)
-    if buffer is None:
-        buffer = torch.empty(plan[1][-1], dtype=dtype, device=params[0].device)
-    out = cast_views(params, buffer, plan)
-    if plan[0]:
-        torch._foreach_copy_([out[i] for i in plan[0]], [params[i] for i in plan[0]])
-    return out, buffer
-
-
 def cast_blocks_batched(params, dtype):
     """cast_block over consecutive blocks, for use without autograd (inside an autograd Function's
-    forward): on CUDA one multi-tensor copy into one buffer (cast_into_buffer)."""
-    plan = cast_plan(params, dtype)
-    todo = plan[0]
-    if len(todo) >= 2 and params[todo[0]].is_cuda:
-        return cast_into_buffer(params, dtype, plan)[0]
+    forward): on CUDA one multi-tensor copy into one buffer — one launch per layer instead of one per weight."""
+    todo, starts = cast_plan(params, dtype)
     out = list(params)
+    if len(todo) >= 2 and params[todo[0]].is_cuda:
+        buffer = torch.empty(starts[-1], dtype=dtype, device=params[0].device)
+        for i, s in zip(todo, starts):
+            out[i] = buffer[s:s + params[i].numel()].view(params[i].shape)
+        torch._foreach_copy_([out[i] for i in todo], [params[i] for i in todo])
+        return out
     for i in todo:
         out[i] = params[i].to(dtype)
     return out
