@@ -17,6 +17,9 @@
 // both back with the arena view `scratch` (spec.scratch_numel elements). Forward makes the tensors it
 // saves one by one, or, given `state` (the compiled layer's), as views of that one byte buffer at the
 // byte `offsets` (per slot) that lsmini.layers.compiled.state_plan chose.
+//
+// The same file serves the custom operators lsmini::layer / lsmini::layer_backward on CUDA (the end of
+// the file): what torch.compile calls, with the layout of a call planned once per shape.
 #include "common.h"
 #include "ops.h"
 
