@@ -7,6 +7,11 @@ per call is the host's where the device time (timed too, with dropout) is shorte
 is what dropout adds to a call's host time: drawing its Philox state (``_backend.dropout_rng``, timed alone
 too) and whatever else the op and its launch do differently with dropout. Best of 5 repeats of --calls calls,
 µs per call.
+
+Then the compiled layer's operators, ``lsmini::layer`` and ``lsmini::layer_backward``, called directly for a
+post-LN encoder layer (self, ffn) and decoder layer (self, cross, ffn) of the base shape (hidden 512, 8 heads,
+FFN 2048, dropout 0.1) on a [2, 8] bf16 input with float32 parameters, as under autocast: the host time of one
+layer call as a compiled step pays it, without the compiler's own wrapper around it.
 """
 import argparse
 import os
@@ -20,6 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 from lsmini import _backend  # noqa: E402
+from lsmini.layers import TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer  # noqa: E402
+from lsmini.layers.compiled import layer_backward_op, layer_op  # noqa: E402
 from lsmini.ops import (attention, attention_softmax, bias_act_dropout, bias_dropout_residual, embedding,  # noqa: E402
                         sinusoidal_positions)
 
@@ -65,6 +72,32 @@ def main():
     shown = [{k: (f"{v:.1%}" if k == "dropout's share" else f"{v:.2f}") if isinstance(v, float) else v
               for k, v in r.items()} for r in rows]
     print(common.markdown_table(shown, ["op", "p 0.1 µs", "p 0 µs", "dropout's share", "device µs (p 0.1)"]))
+    print()
+    print(common.markdown_table(layer_rows(dev, args.calls // 10), ["operator", "layer", "host µs"]))
+
+
+def layer_rows(dev, calls):
+    """Host µs per call of lsmini::layer and lsmini::layer_backward, encoder and decoder layer."""
+    config = TransformerConfig(hidden_size=512, num_heads=8, ffn_size=2048, dropout=0.1, attn_dropout=0.1,
+                               activation_dropout=0.1)
+    x = torch.randn(2, 8, 512, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(2, 8, 1024, device=dev, dtype=torch.bfloat16)
+    rows = []
+    for name, layer, encoder_kv in (("encoder", TransformerEncoderLayer(config), (None, None)),
+                                    ("decoder", TransformerDecoderLayer(config, own_kv=False), kv.chunk(2, 2))):
+        layer = layer.to(dev).train()
+        o = layer.options(name == "decoder", True)
+        params = [p.detach() for block in layer.blocks() for p in block]
+        options = (",".join(o.kinds), o.hidden, o.ffn, o.heads, o.scale, o.eps, o.pre_ln, o.activation, o.dropout,
+                   o.attn_dropout, o.activation_dropout, o.causal, o.recompute)
+        inputs = (x, None, *encoder_kv, None, params)
+        y, state = layer_op(*inputs, *options)
+        with torch.no_grad():  # as the compiled graph calls them
+            rows.append({"operator": "lsmini::layer", "layer": name,
+                         "host µs": host_us(lambda: layer_op(*inputs, *options), calls)})
+            rows.append({"operator": "lsmini::layer_backward", "layer": name,
+                         "host µs": host_us(lambda: layer_backward_op(y, state, *inputs, *options), calls)})
+    return [{**r, "host µs": f"{r['host µs']:.1f}"} for r in rows]
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """Where the host time of a converted model's training step goes: bench_convert.py's nn.Transformer after
 lsmini.convert, eager and under torch.compile (default mode), in one process.
 
-    python benchmarks/profile_convert.py [--out DIR] [--steps 20] [--modes eager default]
+    python benchmarks/profile_convert.py [--out DIR] [--steps 20] [--modes eager default torch]
 
-Per mode, after 5 warm-up steps (the compile): the synced wall time per step over --steps steps, a cProfile of
+Modes: eager and default (the converted model, uncompiled and under torch.compile's default mode), torch (the
+unconverted model under the default mode, with the float padding masks with which it compiles whole).
+Per mode, after 5 warm-up steps (the compile): the synced wall time per step over --steps steps; the host's
+time per step in each phase of the step (zero_grad, forward, backward, optimizer step; perf_counter, unsynced:
+where the GPU waits on the host, as here, this is where the step's time goes); a cProfile of
 --steps more steps into DIR/<mode>.pstats (read with python -m pstats: the per-call times of _C.layer_fwd and
 _C.layer_bwd, the Python around them), and torch.profiler's host operators over 5 steps, most self time first
 (the counts of view operators and launches). Bool padding masks, bf16 autocast, fused AdamW, as bench_convert.py.
@@ -27,19 +31,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".", help="directory for the .pstats files")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--modes", nargs="+", default=["eager", "default"], choices=["eager", "default"])
+    ap.add_argument("--modes", nargs="+", default=["eager", "default"], choices=["eager", "default", "torch"])
     cli = ap.parse_args()
     os.makedirs(cli.out, exist_ok=True)
     args = bench_convert.parse_args(["--quick"])
     device = torch.device("cuda")
     for mode in cli.modes:
-        batches = bench_convert.make_batches(args, device, "bool")
+        batches = bench_convert.make_batches(args, device, "float" if mode == "torch" else "bool")
         model = bench_convert.build_model(args).to(device).train()
         n = max(args.src_len, args.tgt_len)
-        lsmini.convert(model, max_batch_tokens=args.batch * n, max_seq_len=n)
+        if mode != "torch":
+            lsmini.convert(model, max_batch_tokens=args.batch * n, max_seq_len=n)
         loss_fn = bench_convert.loss_function(model, device, torch.bfloat16)
         if mode != "eager":
-            loss_fn = torch.compile(loss_fn, fullgraph=True)
+            loss_fn = torch.compile(loss_fn, fullgraph=mode == "default")
         opt = torch.optim.AdamW(model.parameters(), lr=bench_convert.LR, fused=True)
 
         def steps(k):
@@ -53,6 +58,22 @@ def main():
         t0 = time.perf_counter()
         steps(cli.steps)
         print(f"# {mode}: {(time.perf_counter() - t0) / cli.steps * 1e3:.2f} ms/step (synced at the end)")
+        phases = dict.fromkeys(("zero_grad", "forward", "backward", "step"), 0.0)
+        for i in range(cli.steps):
+            t = [time.perf_counter()]
+            opt.zero_grad(set_to_none=True)
+            t.append(time.perf_counter())
+            loss = loss_fn(*batches[i % len(batches)])
+            t.append(time.perf_counter())
+            loss.backward()
+            t.append(time.perf_counter())
+            opt.step()
+            t.append(time.perf_counter())
+            for k, (a, b) in zip(phases, zip(t, t[1:])):
+                phases[k] += b - a
+        torch.cuda.synchronize()
+        print(f"# {mode}: host ms per step by phase: " +
+              ", ".join(f"{k} {v / cli.steps * 1e3:.2f}" for k, v in phases.items()))
         prof = cProfile.Profile()
         prof.enable()
         steps(cli.steps)

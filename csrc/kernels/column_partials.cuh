@@ -58,7 +58,7 @@ int64_t max_partial_slabs(int64_t rows, int64_t hidden, int max_threads, int max
 template <typename Kernel>
 int resident_blocks_per_sm(Kernel kernel, int threads, size_t smem) {
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess) {
+  if (max_active_blocks(kernel, threads, smem, &n) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky; keep it from being reported as the launch's error
     n = 1;
   }

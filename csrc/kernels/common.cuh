@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include <type_traits>
+#include <vector>
 
 #include "philox.h"
 
@@ -281,12 +282,44 @@ __device__ __forceinline__ uint32_t dropout_keep_bits(uint64_t seed, uint64_t of
   return bits;
 }
 
-// Multiprocessor count of the current device, for sizing persistent grids.
+// Multiprocessor count of the current device, for sizing persistent grids (asked once per device and host
+// thread: the launches that size their grids by it run several times per layer call).
 inline int sm_count() {
+  constexpr int kDevices = 64;
+  thread_local int known[kDevices] = {};
   int dev = 0, n = 0;
   cudaGetDevice(&dev);
+  const bool cached = dev >= 0 && dev < kDevices;
+  if (cached && known[dev] > 0) return known[dev];
   cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (cached && n > 0) known[dev] = n;
   return n > 0 ? n : 1;
+}
+
+// cudaOccupancyMaxActiveBlocksPerMultiprocessor on the current device, remembered per (kernel, threads,
+// dynamic shared bytes, device) and host thread once it succeeds: the query costs about a microsecond of
+// host time, and the column-sum and LayerNorm backward launches size their grids with it on every call.
+template <typename Kernel>
+cudaError_t max_active_blocks(Kernel kernel, int threads, size_t smem, int* blocks) {
+  struct Known {
+    const void* kernel;
+    int threads;
+    size_t smem;
+    int device, blocks;
+  };
+  thread_local std::vector<Known> known;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  int dev = 0;
+  cudaGetDevice(&dev);
+  for (const Known& k : known) {
+    if (k.kernel == fn && k.threads == threads && k.smem == smem && k.device == dev) {
+      *blocks = k.blocks;
+      return cudaSuccess;
+    }
+  }
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, fn, threads, smem);
+  if (err == cudaSuccess) known.push_back({fn, threads, smem, dev, *blocks});
+  return err;
 }
 
 }  // namespace lsmini

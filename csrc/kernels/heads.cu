@@ -117,7 +117,7 @@ LaunchShape launch_shape(int64_t rows, int64_t row_vecs, int blocks_per_sm) {
 // Resident blocks per SM of `kernel` (register use differs per instantiation: 32 to 64 registers).
 template <typename Kernel>
 cudaError_t resident_blocks(Kernel kernel, size_t smem, int* blocks) {
-  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, smem);
+  const cudaError_t err = max_active_blocks(kernel, kThreads, smem, blocks);
   if (*blocks < 1) *blocks = 1;
   return err;
 }

@@ -185,7 +185,7 @@ cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* mean,
   return with_vpt<1, (VEC == 1 ? 64 : 64 / VEC)>(cfg.vpt, [&](auto vpt) {
     auto kernel = layernorm_bwd_kernel<T, W, VEC, decltype(vpt)::value>;
     int per_sm = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, cfg.G * cfg.R, fold_bytes);
+    max_active_blocks(kernel, cfg.G * cfg.R, fold_bytes, &per_sm);
     int64_t grid = int64_t(sm_count()) * (per_sm > 0 ? per_sm : 1);
     grid = grid < max_parts ? grid : max_parts;
     const int64_t need = (rows + cfg.R - 1) / cfg.R;

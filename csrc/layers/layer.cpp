@@ -142,6 +142,22 @@ at::Tensor carve(const at::Tensor& base, int64_t byte_offset, at::ScalarType dty
   return t;
 }
 
+// What base.as_strided(sizes, strides, offset) makes (offset: elements of base's dtype from its storage's
+// start), made directly on the storage: as_strided goes through the dispatcher and t() through it three
+// times, and a layer call makes ~15 such views a block. Nothing here needs autograd's view tracking: the
+// operators run below autograd, and the eager layer's saved slots are never modified in place.
+at::Tensor strided_view(const at::Tensor& base, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t offset) {
+  at::Tensor t =
+      at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(), base.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return t;
+}
+
+// m.t() for a matrix, made directly (strided_view).
+at::Tensor transposed(const at::Tensor& m) {
+  return strided_view(m, {m.size(1), m.size(0)}, {m.stride(1), m.stride(0)}, m.storage_offset());
+}
+
 // Where forward puts the tensors it saves: fresh tensors, or views of one byte buffer (layer_fwd's
 // `state`). at(slot, ...) is that slot's view, or none (then the caller allocates as usual).
 class Destinations {
@@ -172,19 +188,19 @@ int64_t align(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 PhiloxTuple draw(double p) { return p > 0 ? philox_seed_offset() : kNoRng; }
 
-// Views are made with one as_strided each (rather than chains of view/permute/unbind/narrow): a layer
-// makes dozens per call, and each ATen call costs host time.
+// Views are made directly (strided_view, rather than chains of view/permute/unbind/narrow): a layer makes
+// dozens per call, and each ATen call costs host time.
 
 // The contiguous [rows, cols] view of flat[offset:] (arena.region).
 at::Tensor region(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols) {
-  return flat.as_strided({rows, cols}, {cols, 1}, flat.storage_offset() + offset);
+  return strided_view(flat, {rows, cols}, {cols, 1}, flat.storage_offset() + offset);
 }
 
 // Part `part` of a projection x2d [batch·len, parts·hidden] (columns part-major, then head) as the
 // [batch, heads, len, head_dim] view the attention kernels read (blocks.heads_of), no copy.
 at::Tensor head_view(const at::Tensor& x2d, int64_t batch, int64_t len, int64_t part, const Options& o) {
   const int64_t row = x2d.stride(0);
-  return x2d.as_strided({batch, o.heads, len, o.head_dim}, {len * row, o.head_dim, row, 1},
+  return strided_view(x2d, {batch, o.heads, len, o.head_dim}, {len * row, o.head_dim, row, 1},
                         x2d.storage_offset() + part * o.hidden);
 }
 
@@ -197,18 +213,18 @@ at::Tensor split(const at::Tensor& merged, const Shape& s, const Options& o) {
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const OptTensor& out) {
   if (out) {
     at::Tensor dst = *out;
-    return at::addmm_out(dst, bias.to(x.scalar_type()), x, weight.t());
+    return at::addmm_out(dst, bias.to(x.scalar_type()), x, transposed(weight));
   }
-  return at::addmm(bias.to(x.scalar_type()), x, weight.t());
+  return at::addmm(bias.to(x.scalar_type()), x, transposed(weight));
 }
 
 // x·weightᵀ, into out when given.
 at::Tensor matmul_t(const at::Tensor& x, const at::Tensor& weight, const OptTensor& out) {
   if (out) {
     at::Tensor dst = *out;
-    return at::mm_out(dst, x, weight.t());
+    return at::mm_out(dst, x, transposed(weight));
   }
-  return at::mm(x, weight.t());
+  return at::mm(x, transposed(weight));
 }
 
 // Where a block's parameter gradients go: per parameter a destination, or none (the gradient is returned).
@@ -283,7 +299,7 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
                                   context_out ? OptTensor(split(*context_out, s, o)) : std::nullopt,
                                   dest.at(kLse, {s.batch, o.heads, s.q_len}, at::kFloat));
   // out is a [b, h, lq, d] view of a contiguous [b, lq, h, d] buffer: the merged-heads context, no copy
-  at::Tensor context = out.as_strided({s.tokens, o.hidden}, {o.hidden, 1}, out.storage_offset());
+  at::Tensor context = strided_view(out, {s.tokens, o.hidden}, {o.hidden, 1}, out.storage_offset());
   slots[kCoreInput] = x;
   slots[kProjection] = projection;
   slots[kContext] = context;
@@ -294,7 +310,7 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
   }
   if (mask) slots[kMask] = *mask;
   if (bits) slots[kBits] = *bits;
-  return at::mm(context, p.weight_out.t());
+  return at::mm(context, transposed(p.weight_out));
 }
 
 at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, const Shape& s, at::Tensor* slots,
@@ -315,7 +331,7 @@ at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, const
     slots[kProjection] = pre_activation;
     if (!o.recompute) slots[kHidden] = hidden;
   }
-  return at::mm(hidden, p.weight_out.t());
+  return at::mm(hidden, transposed(p.weight_out));
 }
 
 // residual [tokens, hidden] → the block's output (into `output` when given: where the next block saves it);
@@ -432,7 +448,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     const std::pair<OptTensor, OptTensor>& kv_grads, const GradInto& into) {
   const bool self = kind == Kind::Self;
   const int64_t t = s.tokens, parts = self ? 3 : 1;
-  at::Tensor grad_weight_out = weight_grad(grad_core.t(), sv[kContext], s.weight_dtype, into.dest[2], into.add);
+  at::Tensor grad_weight_out = weight_grad(transposed(grad_core), sv[kContext], s.weight_dtype, into.dest[2], into.add);
   at::Tensor grad_context = region(scratch, 0, t, o.hidden);
   at::mm_out(grad_context, grad_core, p.weight_out);
   at::Tensor grad_projection = region(scratch, align(t * o.hidden), t, parts * o.hidden);
@@ -452,7 +468,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
   at::Tensor grad_bias_in = bias_grad(grad_projection, p.bias_in.scalar_type());
   // d(context) is dead once the attention backward has read it: the recomputed input may go there
   at::Tensor grad_weight_in =
-      weight_grad(grad_projection.t(), input_of(region(scratch, 0, t, o.hidden)), s.weight_dtype, into.dest[0],
+      weight_grad(transposed(grad_projection), input_of(region(scratch, 0, t, o.hidden)), s.weight_dtype, into.dest[0],
                   into.add);
   at::Tensor grad_input = region(scratch, 0, t, o.hidden);  // so is a recomputed input, once that GEMM read it
   at::mm_out(grad_input, grad_projection, p.weight_in);
@@ -473,14 +489,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Ten
   if (!hidden.defined()) {  // recompute the activation from its saved input, same dropout mask
     hidden = bias_act_dropout_fwd(sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region);
   }
-  at::Tensor grad_weight_out = weight_grad(grad_core.t(), hidden, s.weight_dtype, into.dest[2], into.add);
+  at::Tensor grad_weight_out = weight_grad(transposed(grad_core), hidden, s.weight_dtype, into.dest[2], into.add);
   hidden.reset();
   at::mm_out(act_region, grad_core, p.weight_out);
   auto [grad_hidden, grad_bias_in] =
       relu ? bias_act_dropout_bwd(act_region, sv[kHidden], p.bias_in, o.act, o.act_dropout, kNoRng, act_region, true)
            : bias_act_dropout_bwd(act_region, sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region, false);
   at::Tensor grad_weight_in =
-      weight_grad(grad_hidden.t(), input_of(std::nullopt), s.weight_dtype, into.dest[0], into.add);
+      weight_grad(transposed(grad_hidden), input_of(std::nullopt), s.weight_dtype, into.dest[0], into.add);
   return {at::mm(grad_hidden, p.weight_in), grad_weight_in, *grad_bias_in, grad_weight_out};
 }
 
@@ -758,14 +774,29 @@ std::vector<at::Tensor> cast_weights(at::TensorList params, const at::Tensor& st
   return weights;
 }
 
-// [b, ls, H] encoder keys or values (column blocks of the decoder's cross-K/V projection) → [b, heads, ls, d].
+// [b, ls, H] encoder keys or values (column blocks of the decoder's cross-K/V projection, checked_plan checked
+// their shape) → [b, heads, ls, d].
 OptTensor heads_of(const OptTensor& t, const Options& o) {
   if (!t) return std::nullopt;
-  return t->view({t->size(0), t->size(1), o.heads, o.head_dim}).transpose(1, 2);
+  return strided_view(*t, {t->size(0), o.heads, t->size(1), o.head_dim},
+                      {t->stride(0), o.head_dim * t->stride(2), t->stride(1), t->stride(2)}, t->storage_offset());
 }
 
 at::Tensor rng_rows(const at::Tensor& state, const CallPlan& plan, int64_t rows) {
   return carve(state, plan.rng_at, at::kLong, {rows, 2}, "lsmini::layer");
+}
+
+// Both operators' checks of x and the encoder's keys and values, then the call's plan.
+const CallPlan& checked_plan(const OpArgs& a, const at::Tensor& x, const OptTensor& key_padding_mask,
+                             const OptTensor& encoder_k, const OptTensor& encoder_v,
+                             const OptTensor& encoder_padding_mask, at::TensorList params, const char* op) {
+  LSMINI_CHECK(x.dim() == 3 && !params.empty(), op, ": x must be [batch, len, hidden], got shape ", x.sizes());
+  LSMINI_CHECK(!encoder_k || (encoder_v && encoder_k->dim() == 3 && encoder_k->size(0) == x.size(0) &&
+                                encoder_k->size(2) == a.hidden && encoder_v->sizes() == encoder_k->sizes()),
+               op, ": encoder_k and encoder_v must both be [batch=", x.size(0), ", src_len, hidden=", a.hidden,
+               "]");
+  return call_plan(a, x, key_padding_mask.has_value(), encoder_padding_mask.has_value(),
+                   encoder_k ? encoder_k->size(1) : 0, params, op);
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_op_cuda(
@@ -778,12 +809,8 @@ std::tuple<at::Tensor, at::Tensor> layer_op_cuda(
                  pre_ln, causal, recompute};
   const Options o = op_options(a, op);
   check_cuda(x, op, "x");
-  LSMINI_CHECK(x.dim() == 3 && !params.empty(), op, ": x must be [batch, len, hidden], got shape ", x.sizes());
-  LSMINI_CHECK(!encoder_k || (encoder_v && encoder_k->dim() == 3 && encoder_v->sizes() == encoder_k->sizes()), op,
-               ": encoder_k and encoder_v must both be [batch, src_len, hidden]");
+  const CallPlan& plan = checked_plan(a, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, op);
   c10::cuda::CUDAGuard guard(x.device());
-  const CallPlan& plan = call_plan(a, x, key_padding_mask.has_value(), encoder_padding_mask.has_value(),
-                                   encoder_k ? encoder_k->size(1) : 0, params, op);
   at::Tensor state = at::empty({plan.total}, x.options().dtype(at::kByte));
   const std::vector<at::Tensor> weights = cast_weights(params, state, plan, x.scalar_type(), true);
   auto [y, saved, rngs] = layer_fwd_impl(o, x, key_padding_mask, heads_of(encoder_k, o), heads_of(encoder_v, o),
@@ -815,12 +842,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tens
   const Options o = op_options(a, op);
   check_cuda(grad, op, "grad");
   check_cuda(state, op, "state");
-  LSMINI_CHECK(x.dim() == 3 && !params.empty(), op, ": x must be [batch, len, hidden], got shape ", x.sizes());
-  LSMINI_CHECK(!encoder_k || (encoder_v && encoder_k->dim() == 3 && encoder_v->sizes() == encoder_k->sizes()), op,
-               ": encoder_k and encoder_v must both be [batch, src_len, hidden]");
+  const CallPlan& plan = checked_plan(a, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, op);
   c10::cuda::CUDAGuard guard(grad.device());
-  const CallPlan& plan = call_plan(a, x, key_padding_mask.has_value(), encoder_padding_mask.has_value(),
-                                   encoder_k ? encoder_k->size(1) : 0, params, op);
   LSMINI_CHECK(state.scalar_type() == at::kByte && state.dim() == 1 && state.is_contiguous() &&
                    state.numel() == plan.total,
                op, ": state must be the contiguous uint8 [", plan.total, "] tensor lsmini::layer returned, got ",
