@@ -201,7 +201,7 @@ at::Tensor region(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t 
 at::Tensor head_view(const at::Tensor& x2d, int64_t batch, int64_t len, int64_t part, const Options& o) {
   const int64_t row = x2d.stride(0);
   return strided_view(x2d, {batch, o.heads, len, o.head_dim}, {len * row, o.head_dim, row, 1},
-                        x2d.storage_offset() + part * o.hidden);
+                      x2d.storage_offset() + part * o.hidden);
 }
 
 // [tokens, hidden] (contiguous) as the attention kernels' [batch, heads, len, head_dim] view.
@@ -467,9 +467,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
   }
   at::Tensor grad_bias_in = bias_grad(grad_projection, p.bias_in.scalar_type());
   // d(context) is dead once the attention backward has read it: the recomputed input may go there
-  at::Tensor grad_weight_in =
-      weight_grad(transposed(grad_projection), input_of(region(scratch, 0, t, o.hidden)), s.weight_dtype, into.dest[0],
-                  into.add);
+  at::Tensor grad_weight_in = weight_grad(transposed(grad_projection), input_of(region(scratch, 0, t, o.hidden)),
+                                          s.weight_dtype, into.dest[0], into.add);
   at::Tensor grad_input = region(scratch, 0, t, o.hidden);  // so is a recomputed input, once that GEMM read it
   at::mm_out(grad_input, grad_projection, p.weight_in);
   return {grad_input, grad_weight_in, grad_bias_in, grad_weight_out};
