@@ -26,8 +26,9 @@ void check_ctrl(const at::Tensor& ctrl, const at::Tensor& ref, const char* op) {
   check_cuda(ctrl, op, "ctrl");
   check_same_device(ctrl, ref, op, "ctrl", "the buffers");
   check_dtype(ctrl, at::kFloat, op, "ctrl");
-  LSMINI_CHECK(ctrl.is_contiguous() && ctrl.numel() >= kAdamCtrlSize, op, ": ctrl must be a contiguous float32 tensor of ",
-              kAdamCtrlSize, " elements, got ", ctrl.numel(), ctrl.is_contiguous() ? "" : " (not contiguous)");
+  LSMINI_CHECK(ctrl.is_contiguous() && ctrl.numel() >= kAdamCtrlSize, op,
+               ": ctrl must be a contiguous float32 tensor of ", kAdamCtrlSize, " elements, got ", ctrl.numel(),
+               ctrl.is_contiguous() ? "" : " (not contiguous)");
 }
 
 // Writes ctrl = {skip, grad multiplier, norm, clip coefficient} from the first lengths[i] elements of each

@@ -133,8 +133,9 @@ at::Tensor grad_output(const std::optional<at::Tensor>& given, const at::Tensor&
   if (!(given.has_value() && given->defined())) return at::empty_like(like, at::MemoryFormat::Contiguous);
   const at::Tensor& t = *given;
   check_like(t, like, like.scalar_type(), like.sizes(), op, name, "q");
-  LSMINI_CHECK(kernel_layout(t), op, ": ", name, " is written in place, so it needs the kernels' layout (last stride 1,",
-              " other strides multiples of 8 elements, 16-byte aligned start), got strides ", t.strides());
+  LSMINI_CHECK(kernel_layout(t), op, ": ", name,
+               " is written in place, so it needs the kernels' layout (last stride 1,",
+               " other strides multiples of 8 elements, 16-byte aligned start), got strides ", t.strides());
   return t;
 }
 

@@ -137,8 +137,8 @@ static at::Tensor merge_heads_bwd(const at::Tensor& grad, int64_t num_heads) {
   LSMINI_CHECK(grad.dim() == 3, op, ": grad must be 3-D [batch, len, num_heads·head_dim], got shape ", grad.sizes());
   LSMINI_CHECK(num_heads >= 1, op, ": num_heads must be >= 1, got ", num_heads);
   const int64_t batch = grad.size(0), len = grad.size(1), width = grad.size(2);
-  LSMINI_CHECK(width % num_heads == 0, op, ": the last dimension of grad (", width, ") must be divisible by num_heads (",
-              num_heads, ")");
+  LSMINI_CHECK(width % num_heads == 0, op, ": the last dimension of grad (", width,
+               ") must be divisible by num_heads (", num_heads, ")");
   const int64_t head_dim = width / num_heads;
   check_index_range(batch * len, width, op);
   c10::cuda::CUDAGuard guard(grad.device());
