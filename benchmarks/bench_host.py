@@ -11,7 +11,8 @@ too) and whatever else the op and its launch do differently with dropout. Best o
 Then the compiled layer's operators, ``lsmini::layer`` and ``lsmini::layer_backward``, called directly for a
 post-LN encoder layer (self, ffn) and decoder layer (self, cross, ffn) of the base shape (hidden 512, 8 heads,
 FFN 2048, dropout 0.1) on a [2, 8] bf16 input with float32 parameters, as under autocast: the host time of one
-layer call as a compiled step pays it, without the compiler's own wrapper around it.
+layer call as a compiled step pays it, without the compiler's own wrapper around it. With layer graphs off
+(every call issues its kernels) and on (the call site's graph replays; csrc/layers/layer.cpp).
 """
 import argparse
 import os
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from lsmini import _backend  # noqa: E402
 from lsmini.layers import TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer  # noqa: E402
-from lsmini.layers.compiled import layer_backward_op, layer_op  # noqa: E402
+from lsmini.layers.compiled import layer_backward_op, layer_op, set_layer_graphs  # noqa: E402
 from lsmini.ops import (attention, attention_softmax, bias_act_dropout, bias_dropout_residual, embedding,  # noqa: E402
                         sinusoidal_positions)
 
@@ -73,7 +74,8 @@ def main():
               for k, v in r.items()} for r in rows]
     print(common.markdown_table(shown, ["op", "p 0.1 µs", "p 0 µs", "dropout's share", "device µs (p 0.1)"]))
     print()
-    print(common.markdown_table(layer_rows(dev, args.calls // 10), ["operator", "layer", "host µs"]))
+    print(common.markdown_table(layer_rows(dev, args.calls // 10),
+                                ["operator", "layer", "graphs off µs", "graphs on µs"]))
 
 
 def layer_rows(dev, calls):
@@ -91,13 +93,17 @@ def layer_rows(dev, calls):
         options = (",".join(o.kinds), o.hidden, o.ffn, o.heads, o.scale, o.eps, o.pre_ln, o.activation, o.dropout,
                    o.attn_dropout, o.activation_dropout, o.causal, o.recompute)
         inputs = (x, None, *encoder_kv, None, params)
-        y, state = layer_op(*inputs, *options)
-        with torch.no_grad():  # as the compiled graph calls them
-            rows.append({"operator": "lsmini::layer", "layer": name,
-                         "host µs": host_us(lambda: layer_op(*inputs, *options), calls)})
-            rows.append({"operator": "lsmini::layer_backward", "layer": name,
-                         "host µs": host_us(lambda: layer_backward_op(y, state, *inputs, *options), calls)})
-    return [{**r, "host µs": f"{r['host µs']:.1f}"} for r in rows]
+        forward, backward = ({"operator": op, "layer": name} for op in ("lsmini::layer", "lsmini::layer_backward"))
+        for graphs in (False, True):
+            column = f"graphs {'on' if graphs else 'off'} µs"
+            before = set_layer_graphs(graphs)
+            with torch.no_grad():  # as the compiled graph calls them
+                y, state = layer_op(*inputs, *options)  # backward reads this state every time
+                forward[column] = host_us(lambda: layer_op(*inputs, *options), calls)
+                backward[column] = host_us(lambda: layer_backward_op(y, state, *inputs, *options), calls)
+            set_layer_graphs(before)
+        rows += [forward, backward]
+    return [{k: f"{v:.1f}" if isinstance(v, float) else v for k, v in r.items()} for r in rows]
 
 
 if __name__ == "__main__":

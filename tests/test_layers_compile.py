@@ -11,7 +11,7 @@ import torch
 
 from layer_testing import _one_thread, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import (CrossEntropyLoss, TransformerConfig, TransformerDecoder, TransformerEncoder,
-                           TransformerEncoderLayer)
+                           TransformerEncoderLayer, layer_graph_counts, set_layer_graphs)
 from lsmini.layers import compiled
 from lsmini.layers.arena import ALIGN
 from lsmini.layers.compiled import (BITS, CAST_ALIGN, LSE, MASK, SLOTS, STATE_ALIGN, grad_plan,
@@ -364,6 +364,124 @@ def test_layer_op_errors_name_the_problem():
     bwd = (torch.randn_like(y), state, x.detach(), *args[1:5], [p.detach() for p in args[5]], *args[6:])
     with pytest.raises(RuntimeError, match="lsmini::layer_backward: state must be the contiguous uint8"):
         layer_backward_op(bwd[0], state[:-1], *bwd[2:])
+
+
+def _graph_calls(layers, graphs, steps, keep=None):
+    """steps steps of the operators (no autograd) for each layer in `layers` (their kinds; inputs and
+    parameters from _op_args): forward through them in order, backward in reverse, from seed 1, with layer
+    graphs on or off. Returns per step, per layer, clones of (y, grad_x, the gradients..., dK/dV...); the
+    change in (captures, replays, blocked); and the first layer's tensors that `keep` names, held across the
+    steps: "outputs" (its forward's y and state, and its backward's outputs) or "gradients" (its backward's)."""
+    calls = []
+    for kinds in layers:
+        args = _op_args(kinds, True, "gelu", False, torch.float16, True, "cross" in kinds)
+        calls.append(tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in args[:5]) + (
+            [p.detach() for p in args[5]],) + args[6:])
+    grad = torch.randn_like(calls[0][0])
+    before, counts = set_layer_graphs(graphs), layer_graph_counts()
+    try:
+        torch.manual_seed(1)
+        results, kept = [], []
+        with torch.no_grad():
+            for _ in range(steps):
+                forwards = [layer_op(*call) for call in calls]
+                step = [None] * len(calls)
+                for i in reversed(range(len(calls))):
+                    y, state = forwards[i]
+                    grad_x, grads, others, kv = layer_backward_op(grad, state, *calls[i])
+                    step[i] = [t.clone() for t in (y, grad_x, grads, *others, *kv)]
+                    if i == 0 and keep == "outputs":
+                        kept.append((y, grad_x, grads, *others, *kv, state))
+                    if i == 0 and keep == "gradients":
+                        kept.append((grad_x, grads, *others, *kv))
+                results.append(step)
+                del forwards, y, state, grad_x, grads, others, kv
+    finally:
+        set_layer_graphs(before)
+    after = layer_graph_counts()
+    return results, tuple(a - b for a, b in zip(after, counts)), kept
+
+
+def test_layer_graph_switch_and_counts():
+    """The switch returns the previous setting; without the CUDA extension there is nothing to switch (always
+    False) and nothing counted."""
+    from lsmini import _backend
+    built = _backend.ext_or_none() is not None
+    before = set_layer_graphs(False)
+    try:
+        assert before is built and set_layer_graphs(True) is False and set_layer_graphs(True) is built
+    finally:
+        set_layer_graphs(before)
+    counts = layer_graph_counts()
+    assert len(counts) == 3 and all(isinstance(c, int) and c >= 0 for c in counts)
+    if not built:
+        assert counts == (0, 0, 0)
+
+
+def _assert_same_steps(steps, expected):
+    for s, (step, twin) in enumerate(zip(steps, expected)):
+        for i, (outputs, twins) in enumerate(zip(step, twin)):
+            for j, (a, b) in enumerate(zip(outputs, twins)):
+                assert torch.equal(a, b), f"step {s}, layer {i}, output {j}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kinds", [("self", "ffn"), ("self", "cross", "ffn")])
+def test_layer_graphs_replay_what_eager_computes(kinds):
+    """Once a call site repeats its plan the operators capture a CUDA graph and replay it. Forward: call 1
+    eager, call 2 captures and replays, calls 3-6 replay. Backward reads the state in place, so its graph
+    is kept for one state: it sees the forward graph's from call 2 on, and captures at call 3. Outputs
+    released between calls, as in a training loop. Every call equals the same call with graphs off, bit for
+    bit (same seed: the replays draw the dropout masks the eager calls draw)."""
+    eager, eager_counts, _ = _graph_calls([kinds], False, 6)
+    graphed, counts, _ = _graph_calls([kinds], True, 6)
+    assert eager_counts == (0, 0, 0) and counts == (2, 9, 0)
+    _assert_same_steps(graphed, eager)
+
+
+@pytest.mark.cuda
+def test_layer_graphs_after_other_parameters_are_gone():
+    """The graphs of a stream share one memory pool. Once every graph in it is gone (their parameters freed,
+    their sites dropped by the next capture), the allocator releases the pool, and the next capture must take a
+    new one: a second model's sites capture and replay as the first's did, and the CUDA calls after them run."""
+    for _ in range(2):  # each run's parameters are new; the second run's capture drops the first's sites
+        _, counts, _ = _graph_calls([("self", "ffn")], True, 6)
+        assert counts == (2, 9, 0)
+    torch.cuda.synchronize()
+    assert torch.ones(4, device="cuda").sum().item() == 4
+
+
+@pytest.mark.cuda
+def test_layer_graphs_leave_held_outputs_alone():
+    """A replay overwrites its site's outputs, so while they are held (here: every call's outputs, kept to
+    the end) the site runs eagerly. Forward: call 2 captures and replays, calls 3 and 4, with call 2's
+    outputs held, run eagerly (blocked); backward never gets the same state twice. Nothing kept changes
+    afterwards, and each call equals its graphs-off twin."""
+    eager, _, _ = _graph_calls([("self", "ffn")], False, 4)
+    graphed, counts, kept = _graph_calls([("self", "ffn")], True, 4, keep="outputs")
+    assert counts == (1, 1, 2)
+    _assert_same_steps(graphed, eager)
+    for s, outputs in enumerate(kept):
+        for j, (held, first) in enumerate(zip(outputs, graphed[s][0])):
+            assert torch.equal(held, first), f"step {s}, output {j}"
+
+
+@pytest.mark.cuda
+def test_layer_graphs_leave_other_graphs_held_outputs_alone():
+    """The bytes a capture allocates and frees again (its temporaries) are free for the graphs captured after
+    it, outputs included, and each replay writes them again. Two layers (a decoder layer, then an encoder
+    layer; backward in reverse: the encoder layer's backward graph is captured before the decoder layer's),
+    every step's decoder-layer gradients kept to the end, as gradient accumulation keeps param.grad: a graph
+    whose temporaries hold kept outputs must not replay. Nothing kept changes afterwards, every step equals
+    its graphs-off twin, and the graphs whose temporaries hold nothing kept go on replaying."""
+    layers = [("self", "cross", "ffn"), ("self", "ffn")]
+    eager, _, _ = _graph_calls(layers, False, 6)
+    graphed, counts, kept = _graph_calls(layers, True, 6, keep="gradients")
+    assert counts[0] >= 2 and counts[2] >= 3  # at least the decoder layer's backward, its outputs kept: blocked
+    _assert_same_steps(graphed, eager)
+    for s, outputs in enumerate(kept):
+        for j, (held, first) in enumerate(zip(outputs, graphed[s][0][1:])):
+            assert torch.equal(held, first), f"step {s}, output {j}"
 
 
 @pytest.mark.cuda

@@ -26,12 +26,17 @@
 #include "attention.h"
 #include "bias_act_dropout.h"
 
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <algorithm>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -785,6 +790,10 @@ at::Tensor rng_rows(const at::Tensor& state, const CallPlan& plan, int64_t rows)
   return carve(state, plan.rng_at, at::kLong, {rows, 2}, "lsmini::layer");
 }
 
+at::Tensor or_none(const OptTensor& t) { return t ? *t : at::Tensor(); }
+
+OptTensor given(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
 // Both operators' checks of x and the encoder's keys and values, then the call's plan.
 const CallPlan& checked_plan(const OpArgs& a, const at::Tensor& x, const OptTensor& key_padding_mask,
                              const OptTensor& encoder_k, const OptTensor& encoder_v,
@@ -796,6 +805,322 @@ const CallPlan& checked_plan(const OpArgs& a, const at::Tensor& x, const OptTens
                "]");
   return call_plan(a, x, key_padding_mask.has_value(), encoder_padding_mask.has_value(),
                    encoder_k ? encoder_k->size(1) : 0, params, op);
+}
+
+// ---- layer graphs ----------------------------------------------------------------------------------------
+// A compiled training step calls each layer's operators with the same plan, parameters and stream step after
+// step, and most of a call's host time is issuing its kernels and GEMMs (~25 launches a block). So once a
+// call site (the same parameters, device and stream; forward and backward apart) comes with the same plan
+// twice in a row, its operator captures its work into a CUDA graph (on a side stream; the call then replays
+// it), and from then on replays that graph: one launch and a few input copies per call.
+//
+// What keeps a replay right:
+// - The graph reads its tensor inputs from buffers, each call first copying its inputs there. A buffer serves
+//   every graph of its stream that takes the same input (pass, position, dtype, shape): the copies and
+//   replays of a stream run in turn. The parameters it reads where they are (the site's key holds their
+//   addresses, so a new tensor is a new site).
+// - It writes its outputs into tensors of its own, and the call hands out new tensors over their storage. A
+//   replay overwrites them, so it runs only when nothing else references that storage any more: in a
+//   training loop, backward has released the forward's y and state by the next step, and
+//   zero_grad(set_to_none=True) the gradients. Otherwise the call runs eagerly. (A tensor that has been
+//   Python's keeps a reference to its Python object, hence new tensors, and the storage's count; anything
+//   that keeps the storage, its Python object included, keeps the site eager.)
+// - Backward reads the state in place: its graph is kept for one state address (its forward graph's state,
+//   once that forward replays).
+// - Dropout: the capture registers torch's generator; each replay advances it as the eager call would, so the
+//   masks are the eager call's.
+// - A call under an outer capture (mode="reduce-overhead", CUDAGraphStep) runs eagerly: the outer graph
+//   takes its kernels.
+// - The graphs of a device and stream share one memory pool: they replay one after another on that stream,
+//   and what one keeps (its outputs) stays allocated while it lives. But the bytes a graph allocates and
+//   frees again during its capture (its temporaries, told by the allocator's trace) are free for the graphs
+//   captured after it, outputs included, and each replay writes them again. So a graph also replays only when
+//   none of those later outputs lying in its temporaries is held elsewhere (or, its graph gone, held at all).
+//   Once its last graph is gone the allocator releases a pool, and the next capture takes a new one.
+// - A site whose plan changes drops its graph (one is kept per site), so alternating shapes never capture;
+//   a site whose parameters have been freed is dropped (when next called, or at the next capture).
+// set_layer_graphs(False) (lsmini._C) turns them off; layer_graph_counts() tells captures, replays, and the
+// calls that ran eagerly because a replay would have overwritten outputs held elsewhere.
+using Tensors = std::vector<at::Tensor>;
+using Bytes = std::pair<uintptr_t, uintptr_t>;  // [first, last) addresses
+
+bool overlap(const std::vector<Bytes>& a, const std::vector<Bytes>& b) {
+  return std::any_of(a.begin(), a.end(), [&b](const Bytes& x) {
+    return std::any_of(b.begin(), b.end(), [&x](const Bytes& y) { return x.first < y.second && y.first < x.second; });
+  });
+}
+
+// What a graph writes and hands out: its outputs' storages, watched for references from elsewhere.
+struct Written {
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  std::vector<size_t> own;  // per storage, the references its graph holds
+  std::vector<Bytes> bytes;
+  bool graph_gone = false;  // then any reference is held elsewhere
+
+  bool held() const {
+    for (size_t i = 0; i < storages.size(); ++i) {
+      if (!storages[i].expired() && storages[i].use_count() > (graph_gone ? 0 : own[i])) return true;
+    }
+    return false;
+  }
+};
+
+struct LayerGraph {
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> params;  // the site's: gone, the site is stale
+  const CallPlan* plan = nullptr;
+  const void* state = nullptr;  // backward: the forward graph's state it reads
+  int seen = 0;                 // calls with this plan in a row
+  bool failed = false;          // the capture failed: this plan runs eagerly
+  at::cuda::MempoolId_t pool{0, 0};  // the memory pool its graph allocates from
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  Tensors inputs;   // the buffers it reads the call's inputs from (undefined where a call has none)
+  Tensors outputs;  // what it writes and returns
+  std::shared_ptr<Written> written;  // its outputs' storages
+  std::vector<Bytes> temporaries;    // what its capture allocated and freed again: each replay writes there
+  std::vector<std::shared_ptr<Written>> overwrites;  // outputs of graphs captured later, in its temporaries
+
+  ~LayerGraph() {
+    if (written) written->graph_gone = true;
+  }
+  // A replay would overwrite outputs held elsewhere.
+  bool blocked() const {
+    return written->held() ||
+           std::any_of(overwrites.begin(), overwrites.end(), [](const auto& w) { return w->held(); });
+  }
+};
+
+std::atomic<bool> g_layer_graphs{true};
+std::atomic<int64_t> g_graph_captures{0}, g_graph_replays{0}, g_graph_blocked{0};
+
+bool set_layer_graphs(bool on) { return g_layer_graphs.exchange(on); }
+
+std::tuple<int64_t, int64_t, int64_t> layer_graph_counts() {
+  return {g_graph_captures.load(), g_graph_replays.load(), g_graph_blocked.load()};
+}
+
+// The temporaries of a capture, from the caching allocator's trace: it calls the tracker on the allocating
+// thread, under its own lock, for every allocation and free of the process; only a thread that captures
+// records (the capture mode is thread-local, so all of a capture's allocations are its thread's).
+struct Allocations {
+  std::unordered_map<uintptr_t, size_t> live;  // allocated during the capture, not yet freed
+  std::vector<Bytes> freed;
+};
+thread_local Allocations* t_capture_allocations = nullptr;
+
+void trace_allocation(const c10::cuda::CUDACachingAllocator::TraceEntry& e) {
+  Allocations* a = t_capture_allocations;
+  if (a == nullptr) return;
+  using Action = c10::cuda::CUDACachingAllocator::TraceEntry::Action;
+  if (e.action_ == Action::ALLOC) {
+    a->live[e.addr_] = e.size_;
+  } else if (e.action_ == Action::FREE_REQUESTED || e.action_ == Action::FREE_COMPLETED) {
+    const auto it = a->live.find(e.addr_);
+    if (it != a->live.end()) {
+      a->freed.push_back({it->first, it->first + it->second});
+      a->live.erase(it);
+    }
+  }
+}
+
+struct GraphSites {
+  std::mutex mutex;
+  std::unordered_map<std::string, std::unique_ptr<LayerGraph>> sites;
+  std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> capture_streams;  // each warmed up for cuBLAS
+  std::map<std::pair<c10::DeviceIndex, c10::StreamId>, at::cuda::MempoolId_t> pools;  // per stream of replays
+  std::unordered_map<std::string, at::Tensor> input_buffers;      // per stream, dtype and shape
+  bool tracing = false;  // trace_allocation is attached to the caching allocator
+};
+
+GraphSites& graph_sites() {
+  static auto* sites = new GraphSites();  // never destroyed: graphs must not outlive the CUDA context's teardown
+  return *sites;
+}
+
+// The buffer a graph of `stream` reads input `t` from: one per stream, pass (forward or backward), input
+// (its position among the call's inputs), dtype and shape, shared by the graphs of all sites (each call fills
+// it right before its replay, on that stream, so the graphs take turns).
+at::Tensor input_buffer(GraphSites& all, const c10::cuda::CUDAStream& stream, char pass, size_t input,
+                        const at::Tensor& t) {
+  std::string key(1, pass);
+  const auto put = [&key](const auto v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(input);
+  put(stream.device_index());
+  put(stream.id());
+  put(t.scalar_type());
+  for (const int64_t d : t.sizes()) put(d);
+  at::Tensor& buffer = all.input_buffers[key];
+  if (!buffer.defined()) buffer = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  return buffer;
+}
+
+// The site of a call: forward or backward, device, stream, the parameters' addresses.
+std::string site_key(char pass, at::TensorList params, const c10::cuda::CUDAStream& stream) {
+  std::string key(1, pass);
+  const auto put = [&key](const auto v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
+  put(stream.device_index());
+  put(stream.id());
+  for (const at::Tensor& p : params) put(p.data_ptr());
+  return key;
+}
+
+bool stale(const LayerGraph& g) {
+  return std::any_of(g.params.begin(), g.params.end(), [](const auto& p) { return p.expired(); });
+}
+
+void copy_inputs(const Tensors& into, const Tensors& from) {
+  for (size_t i = 0; i < from.size(); ++i) {
+    if (from[i].defined()) into[i].copy_(from[i]);
+  }
+}
+
+// A ready stream waits for the work queued so far on another (an event between them).
+void stream_waits(const c10::cuda::CUDAStream& waiting, const c10::cuda::CUDAStream& on) {
+  cudaEvent_t event;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(event, on.stream()));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiting.stream(), event, 0));
+  C10_CUDA_CHECK(cudaEventDestroy(event));
+}
+
+// body(inputs) → outputs, eagerly or through the site's graph (see above). inputs: the call's tensors the
+// graph must read from its copies (undefined where absent); body reads only those and the parameters, and
+// returns tensors it allocates.
+template <typename Body>
+Tensors through_graph(const std::string& site, at::TensorList params, const CallPlan* plan, const void* state,
+                      const Tensors& inputs, const Body& body) {
+  if (!g_layer_graphs.load() ||
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return body(inputs);
+  }
+  GraphSites& all = graph_sites();
+  std::unique_lock<std::mutex> lock(all.mutex);
+  const auto eager = [&] {
+    lock.unlock();
+    return body(inputs);
+  };
+  std::unique_ptr<LayerGraph>& g = all.sites[site];
+  if (!g || stale(*g) || g->plan != plan || g->state != state) {  // a new site or plan: the old graph goes
+    g = std::make_unique<LayerGraph>();
+    for (const at::Tensor& p : params) g->params.push_back(p.storage().getWeakStorageImpl());
+    g->plan = plan;
+    g->state = state;
+  }
+  if (g->failed) return eager();
+  const auto replay = [&] {
+    copy_inputs(g->inputs, inputs);
+    g->graph->replay();
+    ++g_graph_replays;
+    Tensors out;  // new tensors over the graph's outputs (see above)
+    for (const at::Tensor& t : g->outputs) {
+      out.push_back(t.defined() ? strided_view(t, t.sizes(), t.strides(), t.storage_offset()) : t);
+    }
+    return out;
+  };
+  if (g->graph) {
+    if (!g->blocked()) return replay();
+    ++g_graph_blocked;
+    return eager();
+  }
+  if (++g->seen < 2) return eager();
+  for (auto it = all.sites.begin(); it != all.sites.end();) {  // drop the graphs of parameters now gone
+    it = it->second && it->second.get() != g.get() && stale(*it->second) ? all.sites.erase(it) : std::next(it);
+  }
+  for (auto it = all.input_buffers.begin(); it != all.input_buffers.end();) {  // and buffers no graph reads
+    it = it->second.use_count() == 1 ? all.input_buffers.erase(it) : std::next(it);
+  }
+  for (auto& [key, other] : all.sites) {  // and the outputs of gone graphs that nothing holds now
+    if (!other) continue;
+    auto& w = other->overwrites;
+    w.erase(std::remove_if(w.begin(), w.end(), [](const auto& o) { return o->graph_gone && !o->held(); }), w.end());
+  }
+  if (!all.tracing) {
+    c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(trace_allocation);
+    all.tracing = true;
+  }
+  // Capture on a side stream (one per device: capture needs a stream of its own), then replay on the caller's
+  // to compute this call. The capture stream's cuBLAS workspaces are set up by a first GEMM of each kind there
+  // outside any capture, so that they are not taken from a graph's memory pool.
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
+  Tensors buffers;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    buffers.push_back(inputs[i].defined() ? input_buffer(all, caller, site[0], i, inputs[i]) : at::Tensor());
+  }
+  auto stream_it = all.capture_streams.find(caller.device_index());
+  if (stream_it == all.capture_streams.end()) {
+    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, caller.device_index());
+    c10::cuda::CUDAStreamGuard on_side(side);
+    const at::Tensor a = at::zeros({16, 16}, inputs[0].options());
+    (void)at::mm(a, a);
+    (void)at::addmm(a[0], a, a);  // with a bias: the cuBLASLt path
+    stream_it = all.capture_streams.emplace(caller.device_index(), side).first;
+  }
+  const c10::cuda::CUDAStream side = stream_it->second;
+  // One pool per stream of the replays, while a graph uses it: a pool whose last graph is gone is released by
+  // the allocator, so the next capture takes a new one.
+  at::cuda::MempoolId_t& pool = all.pools[{caller.device_index(), caller.id()}];
+  const bool pool_in_use = std::any_of(all.sites.begin(), all.sites.end(), [&](const auto& site_graph) {
+    return site_graph.second && site_graph.second->graph && site_graph.second->pool == pool;
+  });
+  if (!pool_in_use) pool = at::cuda::graph_pool_handle();
+  stream_waits(side, caller);
+  auto graph = std::make_unique<at::cuda::CUDAGraph>();
+  bool captured = false;
+  Allocations allocations;
+  {
+    c10::cuda::CUDAStreamGuard on_side(side);
+    try {
+      graph->register_generator_state(at::cuda::detail::getDefaultCUDAGenerator(caller.device_index()));
+      graph->capture_begin(pool, cudaStreamCaptureModeThreadLocal);
+      try {
+        t_capture_allocations = &allocations;
+        g->outputs = body(buffers);
+        t_capture_allocations = nullptr;
+        graph->capture_end();
+        captured = true;
+      } catch (const std::exception&) {
+        t_capture_allocations = nullptr;
+        g->outputs.clear();
+        try {
+          graph->capture_end();  // ends the capture (and may throw, the graph being incomplete)
+        } catch (const std::exception&) {
+        }
+      }
+    } catch (const std::exception&) {
+    }
+  }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;  // a capture that failed to begin or end
+  if (cudaStreamIsCapturing(side.stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+    cudaGraph_t partial = nullptr;
+    (void)cudaStreamEndCapture(side.stream(), &partial);
+    if (partial != nullptr) (void)cudaGraphDestroy(partial);
+  }
+  stream_waits(caller, side);
+  if (!captured) {
+    (void)cudaGetLastError();
+    g->failed = true;
+    g->outputs.clear();
+    return eager();
+  }
+  auto written = std::make_shared<Written>();
+  for (const at::Tensor& t : g->outputs) {
+    if (!t.defined()) continue;
+    written->storages.push_back(t.storage().getWeakStorageImpl());
+    written->own.push_back(t.storage().use_count());
+    const auto first = reinterpret_cast<uintptr_t>(t.storage().data());
+    written->bytes.push_back({first, first + t.storage().nbytes()});
+  }
+  for (auto& [key, other] : all.sites) {  // the graphs of this pool whose temporaries now hold these outputs
+    if (other && other->graph && other->pool == pool && overlap(other->temporaries, written->bytes)) {
+      other->overwrites.push_back(written);
+    }
+  }
+  g->written = std::move(written);
+  g->temporaries = std::move(allocations.freed);
+  g->pool = pool;
+  g->graph = std::move(graph);
+  g->inputs = std::move(buffers);
+  ++g_graph_captures;
+  return replay();
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_op_cuda(
@@ -810,23 +1135,31 @@ std::tuple<at::Tensor, at::Tensor> layer_op_cuda(
   check_cuda(x, op, "x");
   const CallPlan& plan = checked_plan(a, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, op);
   c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor state = at::empty({plan.total}, x.options().dtype(at::kByte));
-  const std::vector<at::Tensor> weights = cast_weights(params, state, plan, x.scalar_type(), true);
-  auto [y, saved, rngs] = layer_fwd_impl(o, x, key_padding_mask, heads_of(encoder_k, o), heads_of(encoder_v, o),
-                                         encoder_padding_mask, weights, state, plan.offsets);
-  // each created tensor as the plan says, since backward rebuilds it from the plan (layer_fwd_impl checked
-  // that each is at its offset)
-  LSMINI_CHECK(saved.size() == plan.slots.size(), op, ": ", saved.size(), " saved slots, the plan has ",
-               plan.slots.size());
-  for (size_t i = 0; i < saved.size(); ++i) {
-    const SlotLayout& slot = plan.slots[i];
-    LSMINI_CHECK((slot.kind == kLayoutNone) != saved[i].defined() &&
-                     (slot.kind != kLayoutNew ||
-                      (saved[i].sizes() == at::IntArrayRef(slot.shape) && saved[i].scalar_type() == slot.dtype)),
-                 op, ": saved slot ", i, " does not match the plan");
-  }
-  philox_state_fwd(rngs, rng_rows(state, plan, int64_t(rngs.size())));
-  return {y, state};
+  const auto body = [&](const Tensors& in) -> Tensors {
+    const at::Tensor& xs = in[0];
+    at::Tensor state = at::empty({plan.total}, xs.options().dtype(at::kByte));
+    const std::vector<at::Tensor> weights = cast_weights(params, state, plan, xs.scalar_type(), true);
+    auto [y, saved, rngs] = layer_fwd_impl(o, xs, given(in[1]), heads_of(given(in[2]), o), heads_of(given(in[3]), o),
+                                           given(in[4]), weights, state, plan.offsets);
+    // each created tensor as the plan says, since backward rebuilds it from the plan (layer_fwd_impl checked
+    // that each is at its offset)
+    LSMINI_CHECK(saved.size() == plan.slots.size(), op, ": ", saved.size(), " saved slots, the plan has ",
+                 plan.slots.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      const SlotLayout& slot = plan.slots[i];
+      LSMINI_CHECK((slot.kind == kLayoutNone) != saved[i].defined() &&
+                       (slot.kind != kLayoutNew ||
+                        (saved[i].sizes() == at::IntArrayRef(slot.shape) && saved[i].scalar_type() == slot.dtype)),
+                   op, ": saved slot ", i, " does not match the plan");
+    }
+    philox_state_fwd(rngs, rng_rows(state, plan, int64_t(rngs.size())));
+    return {y, state};
+  };
+  const Tensors out = through_graph(site_key('f', params, c10::cuda::getCurrentCUDAStream()), params, &plan, nullptr,
+                                    {x, or_none(key_padding_mask), or_none(encoder_k), or_none(encoder_v),
+                                     or_none(encoder_padding_mask)},
+                                    body);
+  return {out[0], out[1]};
 }
 
 std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> layer_backward_op_cuda(
@@ -847,52 +1180,64 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tens
                    state.numel() == plan.total,
                op, ": state must be the contiguous uint8 [", plan.total, "] tensor lsmini::layer returned, got ",
                state.scalar_type(), " ", state.sizes());
-  // dK/dV [b, ls, H] each, as the keys and values came in; the kernels write them through heads views
-  std::vector<at::Tensor> kv;
-  if (encoder_k) kv = {at::empty(encoder_k->sizes(), encoder_k->options()), at::empty(encoder_v->sizes(),
-                                                                                      encoder_v->options())};
-  const OptTensor inputs[] = {x.view({-1, o.hidden}), key_padding_mask, heads_of(encoder_k, o),
-                              heads_of(encoder_v, o), encoder_padding_mask};
-  std::vector<OptTensor> saved(plan.slots.size());
-  for (size_t i = 0; i < saved.size(); ++i) {
-    const SlotLayout& slot = plan.slots[i];
-    if (slot.kind == kLayoutInput) saved[i] = inputs[slot.ref];
-    if (slot.kind == kLayoutSame) saved[i] = saved[slot.ref];
-    if (slot.kind == kLayoutNew) {  // its bytes of state, as layer_fwd_impl wrote them
-      saved[i] = carve(state, plan.offsets[i], slot.dtype, slot.shape, op);
+  const size_t n_apart = size_t(std::count(plan.grad_offsets.begin(), plan.grad_offsets.end(), int64_t(-1)));
+  const auto body = [&](const Tensors& in) -> Tensors {
+    const at::Tensor &g = in[0], &xs = in[1];
+    const OptTensor ek = given(in[3]), ev = given(in[4]);
+    // dK/dV [b, ls, H] each, as the keys and values came in; the kernels write them through heads views
+    Tensors kv;
+    if (ek) kv = {at::empty(ek->sizes(), ek->options()), at::empty(ev->sizes(), ev->options())};
+    const OptTensor inputs[] = {xs.view({-1, o.hidden}), given(in[2]), heads_of(ek, o), heads_of(ev, o), given(in[5])};
+    std::vector<OptTensor> saved(plan.slots.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      const SlotLayout& slot = plan.slots[i];
+      if (slot.kind == kLayoutInput) saved[i] = inputs[slot.ref];
+      if (slot.kind == kLayoutSame) saved[i] = saved[slot.ref];
+      if (slot.kind == kLayoutNew) {  // its bytes of state, as layer_fwd_impl wrote them
+        saved[i] = carve(state, plan.offsets[i], slot.dtype, slot.shape, op);
+      }
     }
-  }
-  const int64_t rows = 2 * int64_t(o.kinds.size());
-  const auto* words = static_cast<const char*>(rng_rows(state, plan, rows).data_ptr());
-  std::vector<PhiloxTuple> rngs;
-  for (int64_t r = 0; r < rows; ++r) {
-    rngs.push_back({0, 0, reinterpret_cast<int64_t>(words + 16 * r), reinterpret_cast<int64_t>(words + 16 * r + 8)});
-  }
-  const at::Tensor scratch = at::empty({plan.scratch_numel}, grad.options());
-  const std::vector<at::Tensor> weights = cast_weights(params, state, plan, x.scalar_type(), false);
-  // the alignment gaps between gradients are never written: zeroed, the whole tensor is defined (opcheck
-  // compares it); widths that are multiples of 64, as in every real model, leave no gaps and no extra kernel
-  const at::TensorOptions grad_options = params[0].options().memory_format(at::MemoryFormat::Contiguous);
-  at::Tensor grads = plan.grad_gaps ? at::zeros({plan.grad_numel}, grad_options)
-                                    : at::empty({plan.grad_numel}, grad_options);
-  std::vector<OptTensor> into(params.size());
-  std::vector<at::ScalarType> dtypes;
-  for (size_t i = 0; i < params.size(); ++i) {
-    dtypes.push_back(params[i].scalar_type());
-    if (plan.grad_offsets[i] >= 0) {
-      into[i] = carve(grads, plan.grad_offsets[i] * int64_t(grads.element_size()), grads.scalar_type(),
-                      params[i].sizes(), op);
+    const int64_t rows = 2 * int64_t(o.kinds.size());
+    const auto* words = static_cast<const char*>(rng_rows(state, plan, rows).data_ptr());
+    std::vector<PhiloxTuple> rngs;
+    for (int64_t r = 0; r < rows; ++r) {
+      rngs.push_back(
+          {0, 0, reinterpret_cast<int64_t>(words + 16 * r), reinterpret_cast<int64_t>(words + 16 * r + 8)});
     }
-  }
-  const OptTensor grad_k = kv.empty() ? OptTensor() : heads_of(kv[0], o);
-  const OptTensor grad_v = kv.empty() ? OptTensor() : heads_of(kv[1], o);
-  auto [grad_x, param_grads] =
-      layer_bwd_impl(o, grad, saved, rngs, weights, scratch, grad_k, grad_v, dtypes, into, false);
-  std::vector<at::Tensor> apart;  // the gradients of the parameters the plan keeps out of grads
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (plan.grad_offsets[i] < 0) apart.push_back(param_grads[i]);
-  }
-  return {grad_x, grads, apart, kv};
+    const at::Tensor scratch = at::empty({plan.scratch_numel}, g.options());
+    const std::vector<at::Tensor> weights = cast_weights(params, state, plan, xs.scalar_type(), false);
+    // the alignment gaps between gradients are never written: zeroed, the whole tensor is defined (opcheck
+    // compares it); widths that are multiples of 64, as in every real model, leave no gaps and no extra kernel
+    const at::TensorOptions grad_options = params[0].options().memory_format(at::MemoryFormat::Contiguous);
+    at::Tensor grads = plan.grad_gaps ? at::zeros({plan.grad_numel}, grad_options)
+                                      : at::empty({plan.grad_numel}, grad_options);
+    std::vector<OptTensor> into(params.size());
+    std::vector<at::ScalarType> dtypes;
+    for (size_t i = 0; i < params.size(); ++i) {
+      dtypes.push_back(params[i].scalar_type());
+      if (plan.grad_offsets[i] >= 0) {
+        into[i] = carve(grads, plan.grad_offsets[i] * int64_t(grads.element_size()), grads.scalar_type(),
+                        params[i].sizes(), op);
+      }
+    }
+    const OptTensor grad_k = kv.empty() ? OptTensor() : heads_of(kv[0], o);
+    const OptTensor grad_v = kv.empty() ? OptTensor() : heads_of(kv[1], o);
+    auto [grad_x, param_grads] =
+        layer_bwd_impl(o, g, saved, rngs, weights, scratch, grad_k, grad_v, dtypes, into, false);
+    Tensors out{grad_x, grads};  // then the gradients of the parameters the plan keeps out of grads, then kv
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (plan.grad_offsets[i] < 0) out.push_back(param_grads[i]);
+    }
+    out.insert(out.end(), kv.begin(), kv.end());
+    return out;
+  };
+  const Tensors out = through_graph(site_key('b', params, c10::cuda::getCurrentCUDAStream()), params, &plan,
+                                    state.data_ptr(),
+                                    {grad, x, or_none(key_padding_mask), or_none(encoder_k), or_none(encoder_v),
+                                     or_none(encoder_padding_mask)},
+                                    body);
+  return {out[0], out[1], Tensors(out.begin() + 2, out.begin() + 2 + n_apart),
+          Tensors(out.begin() + 2 + n_apart, out.end())};
 }
 
 void register_layer(py::module_& m) {
@@ -910,6 +1255,13 @@ void register_layer(py::module_& m) {
         py::arg("grad_encoder_k"), py::arg("grad_encoder_v"), py::arg("param_dtypes"), py::arg("grad_into"),
         py::arg("add_into") = true);
   m.attr("layer_saved_slots") = int(kSlots);
+  m.def("set_layer_graphs", &set_layer_graphs,
+        "Whether the lsmini::layer operators replay a CUDA graph per call site once its plan repeats (default "
+        "on); returns the previous setting",
+        py::arg("on"));
+  m.def("layer_graph_counts", &layer_graph_counts,
+        "(graphs captured, replays, calls run eagerly because a replay would have overwritten outputs held "
+        "elsewhere) of the lsmini::layer operators so far, in this process");
   m.def("set_layer_planner", &set_layer_planner,
         "The Python function (lsmini.layers.compiled.cpp_plan) the lsmini::layer operators' CUDA kernels ask for "
         "a call's layout, once per options and shapes", py::arg("planner"));

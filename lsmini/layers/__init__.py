@@ -2,7 +2,8 @@
 
 The public modules (one file each): ``layernorm.LayerNorm``, ``embedding.TransformerEmbedding``,
 ``encoder.TransformerEncoder(Layer)``, ``decoder.TransformerDecoder(Layer)``, ``criterion.CrossEntropyLoss``,
-``criterion.LinearCrossEntropyLoss`` and ``config.TransformerConfig``, the options of an encoder/decoder layer.
+``criterion.LinearCrossEntropyLoss`` and ``config.TransformerConfig``, the options of an encoder/decoder layer;
+``set_layer_graphs`` / ``layer_graph_counts``, the switch and counts of the compiled layers' CUDA graphs.
 
 How an encoder/decoder layer is put together, a room each:
     base.py         what encoder and decoder share: parameter set-up, input checks, stacks, reorder_cache
@@ -22,8 +23,9 @@ from lsmini.layers.embedding import TransformerEmbedding
 from lsmini.layers.encoder import TransformerEncoder, TransformerEncoderLayer
 from lsmini.layers.decoder import TransformerDecoder, TransformerDecoderLayer
 from lsmini.layers.criterion import CrossEntropyLoss, LinearCrossEntropyLoss
+from lsmini.layers.compiled import layer_graph_counts, set_layer_graphs
 from lsmini.layers import arena
 
 __all__ = ["LayerNorm", "TransformerConfig", "TransformerEmbedding", "TransformerEncoderLayer", "TransformerEncoder",
            "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss", "LinearCrossEntropyLoss",
-           "arena"]
+           "set_layer_graphs", "layer_graph_counts", "arena"]

@@ -31,6 +31,15 @@ What differs from the eager one-call layer, because a custom operator must be a 
 - Backward returns the parameters' gradients as ONE tensor too: layer_bwd writes each where ``grad_plan``
   puts it, and autograd is handed views of it.
 The kernels, GEMMs and dropout draws are those of the eager layer: same seed, same outputs.
+
+Layer graphs: a compiled step calls each layer's operators with the same shapes and parameters step after step,
+and issuing a layer's ~25 kernels and GEMMs one by one is most of a call's host time. So once a call site (the
+same parameters, device and stream; forward and backward apart) repeats its plan, its CUDA kernels capture the
+call into a CUDA graph and replay it from then on, with the eager call's dropout draws (details and the rules
+that keep a replay right: csrc/layers/layer.cpp). A replay overwrites the site's outputs, so it runs only while
+nothing holds them (nor the outputs of later graphs in its temporaries); otherwise the call runs eagerly. Under an
+outer capture (mode="reduce-overhead", lsmini.train's CUDA graphs) the outer graph takes the kernels instead.
+``set_layer_graphs`` turns them off and on, ``layer_graph_counts`` tells what they did.
 """
 import functools
 import math
@@ -48,6 +57,21 @@ from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual_ref
 from lsmini.ops.layernorm import layer_norm_ref
 from lsmini.ops.library import RANDOM_TAGS
+
+def set_layer_graphs(on):
+    """Whether the CUDA kernels of ``lsmini::layer`` / ``lsmini::layer_backward`` replay a CUDA graph per call
+    site (default True); returns the previous setting. Without the CUDA extension there is nothing to switch:
+    returns False."""
+    ext = _backend.ext_or_none()
+    return bool(ext.set_layer_graphs(bool(on))) if ext is not None else False
+
+
+def layer_graph_counts():
+    """(graphs captured, replays, calls run eagerly because a replay would have overwritten outputs held
+    elsewhere) of the layer operators so far in this process; zeros without the CUDA extension."""
+    ext = _backend.ext_or_none()
+    return tuple(ext.layer_graph_counts()) if ext is not None else (0, 0, 0)
+
 
 # The slots of one block's saved state, in csrc/layers/layer.cpp's order (its enum Slot).
 (INPUT, NORM_X, MEAN, RSTD, CORE_INPUT, PROJECTION, HIDDEN, CONTEXT, LSE, KEYS, VALUES, MASK, BITS) = range(13)
