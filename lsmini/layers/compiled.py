@@ -58,6 +58,7 @@ from lsmini.ops.bias_dropout_residual import bias_dropout_residual_ref
 from lsmini.ops.layernorm import layer_norm_ref
 from lsmini.ops.library import RANDOM_TAGS
 
+
 def set_layer_graphs(on):
     """Whether the CUDA kernels of ``lsmini::layer`` / ``lsmini::layer_backward`` replay a CUDA graph per call
     site (default True); returns the previous setting. Without the CUDA extension there is nothing to switch:
