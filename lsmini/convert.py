@@ -81,10 +81,12 @@ def _padding_mask(owner, name, mask, x, unbatched):
     return key_padding_mask_from_torch(owner, name, mask, x.shape[0], x.shape[1])
 
 
-def _decoder_inputs(owner, module, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
-                    tgt_is_causal, memory_is_causal):
-    """(y, padding_mask, encoder_out, encoder_padding_mask, unbatched) of a torch decoder call, or ValueError
-    where the call means something lsmini's decoder does not compute."""
+def _decoder_call(module, run, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
+                  tgt_is_causal, memory_is_causal):
+    """A torch decoder (layer or stack) call on lsmini's: run(y, encoder_out, encoder_padding_mask=,
+    padding_mask=) in lsmini's terms; ValueError where the call means something lsmini's decoder does not
+    compute."""
+    owner = type(module).__name__
     if memory_mask is not None:
         raise ValueError(f"{owner}: memory_mask must be None; lsmini supports only key padding masks and causal "
                          f"self-attention (use memory_key_padding_mask)")
@@ -103,7 +105,7 @@ def _decoder_inputs(owner, module, tgt, memory, tgt_mask, memory_mask, tgt_key_p
                          f"unconvert it (lsmini.unconvert) to run it that way")
     pad = _padding_mask(owner, "tgt_key_padding_mask", tgt_key_padding_mask, y, unbatched)
     enc_pad = _padding_mask(owner, "memory_key_padding_mask", memory_key_padding_mask, enc, unbatched)
-    return y, pad, enc, enc_pad, unbatched
+    return _to_torch(run(y, enc, encoder_padding_mask=enc_pad, padding_mask=pad), module.batch_first, unbatched)
 
 
 def _encoder_call(module, run, src, mask_name, mask, src_key_padding_mask, is_causal):
@@ -248,11 +250,8 @@ class ConvertedTransformerDecoderLayer(TransformerDecoderLayer):
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=False, memory_is_causal=False):
-        y, pad, enc, enc_pad, unbatched = _decoder_inputs(type(self).__name__, self, tgt, memory, tgt_mask, memory_mask,
-                                                     tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal,
-                                                     memory_is_causal)
-        y = super().forward(y, enc, encoder_padding_mask=enc_pad, padding_mask=pad)
-        return _to_torch(y, self.batch_first, unbatched)
+        return _decoder_call(self, super().forward, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                             memory_key_padding_mask, tgt_is_causal, memory_is_causal)
 
     def extra_repr(self):
         return f"{super().extra_repr()}, batch_first={self.batch_first}"
@@ -282,11 +281,8 @@ class ConvertedTransformerDecoder(TransformerDecoder):
 
     def forward(self, tgt, memory, tgt_mask=None, memory_mask=None, tgt_key_padding_mask=None,
                 memory_key_padding_mask=None, tgt_is_causal=None, memory_is_causal=False):
-        y, pad, enc, enc_pad, unbatched = _decoder_inputs(type(self).__name__, self, tgt, memory, tgt_mask, memory_mask,
-                                                     tgt_key_padding_mask, memory_key_padding_mask, tgt_is_causal,
-                                                     memory_is_causal)
-        y = super().forward(y, enc, encoder_padding_mask=enc_pad, padding_mask=pad)
-        return _to_torch(y, self.batch_first, unbatched)
+        return _decoder_call(self, super().forward, tgt, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
+                             memory_key_padding_mask, tgt_is_causal, memory_is_causal)
 
     def extra_repr(self):
         return f"batch_first={self.batch_first}"

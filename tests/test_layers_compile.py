@@ -452,6 +452,24 @@ def test_layer_graphs_after_other_parameters_are_gone():
 
 
 @pytest.mark.cuda
+def test_layer_graphs_off_drops_them():
+    """Turning layer graphs off drops every graph: the memory of their outputs, temporaries and input copies goes
+    back to the allocator, and once on again a site captures anew."""
+    def cycle():
+        _, counts, _ = _graph_calls([("self", "ffn")], True, 6)
+        assert counts == (2, 9, 0)
+        held = torch.cuda.memory_allocated()
+        set_layer_graphs(False)
+        set_layer_graphs(True)
+        return held, torch.cuda.memory_allocated()
+
+    cycle()  # what a first capture sets up for good (the capture stream's cuBLAS workspaces)
+    base = torch.cuda.memory_allocated()
+    held, after = cycle()
+    assert after <= base < held, (base, held, after)
+
+
+@pytest.mark.cuda
 def test_layer_graphs_leave_held_outputs_alone():
     """A replay overwrites its site's outputs, so while they are held (here: every call's outputs, kept to
     the end) the site runs eagerly. Forward: call 2 captures and replays, calls 3 and 4, with call 2's

@@ -839,8 +839,8 @@ const CallPlan& checked_plan(const OpArgs& a, const at::Tensor& x, const OptTens
 //   Once its last graph is gone the allocator releases a pool, and the next capture takes a new one.
 // - A site whose plan changes drops its graph (one is kept per site), so alternating shapes never capture;
 //   a site whose parameters have been freed is dropped (when next called, or at the next capture).
-// set_layer_graphs(False) (lsmini._C) turns them off; layer_graph_counts() tells captures, replays, and the
-// calls that ran eagerly because a replay would have overwritten outputs held elsewhere.
+// set_layer_graphs(False) (lsmini._C) turns them off and drops them; layer_graph_counts() tells captures,
+// replays, and the calls that ran eagerly because a replay would have overwritten outputs held elsewhere.
 using Tensors = std::vector<at::Tensor>;
 using Bytes = std::pair<uintptr_t, uintptr_t>;  // [first, last) addresses
 
@@ -892,8 +892,6 @@ struct LayerGraph {
 std::atomic<bool> g_layer_graphs{true};
 std::atomic<int64_t> g_graph_captures{0}, g_graph_replays{0}, g_graph_blocked{0};
 
-bool set_layer_graphs(bool on) { return g_layer_graphs.exchange(on); }
-
 std::tuple<int64_t, int64_t, int64_t> layer_graph_counts() {
   return {g_graph_captures.load(), g_graph_replays.load(), g_graph_blocked.load()};
 }
@@ -934,6 +932,18 @@ struct GraphSites {
 GraphSites& graph_sites() {
   static auto* sites = new GraphSites();  // never destroyed: graphs must not outlive the CUDA context's teardown
   return *sites;
+}
+
+// Off also drops every graph and input buffer: their memory goes back to the allocator once nothing else holds
+// the outputs handed out.
+bool set_layer_graphs(bool on) {
+  GraphSites& all = graph_sites();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  if (!on) {
+    all.sites.clear();
+    all.input_buffers.clear();
+  }
+  return g_layer_graphs.exchange(on);
 }
 
 // The buffer a graph of `stream` reads input `t` from: one per stream, pass (forward or backward), input
@@ -998,6 +1008,7 @@ Tensors through_graph(const std::string& site, at::TensorList params, const Call
     lock.unlock();
     return body(inputs);
   };
+  if (!g_layer_graphs.load()) return eager();  // turned off (and its graphs dropped) since the check above
   std::unique_ptr<LayerGraph>& g = all.sites[site];
   if (!g || stale(*g) || g->plan != plan || g->state != state) {  // a new site or plan: the old graph goes
     g = std::make_unique<LayerGraph>();
@@ -1257,7 +1268,7 @@ void register_layer(py::module_& m) {
   m.attr("layer_saved_slots") = int(kSlots);
   m.def("set_layer_graphs", &set_layer_graphs,
         "Whether the lsmini::layer operators replay a CUDA graph per call site once its plan repeats (default "
-        "on); returns the previous setting",
+        "on; off also drops every graph); returns the previous setting",
         py::arg("on"));
   m.def("layer_graph_counts", &layer_graph_counts,
         "(graphs captured, replays, calls run eagerly because a replay would have overwritten outputs held "

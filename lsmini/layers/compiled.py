@@ -61,8 +61,9 @@ from lsmini.ops.library import RANDOM_TAGS
 
 def set_layer_graphs(on):
     """Whether the CUDA kernels of ``lsmini::layer`` / ``lsmini::layer_backward`` replay a CUDA graph per call
-    site (default True); returns the previous setting. Without the CUDA extension there is nothing to switch:
-    returns False."""
+    site (default True); off also drops every graph, and their memory goes back to the allocator once nothing
+    holds the outputs they handed out. Returns the previous setting. Without the CUDA extension there is nothing
+    to switch: returns False."""
     ext = _backend.ext_or_none()
     return bool(ext.set_layer_graphs(bool(on))) if ext is not None else False
 
