@@ -690,23 +690,27 @@ Options op_options(const OpArgs& a, const char* op) {
   return o;
 }
 
+// Appends v's bytes to a cache key (no number goes through an ostream here: common.h says why).
+template <typename V>
+void put_bytes(std::string& key, const V v) {
+  key.append(reinterpret_cast<const char*>(&v), sizeof(v));
+}
+
 // The plan of a call: from the cache, or from the planner (under the GIL) the first time.
 const CallPlan& call_plan(const OpArgs& a, const at::Tensor& x, bool has_mask, bool has_encoder_mask,
                           int64_t src_len, at::TensorList params, const char* op) {
-  // The key holds each number's bytes: no number goes through an ostream here (common.h says why).
   std::string key(a.kinds);
   key += '|';
   key += a.activation;
   key += '|';
-  const auto put = [&key](const auto v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
-  for (const auto v : {a.hidden, a.ffn, a.heads, x.size(0), x.size(1), src_len}) put(v);
-  for (const auto v : {a.scale, a.eps, a.dropout, a.attn_dropout, a.act_dropout}) put(v);
-  for (const auto v : {a.pre_ln, a.causal, a.recompute, has_mask, has_encoder_mask}) put(v);
-  put(x.scalar_type());
+  for (const auto v : {a.hidden, a.ffn, a.heads, x.size(0), x.size(1), src_len}) put_bytes(key, v);
+  for (const auto v : {a.scale, a.eps, a.dropout, a.attn_dropout, a.act_dropout}) put_bytes(key, v);
+  for (const auto v : {a.pre_ln, a.causal, a.recompute, has_mask, has_encoder_mask}) put_bytes(key, v);
+  put_bytes(key, x.scalar_type());
   for (const at::Tensor& p : params) {
-    put(p.scalar_type());
-    put(p.dim());
-    for (const int64_t d : p.sizes()) put(d);
+    put_bytes(key, p.scalar_type());
+    put_bytes(key, p.dim());
+    for (const int64_t d : p.sizes()) put_bytes(key, d);
   }
   static std::mutex mutex;
   static auto* cache = new std::unordered_map<std::string, std::unique_ptr<const CallPlan>>();
@@ -952,12 +956,11 @@ bool set_layer_graphs(bool on) {
 at::Tensor input_buffer(GraphSites& all, const c10::cuda::CUDAStream& stream, char pass, size_t input,
                         const at::Tensor& t) {
   std::string key(1, pass);
-  const auto put = [&key](const auto v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
-  put(input);
-  put(stream.device_index());
-  put(stream.id());
-  put(t.scalar_type());
-  for (const int64_t d : t.sizes()) put(d);
+  put_bytes(key, input);
+  put_bytes(key, stream.device_index());
+  put_bytes(key, stream.id());
+  put_bytes(key, t.scalar_type());
+  for (const int64_t d : t.sizes()) put_bytes(key, d);
   at::Tensor& buffer = all.input_buffers[key];
   if (!buffer.defined()) buffer = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
   return buffer;
@@ -966,10 +969,9 @@ at::Tensor input_buffer(GraphSites& all, const c10::cuda::CUDAStream& stream, ch
 // The site of a call: forward or backward, device, stream, the parameters' addresses.
 std::string site_key(char pass, at::TensorList params, const c10::cuda::CUDAStream& stream) {
   std::string key(1, pass);
-  const auto put = [&key](const auto v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
-  put(stream.device_index());
-  put(stream.id());
-  for (const at::Tensor& p : params) put(p.data_ptr());
+  put_bytes(key, stream.device_index());
+  put_bytes(key, stream.id());
+  for (const at::Tensor& p : params) put_bytes(key, p.data_ptr());
   return key;
 }
 
