@@ -45,7 +45,7 @@ namespace {
 
 constexpr int kRowsBlockThreads = 128;    // block of several short rows
 constexpr int kRowBlockMaxThreads = 512;  // block per long row
-constexpr int kMaxValuesPerThread = 32;   // row values one thread keeps; its keep bits fill one word
+constexpr int kMaxValuesPerThread = 32;   // row values one thread keeps in registers
 constexpr int kWarpRowMaxKeys = 32 * kMaxValuesPerThread;
 constexpr int kLongRowKeys = 8192;        // beyond: 32 values per thread so a block stays ≤ 512 threads
 
@@ -73,28 +73,24 @@ struct RowGroup {
   }
 };
 
-// Keep bits of elements [first, first + VEC): bit j ⇔ element first + j is kept.
+// VEC key-padding mask bytes as loaded (VEC-byte aligned), tested one byte where each is used: packing
+// the bytes' tests into a bit word first cost about five instructions per element.
 template <int VEC>
-__device__ __forceinline__ uint32_t keep_bits(uint64_t seed, uint64_t offset, uint64_t first, uint32_t threshold) {
-  if constexpr (VEC % 4 == 0) {
-    return dropout_keep_bits<VEC>(seed, offset, first, threshold);  // first % VEC == 0 on this path
-  } else {
-    uint32_t bits = 0;
+struct PadBytes {
+  static constexpr int kWords = (VEC + 3) / 4;
+  uint32_t w[kWords] = {};
+  __device__ __forceinline__ void load(const uint8_t* p) {
+    if constexpr (VEC % 4 == 0) {
+      const Pack<uint32_t, kWords> pk = *reinterpret_cast<const Pack<uint32_t, kWords>*>(p);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) bits |= uint32_t(dropout_keep(seed, offset, first + j, threshold)) << j;
-    return bits;
+      for (int i = 0; i < kWords; ++i) w[i] = pk.v[i];
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) w[j / 4] |= uint32_t(p[j]) << (8 * (j % 4));
+    }
   }
-}
-
-// Pad bits of VEC mask bytes: bit j ⇔ byte j is nonzero.
-template <int VEC>
-__device__ __forceinline__ uint32_t pad_bits(const uint8_t* p) {
-  const Pack<uint8_t, VEC> pk = *reinterpret_cast<const Pack<uint8_t, VEC>*>(p);
-  uint32_t bits = 0;
-#pragma unroll
-  for (int j = 0; j < VEC; ++j) bits |= uint32_t(pk.v[j] != 0) << j;
-  return bits;
-}
+  __device__ __forceinline__ bool operator[](int j) const { return (w[j / 4] >> (8 * (j % 4))) & 0xFFu; }
+};
 
 template <typename T>
 struct FwdArgs {
@@ -129,7 +125,7 @@ struct BwdArgs {
 template <typename T, int VEC, int ITEMS, int GROUP>
 __global__ void __launch_bounds__(GROUP == 0 ? kRowBlockMaxThreads : kRowsBlockThreads)
 attention_softmax_fwd_kernel(const FwdArgs<T> a) {
-  static_assert(ITEMS * VEC <= kMaxValuesPerThread, "a thread's keep bits must fit one word");
+  static_assert(ITEMS * VEC <= kMaxValuesPerThread, "row chunk per thread too large");
   using G = RowGroup<GROUP>;
   __shared__ float smem[32];
   const int tid = threadIdx.x, nthreads = G::size();
@@ -149,30 +145,16 @@ attention_softmax_fwd_kernel(const FwdArgs<T> a) {
     // Chunks wholly above the causal diagonal are not read: their output is 0 whatever they hold.
     if (live && col < a.k_len && col <= last) {
       load_pack<T, VEC>(a.scores + base + col, x[it]);
-      const uint32_t padded = pad ? pad_bits<VEC>(pad + col) : 0u;
+      PadBytes<VEC> padded;
+      if (pad) padded.load(pad + col);
 #pragma unroll
       for (int j = 0; j < VEC; ++j)
-        if (((padded >> j) & 1u) || col + j > last) x[it][j] = -INFINITY;
+        if (padded[j] || col + j > last) x[it][j] = -INFINITY;
     } else {
 #pragma unroll
       for (int j = 0; j < VEC; ++j) x[it][j] = -INFINITY;
     }
   }
-  // Drawn after every load is issued, so the Philox math runs while they are in flight. Chunks with
-  // no visible key skip it: their output is 0 either way.
-  uint32_t keep = 0;
-  if (a.dropout) {
-    // Resolved here, not on entry as in the backward: held in registers across the loads above, the
-    // pair pushed the k_len ≤ 1024 fp16 instantiations into spills.
-    const PhiloxSeedOffset philox = resolve_philox(a.rng);
-#pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-      const int col = (it * nthreads + tid) * VEC;
-      if (live && col < a.k_len && col <= last)
-        keep |= keep_bits<VEC>(philox.seed, philox.offset, uint64_t(base + col), a.threshold) << (it * VEC);
-    }
-  }
-
   float m = -INFINITY;
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it)
@@ -193,6 +175,11 @@ attention_softmax_fwd_kernel(const FwdArgs<T> a) {
   const float inv = s > 0.f ? 1.f / s : 0.f;
   if (!live) return;
 
+  // Dropout is drawn here, where each element is selected, not before the reductions: a keep word carried
+  // across them had to be packed from the compares and unpacked again, as many instructions as the draws.
+  // Resolved here too: held in registers across the loads, the pair pushed the k_len ≤ 1024 fp16
+  // instantiations into spills.
+  const PhiloxSeedOffset philox = a.dropout ? resolve_philox(a.rng) : PhiloxSeedOffset{0, 0};
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
     const int col = (it * nthreads + tid) * VEC;
@@ -202,8 +189,8 @@ attention_softmax_fwd_kernel(const FwdArgs<T> a) {
       for (int j = 0; j < VEC; ++j) y[j] = x[it][j] * inv;
       store_pack<T, VEC>(a.softmax + base + col, y);
       if (a.dropout) {
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) y[j] = ((keep >> (it * VEC + j)) & 1u) ? y[j] * a.scale : 0.f;
+        // A chunk with no visible key is all 0 with or without dropout: no draw.
+        if (col <= last) dropout_apply<VEC>(y, philox.seed, philox.offset, uint64_t(base + col), a.threshold, a.scale);
         store_pack<T, VEC>(a.probs + base + col, y);
       }
     }
@@ -240,11 +227,8 @@ attention_softmax_bwd_kernel(const BwdArgs<T> a) {
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       const int col = (it * nthreads + tid) * VEC;
-      if (live && col < a.k_len) {
-        const uint32_t kb = keep_bits<VEC>(philox.seed, philox.offset, uint64_t(base + col), a.threshold);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) g[it][j] = ((kb >> j) & 1u) ? g[it][j] * a.scale : 0.f;
-      }
+      if (live && col < a.k_len) dropout_apply<VEC>(g[it], philox.seed, philox.offset, uint64_t(base + col),
+                                                    a.threshold, a.scale);
     }
   }
   float dot = 0.f;

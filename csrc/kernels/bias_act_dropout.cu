@@ -158,17 +158,10 @@ __global__ void __launch_bounds__(kFwdThreads)
   // every thread keeps a row of loads in flight even while it computes.
   walk_rows<T, V, 1, true>({x}, rows, hidden, col, [&](int64_t i, float (&in)[1][V]) {
     float(&v)[V] = in[0];
-    uint32_t keep = 0xFFFFFFFFu;
-    // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
-    if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      const float a = act_fwd<ACT>(v[k] + b[k]);
-      // a · scale outside the ?: keeps the dropout a select: as an arm of it, the compiler may branch
-      // around the whole activation per element (divergent, for no saving).
-      const float kept = a * scale;
-      v[k] = DROPOUT ? (((keep >> k) & 1u) ? kept : 0.f) : a;
-    }
+    for (int k = 0; k < V; ++k) v[k] = act_fwd<ACT>(v[k] + b[k]);
+    // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
+    if (DROPOUT) dropout_apply<V>(v, philox.seed, philox.offset, uint64_t(i), threshold, scale);
     store_pack<T, V>(out + i, v);
   });
 }
@@ -211,18 +204,17 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
     walk_rows<T, V, 2, true>({grad_out, x}, rows, hidden, col, [&](int64_t i, float (&in)[2][V]) {
       float(&g)[V] = in[0];
       const float(&v)[V] = in[1];
-      uint32_t keep = 0xFFFFFFFFu;
-      if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
         if (FROM_OUT) {
           g[k] = v[k] <= 0.f ? 0.f : g[k] * scale;  // NaN passes the gradient, as act_grad<Relu>
         } else {
-          const float d = g[k] * act_grad<ACT>(v[k] + b[k]);
-          g[k] = DROPOUT ? (((keep >> k) & 1u) ? d * scale : 0.f) : d;
+          g[k] *= act_grad<ACT>(v[k] + b[k]);
         }
-        acc[k] += g[k];
       }
+      if (DROPOUT && !FROM_OUT) dropout_apply<V>(g, philox.seed, philox.offset, uint64_t(i), threshold, scale);
+#pragma unroll
+      for (int k = 0; k < V; ++k) acc[k] += g[k];
       store_pack<T, V>(grad_x + i, g);
     });
   }

@@ -66,15 +66,12 @@ __global__ void __launch_bounds__(kFwdThreads, kFwdMinBlocksPerSm)
     const float(&xv)[V] = in[0];
     const float(&rv)[V] = in[1];
     float o[V];
-    uint32_t keep = 0xFFFFFFFFu;
-    // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
-    if (DROPOUT) keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
 #pragma unroll
-    for (int k = 0; k < V; ++k) {
-      float v = xv[k] + b[k];
-      if (DROPOUT) v = ((keep >> k) & 1u) ? v * scale : 0.f;
-      o[k] = rv[k] + v;
-    }
+    for (int k = 0; k < V; ++k) o[k] = xv[k] + b[k];
+    // V ∈ {4, 8} has i % V == 0 (hidden % V == 0, col % V == 0): whole or half Philox groups.
+    if (DROPOUT) dropout_apply<V>(o, philox.seed, philox.offset, uint64_t(i), threshold, scale);
+#pragma unroll
+    for (int k = 0; k < V; ++k) o[k] += rv[k];
     store_pack<T, V>(out + i, o);
   });
 }
@@ -112,11 +109,7 @@ __global__ void __launch_bounds__(kBwdThreads)
     // Software pipelining: the next row's load is in flight during this row's Philox and math.
     walk_rows<T, V, 1, true>({grad_out}, rows, hidden, col, [&](int64_t i, float (&in)[1][V]) {
       float(&g)[V] = in[0];
-      if (DROPOUT) {
-        const uint32_t keep = dropout_keep_bits<V>(philox.seed, philox.offset, uint64_t(i), threshold);
-#pragma unroll
-        for (int k = 0; k < V; ++k) g[k] = ((keep >> k) & 1u) ? g[k] * scale : 0.f;
-      }
+      if (DROPOUT) dropout_apply<V>(g, philox.seed, philox.offset, uint64_t(i), threshold, scale);
       if (grad_x != nullptr) store_pack<T, V>(grad_x + i, g);
 #pragma unroll
       for (int k = 0; k < V; ++k) acc[k] += g[k];

@@ -243,43 +243,42 @@ __host__ __device__ __forceinline__ uint32_t dropout_threshold(float p) {
   return t <= 0.0 ? 0u : t >= 65536.0 ? 65536u : static_cast<uint32_t>(t);
 }
 
-// Keep bits of the eight elements of group r: bit j ⇔ element 8·group + j is kept.
-__device__ __forceinline__ uint32_t keep_bits8(const uint4& r, uint32_t threshold) {
-  uint32_t bits = 0;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint32_t v = word_of(r, w);
-    bits |= (uint32_t((v & 0xFFFFu) >= threshold) | uint32_t((v >> 16) >= threshold) << 1) << (2 * w);
-  }
-  return bits;
-}
-
 // Single element (slow paths and tails).
 __device__ __forceinline__ bool dropout_keep(uint64_t seed, uint64_t offset, uint64_t i, uint32_t threshold) {
   const uint32_t v = word_of(dropout_bits(seed, offset, i / 8), int(i % 8) / 2);
   return ((i % 2) ? (v >> 16) : (v & 0xFFFFu)) >= threshold;
 }
 
-// Keep mask of N consecutive elements starting at `first`: bit j set ⇔ element first + j is kept.
+// Dropout applied in place to N consecutive elements starting at `first`: v[k] · scale where element
+// first + k is kept, else 0.
 // Contract: for N ≥ 4, first % min(N, 8) == 0 — true on every vector path, where `first` is the flat
 // index of a 16-byte pack's first element and the row length is a multiple of the pack. No runtime
 // fallback: a never-taken slow path here costs the fast callers registers (and spills).
+// Each element compares its own 16-bit draw right where it selects. Packing the eight compares of a
+// Philox call into a keep word and testing its bits again cost the elementwise kernels as many
+// instructions as the Philox call itself (Nsight Compute, RESULTS.md).
 template <int N>
-__device__ __forceinline__ uint32_t dropout_keep_bits(uint64_t seed, uint64_t offset, uint64_t first,
-                                                      uint32_t threshold) {
+__device__ __forceinline__ void dropout_apply(float (&v)[N], uint64_t seed, uint64_t offset, uint64_t first,
+                                              uint32_t threshold, float scale) {
   static_assert(N == 1 || N == 2 || N == 4 || (N % 8 == 0 && N <= 32), "N must be 1, 2, 4, 8, 16 or 32");
-  uint32_t bits = 0;
+  auto pair = [&](uint32_t word, int k) {  // word's low half draws element k, its high half k + 1
+    v[k] = (word & 0xFFFFu) >= threshold ? v[k] * scale : 0.f;
+    v[k + 1] = (word >> 16) >= threshold ? v[k + 1] * scale : 0.f;
+  };
   if constexpr (N >= 8) {
 #pragma unroll
-    for (int g = 0; g < N / 8; ++g)
-      bits |= keep_bits8(dropout_bits(seed, offset, first / 8 + g), threshold) << (8 * g);
+    for (int g = 0; g < N / 8; ++g) {
+      const uint4 r = dropout_bits(seed, offset, first / 8 + g);
+      pair(r.x, 8 * g), pair(r.y, 8 * g + 2), pair(r.z, 8 * g + 4), pair(r.w, 8 * g + 6);
+    }
   } else if constexpr (N == 4) {
-    bits = (keep_bits8(dropout_bits(seed, offset, first / 8), threshold) >> (first % 8)) & 0xFu;
+    const uint4 r = dropout_bits(seed, offset, first / 8);  // first % 8 is 0 or 4
+    const bool upper = first % 8 != 0;
+    pair(upper ? r.z : r.x, 0), pair(upper ? r.w : r.y, 2);
   } else {
 #pragma unroll
-    for (int j = 0; j < N; ++j) bits |= uint32_t(dropout_keep(seed, offset, first + j, threshold)) << j;
+    for (int k = 0; k < N; ++k) v[k] = dropout_keep(seed, offset, first + k, threshold) ? v[k] * scale : 0.f;
   }
-  return bits;
 }
 
 // Multiprocessor count of the current device, for sizing persistent grids (asked once per device and host

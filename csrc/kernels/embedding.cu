@@ -51,13 +51,12 @@ __device__ __forceinline__ void zero(float (&a)[VEC]) {
   for (int k = 0; k < VEC; ++k) a[k] = 0.f;
 }
 
-// Zero the dropped elements of a VEC-vector starting at flat element `first`.
+// Zero the dropped elements of a VEC-vector starting at flat element `first` (the backward kernels apply
+// 1/(1 − p) with the embedding scale, once per output row).
 template <int VEC>
 __device__ __forceinline__ void apply_keep(float (&v)[VEC], uint64_t seed, uint64_t offset, uint64_t first,
                                           uint32_t threshold) {
-  const uint32_t keep = dropout_keep_bits<VEC>(seed, offset, first, threshold);
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) v[k] = ((keep >> k) & 1u) ? v[k] : 0.f;
+  dropout_apply<VEC>(v, seed, offset, first, threshold, 1.f);
 }
 
 // Sum acc over the blockDim.y lanes of a 2-D block into lane 0 (fixed order, so deterministic).
@@ -80,19 +79,26 @@ __device__ __forceinline__ void reduce_over_y(float (&acc)[VEC], float* s_red) {
 }
 
 // Block shape for "one row of nvec vectors per threadIdx.y": x threads along the row (a power of two
-// up to 32, then multiples of 32 up to kThreads), y = rows (or batch lanes) per block.
+// up to 32, then multiples of 32 up to kThreads), y = rows (or batch lanes) per block. With per_thread > 1
+// a long row gets fewer threads, each walking about per_thread vectors of it.
 struct Shape2D {
   int x, y;
 };
-inline Shape2D row_shape(int64_t nvec) {
+inline Shape2D row_shape(int64_t nvec, int64_t per_thread = 1) {
   int x = 1;
   if (nvec <= 32) {
     while (x < nvec) x <<= 1;
   } else {
-    x = static_cast<int>(std::min<int64_t>(kThreads, (nvec + 31) / 32 * 32));
+    const int64_t want = std::max<int64_t>(32, (nvec + per_thread - 1) / per_thread);
+    x = static_cast<int>(std::min<int64_t>(kThreads, (want + 31) / 32 * 32));
   }
   return {x, std::max(1, kThreads / x)};
 }
+
+// Vectors each forward thread walks along its row. A thread's fixed work (the token id and its checks, the
+// position in the sequence, the Philox key schedule) costs about as many instructions as one vector's
+// dropout, scale and conversions; at one vector a thread it made the kernel issue-bound (RESULTS.md).
+constexpr int64_t kFwdVecsPerThread = 4;
 
 }  // namespace
 
@@ -125,11 +131,8 @@ __global__ void __launch_bounds__(kThreads)
       load_pack<T, VEC>(p + c, b);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[k] = fmaf(scale, a[k], b[k]);
-      if (DROPOUT) {
-        apply_keep<VEC>(v, philox.seed, philox.offset, static_cast<uint64_t>(row * hidden + c), threshold);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) v[k] *= inv_keep;
-      }
+      if (DROPOUT) dropout_apply<VEC>(v, philox.seed, philox.offset, static_cast<uint64_t>(row * hidden + c),
+                                      threshold, inv_keep);
     } else {
       zero(v);  // pad / bad ids: exact zeros, no RNG needed (a dropped zero is a zero)
     }
@@ -364,7 +367,7 @@ cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, con
   const T* pos = pos_table + step * hidden;
   const bool vec = hidden % V == 0 && is_aligned(out, 16) && is_aligned(weight, 16) && is_aligned(pos, 16);
   const DropoutParams d = dropout_params(dropout_p);
-  const Shape2D s = row_shape(vec ? hidden / V : hidden);
+  const Shape2D s = row_shape(vec ? hidden / V : hidden, kFwdVecsPerThread);
   const dim3 block(s.x, s.y);
   const dim3 grid(static_cast<unsigned>((rows + s.y - 1) / s.y));
 #define LSMINI_EMB_FWD(VW, DO)                                                                             \
