@@ -9,6 +9,12 @@ timing, each wanted row calls its lsmini function twice outside the range (warm-
 lazy initialisation) and once inside cudaProfilerStart/Stop, so the profiler sees exactly one call
 of each row, in the order printed. `--copy` first adds a plain elementwise copy of 1 GiB (torch's
 vectorized kernel) as the bandwidth reference the rows are compared with.
+
+Where a kernel's issue slots go, per SASS instruction (executions and stall samples of each line):
+
+    ncu --clock-control none --profile-from-start off --section SourceCounters -o /tmp/rows \
+        python benchmarks/profile_kernels.py --only embedding_fwd
+    ncu -i /tmp/rows.ncu-rep --page source --csv --print-source sass > rows_sass.csv
 """
 import argparse
 import importlib
