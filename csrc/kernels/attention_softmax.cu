@@ -25,11 +25,12 @@
  * How: a row lives in registers, owned by a thread group sized to it, so the scores are read once
  * and both outputs written once; max and sum are two reductions inside the same kernel.
  *   - k_len ≤ 1024: GROUP = a power of two ≤ 32 lanes per row (128-thread blocks hold 128/GROUP
- *     rows), each lane owning ITEMS chunks c = lane + it·GROUP; reductions are shuffles.
+ *     rows), each lane owning ITEMS chunks c = lane + it·GROUP (at least two from 16 chunks on);
+ *     reductions are shuffles.
  *   - k_len > 1024: one block per row, up to 512 threads × 32 values (the 16384 limit).
  *   A chunk is VEC elements: 16 bytes when k_len·sizeof(T) % 16 == 0 and the pointers are aligned
- *   (then a chunk's flat index is a multiple of VEC and its keep bits come from whole or half
- *   Philox groups), else VEC = 1 with one Philox call per element (the slow path for odd k_len).
+ *   (then a chunk's flat index is a multiple of VEC and its draws come from whole or half Philox
+ *   groups), else VEC = 1 with one Philox call per element (the slow path for odd k_len).
  * Napkin math (H200, fp16, p > 0): 6 bytes/element (read x, write y and out) → ~0.7e12 elements/s
  * at copy speed; one Philox (~80 instructions) per 8 elements keeps the SMs well below their
  * integer-issue limit, so the kernel stays memory-bound. Causal chunks above the diagonal are not
@@ -92,6 +93,20 @@ struct PadBytes {
   __device__ __forceinline__ bool operator[](int j) const { return (w[j / 4] >> (8 * (j % 4))) & 0xFFu; }
 };
 
+// n / d for 0 ≤ n < 2^31 as a multiply-high, an add and a shift (Granlund and Montgomery), with
+// s = ⌈log2 d⌉ and m = ⌊2^32·(2^s − d)/d⌋ + 1 from the host. A 32-bit division is ~25 instructions; paid once
+// a thread, at 8–16 scores a thread it was a visible share of the forward.
+struct FastDiv {
+  uint32_t d, m, s;
+  static FastDiv of(uint32_t d) {
+    uint32_t s = 0;
+    while ((uint64_t(1) << s) < d) ++s;
+    return {d, uint32_t((((uint64_t(1) << s) - d) << 32) / d + 1), s};
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }
+  __device__ __forceinline__ uint32_t mod(uint32_t n) const { return n - div(n) * d; }
+};
+
 template <typename T>
 struct FwdArgs {
   const T* scores;
@@ -99,8 +114,8 @@ struct FwdArgs {
   T* softmax;
   T* probs;            // written only when dropout
   int rows;
-  int rows_per_batch;  // heads·q_len
-  int q_len;
+  FastDiv rows_per_batch;  // heads·q_len
+  FastDiv q_len;
   int k_len;
   bool causal;
   bool dropout;
@@ -128,6 +143,10 @@ attention_softmax_fwd_kernel(const FwdArgs<T> a) {
   static_assert(ITEMS * VEC <= kMaxValuesPerThread, "row chunk per thread too large");
   using G = RowGroup<GROUP>;
   __shared__ float smem[32];
+  // Resolved before any branch on the thread's row, so that the compiler can keep the seed, the offset and
+  // the Philox key schedule in uniform registers, once per warp: resolved after `if (!live) return`, each
+  // thread computed the keys itself, ~20 instructions a Philox call.
+  const PhiloxSeedOffset philox = a.dropout ? resolve_philox(a.rng) : PhiloxSeedOffset{0, 0};
   const int tid = threadIdx.x, nthreads = G::size();
   const int64_t row64 = G::row();
   const bool live = row64 < a.rows;  // rows past the end still join their group's shuffles
@@ -135,8 +154,8 @@ attention_softmax_fwd_kernel(const FwdArgs<T> a) {
   const int64_t base = int64_t(row) * a.k_len;
 
   int last = a.k_len - 1;  // keys after `last` are causally masked
-  if (a.causal) last = min(last, row % a.q_len + (a.k_len - a.q_len));
-  const uint8_t* pad = a.pad ? a.pad + int64_t(row / a.rows_per_batch) * a.k_len : nullptr;
+  if (a.causal) last = min(last, int(a.q_len.mod(row)) + (a.k_len - int(a.q_len.d)));
+  const uint8_t* pad = a.pad ? a.pad + int64_t(a.rows_per_batch.div(row)) * a.k_len : nullptr;
 
   float x[ITEMS][VEC];
 #pragma unroll
@@ -177,9 +196,6 @@ attention_softmax_fwd_kernel(const FwdArgs<T> a) {
 
   // Dropout is drawn here, where each element is selected, not before the reductions: a keep word carried
   // across them had to be packed from the compares and unpacked again, as many instructions as the draws.
-  // Resolved here too: held in registers across the loads, the pair pushed the k_len ≤ 1024 fp16
-  // instantiations into spills.
-  const PhiloxSeedOffset philox = a.dropout ? resolve_philox(a.rng) : PhiloxSeedOffset{0, 0};
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
     const int col = (it * nthreads + tid) * VEC;
@@ -259,8 +275,11 @@ template <int VEC>
 Plan make_plan(int k_len) {
   const int chunks = (k_len + VEC - 1) / VEC;
   if (k_len <= kWarpRowMaxKeys) {
+    // From 16 chunks on, a lane owns at least two: its fixed work (the row's masks, the Philox keys, two
+    // shuffle reductions) is then shared by 16 scores or more instead of 8.
+    const int per_lane = chunks >= 16 ? 2 : 1;
     int group = 1;
-    while (group < 32 && group < chunks) group *= 2;
+    while (group < 32 && group * per_lane < chunks) group *= 2;
     int items = 1;
     while (items * group < chunks) items *= 2;
     return {group, items, kRowsBlockThreads};
@@ -285,16 +304,16 @@ cudaError_t with_warp_items(int items, F&& f) {
 }
 
 // Calls f(IntC<ITEMS>, IntC<GROUP>) with the plan's instantiation. Only the (items, group) pairs a
-// plan can produce are instantiated: sub-warp groups always have one chunk per lane.
+// plan can produce are instantiated: sub-warp groups have one chunk per lane, or two from 16 chunks on.
 template <int VEC, typename F>
 cudaError_t with_plan(const Plan& plan, F&& f) {
   switch (plan.group) {
     case 1: return f(IntC<1>{}, IntC<1>{});
     case 2: return f(IntC<1>{}, IntC<2>{});
     case 4: return f(IntC<1>{}, IntC<4>{});
-    case 8: return f(IntC<1>{}, IntC<8>{});
-    case 16: return f(IntC<1>{}, IntC<16>{});
-    case 32: return with_warp_items<1, kMaxValuesPerThread / VEC>(plan.items, f);
+    case 8: return plan.items == 2 ? f(IntC<2>{}, IntC<8>{}) : f(IntC<1>{}, IntC<8>{});
+    case 16: return plan.items == 2 ? f(IntC<2>{}, IntC<16>{}) : f(IntC<1>{}, IntC<16>{});
+    case 32: return with_warp_items<2, kMaxValuesPerThread / VEC>(plan.items, f);  // a whole warp: ≥ 33 chunks
     case 0:
       if (plan.items == 16 / VEC) return f(IntC<16 / VEC>{}, IntC<0>{});
       if (plan.items == 32 / VEC) return f(IntC<32 / VEC>{}, IntC<0>{});
@@ -360,8 +379,8 @@ cudaError_t launch_attention_softmax_fwd(const T* scores, const uint8_t* key_pad
   a.softmax = softmax;
   a.probs = probs;
   a.rows = int(rows);
-  a.rows_per_batch = int(heads * q_len);
-  a.q_len = int(q_len);
+  a.rows_per_batch = FastDiv::of(uint32_t(heads * q_len));
+  a.q_len = FastDiv::of(uint32_t(q_len));
   a.k_len = int(k_len);
   a.causal = causal;
   a.dropout = dropout_p > 0.f;

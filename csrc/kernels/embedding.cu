@@ -51,14 +51,6 @@ __device__ __forceinline__ void zero(float (&a)[VEC]) {
   for (int k = 0; k < VEC; ++k) a[k] = 0.f;
 }
 
-// Zero the dropped elements of a VEC-vector starting at flat element `first` (the backward kernels apply
-// 1/(1 − p) with the embedding scale, once per output row).
-template <int VEC>
-__device__ __forceinline__ void apply_keep(float (&v)[VEC], uint64_t seed, uint64_t offset, uint64_t first,
-                                          uint32_t threshold) {
-  dropout_apply<VEC>(v, seed, offset, first, threshold, 1.f);
-}
-
 // Sum acc over the blockDim.y lanes of a 2-D block into lane 0 (fixed order, so deterministic).
 // Every thread of the block must call it. s_red holds VEC · blockDim.x · blockDim.y floats.
 template <int VEC>
@@ -186,7 +178,8 @@ __global__ void __launch_bounds__(kThreads)
         if (i < n && is_counted(s_id[i], vocab, padding_idx)) {
           const int64_t src = s_row[i] * hidden + c;
           load_pack<T, VEC>(grad_out + src, g[u]);
-          if (DROPOUT) apply_keep<VEC>(g[u], philox.seed, philox.offset, static_cast<uint64_t>(src), threshold);
+          // Scale 1: the backward applies 1/(1 − p) with the embedding scale, once per output row.
+          if (DROPOUT) dropout_apply<VEC>(g[u], philox.seed, philox.offset, static_cast<uint64_t>(src), threshold, 1.f);
         } else {
           zero(g[u]);
         }
@@ -301,7 +294,8 @@ __global__ void __launch_bounds__(kThreads)
           if (bb < b1 && is_counted(static_cast<int64_t>(tokens[row]), vocab, padding_idx)) {
             load_pack<T, VEC>(grad_out + row * hidden + c, g[u]);
             if (DROPOUT)
-              apply_keep<VEC>(g[u], philox.seed, philox.offset, static_cast<uint64_t>(row * hidden + c), threshold);
+              dropout_apply<VEC>(g[u], philox.seed, philox.offset, static_cast<uint64_t>(row * hidden + c), threshold,
+                                 1.f);
           } else {
             zero(g[u]);
           }
