@@ -384,7 +384,7 @@ def test_kernel_strided_inputs_and_out_params(p, d, dtype, family):
     with pytest.raises(RuntimeError, match="attention_fwd: out overlaps q"):
         ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng, out=q)
     with pytest.raises(RuntimeError, match="attention_fwd: out must have head_dim contiguous"):
-        ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng, out=torch.empty_like(merged).transpose(1, 3)
+        ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng, out=torch.zeros_like(merged).transpose(1, 3)
                           .contiguous().transpose(1, 3).transpose(1, 2))
     with pytest.raises(RuntimeError, match="attention_fwd: lse must have shape"):
         ext.attention_fwd(q, k, v, kpm, causal, p, scale, rng, lse=lse_buf)
