@@ -6,7 +6,8 @@
 #   (PYTEST_ARGS replace the default target `tests`)
 #
 #   --sanitize   also run the CUDA op tests under compute-sanitizer (memcheck, racecheck, initcheck, side
-#                by side); any error fails; SANITIZE_TOOLS="memcheck ..." runs a subset of the tools,
+#                by side, each one process per test file); any error fails; SANITIZE_TOOLS="memcheck ..." runs
+#                a subset of the tools,
 #                SANITIZE_FILES="tests/a.py tests/b.py" a subset of the test files. SANITIZE_NO_CACHING=1
 #                turns torch's caching allocator off for memcheck and initcheck, so that each tensor is
 #                its own allocation and an access just past its end is seen too (much slower).
@@ -58,9 +59,10 @@ if [ "$SANITIZE" -eq 1 ]; then
             tests/test_bias_dropout_residual.py tests/test_bias_act_dropout.py tests/test_heads.py
             tests/test_cross_entropy.py tests/test_adam.py tests/test_dropout_graph.py)
   [ -n "${SANITIZE_FILES:-}" ] && read -r -a OP_TESTS <<< "$SANITIZE_FILES"
-  # The tools run side by side, each in its own process: each is bound by its own instrumentation on the
-  # host far more than by the GPU, so three at once take about as long as the slowest alone.
+  # The tools run side by side: each is bound by its own instrumentation on the host far more than by the
+  # GPU, so three at once take about as long as the slowest alone.
   start=$(date +%s); pids=(); tools=(${SANITIZE_TOOLS:-memcheck racecheck initcheck})
+  for tool in "${tools[@]}"; do : > "$LOG_DIR/sanitize_$tool.log"; done
   for tool in "${tools[@]}"; do
     envs=()  # the variable is set only when wanted, never to 0
     [ "${SANITIZE_NO_CACHING:-0}" = 1 ] && [ "$tool" != racecheck ] && envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1)
@@ -86,15 +88,25 @@ if [ "$SANITIZE" -eq 1 ]; then
       #   them; memcheck and racecheck run them.
       filter=(--check-api-memory-access no); select=(-k "not grad_bias_deterministic_and_many_rows")
     fi
-    env "${envs[@]}" compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 \
-      --print-limit 20 python -m pytest -q -m cuda -x -p no:cacheprovider "${select[@]}" "${OP_TESTS[@]}" \
-      > "$LOG_DIR/sanitize_$tool.log" 2>&1 &
+    # One process per test file, in turn: each file starts from a fresh allocator, so a report cannot depend
+    # on what earlier files left in the memory it reuses, and the GPU memory a process has cached goes back
+    # between files (three tools side by side over all files in one process each ran out of memory).
+    (
+      rc=0
+      for file in "${OP_TESTS[@]}"; do
+        echo "== $file" >> "$LOG_DIR/sanitize_$tool.log"
+        env "${envs[@]}" compute-sanitizer --tool "$tool" "${filter[@]}" --error-exitcode 99 --print-limit 20 \
+          python -m pytest -q -m cuda -x -p no:cacheprovider "${select[@]}" "$file" \
+          >> "$LOG_DIR/sanitize_$tool.log" 2>&1 || rc=1
+      done
+      exit $rc
+    ) &
     pids+=($!)
   done
   for i in "${!tools[@]}"; do
     wait "${pids[$i]}"; rc=$?
     echo "== compute-sanitizer --tool ${tools[$i]} on ${#OP_TESTS[@]} CUDA op test files: exit $rc"
-    tail -3 "$LOG_DIR/sanitize_${tools[$i]}.log"
+    grep -E "^== tests/| in [0-9.]+s|SUMMARY" "$LOG_DIR/sanitize_${tools[$i]}.log" | grep -v "SUMMARY: 0 "
     [ "$rc" -eq 0 ] || { echo "SANITIZER (${tools[$i]}) FAILED"; fail=1; }
   done
   echo "sanitizers: $(( $(date +%s) - start )) s"
