@@ -6,11 +6,11 @@
 #   (PYTEST_ARGS replace the default target `tests`)
 #
 #   --sanitize   also run the CUDA op tests under compute-sanitizer (memcheck, racecheck, initcheck, side
-#                by side, each one process per test file); any error fails; SANITIZE_TOOLS="memcheck ..." runs
-#                a subset of the tools,
-#                SANITIZE_FILES="tests/a.py tests/b.py" a subset of the test files. SANITIZE_NO_CACHING=1
-#                turns torch's caching allocator off for memcheck and initcheck, so that each tensor is
-#                its own allocation and an access just past its end is seen too (much slower).
+#                by side, each one process per test file); any error fails; SANITIZE_TOOLS="memcheck ..."
+#                runs a subset of the tools, SANITIZE_FILES="tests/a.py tests/b.py" a subset of the test
+#                files. SANITIZE_NO_CACHING=1 turns torch's caching allocator off for memcheck and
+#                initcheck, so that each tensor is its own allocation and an access just past its end is
+#                seen too (much slower).
 #   --no-bench   skip the benchmarks
 # Logs go to $LOG_DIR (default: $OUT when set, else ./gpu-logs).
 set -uo pipefail
