@@ -130,6 +130,10 @@ class CUDAGraphStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self._static_output = self.fn(*self._static_inputs)
+        # The first replay of a fresh capture can read the generator's seed/offset words before their refill
+        # lands (torch 2.11, its own dropout too), unless the device is idle first (RESULTS.md, "the first
+        # replay after a capture").
+        torch.cuda.synchronize()
         self.graph = graph
         self._replay()
         return self._static_output

@@ -117,6 +117,9 @@ def _capture(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = step()
+    # torch 2.11: without this the first replay now and then reads the generator's words before their refill
+    # (torch's own dropout too; benchmarks/RESULTS.md, "the first replay after a capture")
+    torch.cuda.synchronize()
     return graph, static
 
 

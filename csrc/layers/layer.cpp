@@ -29,6 +29,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -1133,6 +1134,10 @@ Tensors through_graph(const std::string& site, at::TensorList params, const Call
   g->graph = std::move(graph);
   g->inputs = std::move(buffers);
   ++g_graph_captures;
+  // With torch 2.11 the first replay of a fresh capture can read the generator's seed/offset words before
+  // its own refill lands, drawing stale masks (torch's own dropout too); the device idle first, it cannot
+  // (benchmarks/RESULTS.md, "the first replay after a capture"). Once per capture.
+  c10::cuda::device_synchronize();
   return replay();
 }
 
