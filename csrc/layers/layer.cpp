@@ -1134,9 +1134,9 @@ Tensors through_graph(const std::string& site, at::TensorList params, const Call
   g->graph = std::move(graph);
   g->inputs = std::move(buffers);
   ++g_graph_captures;
-  // With torch 2.11 the first replay of a fresh capture can read the generator's seed/offset words before
-  // its own refill lands, drawing stale masks (torch's own dropout too); the device idle first, it cannot
-  // (benchmarks/RESULTS.md, "the first replay after a capture"). Once per capture.
+  // torch 2.11: the first replay of a fresh capture now and then reads the generator's seed/offset words
+  // before their refill lands and draws stale masks (torch's own dropout too). It does not once the device
+  // is idle after the capture (benchmarks/RESULTS.md, "the first replay after a capture"). Once per capture.
   c10::cuda::device_synchronize();
   return replay();
 }
