@@ -94,8 +94,8 @@ struct PadBytes {
 };
 
 // n / d for 0 ≤ n < 2^31 as a multiply-high, an add and a shift (Granlund and Montgomery), with
-// s = ⌈log2 d⌉ and m = ⌊2^32·(2^s − d)/d⌋ + 1 from the host. A 32-bit division is ~25 instructions; paid once
-// a thread, at 8–16 scores a thread it was a visible share of the forward.
+// s = ⌈log2 d⌉ and m = ⌊2^32·(2^s − d)/d⌋ + 1 from the host. A 32-bit division is ~25 instructions;
+// paid once a thread, at 8–16 scores a thread it was a visible share of the forward.
 struct FastDiv {
   uint32_t d, m, s;
   static FastDiv of(uint32_t d) {
