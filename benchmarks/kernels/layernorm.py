@@ -8,12 +8,13 @@ from lsmini.ops.layernorm import LayerNormFunction
 
 def bench(ctx):
     shapes = [(65536, 512), (65536, 1024), (65536, 4096), (16384, 16384)]
-    for dtype in (torch.float16, torch.bfloat16):
+    # (activations, parameters): the last is mixed precision's LayerNorm, fp32 parameters on fp16 activations
+    for dtype, param_dtype in ((torch.float16,) * 2, (torch.bfloat16,) * 2, (torch.float16, torch.float32)):
         for rows, hidden in shapes:
-            shape = f"{rows}x{hidden}"
+            shape = f"{rows}x{hidden}" + ("" if param_dtype == dtype else " fp32 params")
             x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
-            w = torch.randn(hidden, device="cuda", dtype=dtype)
-            b = torch.randn(hidden, device="cuda", dtype=dtype)
+            w = torch.randn(hidden, device="cuda", dtype=param_dtype)
+            b = torch.randn(hidden, device="cuda", dtype=param_dtype)
             dy = torch.randn_like(x)
             e = x.element_size()
             # forward: read x, write y (+ mean/rstd, 8 B a row); backward: read x, dy, write dx (+ mean/rstd)
