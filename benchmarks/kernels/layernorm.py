@@ -20,17 +20,26 @@ def bench(ctx):
             # forward: read x, write y (+ mean/rstd, 8 B a row); backward: read x, dy, write dx (+ mean/rstd)
             fwd_bytes = 2 * x.numel() * e + 8 * rows
             bwd_bytes = 3 * x.numel() * e + 8 * rows
-            ctx.row("layernorm_fwd", dtype, shape,
-                    lambda: LayerNormFunction.apply(x, w, b, 1e-5),
-                    lambda: F.layer_norm(x, (hidden,), w, b, 1e-5), nbytes=fwd_bytes)
+            # torch's layer_norm takes one dtype for all three. With fp32 parameters torch's side is what
+            # autocast runs: the activations cast to fp32, LayerNorm in fp32, an fp32 output.
+            mixed = param_dtype != dtype
+            tx, tdy = (x.float(), dy.float()) if mixed else (x, dy)
+            note = "torch: autocast, fp32 LayerNorm" if mixed else ""
+
+            def torch_fwd():
+                with torch.autocast("cuda", dtype=dtype, enabled=mixed):
+                    return F.layer_norm(x, (hidden,), w, b, 1e-5)
+
+            ctx.row("layernorm_fwd", dtype, shape, lambda: LayerNormFunction.apply(x, w, b, 1e-5), torch_fwd,
+                    nbytes=fwd_bytes, note=note)
 
             # backward at the op level on both sides: our binding vs torch's layer_norm backward
             ext = lsmini._backend.ext()
             _, mean, rstd = ext.layernorm_fwd(x, w, b, 1e-5)
-            _, tmean, trstd = torch.ops.aten.native_layer_norm(x, (hidden,), w, b, 1e-5)
+            _, tmean, trstd = torch.ops.aten.native_layer_norm(tx, (hidden,), w, b, 1e-5)
             ctx.row("layernorm_bwd", dtype, shape,
                     lambda: ext.layernorm_bwd(dy, x, w, b, mean, rstd),
-                    lambda: torch.ops.aten.native_layer_norm_backward(dy, x, (hidden,), tmean, trstd, w, b,
+                    lambda: torch.ops.aten.native_layer_norm_backward(tdy, tx, (hidden,), tmean, trstd, w, b,
                                                                        (True, True, True)),
-                    nbytes=bwd_bytes)
-            del x, w, b, dy, mean, rstd, tmean, trstd
+                    nbytes=bwd_bytes, note=note)
+            del x, w, b, dy, tx, tdy, mean, rstd, tmean, trstd
