@@ -190,13 +190,13 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
                                 float* __restrict__ partials,
                                 int64_t rows, int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
   extern __shared__ float fold[];  // [by][bx * V] column sums, only when partials && by > 1
-  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   float acc[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) acc[k] = 0.f;
 
-  if (col < hidden) {  // idle threads of the last column tile still take part in the fold below
+  // idle threads of the last column tile still take part in the fold below
+  if (col < hidden) with_philox<DROPOUT && !FROM_OUT>(rng, [&](const PhiloxSeedOffset philox) {
     float b[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) b[k] = bias != nullptr && !FROM_OUT ? to_float(bias[col + k]) : 0.f;
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
       for (int k = 0; k < V; ++k) acc[k] += g[k];
       store_pack<T, V>(grad_x + i, g);
     });
-  }
+  });
   if (partials != nullptr) store_column_partials<V>(acc, fold, partials, hidden);  // uniform over the grid
 }
 
