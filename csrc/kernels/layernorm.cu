@@ -33,10 +33,10 @@ namespace lsmini {
 namespace {
 
 template <typename T, typename W, int VEC, int VPT>
-__global__ void __launch_bounds__(kFwdMaxThreads)
-layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, const W* __restrict__ bias,
-                     T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
-                     int hidden, float eps) {
+__device__ __forceinline__ void layernorm_fwd_rows(const T* __restrict__ x, const W* __restrict__ weight,
+                                                   const W* __restrict__ bias, T* __restrict__ y,
+                                                   float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                                                   int64_t rows, int hidden, float eps) {
   __shared__ float2 smem[32];
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool valid = row < rows;
@@ -88,6 +88,26 @@ layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, cons
   }
 }
 
+template <typename T, typename W, int VEC, int VPT>
+__global__ void __launch_bounds__(kFwdMaxThreads)
+layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, const W* __restrict__ bias,
+                     T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
+                     int hidden, float eps) {
+  layernorm_fwd_rows<T, W, VEC, VPT>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps);
+}
+
+// 16-bit rows of 32 elements a thread, weights of the same type: at most 40 registers, so that six blocks of 256
+// threads fit an SM instead of five at the 44 the compiler picks on its own. The forward is bound by the loads
+// it has in flight, and here more warps pay (RESULTS.md, 2026-11-25). Where the cap spills (fp32 weights: 16
+// bytes) or where fewer elements need fewer registers, the kernel above runs.
+template <typename T, typename W, int VEC, int VPT>
+__global__ void __maxnreg__(40)
+layernorm_fwd_kernel_40_registers(const T* __restrict__ x, const W* __restrict__ weight,
+                                  const W* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
+                                  float* __restrict__ rstd_out, int64_t rows, int hidden, float eps) {
+  layernorm_fwd_rows<T, W, VEC, VPT>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps);
+}
+
 template <typename T, typename W, int VEC>
 cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, float* rstd, int64_t rows,
                          int hidden, float eps, cudaStream_t stream) {
@@ -95,8 +115,13 @@ cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, 
   const dim3 block(cfg.G, cfg.R);
   const int64_t grid = (rows + cfg.R - 1) / cfg.R;
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {
-    layernorm_fwd_kernel<T, W, VEC, decltype(vpt)::value>
-        <<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows, hidden, eps);
+    constexpr int V = decltype(vpt)::value;
+    if constexpr (VEC == 8 && V == 4 && std::is_same_v<T, W>) {  // 16-bit T, 32 elements a thread
+      layernorm_fwd_kernel_40_registers<T, W, VEC, V><<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows,
+                                                                                 hidden, eps);
+    } else {
+      layernorm_fwd_kernel<T, W, VEC, V><<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows, hidden, eps);
+    }
     return cudaGetLastError();
   });
 }
