@@ -8,8 +8,9 @@ from lsmini.ops.layernorm import LayerNormFunction
 
 def bench(ctx):
     shapes = [(65536, 512), (65536, 1024), (65536, 4096), (16384, 16384)]
-    # (activations, parameters): the last is mixed precision's LayerNorm, fp32 parameters on fp16 activations
-    for dtype, param_dtype in ((torch.float16,) * 2, (torch.bfloat16,) * 2, (torch.float16, torch.float32)):
+    # (activations, parameters): the last two are mixed precision's LayerNorm, fp32 parameters on 16-bit activations
+    for dtype, param_dtype in ((torch.float16,) * 2, (torch.bfloat16,) * 2, (torch.float16, torch.float32),
+                               (torch.bfloat16, torch.float32)):
         for rows, hidden in shapes:
             shape = f"{rows}x{hidden}" + ("" if param_dtype == dtype else " fp32 params")
             x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
