@@ -96,10 +96,10 @@ layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, cons
   layernorm_fwd_rows<T, W, VEC, VPT>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps);
 }
 
-// 16-bit rows of 32 elements a thread, weights of the same type: at most 40 registers, so that six blocks of 256
-// threads fit an SM instead of five at the 44 the compiler picks on its own. The forward is bound by the loads
-// it has in flight, and here more warps pay (RESULTS.md, 2026-11-25). Where the cap spills (fp32 weights: 16
-// bytes) or where fewer elements need fewer registers, the kernel above runs.
+// 16-bit rows of 32 elements a thread: at most 40 registers, so that six blocks of 256 threads fit an SM instead of
+// five at the 44 the compiler picks on its own. The forward is bound by the loads it has in flight, and here more
+// warps pay (RESULTS.md, 2026-11-25): 1.04-1.24x with 16-bit weights and 1.13-1.17x with fp32 weights, though
+// there the cap spills 16 bytes. Where fewer elements need fewer registers, the kernel above runs.
 template <typename T, typename W, int VEC, int VPT>
 __global__ void __maxnreg__(40)
 layernorm_fwd_kernel_40_registers(const T* __restrict__ x, const W* __restrict__ weight,
@@ -116,7 +116,7 @@ cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, 
   const int64_t grid = (rows + cfg.R - 1) / cfg.R;
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {
     constexpr int V = decltype(vpt)::value;
-    if constexpr (VEC == 8 && V == 4 && std::is_same_v<T, W>) {  // 16-bit T, 32 elements a thread
+    if constexpr (VEC == 8 && V == 4 && sizeof(T) == 2) {  // 16-bit T, 32 elements a thread
       layernorm_fwd_kernel_40_registers<T, W, VEC, V><<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows,
                                                                                  hidden, eps);
     } else {
