@@ -98,10 +98,16 @@ layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, cons
 
 // 16-bit rows of 32 elements a thread: at most 40 registers, so that six blocks of 256 threads fit an SM instead of
 // five at the 44 the compiler picks on its own. The forward is bound by the loads it has in flight, and here more
-// warps pay (RESULTS.md, 2026-11-25): 1.04-1.24x with 16-bit weights and 1.13-1.17x with fp32 weights, though
+// warps pay (RESULTS.md, 2026-11-25): 1.04-1.24x with 16-bit weights and 1.12-1.18x with fp32 weights, though
 // there the cap spills 16 bytes. Where fewer elements need fewer registers, the kernel above runs.
+// __maxnreg__ exists from CUDA 12.4 on; older toolkits build this kernel at the registers the compiler picks.
+#if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
+#define LSMINI_FWD_40_REGISTERS __maxnreg__(40)
+#else
+#define LSMINI_FWD_40_REGISTERS __launch_bounds__(kFwdMaxThreads)
+#endif
 template <typename T, typename W, int VEC, int VPT>
-__global__ void __maxnreg__(40)
+__global__ void LSMINI_FWD_40_REGISTERS
 layernorm_fwd_kernel_40_registers(const T* __restrict__ x, const W* __restrict__ weight,
                                   const W* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
                                   float* __restrict__ rstd_out, int64_t rows, int hidden, float eps) {
