@@ -278,10 +278,10 @@ struct BlockDestinations {
 };
 
 // A buffer for the attention forward's dropout keep bits, which its backward then reads instead of drawing
-// them again; none where attention_keeps_bits (attention.h) says no: without dropout, or past the policy's
-// lengths. lsmini.ops.attention.keeps_bits asks the same, and the compiled layer's saved_layout follows it.
+// them again; none without dropout or where the bits would take more memory than q (k_len > 16·head_dim).
+// The rule of lsmini.ops.attention.keeps_bits, which the compiled layer's saved_layout follows too.
 OptTensor keep_bits(const at::Tensor& q, int64_t k_len, const Options& o, const BlockDestinations& dest) {
-  if (!attention_keeps_bits(o.attn_dropout, k_len, o.head_dim)) return std::nullopt;
+  if (o.attn_dropout <= 0 || k_len > 16 * o.head_dim) return std::nullopt;
   const int64_t numel = attention_keep_numel(q.size(0), o.heads, q.size(2), k_len);
   if (OptTensor into = dest.at(kBits, {numel}, at::kInt)) return into;
   return at::empty({numel}, q.options().dtype(at::kInt));
