@@ -215,7 +215,7 @@ __device__ __forceinline__ PhiloxSeedOffset resolve_philox(const PhiloxArgs& rng
 // body(philox) with resolve_philox's pair, its code compiled twice: in the eager form's copy the seed and the
 // offset stay kernel parameters, which the compiler knows to be uniform (Philox's key schedule, for one); only
 // the captured form's copy reads them from device memory. Worth the second copy where the kernel is issue-bound:
-// bias_act_dropout's backward runs 1.13× (fp16) and 1.07× (bf16) as fast with it (RESULTS.md, 2026-11-25).
+// bias_act_dropout's backward runs 1.13× (fp16) and 1.06-1.07× (bf16) as fast with it (RESULTS.md, 2026-11-25).
 template <bool DROPOUT, typename F>
 __device__ __forceinline__ void with_philox(const PhiloxArgs& rng, F&& body) {
   if (DROPOUT && rng.seed_ptr != nullptr) {
