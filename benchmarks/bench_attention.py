@@ -10,7 +10,9 @@ boolean attn_mask; `causal` passes is_causal=True. Every SDPA backend (flash, me
 accepts the row is timed, and the fastest fwd+bwd is the baseline (`sdpa_best`, which one in `backend`).
 Times are device milliseconds (benchmarks/common.time_ms); TFLOP/s counts the nominal GEMM work (causal:
 half), 4·b·h·L²·d forward and 2.5 times that backward. Where the Hopper kernels run (sm_90a build on a compute
-capability 9.0 device), `lsmini_sm80_ms` is the same row on the sm_80 kernels (`sm90_kernels(False)`).
+capability 9.0 device), `lsmini_sm80_ms` is the same row on the sm_80 kernels (`sm90_kernels(False)`). Past
+16·d keys, where by default the backward draws the dropout mask again, `lsmini_kept_ms` is the row with the
+mask's bits kept at every length (`lsmini.ops.dropout_bits("always")`), and `kept_speedup` its ratio to SDPA.
 """
 import argparse
 import os
@@ -26,13 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 from kernels.attention import fwd_bwd, inputs  # noqa: E402
-from lsmini.ops.attention import attention, sm90_kernels, sm90_kernels_available  # noqa: E402
+from lsmini.ops.attention import attention, dropout_bits, keeps_bits, sm90_kernels, sm90_kernels_available  # noqa: E402
 
 _HIDDEN = 1024
 _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
              "cudnn": SDPBackend.CUDNN_ATTENTION}
 COLUMNS = ["dtype", "d", "mask", "batch×heads×len", "lsmini_fwd_ms", "sdpa_fwd_ms", "lsmini_ms", "lsmini_sm80_ms",
-           "sdpa_best_ms", "backend", "speedup", "lsmini_TFLOP/s", "sdpa_TFLOP/s"]
+           "lsmini_kept_ms", "sdpa_best_ms", "backend", "speedup", "kept_speedup", "lsmini_TFLOP/s", "sdpa_TFLOP/s"]
 
 
 def _time_backend(backend, fn, iters):
@@ -57,6 +59,9 @@ def row(dtype, d, mask, length, tokens, dropout, iters):
     if sm90_kernels_available():
         with sm90_kernels(False):
             r["lsmini_sm80_ms"] = common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)
+    if dropout > 0 and not keeps_bits(dropout, length, d):
+        with dropout_bits("always"):
+            r["lsmini_kept_ms"] = common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)
     best = None
     for name, backend in _BACKENDS.items():
         t = _time_backend(backend, lambda: (sdpa, fwd_bwd(sdpa, q, k, v, grad)), iters)
@@ -67,6 +72,8 @@ def row(dtype, d, mask, length, tokens, dropout, iters):
     if best is not None:
         r["backend"], r["sdpa_fwd_ms"], r["sdpa_best_ms"] = best
         r["speedup"] = best[2] / r["lsmini_ms"]
+        if "lsmini_kept_ms" in r:
+            r["kept_speedup"] = best[2] / r["lsmini_kept_ms"]
         r["sdpa_TFLOP/s"] = flops / best[2] / 1e9
     return r
 

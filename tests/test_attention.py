@@ -8,8 +8,8 @@ import torch.nn.functional as F
 import lsmini
 from lsmini import _backend
 from lsmini.limits import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
-from lsmini.ops.attention import (AttentionFunction, attention, attention_ref, fused_attention_supported, keep_buffer,
-                                  keep_numel, keeps_bits, sm90_kernels, sm90_kernels_available)
+from lsmini.ops.attention import (AttentionFunction, attention, attention_ref, dropout_bits, fused_attention_supported,
+                                  keep_buffer, keep_numel, keeps_bits, sm90_kernels, sm90_kernels_available)
 from lsmini.ops.attention_softmax import attention_softmax
 from util import (attention_masks, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err,
                   next_seed_offset, philox_keep_mask, poison)
@@ -481,6 +481,45 @@ def test_keep_buffer_policy():
     assert keep_numel(2, 3, 100, 1024) == 2 * 3 * 8 * 16 * 32  # 2 query blocks of 4 row groups, 16 key tiles
     assert keep_buffer(q, k, 0.0) is None
     assert keep_buffer(q, torch.empty(2, 3, 1025, 64), 0.1) is None
+    with pytest.raises(ValueError, match=r"policy must be one of \('auto', 'always', 'never'\), got 'on'"):
+        with dropout_bits("on"):
+            pass
+
+
+@pytest.mark.cuda
+def test_dropout_bits_policy():
+    # "always" keeps the bits past 16·head_dim keys, "never" keeps none, and each block restores the policy
+    # it found; keeps_bits answers as the extension (and so the one-call layers) decides
+    q, short, long = torch.empty(2, 3, 100, 64), torch.empty(2, 3, 1024, 64), torch.empty(2, 3, 1025, 64)
+    with dropout_bits("always"):
+        assert keep_buffer(q, long, 0.1).shape == (keep_numel(2, 3, 100, 1025),)
+        assert keep_buffer(q, long, 0.0) is None
+        with dropout_bits("never"):
+            assert keep_buffer(q, short, 0.1) is None and not keeps_bits(0.1, 1, 64)
+        assert keeps_bits(0.1, 1 << 20, 64)
+    assert keep_buffer(q, short, 0.1) is not None and keep_buffer(q, long, 0.1) is None
+    with pytest.raises(RuntimeError, match="policy must be 0 \\(auto\\), 1 \\(always\\) or 2 \\(never\\), got 3"):
+        _backend.ext().set_attention_keep_bits(3)
+    assert keeps_bits(0.1, 1024, 64) and not keeps_bits(0.1, 1025, 64)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+# past 16·head_dim keys (the default redraws there): d 64 over 1031 keys, d 128 over 2053; odd lengths, dead rows
+@pytest.mark.parametrize("lq,lk,d,kind", [(129, 1031, 64, "pad"), (65, 1031, 64, "both"), (70, 2053, 128, "causal")])
+def test_dropout_bits_always_matches_drawn(lq, lk, d, kind, dtype, family):
+    # The op with the bits kept at every length gives the same output and gradients, bit for bit, as the op
+    # that draws them again in the backward
+    q, k, v, dout, gen = _inputs(2, 2, lq, lk, d, dtype, "cuda", seed=9)
+    kpm, causal, _ = attention_masks(2, lq, lk, kind, gen, "cuda")
+    results = []
+    for policy in ("never", "always"):
+        with dropout_bits(policy):
+            torch.manual_seed(5)
+            out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal, P), q, k, v, dout)
+        results.append((out, *grads))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert torch.equal(a, b), f"{name}: kept bits give another result than drawn ones"
 
 
 @pytest.mark.cuda

@@ -192,6 +192,7 @@ def test_attention_keep_bits_saved_and_read():
     differ once the saved bits are cleared (every score dropped). No bits without attention dropout."""
     from lsmini.layers.compiled import BITS, SLOTS
     from lsmini.layers.spec import scratch_numel
+    from lsmini.ops import dropout_bits
     from lsmini.ops.attention import keep_numel
 
     ext = _backend.ext()
@@ -218,6 +219,14 @@ def test_attention_keep_bits_saved_and_read():
     assert not torch.equal(backward(saved)[0], kept[0])
     _, saved, _ = ext.layer_fwd(options._replace(attn_dropout=0.0), x, None, None, None, None, params)
     assert saved[BITS] is None
+    # the policy of lsmini.ops.dropout_bits: none kept under "never"; past 16·head_dim keys (head_dim 16 here)
+    # kept under "always" only
+    with dropout_bits("never"):
+        assert ext.layer_fwd(options, x, None, None, None, None, params)[1][BITS] is None
+    x = torch.randn(2, 257, 64, device="cuda", dtype=torch.float16)
+    assert ext.layer_fwd(options, x, None, None, None, None, params)[1][BITS] is None
+    with dropout_bits("always"):
+        assert ext.layer_fwd(options, x, None, None, None, None, params)[1][BITS].numel() == keep_numel(2, 4, 257, 257)
 
 
 @pytest.mark.parametrize("recompute", [True, False])

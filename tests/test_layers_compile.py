@@ -18,6 +18,7 @@ from lsmini.layers.compiled import (BITS, CAST_ALIGN, LSE, MASK, SLOTS, STATE_AL
                                     layer_backward_op, layer_op, saved_layout, state_plan, state_tail)
 from lsmini.layers.precision import cast_plan
 from lsmini.layers.spec import LayerOptions
+from lsmini.ops import dropout_bits
 from util import amp_train_step
 
 
@@ -209,6 +210,30 @@ def test_fullgraph_kernel_path_matches_eager(pre, act, recompute, dtype):
     enc_compiled = torch.compile(encoder, fullgraph=True)(src, mask)
     assert torch.equal(enc_eager, enc_compiled)
     _assert_close(compiled, eager, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_dropout_bits_policy_changed_after_the_plan():
+    """The compiled layers keep the dropout-bits choice of their first call at each shape (their plan keeps the
+    bits' slot): under a later "never" they still write the bits their backward reads, so the result is the
+    eager layer's, which draws the mask again, with the same seed."""
+    encoder = _cuda_model(True, "gelu", torch.float16).encoder
+    src, _, mask, _ = _inputs("cuda", torch.float16)
+    grad = torch.randn_like(src)
+    compiled = torch.compile(encoder, fullgraph=True)
+
+    def step(fn, seed):
+        encoder.zero_grad(set_to_none=True)
+        x = src.detach().requires_grad_()
+        torch.manual_seed(seed)
+        fn(x, mask).backward(grad)
+        return [x.grad] + [p.grad.clone() for p in encoder.parameters()]
+
+    step(compiled, 0)  # planned under "auto": 7 keys keep their bits
+    with dropout_bits("never"):
+        got, want = step(compiled, 1), step(encoder, 1)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.cuda

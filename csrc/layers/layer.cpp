@@ -179,6 +179,9 @@ class Destinations {
                  "-byte state");
     return carve(*state_, offset, dtype, sizes, "layer_fwd");
   }
+  // Whether the call follows a plan (the compiled operator), and whether the plan has a place for slot.
+  bool planned() const { return state_.has_value(); }
+  bool has(size_t slot) const { return planned() && offsets_[slot] >= 0; }
 
  private:
   const OptTensor& state_;
@@ -275,13 +278,18 @@ struct BlockDestinations {
   OptTensor at(int slot, at::IntArrayRef sizes, at::ScalarType dtype) const {
     return all.at(base + size_t(slot), sizes, dtype);
   }
+  bool planned() const { return all.planned(); }
+  bool has(int slot) const { return all.has(base + size_t(slot)); }
 };
 
 // A buffer for the attention forward's dropout keep bits, which its backward then reads instead of drawing
-// them again; none without dropout or where the bits would take more memory than q (k_len > 16·head_dim).
-// The rule of lsmini.ops.attention.keeps_bits, which the compiled layer's saved_layout follows too.
+// them again; none where attention_keeps_bits (attention.h) says no: without dropout, or past the policy's
+// lengths. A planned call (the compiled operator) keeps them exactly where its plan has their slot instead: the
+// plan was made under the policy of its first call at these shapes (compiled.saved_layout asks keeps_bits), and
+// its backward reads the bits where the plan puts them, whatever the policy is by then.
 OptTensor keep_bits(const at::Tensor& q, int64_t k_len, const Options& o, const BlockDestinations& dest) {
-  if (o.attn_dropout <= 0 || k_len > 16 * o.head_dim) return std::nullopt;
+  if (!(dest.planned() ? dest.has(kBits) : attention_keeps_bits(o.attn_dropout, k_len, o.head_dim)))
+    return std::nullopt;
   const int64_t numel = attention_keep_numel(q.size(0), o.heads, q.size(2), k_len);
   if (OptTensor into = dest.at(kBits, {numel}, at::kInt)) return into;
   return at::empty({numel}, q.options().dtype(at::kInt));

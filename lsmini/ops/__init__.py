@@ -18,7 +18,7 @@ compiled, not at every call.
 from lsmini.ops.layernorm import layer_norm, layer_norm_ref
 from lsmini.ops.heads import merge_heads, merge_heads_ref, split_heads, split_heads_ref
 from lsmini.ops.attention_softmax import attention_softmax, attention_softmax_ref
-from lsmini.ops.attention import attention, attention_ref, fused_attention_supported
+from lsmini.ops.attention import attention, attention_ref, dropout_bits, fused_attention_supported
 from lsmini.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from lsmini.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from lsmini.ops.embedding import embedding, embedding_ref, sinusoidal_positions

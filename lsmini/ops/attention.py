@@ -20,9 +20,9 @@ k_len] probabilities draws Philox at flat index ((b·heads + h)·q_len + i)·k_l
 ``rng`` (``_backend.dropout_rng``) — and kept probabilities are scaled by 1/(1 − p). So, with the same
 rng, the fused op equals ``attention_softmax(scale·q@kᵀ, ...) @ v``. The kernel saves out and the row
 log-sum-exp (fp32 [b, h, q_len]); backward regenerates the mask from rng, except where the bits cost no
-more memory than q itself (``keep_buffer``: k_len ≤ 16·d, the usual training lengths): there the forward
-also stores the mask it drew, one bit per score, and backward reads it instead. Philox is most of the
-backward's instructions, and the bits are the same either way.
+more memory than q itself (``keep_buffer``: k_len ≤ 16·d, the usual training lengths; ``dropout_bits``
+changes where): there the forward also stores the mask it drew, one bit per score, and backward reads it
+instead. Philox is most of the backward's instructions, and the bits are the same either way.
 
 The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) with head_dim d in
 ``lsmini.limits.ATTENTION_HEAD_DIMS``; anything else (float32, float64, other d, CPU tensors) runs
@@ -92,11 +92,44 @@ def keep_numel(batch, heads, q_len, k_len):
     return batch * heads * ((q_len + 63) // 64 * 4) * ((k_len + 63) // 64) * 32
 
 
+_KEEP_BITS_POLICIES = ("auto", "always", "never")  # csrc/kernels/attention.h's KeepBits, in its order
+
+
 def keeps_bits(p, k_len, head_dim):
-    """Whether the fused forward stores its dropout keep bits for the backward to read: with dropout, where
-    the bits take no more memory than q (one bit per score against two bytes per element of q: k_len ≤
-    16·head_dim); else the backward draws them again. csrc/layers/layer.cpp's keep_bits has the same rule."""
+    """Whether the fused forward stores its dropout keep bits for the backward to read, under the policy of
+    ``dropout_bits`` (by default: with dropout, where the bits take no more memory than q, k_len ≤
+    16·head_dim); else the backward draws them again. The extension decides (csrc/layers/layer.cpp asks the
+    same); without it, as the default policy."""
+    ext = _backend.ext_or_none()
+    if ext is not None:
+        return ext.attention_keeps_bits(p, k_len, head_dim)
     return p > 0 and k_len <= 16 * head_dim
+
+
+@contextlib.contextmanager
+def dropout_bits(policy):
+    """Within the block, fused attention with dropout keeps its forward's dropout bits for the backward:
+    "auto" (the default outside any block) where they take no more memory than q (k_len ≤ 16·head_dim, one
+    bit a score against two bytes an element of q), "always" at every length, "never" at none.
+
+    Kept bits make fwd+bwd 1.3–1.4× faster (the backward reads the mask instead of drawing Philox again, with
+    the same bits, so results are bit-identical) and cost batch·heads·q_len·k_len/8 bytes per attention call
+    until its backward: at 2048 keys and head dim 64 that is twice q, at 8192 eight times. "always" is for
+    long sequences where that memory is there; "never" saves it at short ones. A process-wide setting, read
+    when a call's forward runs (its backward reads whatever that forward kept); a CUDA graph keeps what it
+    captured, and the compiled layers (torch.compile) keep, per options and shapes, the choice of their
+    first call, so set it before capturing or compiling."""
+    if policy not in _KEEP_BITS_POLICIES:
+        raise ValueError(f"dropout_bits: policy must be one of {_KEEP_BITS_POLICIES}, got {policy!r}")
+    ext = _backend.ext_or_none()
+    if ext is None:  # no extension: every call runs the reference, which keeps a bool mask anyway
+        yield
+        return
+    previous = ext.set_attention_keep_bits(_KEEP_BITS_POLICIES.index(policy))
+    try:
+        yield
+    finally:
+        ext.set_attention_keep_bits(previous)
 
 
 def keep_buffer(q, k, p):
