@@ -191,9 +191,12 @@ __device__ __forceinline__ void wg_atb(float (&acc)[D / 8][4], uint32_t a, uint3
 }
 #endif  // LSMINI_SM90A_DEVICE
 
-// Dynamic shared memory rounded up to the swizzle's 1 KB period (launches ask for 1 KB more).
+// The dynamic shared memory, which the swizzled tiles need on the swizzle's 1 KB period. The kernels declare it
+// __align__(1024), which the toolchain honours, so the launches ask for no slack to round up into (at d 128 that
+// kilobyte held the dK/dV kernel to one CTA an SM). A base off the period would garble every tile: trap instead.
 __device__ __forceinline__ unsigned char* smem_1k(unsigned char* raw) {
-  return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+  if (smem_u32(raw) & 1023) __trap();
+  return raw;
 }
 
 }  // namespace

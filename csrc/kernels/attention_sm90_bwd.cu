@@ -101,10 +101,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
-  // K, V (loaded once), Q and dO double-buffered, P̃ and dS (swizzled [64 queries][64 keys] tiles), lse and
-  // Δ double-buffered, key bias.
+  // K, V (loaded once), Q and dO double-buffered, P̃ and dS (swizzled [64 queries][64 keys] tiles), then the
+  // lse and Δ of the query tile being computed on, and the key bias.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_1k(smem_raw);
   constexpr int kTile = kSwTileBytes<D>;
@@ -112,9 +112,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_s
   unsigned char* pdS = pP + kSwTileBytes<kBlock>;
   const uint32_t sK = smem_u32(smem), sV = sK + kTile, sQ = sV + kTile, sdO = sQ + 2 * kTile;
   const uint32_t sP = smem_u32(pP), sdS = smem_u32(pdS);
-  float* sLse = reinterpret_cast<float*>(pdS + kSwTileBytes<kBlock>);  // [2][kBlock]
-  float* sDelta = sLse + 2 * kBlock;                                    // [2][kBlock]
-  float* sBias = sDelta + 2 * kBlock;
+  float* sLse = reinterpret_cast<float*>(pdS + kSwTileBytes<kBlock>);  // [kBlock]
+  float* sDelta = sLse + kBlock;                                        // [kBlock]
+  float* sBias = sDelta + kBlock;
 
   const int nkb = (a.k_len + kBlock - 1) / kBlock;
   const int k0 = (blockIdx.x % nkb) * kBlock;
@@ -131,11 +131,17 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_s
     const int qvalid = min(kBlock, a.q_len - qt);
     load_tile_sw<T, D>(sQ + buf * kTile, q + int64_t(qt) * a.q.row, a.q.row, qvalid);
     load_tile_sw<T, D>(sdO + buf * kTile, dout + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
-    if (threadIdx.x < kBlock) {
-      const int r = threadIdx.x;
-      sLse[buf * kBlock + r] = r < qvalid ? a.lse[st.bh * a.q_len + qt + r] * kLog2e : kInf;
-      sDelta[buf * kBlock + r] = r < qvalid ? a.delta[st.bh * a.q_len + qt + r] : 0.f;
-    }
+  };
+  // (lse·log2 e, Δ) of row threadIdx.x < kBlock of query tile t; a row past q_len gives P̃ = dS = 0. One buffer,
+  // not two as the tiles have: the 512 bytes a second one takes would keep two CTAs off an SM at d 128.
+  auto row_stats = [&](int t) {
+    const int i = q_begin + t * kBlock + threadIdx.x;
+    return i < a.q_len ? make_float2(a.lse[st.bh * a.q_len + i] * kLog2e, a.delta[st.bh * a.q_len + i])
+                       : make_float2(kInf, 0.f);
+  };
+  auto stage_stats = [&](float2 v) {
+    sLse[threadIdx.x] = v.x;
+    sDelta[threadIdx.x] = v.y;
   };
   const int n_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
   if (n_tiles > 0) {
@@ -143,18 +149,18 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_s
     load_tile_sw<T, D>(sK, st.at(a.k) + int64_t(k0) * a.k.row, a.k.row, kvalid);
     load_tile_sw<T, D>(sV, st.at(a.v) + int64_t(k0) * a.v.row, a.v.row, kvalid);
     st.vis.fill_key_bias(sBias, k0);
+    if (threadIdx.x < kBlock) stage_stats(row_stats(0));
     pipeline_start<true>(n_tiles, issue_q);
   }
 
-  // Two barriers per iteration, as in attention_bwd.cu: P̃/dS written → read, and the pipeline barrier.
+  // Two barriers per iteration, as in attention_bwd.cu: P̃/dS written → read, and the pipeline barrier. Between
+  // them every warp has read this tile's lse and Δ, so the next tile's go into the same buffer there.
   for (int t = 0; t < n_tiles; ++t) {
     const uint32_t cQ = sQ + (t & 1) * kTile, cdO = sdO + (t & 1) * kTile;
     float s[8][4], dp[8][4];
     wg_s_dp<T, D>(s, dp, cQ, cdO, sK, sV);
-    const float* cLse = sLse + (t & 1) * kBlock;
-    const float* cDelta = sDelta + (t & 1) * kBlock;
-    const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
-    const float delta[2] = {cDelta[r0 + g], cDelta[r0 + g + 8]};
+    const float lse2[2] = {sLse[r0 + g], sLse[r0 + g + 8]};
+    const float delta[2] = {sDelta[r0 + g], sDelta[r0 + g + 8]};
     tile_ds<T, true>(s, dp, st, sBias, lse2, delta, q_begin + t * kBlock + r0, k0);
     // P̃ and dS: the wgmmas of iteration t − 1 that read them were waited for before its closing barrier.
 #pragma unroll
@@ -166,10 +172,16 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_s
         *reinterpret_cast<uint32_t*>(pdS + off) = pack2<T>(s[n][2 * r], s[n][2 * r + 1]);
       }
     fence_async_shared();
-    __syncthreads();  // every warp's rows of P̃ and dS are written
+    __syncthreads();  // every warp's rows of P̃ and dS are written, and its lse and Δ read
+    // The next tile's lse and Δ: loaded while the MMAs below run, stored after them; pipeline_next's barrier
+    // shows them. (Loaded before the MMAs are issued: code between issue and wait makes ptxas fence them.)
+    const bool stage_next = t + 1 < n_tiles && threadIdx.x < kBlock;
+    float2 next = make_float2(0.f, 0.f);
+    if (stage_next) next = row_stats(t + 1);
     wg_atb<T, D>(dv, sP, cdO);  // the warpgroup's rows are the block's 64 keys: the warp's [r0, r0 + 16)
     wg_atb<T, D>(dk, sdS, cQ);
     wgmma_sync(dv, dk);
+    if (stage_next) stage_stats(next);
     pipeline_next<true>(t, n_tiles, issue_q);
   }
 
@@ -183,15 +195,14 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) attention_bwd_dkv_s
 template <typename T, int D>
 cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const int64_t bh = int64_t(a.batch) * a.heads;
-  // dq: 1 KB alignment slack, Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: D = 64 → 51 200 B,
-  // D = 128 → 100 352 B.
-  const size_t dq_bytes = 1024 + 6 * kSwTileBytes<D> + 4 * kBlock * sizeof(float);
+  // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: D = 64 → 50 176 B, D = 128 → 99 328 B.
+  const size_t dq_bytes = 6 * kSwTileBytes<D> + 4 * kBlock * sizeof(float);
   cudaError_t err =
       launch(attention_bwd_dq_sm90_kernel<T, D>, bh * ((a.q_len + kBlock - 1) / kBlock), dq_bytes, a, stream);
   if (err != cudaSuccess) return err;
-  // dkv: 1 KB slack, K + V + 2×Q + 2×dO tiles, P̃ and dS, 2 lse + 2 Δ arrays, bias: D = 64 → 67 840 B,
-  // D = 128 → 116 992 B.
-  const size_t dkv_bytes = 1024 + 6 * kSwTileBytes<D> + 2 * kSwTileBytes<kBlock> + 5 * kBlock * sizeof(float);
+  // dkv: K + V + 2×Q + 2×dO tiles, P̃ and dS, lse, Δ, bias: D = 64 → 66 304 B, D = 128 → 115 456 B, under the
+  // 115 712 B (half of 228 KB, less 1 KB reserved a CTA) that lets two CTAs share an SM.
+  const size_t dkv_bytes = 6 * kSwTileBytes<D> + 2 * kSwTileBytes<kBlock> + 3 * kBlock * sizeof(float);
   return launch(attention_bwd_dkv_sm90_kernel<T, D>, bh * ((a.k_len + kBlock - 1) / kBlock), dkv_bytes, a, stream);
 }
 
