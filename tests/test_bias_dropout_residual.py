@@ -6,7 +6,7 @@ import lsmini
 from lsmini.ops.bias_dropout_residual import (BiasDropoutResidualFunction, bias_dropout_residual,
                                               bias_dropout_residual_ref)
 from util import (LOWP, assert_close_fp32, assert_column_sum_close, assert_dropout_keep_stats, assert_lowp_rule,
-                  next_seed_offset, philox4x32_10, philox_keep_mask)
+                  next_seed_offset, PHILOX_ROUNDS, philox4x32, philox_keep_mask)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -115,14 +115,24 @@ def test_bad_inputs_cpu():
         bias_dropout_residual(x[:, :0], None, residual[:, :0])
 
 
-def test_python_philox_matches_known_answers():
-    # Random123 known-answer vectors for philox4x32-10: ctr[4], key[2] -> out[4]
-    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
-    for ctr, key, want in cases:
-        got = philox4x32_10(*(torch.tensor([c], dtype=torch.int64) for c in ctr), *key)
+# Random123's tests/kat_vectors, "philox4x32 R": ctr[4], key[2] -> out[4]. The kernels draw with 7 rounds; the
+# 10-round vectors check the same round function once more.
+_M32 = 0xFFFFFFFF
+_PI_CTR, _PI_KEY = (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0)
+_PHILOX_KAT = {
+    7: [((0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+        ((_M32,) * 4, (_M32, _M32), (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+        (_PI_CTR, _PI_KEY, (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A))],
+    10: [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+         ((_M32,) * 4, (_M32, _M32), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+         (_PI_CTR, _PI_KEY, (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))],
+}
+
+
+@pytest.mark.parametrize("rounds", [PHILOX_ROUNDS, 10])
+def test_python_philox_matches_known_answers(rounds):
+    for ctr, key, want in _PHILOX_KAT[rounds]:
+        got = philox4x32(*(torch.tensor([c], dtype=torch.int64) for c in ctr), *key, rounds=rounds)
         assert [int(w) for w in got] == list(want)
 
 

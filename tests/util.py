@@ -44,7 +44,7 @@ def check(out, ref32, torch_lowp=None, dtype=torch.float32, atol32=1e-5, rtol32=
 
 
 # ---- dropout: an independent Philox oracle and keep-mask statistics --------------------------------
-# Philox4x32-10 on int64 torch tensors holding 32-bit values, following csrc/kernels/common.cuh:
+# Philox4x32-7 on int64 torch tensors holding 32-bit values, following csrc/kernels/common.cuh:
 # element i of a call keyed by (seed, offset) takes the 16-bit half (i % 2, low first) of word
 # (i % 8) / 2 of philox(counter = {i/8 lo, i/8 hi, offset lo, offset hi}, key = {seed lo, seed hi})
 # and is kept iff that value ≥ threshold(p) = round(p · 65536).
@@ -59,9 +59,12 @@ def _mulhilo32(a, b):
     return u >> 16, ((u & 0xFFFF) << 16) | (t & 0xFFFF)
 
 
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Philox4x32-10 of counters (int64 tensors, values < 2^32) and a key (two ints < 2^32)."""
-    for _ in range(10):
+PHILOX_ROUNDS = 7  # common.cuh's kPhiloxRounds
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1, rounds=PHILOX_ROUNDS):
+    """Philox4x32 with `rounds` rounds of counters (int64 tensors, values < 2^32) and a key (two ints < 2^32)."""
+    for _ in range(rounds):
         hi0, lo0 = _mulhilo32(0xD2511F53, c0)
         hi1, lo1 = _mulhilo32(0xCD9E8D57, c2)
         c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
@@ -79,7 +82,7 @@ def philox_keep_mask(numel, p, seed, offset, device="cpu"):
     """Bool [numel]: keep[i] for flat element indices i of one dropout call keyed by (seed, offset)."""
     groups = torch.arange((numel + 7) // 8, dtype=torch.int64, device=device)
     full = lambda v: torch.full_like(groups, v)  # noqa: E731
-    words = torch.stack(philox4x32_10(groups & _M32, groups >> 32, full(offset & _M32), full(offset >> 32),
+    words = torch.stack(philox4x32(groups & _M32, groups >> 32, full(offset & _M32), full(offset >> 32),
                                       seed & _M32, seed >> 32), dim=1)  # [groups, 4]
     halves = torch.stack((words & 0xFFFF, words >> 16), dim=2).reshape(-1)  # low half first
     return halves[:numel] >= dropout_threshold(p)

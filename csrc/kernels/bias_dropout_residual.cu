@@ -44,6 +44,9 @@ constexpr int kFwdMinBlocksPerSm = 2048 / kFwdThreads;  // full occupancy: ≤ 3
 constexpr int kBwdThreads = 512;
 // The backward's partials buffer is sized for at most this many resident blocks per SM.
 constexpr int kBwdMaxBlocksPerSm = 2048 / kBwdThreads;
+// Three blocks an SM (≤ 40 registers, no spills since Philox has 7 rounds): the backward is latency-bound, and
+// the fp16 dropout body at 42-44 registers fitted only two (RESULTS.md).
+constexpr int kBwdMinBlocksPerSm = 3;
 
 // ---------------------------------------------------------------------------------------------
 // Forward
@@ -94,7 +97,7 @@ cudaError_t fwd_impl(const T* x, const BT* bias, const T* residual, T* out, int6
 // Backward: grad_x and per-slab column sums in one pass over grad_out.
 // ---------------------------------------------------------------------------------------------
 template <typename T, int V, bool DROPOUT>
-__global__ void __launch_bounds__(kBwdThreads)
+__global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
     bias_dropout_residual_bwd_kernel(const T* __restrict__ grad_out, T* __restrict__ grad_x,
                                      float* __restrict__ partials, int64_t rows, int64_t hidden,
                                      uint32_t threshold, float scale, PhiloxArgs rng) {
