@@ -317,8 +317,15 @@ __device__ __forceinline__ void mask_scores(float (&s)[8][4], const float* bias,
   }
 }
 
+// Where element e of a lane's C tile n sits in the lane's keep word (see keep_bits): byte 2·(n & 1) + (e >> 1),
+// bit 2·(n >> 1) + (e & 1) of it. The byte is the quad lane that drew the element, so keep_bits gathers the words
+// with two shuffles.
+__host__ __device__ constexpr int keep_bit(int n, int e) {
+  return 8 * (2 * (n & 1) + (e >> 1)) + 2 * (n >> 1) + (e & 1);
+}
+
 // Dropout of a 16×64 tile (rows row0 + g and row0 + g + 8 of the flat [batch·heads·q_len] rows, keys
-// [j0, j0 + 64)): bit 4n + e set ⇔ element e of the thread's C tile n is kept.
+// [j0, j0 + 64)): bit keep_bit(n, e) set ⇔ element e of the thread's C tile n is kept.
 struct TileDropout {
   PhiloxSeedOffset so;
   uint32_t threshold;
@@ -328,28 +335,38 @@ struct TileDropout {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     uint32_t bits = 0;
     if (k_len % 8 == 0) {
+      // Quad lane c draws the groups of row g + 8·(c & 1), C tiles 2q + (c >> 1) (q = 0..3): eight keys each, of
+      // which quad lane d holds columns 2d and 2d + 1. Its 32 compares go to byte d of x, bit 2q + p for column
+      // 2d + p of group q, so the word lane d needs is byte d of each quad lane's x: a 4×4 byte transpose.
+      uint32_t x = 0;
+      const int64_t row = row0 + g + 8 * (c & 1);
 #pragma unroll
-      for (int n = 0; n < 8; n += 2) {
-        // this lane's group: row g + 8·(c & 1), C tile n + (c >> 1)
-        const int64_t row = row0 + g + 8 * (c & 1);
-        const int64_t first = row * k_len + j0 + (n + (c >> 1)) * 8;
+      for (int q = 0; q < 4; ++q) {
+        const int64_t first = row * k_len + j0 + (2 * q + (c >> 1)) * 8;
         const uint4 r = dropout_bits(so.seed, so.offset, static_cast<uint64_t>(first) / 8);
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const int src = (c - s) & 3;  // the quad lane whose group arrives in this round
-          const uint32_t w = __shfl_sync(0xffffffffu, word_of(r, (c + s) & 3), (lane & ~3) | src);
-          // w: word c of group src = the 16-bit values of columns 2c and 2c + 1 of that group's row
-          const uint32_t k2 = uint32_t((w & 0xFFFFu) >= threshold) | (uint32_t((w >> 16) >= threshold) << 1);
-          bits |= k2 << (4 * (n + (src >> 1)) + 2 * (src & 1));
+        for (int d = 0; d < 4; ++d) {
+          const uint32_t w = word_of(r, d);  // columns 2d (low half) and 2d + 1 (high half)
+          x |= uint32_t((w & 0xFFFFu) >= threshold) << (8 * d + 2 * q);
+          x |= uint32_t((w >> 16) >= threshold) << (8 * d + 2 * q + 1);
         }
       }
+      // Step 1, with quad lane c ^ 2: z = the bytes for lanes c and c ^ 1 from lanes c and c ^ 2, ordered by the
+      // sender's bit 1. Step 2, with c ^ 1: byte k of the result is quad lane k's byte for lane c.
+      // (__byte_perm: selector nibble i picks byte i of the result from the 8 bytes {a, b}.)
+      const uint32_t y = __shfl_xor_sync(0xffffffffu, x, 2);
+      const uint32_t own = c, mate = c ^ 1, hi = (c >> 1) * 4;  // hi: y's bytes (4..7) come first for c ≥ 2
+      const uint32_t sel = (own + hi) | (own + 4 - hi) << 4 | (mate + hi) << 8 | (mate + 4 - hi) << 12;
+      const uint32_t z = __byte_perm(x, y, sel);
+      const uint32_t t = __shfl_xor_sync(0xffffffffu, z, 1);
+      bits = __byte_perm(z, t, (c & 1) ? 0x1706u : 0x7160u);
     } else {
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int64_t i = (row0 + g + 8 * (e >> 1)) * k_len + j0 + n * 8 + 2 * c + (e & 1);
-          bits |= uint32_t(dropout_keep(so.seed, so.offset, static_cast<uint64_t>(i), threshold)) << (4 * n + e);
+          bits |= uint32_t(dropout_keep(so.seed, so.offset, static_cast<uint64_t>(i), threshold)) << keep_bit(n, e);
         }
     }
     return bits;
@@ -435,7 +452,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8]
 #pragma unroll
     for (int n = 0; n < 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = (bits >> (4 * n + e)) & 1u ? s[n][e] * st.inv_keep : 0.f;
+      for (int e = 0; e < 4; ++e) s[n][e] = (bits >> keep_bit(n, e)) & 1u ? s[n][e] * st.inv_keep : 0.f;
   }
 }
 
@@ -473,7 +490,7 @@ __device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], con
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float p = exp2f(s[n][e] - lse2[e >> 1]);
-      const float z = st.dropout ? ((bits >> (4 * n + e)) & 1u ? st.inv_keep : 0.f) : 1.f;
+      const float z = st.dropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
       s[n][e] = p * (dp[n][e] * z - delta[e >> 1]);
       if (kWantP) dp[n][e] = p * z;
     }

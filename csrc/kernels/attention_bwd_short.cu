@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           s[n][e] = exp2f(s[n][e] - lse2[e >> 1]);  // p
-          const float z = st.dropout ? ((bits >> (4 * n + e)) & 1u ? st.inv_keep : 0.f) : 1.f;
+          const float z = st.dropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
           dp[n][e] *= z;                            // z·dp
           part[e >> 1] += s[n][e] * dp[n][e];       // p̃·dp = p·(z·dp)
         }
@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const float z0 = st.dropout ? ((bits >> (4 * n + 2 * r)) & 1u ? st.inv_keep : 0.f) : 1.f;
-          const float z1 = st.dropout ? ((bits >> (4 * n + 2 * r + 1)) & 1u ? st.inv_keep : 0.f) : 1.f;
+          const float z0 = st.dropout ? ((bits >> keep_bit(n, 2 * r)) & 1u ? st.inv_keep : 0.f) : 1.f;
+          const float z1 = st.dropout ? ((bits >> keep_bit(n, 2 * r + 1)) & 1u ? st.inv_keep : 0.f) : 1.f;
           const float p0 = s[n][2 * r], p1 = s[n][2 * r + 1];
           const int off = (r0 + g + 8 * r) * kLdS + kg + n * 8 + 2 * c;
           *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(p0 * z0, p1 * z1);
