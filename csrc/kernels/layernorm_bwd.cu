@@ -30,9 +30,14 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
     for (int j = 0; j < VEC; ++j) acc_g[k][j] = acc_b[k][j] = 0.f;
 
   // The loop bound is uniform over the block (group_sum2 has barriers); rows past the end idle.
-  // The next row's x/dy are loaded before this row's reduction so that the loads overlap it (skipped
-  // for long rows, which already keep enough bytes in flight and would run out of registers).
+  // Rows of ≤ 16 elements a thread load the next row's x/dy before this row's reduction, so that the loads
+  // overlap it; long rows already keep enough bytes in flight and would run out of registers.
+  // The kernel is bound by instruction issue (RESULTS.md). Where registers allow (16-bit vectors of short
+  // rows), γ stays in fp32 registers over all the rows, and x̂ of the sums' pass is kept for dx: no reload
+  // and unpack of γ a row, no second x̂. g = γ·dy costs one unpack and one multiply, so it is formed again
+  // (keeping it as well would spill). 1.07-1.15x at hidden 512-1024 (RESULTS.md, 2026-11-25).
   constexpr bool kPrefetch = VPT * VEC <= 16;
+  constexpr bool kKeep = kPrefetch && VEC == 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.y;
   Pack<T, VEC> xv[VPT], dv[VPT];
   float mu = 0.f, rs = 0.f;
@@ -49,60 +54,88 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
       }
     }
   };
-  if (kPrefetch) load_row(int64_t(blockIdx.x) * blockDim.y + threadIdx.y, xv, dv, mu, rs);
+  if constexpr (kPrefetch) load_row(int64_t(blockIdx.x) * blockDim.y + threadIdx.y, xv, dv, mu, rs);
+  // γ of the thread's vectors in fp32 (kKeep).
+  float wf[kKeep ? VPT : 1][VEC];
+  if constexpr (kKeep) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = threadIdx.x + k * blockDim.x;
+      if (c < nvec) load_or<W, VEC>(weight, c, 1.f, wf[k]);
+    }
+  }
+  // g = γ·dy and dy of the thread's k-th vector of the current row.
+  auto grad_terms = [&](int k, int c, float(&g)[VEC], float(&df)[VEC]) {
+    float w[VEC];
+    if constexpr (kKeep) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) w[j] = wf[k][j];
+    } else {
+      load_or<W, VEC>(weight, c, 1.f, w);
+    }
+    unpack(dv[k], df);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) g[j] = df[j] * w[j];
+  };
+  // x̂ = (x − μ)·r of the thread's k-th vector of the current row.
+  auto x_hat = [&](int k, float(&xh)[VEC]) {
+    unpack(xv[k], xh);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) xh[j] = (xh[j] - mu) * rs;
+  };
 
   for (int64_t base = int64_t(blockIdx.x) * blockDim.y; base < rows; base += stride) {
     const int64_t row = base + threadIdx.y;
     const bool valid = row < rows;
     Pack<T, VEC> xn[VPT], dn[VPT];
     float mu_n = 0.f, rs_n = 0.f;
-    if (kPrefetch) {
+    if constexpr (kPrefetch) {
       load_row(row + stride, xn, dn, mu_n, rs_n);
     } else {
       load_row(row, xv, dv, mu, rs);
     }
 
     float2 s = make_float2(0.f, 0.f);
+    float xh[kKeep ? VPT : 1][VEC];  // x̂, kept for dx (kKeep)
 #pragma unroll kUnrollRow
     for (int k = 0; k < VPT; ++k) {
       const int c = threadIdx.x + k * blockDim.x;
       if (valid && c < nvec) {
-        float xf[VEC], df[VEC], w[VEC];
-        unpack(xv[k], xf);
-        unpack(dv[k], df);
-        load_or<W, VEC>(weight, c, 1.f, w);
+        float g[VEC], df[VEC];
+        float(&xk)[VEC] = xh[kKeep ? k : 0];
+        x_hat(k, xk);
+        grad_terms(k, c, g, df);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          const float xh = (xf[j] - mu) * rs;
-          const float g = df[j] * w[j];
-          s.x += g;
-          s.y += g * xh;
-          acc_g[k][j] += df[j] * xh;
+          s.x += g[j];
+          s.y += g[j] * xk[j];
+          acc_g[k][j] += df[j] * xk[j];
           acc_b[k][j] += df[j];
         }
       }
     }
     s = group_sum2(s, smem);
     if (valid) {
-      const float a = s.x * inv_h, b = s.y * inv_h;
+      // dx = r·(g − a − x̂·b) + add, with a = mean(g), b = mean(g·x̂).
+      const float c_a = -rs * s.x * inv_h, c_b = -rs * s.y * inv_h;
       T* dxr = dx + row * hidden;
       const T* addr = add + row * hidden;
 #pragma unroll kUnrollRow
       for (int k = 0; k < VPT; ++k) {
         const int c = threadIdx.x + k * blockDim.x;
         if (c < nvec) {
-          float xf[VEC], df[VEC], w[VEC], af[VEC];
-          unpack(xv[k], xf);
-          unpack(dv[k], df);
-          load_or<W, VEC>(weight, c, 1.f, w);
+          float af[VEC], g[VEC], df[VEC];
+          float(&xk)[VEC] = xh[kKeep ? k : 0];
+          if constexpr (!kKeep) x_hat(k, xk);
+          grad_terms(k, c, g, df);
           load_or<T, VEC>(add ? addr : nullptr, c, 0.f, af);
 #pragma unroll
-          for (int j = 0; j < VEC; ++j) xf[j] = rs * (df[j] * w[j] - a - (xf[j] - mu) * rs * b) + af[j];
-          store_pack<T, VEC>(dxr + c * VEC, xf);
+          for (int j = 0; j < VEC; ++j) af[j] += fmaf(rs, g[j], fmaf(xk[j], c_b, c_a));
+          store_pack<T, VEC>(dxr + c * VEC, af);
         }
       }
     }
-    if (kPrefetch) {
+    if constexpr (kPrefetch) {
 #pragma unroll kUnrollRow
       for (int k = 0; k < VPT; ++k) {
         xv[k] = xn[k];
