@@ -35,7 +35,7 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
   // The kernel is bound by instruction issue (RESULTS.md). Where registers allow (16-bit vectors of short
   // rows), γ stays in fp32 registers over all the rows, and x̂ of the sums' pass is kept for dx: no reload
   // and unpack of γ a row, no second x̂. g = γ·dy costs one unpack and one multiply, so it is formed again
-  // (keeping it as well would spill). 1.07-1.15x at hidden 512-1024 (RESULTS.md, 2026-11-25).
+  // (keeping it as well would spill). 1.10-1.22x at hidden 512-1024, 1.03-1.09x at 4096 (RESULTS.md, 2026-11-25).
   constexpr bool kPrefetch = VPT * VEC <= 16;
   constexpr bool kKeep = kPrefetch && VEC == 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.y;
