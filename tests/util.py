@@ -83,7 +83,7 @@ def philox_keep_mask(numel, p, seed, offset, device="cpu"):
     groups = torch.arange((numel + 7) // 8, dtype=torch.int64, device=device)
     full = lambda v: torch.full_like(groups, v)  # noqa: E731
     words = torch.stack(philox4x32(groups & _M32, groups >> 32, full(offset & _M32), full(offset >> 32),
-                                      seed & _M32, seed >> 32), dim=1)  # [groups, 4]
+                                   seed & _M32, seed >> 32), dim=1)  # [groups, 4]
     halves = torch.stack((words & 0xFFFF, words >> 16), dim=2).reshape(-1)  # low half first
     return halves[:numel] >= dropout_threshold(p)
 
