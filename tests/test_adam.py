@@ -644,6 +644,20 @@ def test_sync_master_weights():
 
 # ------------------------------------------------------------------------------------------- CUDA ---
 
+@pytest.fixture(params=["bulk", "registers"])
+def update_path(request):
+    """Runs a CUDA test with each update kernel for aligned buffers: tiles streamed through shared memory by
+    the bulk copy engine (compute capability 9.0 and later) and 16-byte chunks through registers."""
+    ext = lsmini._backend.ext()
+    if request.param == "bulk" and not ext.adam_bulk_available():
+        pytest.skip("the bulk-copy update needs a compute capability 9.0 or later device")
+    previous = ext.set_adam_bulk(request.param == "bulk")
+    try:
+        yield request.param
+    finally:
+        ext.set_adam_bulk(previous)
+
+
 def _to_fp32_twins(params):
     return [nn.Parameter(p.detach().float().clone()) for p in params]
 
@@ -702,7 +716,7 @@ W_ATOL, W_RTOL = 1e-6, 1e-5
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=_name)
 @pytest.mark.parametrize("adam_w", [True, False], ids=["adamw", "adam"])
-def test_cuda_kernel_matches_fp32_torch(dtype, adam_w):
+def test_cuda_kernel_matches_fp32_torch(dtype, adam_w, update_path):
     sizes = [1, 7, 1023, 4097, 3, 8, 16, 2048, 5, 65537]
     ours, weights, theirs, opt, topt = _run_cuda_vs_torch(sizes, dtype, adam_w=adam_w)
     for i, (w, q) in enumerate(zip(weights, theirs)):
@@ -789,7 +803,7 @@ def test_cuda_loss_scale_unscales_in_kernel(dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=_name)
 @pytest.mark.parametrize("bad_value", [float("inf"), float("-inf"), float("nan")])
-def test_cuda_overflow_skips_step(dtype, bad_value):
+def test_cuda_overflow_skips_step(dtype, bad_value, update_path):
     sizes = [1, 7, 1023, 4097, 3000]
     ours = _params(sizes, dtype, "cuda")
     fresh = _params(sizes, dtype, "cuda")
@@ -838,7 +852,7 @@ def test_cuda_loss_scaler_backoff_on_overflow():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=_name)
-def test_cuda_thousands_of_tiny_tensors(dtype):
+def test_cuda_thousands_of_tiny_tensors(dtype, update_path):
     g = torch.Generator().manual_seed(5)
     sizes = torch.randint(1, 40, (3000,), generator=g).tolist()
     ours, weights, theirs, opt, topt = _run_cuda_vs_torch(sizes, dtype, steps=3, n_groups=3, clip=5.0)
@@ -849,7 +863,7 @@ def test_cuda_thousands_of_tiny_tensors(dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
-def test_cuda_large_buffer_grid_stride(dtype):
+def test_cuda_large_buffer_grid_stride(dtype, update_path):
     """More elements than one sweep of either kernel's grid (several grid-stride rounds and a tail)."""
     sizes = [5_000_003, 1_000_001]
     ours, weights, theirs, opt, topt = _run_cuda_vs_torch(sizes, dtype, steps=2, n_groups=2, clip=10.0)
@@ -891,6 +905,9 @@ RAW_LAYOUTS = {
     "vector": (0, [(0, 7, 0), (8, 1031, 1), (1032, 1033, 0), (2000, 6097, 1), (6104, 9000, 0)]),
     # starts off the grid: the whole launch takes the scalar path
     "scalar_segments": (0, [(3, 10, 0), (17, 1040, 1), (1041, 1042, 0), (2000, 6097, 1), (6100, 9000, 0)]),
+    # bulk tiles (1024 elements): a whole tile, a tile and a vector, a segment shorter than one vector,
+    # three tiles and a short tail, then tiles to the end
+    "tiles": (0, [(0, 1024, 0), (1024, 2056, 1), (2056, 2061, 0), (2064, 5139, 1), (5144, 9000, 0)]),
     # aligned starts but base pointers 1 element off 16 bytes: scalar path
     "unaligned_pointer": (1, [(0, 7, 0), (8, 1031, 1), (1032, 1033, 0), (2000, 6097, 1), (6104, 9000, 0)]),
 }
@@ -899,7 +916,7 @@ RAW_LAYOUTS = {
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=_name)
 @pytest.mark.parametrize("layout", list(RAW_LAYOUTS))
-def test_cuda_raw_kernel_segments_tails_and_alignment(dtype, layout):
+def test_cuda_raw_kernel_segments_tails_and_alignment(dtype, layout, update_path):
     """The update over explicit segments vs float64 math; elements outside every segment are never
     touched."""
     offset, segs = RAW_LAYOUTS[layout]
@@ -933,6 +950,39 @@ def test_cuda_raw_kernel_segments_tails_and_alignment(dtype, layout):
     _assert_equal(v[~cov], v0[~cov], "untouched v")
     if offset:  # the element before the view was not written either
         assert torch.isfinite(base_p[:offset].float()).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=_name)
+def test_cuda_bulk_and_register_updates_are_bit_identical(dtype):
+    """Both update kernels for aligned buffers round the same fp32 expressions: the same bits, over segments
+    of every tail length and more tiles than one sweep of the bulk kernel's grid."""
+    ext = lsmini._backend.ext()
+    if not ext.adam_bulk_available():
+        pytest.skip("the bulk-copy update needs a compute capability 9.0 or later device")
+    n = 3_000_000
+    segs = [(0, 1_000_003, 0), (1_000_008, 1_000_013, 1), (1_000_016, n, 1)]
+    gen = torch.Generator().manual_seed(11)
+    p0 = torch.randn(n, generator=gen).to("cuda", dtype)
+    g0 = torch.randn(n, generator=gen).to("cuda", dtype)
+    m0 = torch.randn(n, generator=gen).to("cuda") * 0.1
+    v0 = torch.rand(n, generator=gen).to("cuda") * 0.01
+    results = []
+    for bulk in (True, False):
+        previous = ext.set_adam_bulk(bulk)
+        try:
+            param, m, v = p0.clone(), m0.clone(), v0.clone()
+            master = p0.float() if dtype in LOWP else None
+            steps = _adam_step_raw(param, g0, master, m, v, segs, scale=torch.full((), 4.0, device="cuda"))
+            steps = _adam_step_raw(param, g0, master, m, v, segs, steps=steps.flip(0).contiguous())
+        finally:
+            ext.set_adam_bulk(previous)
+        results.append({"param": param, "exp_avg": m, "exp_avg_sq": v, "master": master, "steps": steps})
+    bulk, registers = results
+    for name, a in bulk.items():
+        if a is not None:
+            _assert_equal(a, registers[name], f"{name}: bulk vs registers")
+    assert bulk["steps"][1, :2].tolist() == [2, 2]
 
 
 @pytest.mark.cuda

@@ -194,6 +194,13 @@ void register_adam(pybind11::module_& m) {
         pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
         pybind11::arg("adam_w_mode"), pybind11::arg("steps"), pybind11::arg("parity"), pybind11::arg("update_steps"),
         pybind11::arg("lr_device"), pybind11::arg("inv_scale"), pybind11::arg("scale"), pybind11::arg("ctrl"));
+  m.def("adam_bulk_available", &adam_bulk_available,
+        "True when adam_step on the current device can stream through the bulk copy engine (compute capability "
+        ">= 9.0)");
+  m.def("set_adam_bulk", &set_adam_bulk,
+        "Process-wide: whether vectorised adam_step launches use the bulk-copy kernel where available (default "
+        "True); returns the previous setting",
+        pybind11::arg("enabled"));
 }
 
 }  // namespace

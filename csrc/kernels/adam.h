@@ -67,9 +67,22 @@ cudaError_t launch_adam_grad_norm_finalize(const float2* partials, int num_parti
 // (step_in and step_out must not overlap). lr: nullptr, or device doubles [num_groups] that replace the
 // table's learning rates (graph replay). Gradient multiplier: ctrl[1] when ctrl != nullptr (then
 // ctrl[0] != 0 skips the whole update), else inv_scale · (scale ? 1/scale[0] : 1).
+//
+// Vectorised launches (16-byte aligned buffers, segments starting on the 16-byte grid) on compute capability
+// 9.0 and later stream their tiles through shared memory with the bulk copy engine (adam_step_bulk_kernel);
+// elsewhere, and with set_adam_bulk(false), each thread moves 16-byte chunks through registers. Both give
+// the same bits.
 template <typename T>
 cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_avg, float* exp_avg_sq,
                              const AdamStepArgs& args, const int32_t* step_in, int32_t* step_out, const double* lr,
                              float inv_scale, const float* scale, const float* ctrl, cudaStream_t stream);
+
+// True when the current device can run the bulk-copy update (compute capability 9.0 or later).
+bool adam_bulk_available();
+// Process-wide switch, read at each launch (default on): false makes every launch take the register path,
+// for comparing the two. Returns the previous setting.
+bool set_adam_bulk(bool enabled);
+// Whether a vectorised launch on the current device takes the bulk-copy update now.
+bool adam_bulk_runs();
 
 }  // namespace lsmini

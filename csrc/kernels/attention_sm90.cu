@@ -84,29 +84,11 @@ cudaError_t fwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
 
 std::atomic<bool> g_sm90_enabled{true};
 
-// Compute capability of each device, 0 until asked (a benign race: every writer stores the same value).
-constexpr int kMaxDevices = 64;
-std::atomic<int> g_capability[kMaxDevices];
-
-int current_capability() {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
-  int cc = g_capability[device].load(std::memory_order_relaxed);
-  if (cc == 0) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    cc = major * 10 + minor;
-    g_capability[device].store(cc, std::memory_order_relaxed);
-  }
-  return cc;
-}
-
 }  // namespace
 
 bool attention_sm90_available() {
 #if defined(LSMINI_SM90A)
-  return current_capability() == 90;
+  return compute_capability() == 90;
 #else
   return false;
 #endif

@@ -315,6 +315,22 @@ inline int sm_count() {
   return n > 0 ? n : 1;
 }
 
+// Compute capability of the current device as major · 10 + minor, for launchers that pick kernels by
+// architecture (asked once per device and host thread; 0 when no device answers).
+inline int compute_capability() {
+  constexpr int kDevices = 64;
+  thread_local int known[kDevices] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return 0;
+  if (known[dev] == 0) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    known[dev] = major * 10 + minor;
+  }
+  return known[dev];
+}
+
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor on the current device, remembered per (kernel, threads,
 // dynamic shared bytes, device) and host thread once it succeeds: the query costs about a microsecond of
 // host time, and the column-sum and LayerNorm backward launches size their grids with it on every call.
