@@ -43,22 +43,27 @@ __device__ __forceinline__ void layernorm_fwd_rows(const T* __restrict__ x, cons
   const int nvec = hidden / VEC;
   const T* xr = x + (valid ? row : 0) * hidden;
 
+  // All of the row's loads are issued before the first sum waits on one. Indices past the row are clamped
+  // onto its last vector (and not counted) rather than guarded: a guarded load is a branch, and the compiler
+  // issues no load past one until the arithmetic before it is done, a full memory round trip per vector.
   Pack<T, VEC> xv[VPT];
-  const float shift = valid ? to_float(xr[0]) : 0.f;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = min(int(threadIdx.x + k * blockDim.x), nvec - 1);
+    xv[k] = *reinterpret_cast<const Pack<T, VEC>*>(xr + c * VEC);
+  }
+  const float shift = to_float(xr[0]);
   float2 s = make_float2(0.f, 0.f);
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
-    const int c = threadIdx.x + k * blockDim.x;
-    if (valid && c < nvec) {
-      xv[k] = *reinterpret_cast<const Pack<T, VEC>*>(xr + c * VEC);
-      float f[VEC];
-      unpack(xv[k], f);
+    const bool in = int(threadIdx.x + k * blockDim.x) < nvec;
+    float f[VEC];
+    unpack(xv[k], f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float d = f[j] - shift;
-        s.x += d;
-        s.y += d * d;
-      }
+    for (int j = 0; j < VEC; ++j) {
+      const float d = in ? f[j] - shift : 0.f;
+      s.x += d;
+      s.y += d * d;
     }
   }
   s = group_sum2(s, smem);  // the kernel's only barrier: every thread gets here
@@ -96,10 +101,10 @@ layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, cons
   layernorm_fwd_rows<T, W, VEC, VPT>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps);
 }
 
-// 16-bit rows of 32 elements a thread: at most 40 registers, so that six blocks of 256 threads fit an SM instead of
-// five at the 44 the compiler picks on its own. The forward is bound by the loads it has in flight, and here more
-// warps pay (RESULTS.md, 2026-11-25): 1.04-1.24x with 16-bit weights and 1.12-1.18x with fp32 weights, though
-// there the cap spills 16 bytes. Where fewer elements need fewer registers, the kernel above runs.
+// 16-bit rows of 16 elements a thread: at most 40 registers, so that six blocks of 256 threads fit an SM instead of
+// four or five at the 42-52 the compiler picks on its own. At hidden 512 that is 1.06x with fp32 weights (77 -> 81%
+// of copy) and 1.01-1.02x with 16-bit ones (RESULTS.md, 2026-11-25, night). At 32 elements a thread the same cap
+// spills 300-370 bytes and runs at 0.4x, so there, and everywhere else, the kernel above runs.
 // __maxnreg__ exists from CUDA 12.4 on; older toolkits build this kernel at the registers the compiler picks.
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
 #define LSMINI_FWD_40_REGISTERS __maxnreg__(40)
@@ -122,7 +127,7 @@ cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, 
   const int64_t grid = (rows + cfg.R - 1) / cfg.R;
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {
     constexpr int V = decltype(vpt)::value;
-    if constexpr (VEC == 8 && V == 4 && sizeof(T) == 2) {  // 16-bit T, 32 elements a thread
+    if constexpr (VEC == 8 && V == 2) {  // 16-bit T, 16 elements a thread
       layernorm_fwd_kernel_40_registers<T, W, VEC, V><<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows,
                                                                                  hidden, eps);
     } else {
