@@ -605,7 +605,7 @@ cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_
   if (bulk) {
     constexpr int smem = bulk_smem_bytes<T>();
     auto kernel = adam_step_bulk_kernel<T>;
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t err = allow_dynamic_smem(kernel, smem);
     if (err == cudaSuccess) err = grid_for(kernel, kBulkThreads, smem, units, &grid);
     if (err != cudaSuccess) return err;
     kernel<<<grid, kBulkThreads, smem, stream>>>(param, grad, master, exp_avg, exp_avg_sq, tab, step_in, step_out, lr,

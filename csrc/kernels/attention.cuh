@@ -502,7 +502,7 @@ cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionA
                    int threads = kThreads) {
   if (blocks == 0) return cudaSuccess;
   if (bytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
     if (err != cudaSuccess) return err;
   }
   kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(a);

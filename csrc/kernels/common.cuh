@@ -357,4 +357,25 @@ cudaError_t max_active_blocks(Kernel kernel, int threads, size_t smem, int* bloc
   return err;
 }
 
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), which a launch with more than
+// 48 KB of dynamic shared memory needs: made once per (kernel, device) and host thread for the largest size asked
+// so far, not a driver call on every launch (host time on every step that no CUDA graph replays).
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel, int bytes) {
+  struct Known {
+    const void* kernel;
+    int device, bytes;
+  };
+  thread_local std::vector<Known> known;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  int dev = 0;
+  cudaGetDevice(&dev);
+  for (const Known& k : known) {
+    if (k.kernel == fn && k.device == dev && k.bytes >= bytes) return cudaSuccess;
+  }
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) known.push_back({fn, dev, bytes});
+  return err;
+}
+
 }  // namespace lsmini
