@@ -125,6 +125,7 @@ __device__ __forceinline__ void walk_rows(const T* const (&inputs)[N], int64_t r
 template <int V>
 __device__ __forceinline__ void store_column_partials(const float (&acc)[V], float* fold, float* partials,
                                                       int64_t columns) {
+  allow_dependent_launch();  // what is left is this fold: the column sums may be scheduled
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   float* prow = partials + int64_t(blockIdx.y) * columns;
   if (blockDim.y == 1) {
@@ -157,6 +158,7 @@ __global__ void __launch_bounds__(kColsumCols* kColsumRows)
                                BT* __restrict__ grad_bias) {
   __shared__ float fold[kColsumRows][kColsumCols + 1];
   const int64_t c = int64_t(blockIdx.x) * kColsumCols + threadIdx.x;
+  wait_for_previous_kernel();  // the pass that wrote the partials
   float s = 0.f;
   if (c < columns) {
 #pragma unroll 4
@@ -172,14 +174,14 @@ __global__ void __launch_bounds__(kColsumCols* kColsumRows)
   }
 }
 
-// The second pass over the partials that store_column_partials wrote: [slabs, columns] → grad_bias.
+// The second pass over the partials that store_column_partials wrote: [slabs, columns] → grad_bias, as a dependent
+// launch (common.cuh) of the kernel that wrote them.
 template <typename BT>
 cudaError_t sum_column_partials(const float* partials, int64_t slabs, int64_t columns, BT* grad_bias,
                                 cudaStream_t stream) {
   const unsigned blocks = unsigned((columns + kColsumCols - 1) / kColsumCols);
-  column_sum_partials_kernel<BT>
-      <<<blocks, dim3(kColsumCols, kColsumRows), 0, stream>>>(partials, slabs, columns, grad_bias);
-  return cudaGetLastError();
+  return launch_dependent(column_sum_partials_kernel<BT>, dim3(blocks), dim3(kColsumCols, kColsumRows), 0, stream,
+                          partials, slabs, columns, grad_bias);
 }
 
 }  // namespace

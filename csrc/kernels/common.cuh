@@ -331,6 +331,39 @@ inline int compute_capability() {
   return known[dev];
 }
 
+// ---- programmatic dependent launch (sm_90+) -------------------------------------------------------------
+// A kernel launched by launch_dependent may be scheduled while the stream's previous kernel still runs, so that its
+// launch and ramp-up hide under that kernel's tail. It calls wait_for_previous_kernel() before its first access to
+// global memory: griddepcontrol.wait returns once the previous kernel has finished and its writes are visible, so
+// the order is that of a plain launch. The previous kernel lets the dependent's blocks in early with
+// allow_dependent_launch(), where only its own last writes are left (else they come in as its blocks exit). Below
+// sm_90 all three are plain stream order.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args... args) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = compute_capability() >= 90 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 // cudaOccupancyMaxActiveBlocksPerMultiprocessor on the current device, remembered per (kernel, threads,
 // dynamic shared bytes, device) and host thread once it succeeds: the query costs about a microsecond of
 // host time, and the column-sum and LayerNorm backward launches size their grids with it on every call.

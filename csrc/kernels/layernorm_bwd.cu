@@ -147,6 +147,7 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
   }
 
   if (part_g == nullptr) return;
+  allow_dependent_launch();  // what is left is the partial rows: the reduce kernel may be scheduled
   // The thread's sums go straight into the block's partial row when the block holds one row, else into
   // shared memory, to be folded over its R rows.
   const int R = blockDim.y;
@@ -187,6 +188,7 @@ __global__ void layernorm_bwd_reduce_kernel(const float* __restrict__ part_g, co
                                             W* __restrict__ dbias) {
   __shared__ float sg[16][33], sb[16][33];
   const int col = blockIdx.x * 32 + threadIdx.x;
+  wait_for_previous_kernel();  // the backward kernel, which wrote the partials
   float g = 0.f, b = 0.f;
   if (col < hidden) {
 #pragma unroll 4
@@ -259,9 +261,9 @@ cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const
           : bwd_dispatch<T, W, 1>(dy, x, weight, mean, rstd, add, dx, part_g, part_b, rows, hidden, max_parts,
                                   &parts, stream);
   if (err != cudaSuccess || !want_params) return err;
-  layernorm_bwd_reduce_kernel<W><<<(hidden + 31) / 32, dim3(32, 16), 0, stream>>>(part_g, part_b, parts, hidden,
-                                                                                  dweight, dbias);
-  return cudaGetLastError();
+  return launch_dependent(layernorm_bwd_reduce_kernel<W>, dim3((hidden + 31) / 32), dim3(32, 16), 0, stream,
+                          static_cast<const float*>(part_g), static_cast<const float*>(part_b), parts, hidden, dweight,
+                          dbias);
 }
 
 #define LSMINI_INSTANTIATE_LN_BWD(T, W)                                                                     \
