@@ -65,9 +65,6 @@ Reported per variant:
     graphs        graphs Dynamo captured (1: no graph break and no recompilation).
     captured      operations Dynamo captured into those graphs (the rest of the model runs eagerly).
     replaced/kept the lengths of lsmini.convert's report lists.
-    layer_graphs  lsmini variants on CUDA: the layer operators' CUDA graphs captured / replays / calls run eagerly
-                  because a replay would have overwritten outputs held elsewhere, over the whole run
-                  (csrc/layers/layer.cpp; under reduce-overhead the outer graphs take the kernels instead).
     x_torch_compile  tgt_tokens_s over torch+compile's; x_same_mode: over the unconverted model's under the
                   same compile mode (lsmini / torch, lsmini+compile / torch+compile, ...); mem_vs_torch:
                   peak_mb over the eager torch variant's.
@@ -112,7 +109,7 @@ GRAPH_READY_STEPS = 3  # reduce-overhead: compile + warm-up run, recording, firs
 VARIANTS = ("torch", "torch+compile", "torch+compile-graphs", "lsmini", "lsmini+compile", "lsmini+compile-graphs")
 COMPILE_MODES = {"": None, "compile": "default", "compile-graphs": "reduce-overhead"}
 COLUMNS = ["variant", "masks", "compile_s", "ms_step", "tgt_tokens_s", "peak_mb", "loss_first", "loss_final",
-           "graphs", "captured", "replaced", "kept", "layer_graphs", "x_torch_compile", "x_same_mode", "mem_vs_torch",
+           "graphs", "captured", "replaced", "kept", "x_torch_compile", "x_same_mode", "mem_vs_torch",
            "error"]
 FORMATS = {"compile_s": "{:.2f}", "ms_step": "{:.2f}", "tgt_tokens_s": "{:,.0f}", "peak_mb": "{:,.0f}",
            "loss_first": "{:.4f}", "loss_final": "{:.4f}", "x_torch_compile": "{:.2f}×", "x_same_mode": "{:.2f}×",
@@ -295,7 +292,6 @@ def run_variant(variant, args, device, row):
     torch._dynamo.utils.counters.clear()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    layer_graphs = lsmini.layers.layer_graph_counts() if use_lsmini and device.type == "cuda" else None
     profiler = cProfile.Profile() if args.cprofile else None
     t0 = time.perf_counter()
     marks = [t0]
@@ -331,8 +327,6 @@ def run_variant(variant, args, device, row):
     if device.type == "cuda":
         row["peak_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
     row["loss_final"] = torch.stack(losses[-LOSS_WINDOW:]).float().mean().item()
-    if layer_graphs is not None:
-        row["layer_graphs"] = "/".join(str(b - a) for a, b in zip(layer_graphs, lsmini.layers.layer_graph_counts()))
     if mode is not None:
         row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         row["captured"] = torch._dynamo.utils.counters["stats"]["calls_captured"]

@@ -8,11 +8,16 @@ is what dropout adds to a call's host time: drawing its Philox state (``_backend
 too) and whatever else the op and its launch do differently with dropout. Best of 5 repeats of --calls calls,
 µs per call.
 
-Then the compiled layer's operators, ``lsmini::layer`` and ``lsmini::layer_backward``, called directly for a
-post-LN encoder layer (self, ffn) and decoder layer (self, cross, ffn) of the base shape (hidden 512, 8 heads,
-FFN 2048, dropout 0.1) on a [2, 8] bf16 input with float32 parameters, as under autocast: the host time of one
-layer call as a compiled step pays it, without the compiler's own wrapper around it. With layer graphs off
-(every call issues its kernels) and on (the call site's graph replays; csrc/layers/layer.cpp).
+Then the layer operators, ``lsmini::layer`` and ``lsmini::layer_backward`` (csrc/layers/layer.cpp), called
+directly through ``torch.ops.lsmini`` for a post-LN encoder layer (self, ffn) and decoder layer (self, cross,
+ffn) of the base shape (hidden 512, 8 heads, FFN 2048, dropout 0.1) on a [2, 8] bf16 input with float32
+parameters, as under autocast: the host time of one layer call, without autograd or any wrapper around it
+(both eager and compiled steps call these operators). The decoder layer's cross-attention K/V are the two
+[b, ls, H] column blocks of one [b, ls, 2H] tensor, as a decoder stack hands them over. Last, per layer, one
+whole eager call through the module under autocast, forward and backward (input checks, autograd,
+``LayerFunction``; for the standalone decoder layer its own cross-attention K/V GEMM too; the input requires
+grad, the gradients accumulate into .grad), synchronised after each: host and device time together, the
+host's where it is the longer, as on this tiny input.
 """
 import argparse
 import os
@@ -27,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from lsmini import _backend  # noqa: E402
 from lsmini.layers import TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer  # noqa: E402
-from lsmini.layers.compiled import layer_backward_op, layer_op, set_layer_graphs  # noqa: E402
 from lsmini.ops import (attention, attention_softmax, bias_act_dropout, bias_dropout_residual, embedding,  # noqa: E402
                         sinusoidal_positions)
 
@@ -46,6 +50,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=5000)
     args = ap.parse_args()
+    common.require_cuda_kernels("bench_host.py")
     env = common.environment()
     print(f"# {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}: host µs per eager call")
     dev, half = torch.device("cuda"), torch.float16
@@ -74,35 +79,43 @@ def main():
               for k, v in r.items()} for r in rows]
     print(common.markdown_table(shown, ["op", "p 0.1 µs", "p 0 µs", "dropout's share", "device µs (p 0.1)"]))
     print()
-    print(common.markdown_table(layer_rows(dev, args.calls // 10),
-                                ["operator", "layer", "graphs off µs", "graphs on µs"]))
+    print(common.markdown_table(layer_rows(dev, args.calls // 10), ["call", "layer", "µs"]))
 
 
 def layer_rows(dev, calls):
-    """Host µs per call of lsmini::layer and lsmini::layer_backward, encoder and decoder layer."""
+    """Host µs per call of lsmini::layer and lsmini::layer_backward, and µs per synchronised eager forward +
+    backward through the module, encoder and decoder layer."""
     config = TransformerConfig(hidden_size=512, num_heads=8, ffn_size=2048, dropout=0.1, attn_dropout=0.1,
                                activation_dropout=0.1)
     x = torch.randn(2, 8, 512, device=dev, dtype=torch.bfloat16)
+    enc = torch.randn(2, 8, 512, device=dev, dtype=torch.bfloat16)
     kv = torch.randn(2, 8, 1024, device=dev, dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    layer_op, backward_op = torch.ops.lsmini.layer.default, torch.ops.lsmini.layer_backward.default
     rows = []
-    for name, layer, encoder_kv in (("encoder", TransformerEncoderLayer(config), (None, None)),
-                                    ("decoder", TransformerDecoderLayer(config, own_kv=False), kv.chunk(2, 2))):
+    for name, layer in (("encoder", TransformerEncoderLayer(config)), ("decoder", TransformerDecoderLayer(config))):
         layer = layer.to(dev).train()
-        o = layer.options(name == "decoder", True)
-        params = [p.detach() for block in layer.blocks() for p in block]
-        options = (",".join(o.kinds), o.hidden, o.ffn, o.heads, o.scale, o.eps, o.pre_ln, o.activation, o.dropout,
-                   o.attn_dropout, o.activation_dropout, o.causal, o.recompute)
+        decoder = name == "decoder"
+        options = layer.options(decoder).op_args()
+        params = [p.detach() for p in layer.layer_params()]
+        encoder_kv = kv.view(2, 8, 2, 512).unbind(2) if decoder else (None, None)
         inputs = (x, None, *encoder_kv, None, params)
-        forward, backward = ({"operator": op, "layer": name} for op in ("lsmini::layer", "lsmini::layer_backward"))
-        for graphs in (False, True):
-            column = f"graphs {'on' if graphs else 'off'} µs"
-            before = set_layer_graphs(graphs)
-            with torch.no_grad():  # as the compiled graph calls them
-                y, state = layer_op(*inputs, *options)  # backward reads this state every time
-                forward[column] = host_us(lambda: layer_op(*inputs, *options), calls)
-                backward[column] = host_us(lambda: layer_backward_op(y, state, *inputs, *options), calls)
-            set_layer_graphs(before)
-        rows += [forward, backward]
+        with torch.no_grad():  # the operators alone, outside autograd
+            y, state = layer_op(*inputs, *options)  # backward reads this state every time
+            forward = host_us(lambda: layer_op(*inputs, *options), calls)
+            backward = host_us(lambda: backward_op(grad, state, *inputs, [], [], [], *options), calls)
+        x_leaf = x.detach().requires_grad_()
+        args = (x_leaf, enc) if decoder else (x_leaf,)
+
+        def whole():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = layer(*args)
+            out.backward(grad)
+            torch.cuda.synchronize()
+
+        rows += [{"call": "lsmini::layer", "layer": name, "µs": forward},
+                 {"call": "lsmini::layer_backward", "layer": name, "µs": backward},
+                 {"call": "module forward + backward, synchronised", "layer": name, "µs": host_us(whole, calls)}]
     return [{k: f"{v:.1f}" if isinstance(v, float) else v for k, v in r.items()} for r in rows]
 
 

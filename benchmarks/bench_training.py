@@ -22,8 +22,6 @@ Variants:
               as one CUDA graph (TrainStep with cuda_graph=True).
     lsmini+graph+saved  the same with the layers' ``recompute = False``: backward reads saved attention
               probabilities, FFN activations and LayerNorm outputs instead of recomputing them.
-    lsmini+blocks  (extra) the lsmini variant with each layer's blocks run from Python, one call per kernel
-              and GEMM (lsmini.layers.function.ONE_CALL = False) instead of one extension call per layer.
     lsmini+lce, lsmini+graph+lce  (extra) the output projection and the criterion as one op over chunks
               of tokens (LinearCrossEntropyLoss): the logits are never all in memory, for ~0.6–1 ms a step.
     compiled  the eager variant with the model and loss under torch.compile.
@@ -81,10 +79,9 @@ CONFIGS = {
     "lm": dict(kind="lm", layers=12, hidden=768, heads=12, ffn=3072, vocab=32000, batch=16, len=512),
 }
 VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "eager", "compiled", "compiled-graphs")
-# recompute off without a graph (e.g. for --nproc); the layers' blocks issued from Python one kernel at a time
-# instead of one extension call per layer (the orchestration before the one-call layers); the output
-# projection and criterion over chunks of tokens (LinearCrossEntropyLoss), never all the logits in memory
-EXTRA_VARIANTS = ("lsmini+saved", "lsmini+blocks", "lsmini+lce", "lsmini+graph+lce")
+# recompute off without a graph (e.g. for --nproc); the output projection and criterion over chunks of tokens
+# (LinearCrossEntropyLoss), never all the logits in memory
+EXTRA_VARIANTS = ("lsmini+saved", "lsmini+lce", "lsmini+graph+lce")
 COLUMNS = ["config", "variant", "ms_step", "tokens_s", "peak_mb", "x_eager", "x_compiled", "x_compiled_graphs",
            "mem_vs_eager"]
 MULTI_COLUMNS = ["config", "variant", "gpus", "ms_step", "tokens_s", "peak_mb", "scaling"]
@@ -226,15 +223,13 @@ def build_lsmini_model(cfg, tm):
 
 
 # ---- one training step per variant ------------------------------------------------------------------------
-def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, blocks=False, data_parallel=False,
-                   lce=False):
-    from lsmini.layers import CrossEntropyLoss, LinearCrossEntropyLoss, function
+def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_parallel=False, lce=False):
+    from lsmini.layers import CrossEntropyLoss, LinearCrossEntropyLoss
     from lsmini.optim import FusedAdam, LossScaler
     from lsmini.train import TrainStep
 
     model = build_lsmini_model(cfg, tm).cuda().half().train()
     del tm
-    function.ONE_CALL = not blocks  # this process runs one variant
     if saved:  # backward reads saved activations instead of recomputing them: faster, more memory
         for m in model.modules():
             if hasattr(m, "recompute"):
@@ -309,7 +304,7 @@ def make_trainer(cfg, variant, lr_lambda=None, data_parallel=False):
     if variant.startswith("lsmini"):
         flags = variant.split("+")[1:]
         return lsmini_trainer(cfg, tm, lr_lambda, graph="graph" in flags, saved="saved" in flags,
-                              blocks="blocks" in flags, data_parallel=data_parallel, lce="lce" in flags)
+                              data_parallel=data_parallel, lce="lce" in flags)
     if data_parallel:
         raise ValueError("--nproc runs the lsmini variants only")
     modes = {"eager": None, "compiled": "default", "compiled-graphs": "reduce-overhead"}

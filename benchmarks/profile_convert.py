@@ -8,9 +8,10 @@ unconverted model under the default mode, with the float padding masks with whic
 Per mode, after 5 warm-up steps (the compile): the synced wall time per step over --steps steps; the host's
 time per step in each phase of the step (zero_grad, forward, backward, optimizer step; perf_counter, unsynced:
 where the GPU waits on the host, as here, this is where the step's time goes); a cProfile of
---steps more steps into DIR/<mode>.pstats (read with python -m pstats: the per-call times of _C.layer_fwd and
-_C.layer_bwd, the Python around them), and torch.profiler's host operators over 5 steps, most self time first
-(the counts of view operators and launches). Bool padding masks, bf16 autocast, fused AdamW, as bench_convert.py.
+--steps more steps into DIR/<mode>.pstats (read with python -m pstats: the per-call times of the layer operators
+lsmini::layer and lsmini::layer_backward, the Python around them, lsmini.layers.runtime.LayerFunction eagerly),
+and torch.profiler's host operators over 5 steps, most self time first (the counts of view operators and
+launches). Bool padding masks, bf16 autocast, fused AdamW, as bench_convert.py.
 """
 import argparse
 import cProfile

@@ -227,12 +227,6 @@ class LanguageModelTask(run.Task):
 
         return TransformerLM(mc["vocab_size"], config, mc["layers"], padding_idx=PAD, tie_output=True)
 
-    def reserve_scratch(self, model, data, device, dtype):
-        from lsmini.layers import arena
-
-        # one batch shape throughout
-        arena.reserve(device, dtype, model.decoder.scratch_numel(data.train.batches[0].size, data.train.width))
-
     def logits_and_target(self, model, batch):
         x, y = batch
         return model(x), y

@@ -477,13 +477,6 @@ class TranslationTask(run.Task):
                            num_decoder_layers=mc["decoder_layers"], padding_idx=PAD,
                            share_embeddings=mc["share_embeddings"], tie_output=True)
 
-    def reserve_scratch(self, model, data, device, dtype):
-        from lsmini.layers import arena
-
-        need = max(max(model.encoder.scratch_numel(b, ls), model.decoder.scratch_numel(b, lt, ls))
-                   for b, ls, lt in data.train.shapes + data.valid.shapes)
-        arena.reserve(device, dtype, need)
-
     def logits_and_target(self, model, batch):
         src, tgt_in, tgt_out = batch
         return model(src, tgt_in), tgt_out

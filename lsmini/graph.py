@@ -49,11 +49,10 @@ class CUDAGraphStep:
         optimizers: the FusedAdam optimizers ``fn`` steps (their learning rates are refreshed before each
             replay).
         warmup: eager calls before the capture (≥ 1: lazily built state — optimizer moments, the layers'
-            scratch arena, cuBLAS handles — must exist before recording).
+            cuBLAS handles — must exist before recording).
         pool: a memory pool shared with other CUDAGraphSteps (``torch.cuda.graph_pool_handle()``), e.g. one
             step per batch shape: their temporaries then share memory. Safe as long as the graphs replay one
-            at a time on one stream, each call's outputs are consumed (or cloned) before the next call, and
-            the layers' scratch arena is reserved for the largest shape before the first capture.
+            at a time on one stream and each call's outputs are consumed (or cloned) before the next call.
     """
 
     def __init__(self, fn, optimizers=(), warmup=3, pool=None):

@@ -22,10 +22,10 @@ def free(addr, action="free_requested"):
 
 
 def test_peak_breakdown_sums_what_is_alive_at_the_peak_by_site():
-    layer = os.path.join(ROOT, "lsmini", "layers", "function.py")
+    layer = os.path.join(ROOT, "lsmini", "layers", "runtime.py")
     trace = [
-        alloc(1, 100, layer, 153, "forward"),
-        alloc(2, 50, layer, 153, "forward"),
+        alloc(1, 100, layer, 150, "forward"),
+        alloc(2, 50, layer, 150, "forward"),
         alloc(3, 300, "/venv/site-packages/torch/nn/functional.py", 7, "linear"),
         free(3), free(3, "free_completed"),  # both events of one deferred free count once
         alloc(4, 200, None),  # the peak: 100 + 50 + 200 = 350 < 450, so the peak is before it
@@ -34,9 +34,9 @@ def test_peak_breakdown_sums_what_is_alive_at_the_peak_by_site():
     ]
     sites, peak = bench_training.peak_breakdown(trace)
     assert peak == pytest.approx(450)
-    assert sites == [("torch/nn/functional.py:7 (linear)", 300, 1), ("lsmini/layers/function.py:153 (forward)", 150, 2)]
+    assert sites == [("torch/nn/functional.py:7 (linear)", 300, 1), ("lsmini/layers/runtime.py:150 (forward)", 150, 2)]
 
     trace.append(alloc(5, 400, None))  # 50 + 200 + 400 = 650: a new peak, after the frees
     sites, peak = bench_training.peak_breakdown(trace)
     assert peak == pytest.approx(650)
-    assert sites == [("(no Python frame)", 600, 2), ("lsmini/layers/function.py:153 (forward)", 50, 1)]
+    assert sites == [("(no Python frame)", 600, 2), ("lsmini/layers/runtime.py:150 (forward)", 50, 1)]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lsmini
-from layer_testing import _one_thread, _poison_arena, perturb_  # noqa: F401  (fixtures)
+from layer_testing import _one_thread, _poison_freed_memory, perturb_  # noqa: F401  (fixtures)
 from lsmini.convert import (ConvertedTransformerDecoder, ConvertedTransformerDecoderLayer, ConvertedTransformerEncoder,
                             ConvertedTransformerEncoderLayer)
 

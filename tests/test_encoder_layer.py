@@ -1,18 +1,18 @@
 """TransformerEncoderLayer / TransformerEncoder on CPU: config validation and bad input; against
 torch.nn.TransformerEncoderLayer (via from_torch, dropout off) forward and every gradient, pre-/post-LN,
 relu/gelu/gelu_tanh, padding, causal; from_torch / to_torch / state_dict interop; padding invariance,
-causality, incremental decoding, use inside another model, CPU autocast. The CPU cases run the same
-hand-written backward as CUDA, on the PyTorch references.
+causality, incremental decoding, use inside another model, CPU autocast. On CPU the layer runs the reference
+layer (lsmini/layers/reference.py).
 
-The rest of the encoder's tests: test_encoder_layer_kernels.py (the kernel path: through a stand-in
-extension on CPU, the CUDA kernels on GPU), test_encoder_layer_dropout.py, test_encoder_layer_memory.py
-(arena, saved tensors, parameter casts, peak memory)."""
+The rest of the encoder's tests: test_encoder_layer_kernels.py (CUDA: the kernel path against torch.nn and the
+reference), test_encoder_layer_dropout.py, test_encoder_layer_memory.py (saved tensors, peak memory,
+allocations), test_layer_runtime.py (which path runs, gradients only where autograd asks)."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layer_testing import (DEVICES, ENCODER_CASES, _one_thread, _poison_arena,  # noqa: F401  (fixtures)
+from layer_testing import (DEVICES, ENCODER_CASES, _one_thread, _poison_freed_memory,  # noqa: F401  (fixtures)
                            compare_encoder_with_torch, encoder_layer, padding_mask, perturb_, torch_encoder_layer)
 from lsmini.layers import TransformerConfig, TransformerEncoder, TransformerEncoderLayer
 

@@ -9,10 +9,11 @@ is added to the last step's). The layer input (and the decoder's encoder output)
 gradient come in the dtype that such a stack passes between its layers: float32 for torch.nn under AMP
 (its residual stream stays float32: input + fp16 branch output is float32), the autocast dtype for
 lsmini (its layers compute and return fp16 under autocast). Same values in every variant. The note
-gives each variant's peak memory of one step above what was allocated before it (gradients reset, the
-lsmini arena released first, so the step's gradients and arena are counted). The decoder rows attend
-over an encoder output of the same 64 × 128 shape; a standalone decoder layer projects its own
-cross-attention K/V (the stack-wide single K/V GEMM shows in bench_training, not here).
+gives each variant's peak memory of one step above what was allocated before it (gradients reset first,
+so the step's gradients are counted; lsmini's backward scratch is an ordinary allocation of the step, so
+it is counted too). The decoder rows attend over an encoder output of the same 64 × 128 shape; a
+standalone decoder layer projects its own cross-attention K/V (the stack-wide single K/V GEMM shows in
+bench_training, not here).
 
 The compiled variant is timed in a child process (`python benchmarks/kernels/layers.py --compiled ROW
 HIDDEN`): compilation and autotuning leave threads and cached allocations behind that disturbed the
@@ -28,7 +29,7 @@ from torch import nn
 
 if __name__ == "__main__":  # the child process: find lsmini in this checkout even when it is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from lsmini.layers import TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer, arena
+from lsmini.layers import TransformerConfig, TransformerDecoderLayer, TransformerEncoderLayer
 
 _B, _L = 64, 128
 _P = 0.1
@@ -51,7 +52,6 @@ def _step(call, grads, leaves):
 def _peak_mb(step):
     step()
     torch.cuda.synchronize()
-    arena.release()
     for t in step.leaves:
         t.grad = None
     torch.cuda.synchronize()
@@ -138,7 +138,6 @@ def bench(ctx):
                 ctx.row(name, torch.float16, shape + " no-recompute", mine, eager,
                         note=f"peak MB lsmini {_peak_mb(mine):.0f} / eager {peaks[1]:.0f}")
             del ours, theirs, mine, eager
-            arena.release()
             torch.cuda.empty_cache()
 
 

@@ -3,11 +3,11 @@
 run_task(task, argv) parses the command line, then either loads the trained model for the task's
 inference mode (--translate, --generate; its tokenizer checked against the checkpoint's) or trains: seed,
 save directory (one run's: checkpoints.prepare_save_dir), the task's data, the tokenizer (rank 0 first),
-the task's batches and model, the shared scratch memory sized once, the Trainer (resumed with --resume),
-training with validation and checkpoints, the task's work after training (translating and scoring,
-sampling), the best and the averaged checkpoints scored beside the last (--average-last), metrics.json and the
-plot of the training log. A Task subclass holds only what differs between the examples: its
---arch table, its options, data, model, loss and decoding. run_main wraps a script's main() into exit codes.
+the task's batches and model, the Trainer (resumed with --resume), training with validation and checkpoints,
+the task's work after training (translating and scoring, sampling), the best and the averaged checkpoints
+scored beside the last (--average-last), metrics.json and the plot of the training log. A Task subclass holds
+only what differs between the examples: its --arch table, its options, data, model, loss and decoding.
+run_main wraps a script's main() into exit codes.
 """
 import argparse
 import dataclasses
@@ -147,11 +147,6 @@ class Task:
             raise DataError(f"model configuration: {e}") from None
         return place_model(self.make_model(model_config, config), device, dtype)
 
-    def reserve_scratch(self, model, data, device, dtype):
-        """Size the layers' shared scratch arena once, for the most demanding batch of `data`, so it never
-        regrows (and never reallocates device memory) during training."""
-        raise NotImplementedError
-
     # -- loss --
     def logits_and_target(self, model, batch):
         """(logits, target) of a batch on the device; validation scores them."""
@@ -218,7 +213,6 @@ def run_task(task, argv=None):
         log(f"model: {args.arch} {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
             f"parameters, {args.precision} on {device}; backend {describe_backend(device)}" +
             (f"; {dist.world} processes" if dist.active else ""))
-        task.reserve_scratch(model, data, device, dtype)
         log(args.cuda_graph_note)
         per_epoch = steps_per_epoch(args, len(data.train), dist.world)
         if args.default_length:

@@ -1,21 +1,20 @@
-"""nn.Modules built from lsmini's fused ops and torch GEMMs.
+"""nn.Modules built from lsmini's fused ops and its layer runtime.
 
 The public modules (one file each): ``layernorm.LayerNorm``, ``embedding.TransformerEmbedding``,
 ``encoder.TransformerEncoder(Layer)``, ``decoder.TransformerDecoder(Layer)``, ``criterion.CrossEntropyLoss``,
-``criterion.LinearCrossEntropyLoss`` and ``config.TransformerConfig``, the options of an encoder/decoder layer;
-``set_layer_graphs`` / ``layer_graph_counts``, the switch and counts of the compiled layers' CUDA graphs.
+``criterion.LinearCrossEntropyLoss`` and ``config.TransformerConfig``, the options of an encoder/decoder layer.
 
-How an encoder/decoder layer is put together, a room each:
+How an encoder/decoder layer runs, a file each:
+    spec.py         what a layer call is: its blocks, their parameters (BLOCK_PARAMS) and its LayerOptions
+    runtime.py      which implementation runs a call, the autograd Function over the kernel path's operators
+                    lsmini::layer / lsmini::layer_backward (csrc/layers/layer.cpp), a decoder stack's one
+                    cross-attention K/V GEMM
+    reference.py    the reference layer: plain differentiable PyTorch (CPU, float32, other head dims,
+                    incremental decoding with a KV cache, the tests' oracle)
     base.py         what encoder and decoder share: parameter set-up, input checks, stacks, reorder_cache
     params.py       the parameter containers (torch.nn's names) and their initialisation
     interop.py      torch.nn conversions (from_torch / to_torch) and their checks
-    precision.py    the compute dtype under autocast and the per-call parameter casts
-    spec.py         a call's immutable LayerOptions and its CallShape; the arena size a backward needs
-    blocks.py       the attention and FFN sub-blocks: forward and hand-written backward over the op primitives
-    function.py     the autograd Functions: one per layer call, one for a decoder stack's cross-attention K/V
-    compiled.py     a layer call under torch.compile: the custom operators lsmini::layer / lsmini::layer_backward
-    arena.py        the scratch memory shared by every layer's backward
-    incremental.py  incremental decoding (inference) and cache reordering
+    precision.py    the compute dtype under autocast and the parameter casts of the reference path
 """
 from lsmini.layers.layernorm import LayerNorm
 from lsmini.layers.config import TransformerConfig
@@ -23,9 +22,6 @@ from lsmini.layers.embedding import TransformerEmbedding
 from lsmini.layers.encoder import TransformerEncoder, TransformerEncoderLayer
 from lsmini.layers.decoder import TransformerDecoder, TransformerDecoderLayer
 from lsmini.layers.criterion import CrossEntropyLoss, LinearCrossEntropyLoss
-from lsmini.layers.compiled import layer_graph_counts, set_layer_graphs
-from lsmini.layers import arena
 
 __all__ = ["LayerNorm", "TransformerConfig", "TransformerEmbedding", "TransformerEncoderLayer", "TransformerEncoder",
-           "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss", "LinearCrossEntropyLoss",
-           "set_layer_graphs", "layer_graph_counts", "arena"]
+           "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss", "LinearCrossEntropyLoss"]

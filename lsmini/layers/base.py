@@ -1,17 +1,13 @@
 """What the encoder and decoder share: a base for their layers (config check, self-attention and FFN
-parameters, LayerNorms, the input checks, the choice between kernels and references, the options of a
-call, ``recompute``, extra_repr, reorder_cache) and a base for their stacks (layer count, final LayerNorm,
-scratch sizing, reorder_cache)."""
+parameters, LayerNorms, the input checks, the options of a call, ``recompute``, extra_repr, reorder_cache)
+and a base for their stacks (layer count, final LayerNorm, reorder_cache)."""
 import torch
 from torch import nn
 
-from lsmini import _backend
 from lsmini.layers.config import TransformerConfig
-from lsmini.layers.incremental import reorder_cache
 from lsmini.layers.layernorm import LayerNorm
 from lsmini.layers.params import SelfAttentionParams, reset_ffn
-from lsmini.layers.spec import LayerOptions, scratch_numel
-from lsmini.limits import KERNEL_DTYPES
+from lsmini.layers.spec import LayerOptions
 from lsmini.ops.checks import check_key_padding_mask
 
 
@@ -52,9 +48,34 @@ def check_cache(owner, cache):
         raise TypeError(f"{owner}: cache must be a dict (start with {{}}) or None, got {type(cache).__name__}")
 
 
-def kernels_for(x):
-    """True when a layer call on x runs lsmini's kernels (decided at call time: tests may redirect it)."""
-    return x.dtype in KERNEL_DTYPES and _backend.use_kernels(x)
+def check_new_order(owner, new_order):
+    if not isinstance(new_order, torch.Tensor) or new_order.dtype not in (torch.int64, torch.int32) \
+            or new_order.dim() != 1:
+        raise TypeError(f"{owner}: new_order must be a 1-D int64 tensor of batch indices, got "
+                        f"{getattr(new_order, 'dtype', type(new_order).__name__)} "
+                        f"{tuple(getattr(new_order, 'shape', ()))}")
+
+
+def reorder(obj, new_order):
+    """Index dim 0 (batch) of every tensor in a nested cache of dicts/lists/tuples, in place for dicts."""
+    if isinstance(obj, torch.Tensor):
+        return obj.index_select(0, new_order.to(obj.device))
+    if isinstance(obj, dict):
+        for k in list(obj):
+            obj[k] = reorder(obj[k], new_order)
+        return obj
+    if isinstance(obj, list):
+        obj[:] = [reorder(v, new_order) for v in obj]
+        return obj
+    if isinstance(obj, tuple):
+        return tuple(reorder(v, new_order) for v in obj)
+    return obj
+
+
+def reorder_cache(owner, cache, new_order):
+    """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""
+    check_new_order(f"{owner}.reorder_cache", new_order)
+    return reorder(cache, new_order)
 
 
 class TransformerLayerBase(nn.Module):
@@ -79,8 +100,8 @@ class TransformerLayerBase(nn.Module):
         for i in range(len(self.KINDS)):
             self.add_module(f"norm{i + 1}", LayerNorm(c.hidden_size, eps=c.layer_norm_eps, **kw))
         reset_ffn(self.linear1, self.linear2)
-        # Backward recomputes attention probabilities, gelu activations and pre-LN outputs (less memory);
-        # False saves them instead (a little faster).
+        # Backward recomputes the FFN activation (gelu) and the pre-LN outputs (less memory); False saves them
+        # instead (a little faster).
         self.recompute = True
 
     def _self_block(self):
@@ -97,12 +118,13 @@ class TransformerLayerBase(nn.Module):
         """Per sub-block its parameters in spec.BLOCK_PARAMS order, in the order the layer runs them."""
         raise NotImplementedError
 
-    def options(self, causal, kernels):
+    def options(self, causal):
         """The LayerOptions of a call of this layer now (training mode, recompute)."""
-        return LayerOptions.of(self.KINDS, self.config, self.training, causal, kernels, self.recompute)
+        return LayerOptions.of(self.KINDS, self.config, self.training, causal, self.recompute)
 
-    def _scratch_numel(self, batch, q_len):
-        return scratch_numel(LayerOptions.of(self.KINDS, self.config, True, False, False), batch, q_len)
+    def layer_params(self):
+        """Every block's parameters in one list, as the layer passes them."""
+        return [p for block in self.blocks() for p in block]
 
     def reorder_cache(self, cache, new_order):
         """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""

@@ -1,5 +1,5 @@
-"""Transformer decoder layer and stack on lsmini's fused kernels (blocks.py has the computation,
-function.py the autograd Functions, base.py what the decoder shares with the encoder).
+"""Transformer decoder layer and stack on lsmini's layer runtime (runtime.py: the kernel path or the
+reference, and the stack's one cross-attention K/V GEMM; base.py: what the decoder shares with the encoder).
 
 A TransformerDecoder holds the cross-attention K/V projections of all its layers as ONE parameter
 ``cross_attn_kv_weight`` [num_layers·2·hidden, hidden] (rows of layer i: K at [2i·H, (2i+1)·H), V at
@@ -9,18 +9,14 @@ gradient. A standalone TransformerDecoderLayer holds its own [2H, H] projection 
 (``multihead_attn.kv_proj_weight``).
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
-                                kernels_for)
-from lsmini.layers.compiled import layer_call
-from lsmini.layers.function import CrossKVFunction, KVGradSlots, LayerFunction
-from lsmini.layers.incremental import incremental_layer, project_kv
+from lsmini.layers.base import TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch, copy_params,
                                    torch_layer)
 from lsmini.layers.params import CrossAttentionParams, uniform_
-from lsmini.layers.precision import cast_block, compute_dtype, no_autocast
+from lsmini.layers.precision import compute_dtype, no_autocast
+from lsmini.layers.runtime import KVGradSlots, cross_kv, kernel_path, run_layer
 
 
 def _check_encoder(owner, encoder_out, mask, batch, config, ref, cached_kv):
@@ -29,16 +25,16 @@ def _check_encoder(owner, encoder_out, mask, batch, config, ref, cached_kv):
         if cached_kv is None:
             raise ValueError(f"{owner}: encoder_out is required (it is optional only once the cache holds the "
                              f"encoder keys/values)")
-        ls = cached_kv[0].shape[2]
+        ls = cached_kv[0].shape[1]
     else:
         check_states(owner, "encoder_out", encoder_out, config, ref)
         ls = encoder_out.shape[1]
         if encoder_out.shape[0] != batch:
             raise ValueError(f"{owner}: encoder_out has batch {encoder_out.shape[0]} but the decoder input has "
                              f"batch {batch}")
-    if cached_kv is not None and (cached_kv[0].shape[0] != batch or cached_kv[0].shape[2] != ls):
+    if cached_kv is not None and (cached_kv[0].shape[0] != batch or cached_kv[0].shape[1] != ls):
         raise ValueError(f"{owner}: the cached encoder keys have batch {cached_kv[0].shape[0]} and length "
-                         f"{cached_kv[0].shape[2]}, the call has batch {batch} and length {ls} (reorder_cache the "
+                         f"{cached_kv[0].shape[1]}, the call has batch {batch} and length {ls} (reorder_cache the "
                          f"cache when the batch changes)")
     check_mask(owner, "encoder_padding_mask", mask, batch, ls, ref.device)
     return ls
@@ -52,16 +48,11 @@ def _check_padding_mask(owner, mask, y, cache):
     check_mask(owner, "padding_mask", mask, y.shape[0], y.shape[1], y.device)
 
 
-def _cross_kv(enc, weight, bias, heads, slots, kernels):
-    """The cross-attention K/V views of every layer from one GEMM over enc [b, ls, H] (CrossKVFunction):
-    [b, heads, ls, d] each. While compiling, the same GEMM as plain PyTorch, whose backward the compiler
-    derives, and its column blocks [b, ls, H] (compiled.layer_call takes those)."""
-    if not torch.compiler.is_compiling():
-        return CrossKVFunction.apply(enc, weight, bias, heads, slots, kernels)
-    b, ls, hidden = enc.shape
-    weight, bias = cast_block((weight, bias), enc.dtype)
-    kv = F.linear(enc.reshape(b * ls, hidden), weight, bias.to(enc.dtype))
-    return kv.view(b, ls, slots.parts, hidden).unbind(2)
+def _encoder_kv(options, y, encoder_out, weight, bias, parts):
+    """The [b, ls, H] K/V of every layer from one GEMM over the encoder output, and the slots their gradient
+    is gathered in (eager kernel path; else None and plain PyTorch, whose backward autograd derives)."""
+    slots = KVGradSlots(parts) if kernel_path(options, y) and not torch.compiler.is_compiling() else None
+    return cross_kv(encoder_out.to(y.dtype).contiguous(), weight, bias, parts, slots), slots
 
 
 class TransformerDecoderLayer(TransformerLayerBase):
@@ -96,23 +87,10 @@ class TransformerDecoderLayer(TransformerLayerBase):
                  self.norm2.bias)
         return [self._self_block(), cross, self._ffn_block()]
 
-    def scratch_numel(self, batch, tgt_len, src_len):
-        """Arena elements this layer's backward needs."""
-        return self._scratch_numel(batch, tgt_len)
-
-    # the two ways to run the layer once the K/V of the encoder output exist (used by the decoder stack)
-    def _forward_with_kv(self, y, padding_mask, encoder_k, encoder_v, encoder_padding_mask, kv_slots, index, kernels):
-        params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
-        if torch.compiler.is_compiling():
-            return layer_call(self.options(True, kernels), y, padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                              params)
-        return LayerFunction.apply(self.options(True, kernels), kv_slots, index, y, padding_mask, encoder_k, encoder_v,
-                                   encoder_padding_mask, *params)
-
-    def _forward_incremental(self, y, encoder_kv, encoder_padding_mask, cache, dtype, kernels):
-        params = [p for block in self.blocks() for p in cast_block(block, dtype)]
-        return incremental_layer(self.options(True, kernels), y, params, None, encoder_kv, encoder_padding_mask,
-                                 cache)
+    def _run(self, y, padding_mask, encoder_kv, encoder_padding_mask, kv_slots=None, index=0, cache=None):
+        """The layer once the K/V of the encoder output exist (the decoder stack calls it too)."""
+        return run_layer(self.options(True), y, padding_mask, encoder_kv[0], encoder_kv[1], encoder_padding_mask,
+                         self.layer_params(), kv_slots, index, cache)
 
     def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None, padding_mask=None):
         owner = "TransformerDecoderLayer"
@@ -128,19 +106,14 @@ class TransformerDecoderLayer(TransformerLayerBase):
         cached_kv = cache.get("encoder_kv") if cache is not None else None
         _check_encoder(owner, encoder_out, encoder_padding_mask, y.shape[0], self.config, w, cached_kv)
         dtype = compute_dtype(owner, y, w)
-        heads = self.config.num_heads
         with no_autocast(y.device.type):
             y = y.to(dtype).contiguous()
-            kernels = kernels_for(y)
             if cache is None:
-                slots = KVGradSlots(2)
-                k_enc, v_enc = _cross_kv(encoder_out.to(dtype).contiguous(), ca.kv_proj_weight, ca.kv_proj_bias,
-                                         heads, slots, kernels)
-                return self._forward_with_kv(y, padding_mask, k_enc, v_enc, encoder_padding_mask, slots, 0, kernels)
+                kv, slots = _encoder_kv(self.options(True), y, encoder_out, ca.kv_proj_weight, ca.kv_proj_bias, 2)
+                return self._run(y, padding_mask, kv, encoder_padding_mask, slots)
             if cached_kv is None:
-                w_kv, b_kv = cast_block((ca.kv_proj_weight, ca.kv_proj_bias), dtype)
-                cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, 2)
-            return self._forward_incremental(y, cached_kv, encoder_padding_mask, cache, dtype, kernels)
+                cached_kv = cache["encoder_kv"] = cross_kv(encoder_out.to(dtype), ca.kv_proj_weight, ca.kv_proj_bias, 2)
+            return self._run(y, None, cached_kv, encoder_padding_mask, cache=cache)
 
     @classmethod
     def from_torch(cls, layer, max_batch_tokens=8192, max_seq_len=512):
@@ -217,9 +190,6 @@ class TransformerDecoder(TransformerStackBase):
         h2 = 2 * self.config.hidden_size
         return self.cross_attn_kv_weight[i * h2:(i + 1) * h2], self.cross_attn_kv_bias[i * h2:(i + 1) * h2]
 
-    def scratch_numel(self, batch, tgt_len, src_len):
-        return self.layers[0].scratch_numel(batch, tgt_len, src_len)
-
     @classmethod
     def from_layers(cls, layers):
         """A decoder from standalone layers (e.g. from ``TransformerDecoderLayer.from_torch``), their weights
@@ -251,23 +221,20 @@ class TransformerDecoder(TransformerStackBase):
         cached_kv = cache.get("encoder_kv") if cache is not None else None
         _check_encoder(owner, encoder_out, encoder_padding_mask, y.shape[0], self.config, w, cached_kv)
         dtype = compute_dtype(owner, y, w)
-        heads, parts = self.config.num_heads, 2 * len(self.layers)
+        parts = 2 * len(self.layers)
         with no_autocast(y.device.type):
             y = y.to(dtype).contiguous()
-            kernels = kernels_for(y)
             if cache is None:
-                slots = KVGradSlots(parts)
-                kv = _cross_kv(encoder_out.to(dtype).contiguous(), w, self.cross_attn_kv_bias, heads, slots, kernels)
+                kv, slots = _encoder_kv(self.layers[0].options(True), y, encoder_out, w, self.cross_attn_kv_bias,
+                                        parts)
                 for i, layer in enumerate(self.layers):
-                    y = layer._forward_with_kv(y, padding_mask, kv[2 * i], kv[2 * i + 1], encoder_padding_mask,
-                                               slots, i, kernels)
+                    y = layer._run(y, padding_mask, kv[2 * i:2 * i + 2], encoder_padding_mask, slots, i)
             else:
                 if cached_kv is None:
-                    w_kv, b_kv = cast_block((w, self.cross_attn_kv_bias), dtype)
-                    cached_kv = cache["encoder_kv"] = project_kv(encoder_out.to(dtype), w_kv, b_kv, heads, parts)
+                    cached_kv = cache["encoder_kv"] = cross_kv(encoder_out.to(dtype), w, self.cross_attn_kv_bias,
+                                                               parts)
                 layer_caches = cache.setdefault("layers", [{} for _ in self.layers])
                 for i, layer in enumerate(self.layers):
-                    y = layer._forward_incremental(y, cached_kv[2 * i:2 * i + 2], encoder_padding_mask,
-                                                   layer_caches[i], dtype, kernels)
+                    y = layer._run(y, None, cached_kv[2 * i:2 * i + 2], encoder_padding_mask, cache=layer_caches[i])
                 cache["step"] = past + y.shape[1]
         return self._final_norm(y)

@@ -1,16 +1,13 @@
-"""Transformer encoder layer and stack on lsmini's fused kernels (blocks.py has the computation,
-function.py the autograd Function, base.py what the encoder shares with the decoder)."""
+"""Transformer encoder layer and stack on lsmini's layer runtime (runtime.py: the kernel path or the
+reference; base.py: what the encoder shares with the decoder)."""
 import torch
 from torch import nn
 
-from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
-                                kernels_for)
-from lsmini.layers.compiled import layer_call
-from lsmini.layers.function import LayerFunction
-from lsmini.layers.incremental import incremental_layer
+from lsmini.layers.base import TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch, copy_params,
                                    torch_layer)
-from lsmini.layers.precision import cast_block, compute_dtype, no_autocast
+from lsmini.layers.precision import compute_dtype, no_autocast
+from lsmini.layers.runtime import run_layer
 
 
 def _check_causal(owner, causal, cache):
@@ -31,20 +28,21 @@ class TransformerEncoderLayer(TransformerLayerBase):
     positions, past keys/values are kept in the cache and padding_mask covers all positions so far.
 
     Parameter names and the state_dict match ``torch.nn.TransformerEncoderLayer`` (self_attn.in_proj_weight,
-    self_attn.out_proj, linear1, linear2, norm1, norm2); ``from_torch`` / ``to_torch`` convert. Forward
-    and backward of the whole layer are one autograd Function: fused kernels between cuBLAS GEMMs on
-    CUDA, PyTorch references elsewhere, with backward temporaries in the shared arena.
+    self_attn.out_proj, linear1, linear2, norm1, norm2); ``from_torch`` / ``to_torch`` convert. On CUDA
+    with float16/bfloat16 activations forward and backward of the whole layer are one call each into the
+    extension (fused kernels between cuBLAS GEMMs); elsewhere, and for incremental decoding, the reference
+    layer runs (plain PyTorch).
 
     Dtypes: parameters float32, float16 or bfloat16. Under ``torch.autocast`` with float32 parameters the
     layer computes in the autocast dtype (GEMM weights cast per call; biases and LayerNorm stay float32);
     without autocast the input must have the parameters' dtype.
 
-    Memory: with ``recompute = True`` (attribute, the default) forward keeps per layer only its input,
-    Q/K/V, the attention context, the FFN input and the first FFN GEMM's output — with relu its
+    Memory (kernel path): with ``recompute = True`` (attribute, the default) forward keeps per layer only
+    its input, Q/K/V, the attention context, the FFN input and the first FFN GEMM's output — with relu its
     activation instead — (≈ 10·tokens·hidden elements at ffn = 4·hidden); backward recomputes the
-    attention probabilities (QKᵀ + softmax with the same dropout mask), the FFN activation (gelu) and
-    the pre-LN LayerNorm outputs. ``recompute = False`` saves those instead (+ 2·batch·heads·len² +
-    tokens·(ffn + 2·hidden) elements), for a little less time.
+    attention probabilities (the fused attention never stores them), the FFN activation (gelu) and the
+    pre-LN LayerNorm outputs. ``recompute = False`` saves the latter two instead (+ tokens·(ffn + 2·hidden)
+    elements), for a little less time.
     """
 
     KINDS = ("self", "ffn")
@@ -56,10 +54,6 @@ class TransformerEncoderLayer(TransformerLayerBase):
     def blocks(self):
         return [self._self_block(), self._ffn_block()]
 
-    def scratch_numel(self, batch, seq_len):
-        """Arena elements this layer's backward needs for [batch, seq_len] inputs."""
-        return self._scratch_numel(batch, seq_len)
-
     def forward(self, x, padding_mask=None, causal=False, cache=None):
         owner = "TransformerEncoderLayer"
         _check_causal(owner, causal, cache)
@@ -70,14 +64,7 @@ class TransformerEncoderLayer(TransformerLayerBase):
         dtype = compute_dtype(owner, x, w)
         with no_autocast(x.device.type):
             x = x.to(dtype).contiguous()
-            options = self.options(causal, kernels_for(x))
-            if cache is not None:
-                params = [p for block in self.blocks() for p in cast_block(block, dtype)]
-                return incremental_layer(options, x, params, padding_mask, None, None, cache)
-            params = [p for block in self.blocks() for p in block]  # cast inside, gradients in their dtypes
-            if torch.compiler.is_compiling():
-                return layer_call(options, x, padding_mask, None, None, None, params)
-            return LayerFunction.apply(options, None, 0, x, padding_mask, None, None, None, *params)
+            return run_layer(self.options(causal), x, padding_mask, None, None, None, self.layer_params(), cache=cache)
 
     @classmethod
     def from_torch(cls, layer, max_batch_tokens=8192, max_seq_len=512):
@@ -114,9 +101,6 @@ class TransformerEncoder(TransformerStackBase):
     def __init__(self, config, num_layers, device=None, dtype=None):
         super().__init__(config, num_layers, lambda: TransformerEncoderLayer(config, device=device, dtype=dtype))
         self._add_final_norm(device, dtype)
-
-    def scratch_numel(self, batch, seq_len):
-        return self.layers[0].scratch_numel(batch, seq_len)
 
     def forward(self, x, padding_mask=None, causal=False, cache=None):
         _check_causal("TransformerEncoder", causal, cache)

@@ -1,6 +1,6 @@
 """Parameter containers of the encoder and decoder layers, named as in torch.nn (so state_dicts and
 ``from_torch`` / ``to_torch`` line up), and their initialisation. They hold weights only; the layer computes
-with them (blocks.py)."""
+with them (runtime.py)."""
 import math
 
 import torch

@@ -3,14 +3,14 @@
 Under ``torch.autocast`` with float32 parameters a layer computes in the autocast dtype: the GEMM weights
 are cast per call, biases and LayerNorm parameters stay float32 (the kernels read float32 or the
 activations' dtype). With low-precision parameters the layer computes in theirs; without autocast the
-input must match them.
+input must match them. On the kernel path the operator casts (csrc/layers/layer.cpp); the reference layer
+and a decoder stack's K/V GEMM take their casts from ``cast_block``.
 """
 import contextlib
 
 import torch
 
-from lsmini.layers.arena import align
-from lsmini.layers.spec import GEMM_WEIGHTS, PARAMS_PER_BLOCK
+from lsmini.layers.spec import GEMM_WEIGHTS
 
 
 def compute_dtype(owner, x, weight):
@@ -45,30 +45,3 @@ def cast_block(block, dtype):
     vectors cast only when they are neither float32 nor dtype (the kernels take float32 or the
     activations' dtype)."""
     return [p.to(dtype) if _needs_cast(i, p, dtype) else p for i, p in enumerate(block)]
-
-
-def cast_plan(params, dtype):
-    """Where the cast copies of params go in one buffer (cast_blocks_batched's, and the compiled layer's
-    state: csrc/layers/layer.cpp, cast_weights): (the positions in params that are cast, each copy's offset
-    into the buffer, then the buffer's numel). Each copy starts 128-byte aligned, for the GEMMs."""
-    todo = [i for i, p in enumerate(params) if _needs_cast(i % PARAMS_PER_BLOCK, p, dtype)]
-    starts = [0]
-    for i in todo:
-        starts.append(starts[-1] + align(params[i].numel()))
-    return todo, starts
-
-
-def cast_blocks_batched(params, dtype):
-    """cast_block over consecutive blocks, for use without autograd (inside an autograd Function's
-    forward): on CUDA one multi-tensor copy into one buffer — one launch per layer instead of one per weight."""
-    todo, starts = cast_plan(params, dtype)
-    out = list(params)
-    if len(todo) >= 2 and params[todo[0]].is_cuda:
-        buffer = torch.empty(starts[-1], dtype=dtype, device=params[0].device)
-        for i, s in zip(todo, starts):
-            out[i] = buffer[s:s + params[i].numel()].view(params[i].shape)
-        torch._foreach_copy_([out[i] for i in todo], [params[i] for i in todo])
-        return out
-    for i in todo:
-        out[i] = params[i].to(dtype)
-    return out

@@ -1,16 +1,21 @@
-"""What a fused layer call knows besides its tensors: the layer's options (fixed when the call is set up)
-and the call's shapes (known once the input arrives), kept apart.
+"""The description of one layer call: its blocks and parameters, and the options both implementations of a
+layer read — the kernel path (the operators ``lsmini::layer`` / ``lsmini::layer_backward``,
+csrc/layers/layer.cpp) and the reference (reference.py).
 
-A layer is a sequence of sub-blocks ("self" attention, "cross" attention, "ffn"), each with the same six
-parameters in the order of ``BLOCK_PARAMS`` (see blocks.py for what each is in each kind of block).
+A layer is a sequence of blocks — "self" attention, "cross" attention, "ffn" — each with the six
+parameters of ``BLOCK_PARAMS``: its core's input and output GEMM weights and biases, then its norm's
+weight and bias. ``LayerOptions`` holds everything else a call needs. Block kinds of newer models are new
+values of these fields, not new code paths: ``norm`` ("layer_norm"; RMSNorm would be "rms_norm", fused
+with the residual add), ``activation`` (a gated FFN — SwiGLU, GeGLU — would be an activation whose first GEMM
+has 2·ffn rows), ``kv_heads`` (fewer K/V heads than ``heads``: a QKV weight of (heads + 2·kv_heads)·head_dim
+rows), ``rotary_dim`` (rotary positions applied to Q/K in the attention's load), and absent biases (None
+entries). The kernel path checks each field and names what it does not support; the reference implements
+what it supports the same way.
 """
 import math
 from typing import NamedTuple
 
-from lsmini.layers.arena import align
-
-# The parameters of every sub-block, in the order the layer passes them: the core's input and output GEMM
-# weights and biases, then the sub-block's LayerNorm.
+# The parameters of every block, in the order the layer passes them.
 BLOCK_PARAMS = ("weight_in", "bias_in", "weight_out", "bias_out", "norm_weight", "norm_bias")
 PARAMS_PER_BLOCK = len(BLOCK_PARAMS)
 GEMM_WEIGHTS = (0, 2)  # positions of the GEMM weights within a block's parameters
@@ -18,16 +23,18 @@ GEMM_WEIGHTS = (0, 2)  # positions of the GEMM weights within a block's paramete
 
 class LayerOptions(NamedTuple):
     """The immutable options of one layer call: its blocks, sizes, numerics, dropout probabilities (0 when
-    not training), whether the kernels run, and whether backward recomputes instead of saving. (A
-    NamedTuple: built on every layer call, it costs a microsecond where a frozen dataclass costs seven.)"""
+    not training) and whether backward recomputes instead of saving. (A NamedTuple: built on every layer
+    call, it costs a microsecond where a frozen dataclass costs seven.)"""
 
     kinds: tuple
     hidden: int
     ffn: int
     heads: int
+    kv_heads: int
     head_dim: int
     scale: float
     eps: float
+    norm: str
     pre_ln: bool
     activation: str
     training: bool
@@ -35,41 +42,23 @@ class LayerOptions(NamedTuple):
     attn_dropout: float
     activation_dropout: float
     causal: bool
-    kernels: bool
     recompute: bool
+    rotary_dim: int
 
     @classmethod
-    def of(cls, kinds, config, training, causal, kernels, recompute=True):
+    def of(cls, kinds, config, training, causal, recompute=True):
         training = bool(training)
         return cls(kinds=tuple(kinds), hidden=config.hidden_size, ffn=config.ffn_size, heads=config.num_heads,
-                   head_dim=config.head_dim, scale=1.0 / math.sqrt(config.head_dim),
-                   eps=float(config.layer_norm_eps), pre_ln=config.pre_layer_norm, activation=config.activation,
-                   training=training, dropout=float(config.dropout) if training else 0.0,
+                   kv_heads=config.num_heads, head_dim=config.head_dim, scale=1.0 / math.sqrt(config.head_dim),
+                   eps=float(config.layer_norm_eps), norm="layer_norm", pre_ln=config.pre_layer_norm,
+                   activation=config.activation, training=training,
+                   dropout=float(config.dropout) if training else 0.0,
                    attn_dropout=float(config.attn_dropout) if training else 0.0,
                    activation_dropout=float(config.activation_dropout) if training else 0.0,
-                   causal=bool(causal), kernels=bool(kernels), recompute=bool(recompute))
+                   causal=bool(causal), recompute=bool(recompute), rotary_dim=0)
 
-
-class CallShape(NamedTuple):
-    """The shapes of one call and what follows from its input: batch, query (and for cross-attention,
-    source) length, whether the flash-attention kernel runs (CUDA, fp16/bf16, a supported head_dim) and
-    the dtype of the parameters, in which backward returns the weight gradients."""
-
-    batch: int
-    q_len: int
-    src_len: int = 0
-    fused: bool = False
-    weight_dtype: object = None  # a torch.dtype
-
-    @property
-    def tokens(self):
-        return self.batch * self.q_len
-
-
-def scratch_numel(options, batch, q_len):
-    """Arena elements one backward of a layer with these options needs for [batch, q_len] inputs: the
-    largest block's layout (blocks.py); forward needs none."""
-    t, hidden = batch * q_len, options.hidden
-    hidden_parts = {"self": 3, "cross": 1}  # the projection-gradient regions after d(context)
-    return max(align(t * hidden) + hidden_parts[kind] * t * hidden if kind in hidden_parts else t * options.ffn
-               for kind in options.kinds)
+    def op_args(self):
+        """The options as the operators' schemas take them (after the tensors)."""
+        return (",".join(self.kinds), self.hidden, self.ffn, self.heads, self.kv_heads, self.scale, self.eps,
+                self.norm, self.pre_ln, self.activation, self.dropout, self.attn_dropout, self.activation_dropout,
+                self.causal, self.recompute, self.rotary_dim)

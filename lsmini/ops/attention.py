@@ -116,9 +116,9 @@ def dropout_bits(policy):
     again, with the same bits, so results are bit-identical) and cost batch·heads·q_len·k_len/8 bytes per
     attention call until its backward: at 2048 keys and head dim 64 that is twice q, at 8192 eight times.
     "always" is for long sequences where that memory is there; "never" saves it at short ones. A process-wide
-    setting, read when a call's forward runs (its backward reads whatever that forward kept); a CUDA graph keeps
-    what it captured, and the compiled layers (torch.compile) keep, per options and shapes, the choice of their
-    first call, so set it before capturing or compiling."""
+    setting for this op, read when a call's forward runs (its backward reads whatever that forward kept); a CUDA
+    graph keeps what it captured, so set it before capturing. The layers (lsmini::layer) do not read it: they
+    keep the bits by the "auto" rule."""
     if policy not in _KEEP_BITS_POLICIES:
         raise ValueError(f"dropout_bits: policy must be one of {_KEEP_BITS_POLICIES}, got {policy!r}")
     ext = _backend.ext_or_none()

@@ -1,0 +1,190 @@
+"""How a layer call runs: on the kernel path, the operators ``lsmini::layer`` / ``lsmini::layer_backward``
+(csrc/layers/layer.cpp: the whole forward and the whole backward, one call each, their plan computed there)
+under one autograd Function, ``LayerFunction``, in eager and compiled code alike; elsewhere the reference
+layer (reference.py), whose backward autograd derives. Which one runs depends only on the call's arguments:
+``kernel_path``.
+
+Gradients only where autograd asks: the backward hands the operator the parameters' existing ``.grad``
+tensors to add their gradients into (a GEMM's beta = 1 instead of a fresh gradient that autograd then adds
+in another pass) only for parameters whose ``.grad`` autograd would accumulate into in this very backward,
+with nothing watching (``_C.layer_grad_into`` decides: hooks, ``retain_grad``, ``backward(inputs=...)``,
+``torch.autograd.grad``, double backward and data-parallel reducers all keep PyTorch's semantics). A compiled
+graph's backward returns every gradient: autograd's accumulation is part of what the compiler traced.
+
+Cross-attention of a decoder stack: the encoder output is the same input to every layer's K/V projection, so
+one GEMM ([b·ls, H] × [H, L·2H]) gives them all, and each layer takes its K and V as [b, ls, H] column blocks
+of that one output. In eager code ``CrossKVFunction`` makes that GEMM and hands its backward one stacked
+gradient that the layers' backward filled in place (``KVGradSlots``: each layer's operator writes its dK/dV
+into its columns). Compiled and reference code make the same GEMM as plain PyTorch.
+"""
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from lsmini import _backend
+from lsmini.layers.precision import cast_block, no_autocast
+from lsmini.layers.reference import reference_layer
+from lsmini.layers.spec import PARAMS_PER_BLOCK
+from lsmini.ops.attention import fused_attention_supported
+from lsmini.ops.bias_dropout_residual import bias_grad
+
+
+def kernel_path(options, x):
+    """True when a layer call on x runs the operators: CUDA, the extension built and not forced off, a dtype
+    and head_dim the fused attention kernel has."""
+    return x.is_cuda and fused_attention_supported(x.dtype, options.head_dim) and _backend.use_kernels(x)
+
+
+class KVGradSlots:
+    """The [b·ls, P·H] gradient of a decoder stack's cross-attention K/V projection, filled column block by
+    column block by the layers' backward (layer i writes blocks 2i and 2i+1) and handed whole to
+    CrossKVFunction."""
+
+    def __init__(self, parts):
+        self.parts = parts
+        self.shape = self.dtype = self.device = None  # (b, ls, hidden), set by CrossKVFunction.forward
+        self.buf = self.views = None
+
+    def slot(self, index):
+        """[dK, dV], [b, ls, H] views for layer ``index``."""
+        if self.buf is None:
+            b, ls, hidden = self.shape
+            self.buf = torch.empty(b * ls, self.parts * hidden, dtype=self.dtype, device=self.device)
+            self.views = self.buf.view(b, ls, self.parts, hidden).unbind(2)
+        return [self.views[2 * index], self.views[2 * index + 1]]
+
+    def collect(self, grads):
+        """The stacked gradient: blocks a layer wrote are used as they are; blocks that got no gradient are
+        zeros; gradients that arrive elsewhere (the K/V also used outside) are copied in."""
+        if self.buf is None:
+            self.slot(0)
+        buf, views = self.buf, self.views
+        self.buf = self.views = None
+        for view, g in zip(views, grads):
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+                view.copy_(g)
+        return buf
+
+
+class CrossKVFunction(torch.autograd.Function):
+    """apply(enc [b, ls, H], weight [P·H, H], bias [P·H], slots) → P views [b, ls, H] of ONE GEMM over the
+    encoder output: the K/V of every decoder layer. weight/bias as the module holds them (cast here,
+    gradients in their dtypes)."""
+
+    @staticmethod
+    def forward(ctx, enc, weight, bias, slots):
+        b, ls, hidden = enc.shape
+        enc2d = enc.reshape(b * ls, hidden)
+        weight_c, bias_c = cast_block((weight, bias), enc.dtype)
+        kv = torch.addmm(bias_c.to(enc.dtype), enc2d, weight_c.t())
+        slots.shape, slots.dtype, slots.device = (b, ls, hidden), kv.dtype, kv.device
+        ctx.save_for_backward(enc2d, weight_c)
+        ctx.dtypes = weight.dtype, bias.dtype, bias_c.dtype
+        ctx.slots, ctx.enc_shape = slots, enc.shape
+        ctx.set_materialize_grads(False)
+        return kv.view(b, ls, slots.parts, hidden).unbind(2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        enc2d, weight_c = ctx.saved_tensors
+        if all(g is None for g in grads):
+            return None, None, None, None
+        weight_dtype, bias_dtype, bias_compute_dtype = ctx.dtypes
+        with no_autocast(enc2d.device.type):
+            grad_kv = ctx.slots.collect(grads)
+            grad_bias = bias_grad(grad_kv, bias_compute_dtype, kernels=True).to(bias_dtype)
+            grad_enc = torch.mm(grad_kv, weight_c).view(ctx.enc_shape) if ctx.needs_input_grad[0] else None
+            grad_weight = None
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.mm(grad_kv.t(), enc2d, out_dtype=weight_dtype) if weight_dtype != grad_kv.dtype \
+                    else torch.mm(grad_kv.t(), enc2d)
+        return grad_enc, grad_weight, grad_bias, None
+
+
+def cross_kv(enc, weight, bias, parts, slots=None):
+    """The ``parts`` [b, ls, H] K/V column blocks of one GEMM over enc [b, ls, H] with a decoder's stacked
+    projection: CrossKVFunction where ``slots`` is given (eager kernel path), plain PyTorch otherwise."""
+    if slots is not None:
+        return CrossKVFunction.apply(enc, weight, bias, slots)
+    b, ls, hidden = enc.shape
+    weight, bias = cast_block((weight, bias), enc.dtype)
+    return F.linear(enc, weight, bias.to(enc.dtype)).view(b, ls, parts, hidden).unbind(2)
+
+
+def _contiguous_strides(shape):
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= d
+    return tuple(reversed(strides))
+
+
+def _param_grads(params, into, grads, grads_other):
+    """Each parameter's gradient as lsmini::layer_backward returns them (its schema's comment): in order, those
+    of params[0]'s dtype in grads and those of the other dtype in grads_other, each at the next multiple of 64
+    elements; None for the parameters whose gradient went into their .grad."""
+    out, ends = [], [0, 0]
+    for p, g in zip(params, into):
+        if g is not None:
+            out.append(None)
+            continue
+        b = 0 if p.dtype == params[0].dtype else 1
+        out.append((grads, grads_other)[b].as_strided(p.shape, _contiguous_strides(p.shape), ends[b]))
+        ends[b] += (p.numel() + 63) // 64 * 64
+    return out
+
+
+class LayerFunction(torch.autograd.Function):
+    """apply(options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+    *params) → y [b, l, H]: one layer on the kernel path. x contiguous in the compute dtype (float16 or
+    bfloat16); params as the module holds them (the operator casts the GEMM weights, and backward returns
+    each gradient in its parameter's dtype); encoder_k/encoder_v [b, ls, H] for a layer with a cross block.
+    kv_slots/layer_index: where the layer's backward writes dK/dV in eager code (KVGradSlots), or None."""
+
+    @staticmethod
+    def forward(ctx, options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+                *params):
+        y, state = torch.ops.lsmini.layer.default(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+                                                  list(params), *options.op_args())
+        ctx.save_for_backward(state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params)
+        ctx.options, ctx.kv_slots, ctx.layer_index = options, kv_slots, layer_index
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params = ctx.saved_tensors
+        into = [None] * len(params)
+        kv_into = []
+        if not torch.compiler.is_compiling():  # a compiled backward returns every gradient (module docstring)
+            into = _backend.ext().layer_grad_into(params)
+            if ctx.kv_slots is not None:
+                kv_into = ctx.kv_slots.slot(ctx.layer_index)
+        index = [i for i, g in enumerate(into) if g is not None]
+        grad_x, grads, grads_other, grad_k, grad_v = torch.ops.lsmini.layer_backward.default(
+            grad.contiguous(), state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, index,
+            [into[i] for i in index], kv_into, *ctx.options.op_args())
+        param_grads = [g if need else None for g, need in
+                       zip(_param_grads(params, into, grads, grads_other), ctx.needs_input_grad[8:])]
+        if encoder_k is None:
+            grad_k = grad_v = None
+        elif kv_into:
+            grad_k, grad_v = kv_into
+        return (None, None, None, grad_x, None, grad_k, grad_v, None, *param_grads)
+
+
+def run_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, kv_slots=None,
+              layer_index=0, cache=None):
+    """One layer call: x [b, l, H] contiguous in the compute dtype; params as the module holds them (every
+    block's six, spec.BLOCK_PARAMS); encoder_k/encoder_v [b, ls, H] for a layer with a cross block. The
+    operators when ``kernel_path`` (and no cache), else the reference layer (with the GEMM weights cast to
+    x's dtype)."""
+    if cache is None and kernel_path(options, x):
+        return LayerFunction.apply(options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v,
+                                   encoder_padding_mask, *params)
+    cast = [p for i in range(len(options.kinds))
+            for p in cast_block(params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)], x.dtype)]
+    return reference_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cast, cache)

@@ -1,0 +1,284 @@
+"""The layer runtime (lsmini/layers/runtime.py, csrc/layers/layer.cpp): which implementation a call runs, and
+gradients only where autograd asks — torch.autograd.grad, backward(inputs=...), tensor hooks, post-accumulate
+hooks, retain_grad and double backward see PyTorch's semantics exactly, on CPU (the reference layer) and on
+CUDA (the kernel path, where the backward may add a gradient straight into an existing .grad). On CUDA also:
+the operators' checks, what the state holds, recompute on and off agreeing, dropout reproducible."""
+import pytest
+import torch
+
+from layer_testing import DEVICES, _one_thread, _poison_freed_memory, padding_mask, perturb_  # noqa: F401  (fixtures)
+from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerEncoder, TransformerEncoderLayer
+from lsmini.layers.runtime import kernel_path
+
+DROPOUTS = {"dropout": 0.1, "attn_dropout": 0.15, "activation_dropout": 0.2}
+
+
+def _layer(device, dropout=False, **config):
+    """An encoder layer on the kernel path on CUDA (float16, head_dim 16) and the reference on CPU."""
+    cfg = TransformerConfig(64, 4, 128, **(DROPOUTS if dropout else {"dropout": 0.0, "attn_dropout": 0.0,
+                                                                      "activation_dropout": 0.0}), **config)
+    torch.manual_seed(0)
+    layer = perturb_(TransformerEncoderLayer(cfg))
+    return layer.to(device, torch.float16 if device == "cuda" else torch.float32)
+
+
+def _input(layer, seed=1, b=2, l=9):
+    w = layer.self_attn.in_proj_weight
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, l, 64, generator=g).to(w.device, w.dtype).requires_grad_()
+
+
+def _loss(layer, x):
+    return (layer(x).float() ** 2).mean()
+
+
+def _grads_set(layer, value=0.5):
+    """Every parameter gets an existing .grad (as a FusedAdam workspace gives them), filled with value."""
+    for p in layer.parameters():
+        p.grad = torch.full_like(p, value)
+    return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def _path_of(device):
+    layer = _layer(device)
+    return kernel_path(layer.options(False), _input(layer))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_path_follows_the_arguments(device):
+    """CUDA float16 with a head_dim the fused attention has runs the operators; CPU, float32 and other
+    head dims run the reference."""
+    assert _path_of(device) == (device == "cuda")
+    if device == "cuda":
+        layer = _layer("cuda").float()
+        assert not kernel_path(layer.options(False), _input(layer))
+        layer = TransformerEncoderLayer(TransformerConfig(60, 4, 128)).to("cuda", torch.float16)  # head_dim 15
+        assert not kernel_path(layer.options(False), torch.zeros(1, 2, 60, device="cuda", dtype=torch.float16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_grad_leaves_parameter_grads_alone(device):
+    """torch.autograd.grad through a layer whose parameters hold .grad from an earlier backward returns the
+    input gradient and changes no .grad."""
+    layer = _layer(device)
+    x = _input(layer)
+    _loss(layer, x).backward()
+    before = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    (gx,) = torch.autograd.grad(_loss(layer, x), x)
+    assert gx is not None and torch.isfinite(gx).all()
+    for n, p in layer.named_parameters():
+        assert torch.equal(p.grad, before[n]), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_inputs_accumulates_only_those(device):
+    """backward(inputs=[x]) after zero_grad(set_to_none=False) writes x.grad and leaves every parameter's
+    .grad (zeros) alone; backward(inputs=[one weight]) accumulates into that weight's .grad only."""
+    layer = _layer(device)
+    x = _input(layer)
+    _loss(layer, x).backward()
+    layer.zero_grad(set_to_none=False)
+    x.grad = None
+    _loss(layer, x).backward(inputs=[x])
+    assert x.grad is not None
+    for n, p in layer.named_parameters():
+        assert not p.grad.any(), n
+    w = layer.linear1.weight
+    _loss(layer, x).backward(inputs=[w])
+    assert w.grad.any()
+    for n, p in layer.named_parameters():
+        if p is not w:
+            assert not p.grad.any(), n
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_accumulate_into_existing_grads(device):
+    """Into existing .grad tensors a backward adds exactly what a backward from .grad = None gives (up to the
+    one rounding autograd's separate add makes in float16), for every parameter."""
+    layer = _layer(device)
+    x = _input(layer)
+    layer.zero_grad(set_to_none=True)
+    _loss(layer, x).backward()
+    fresh = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    start = _grads_set(layer)
+    _loss(layer, x).backward()
+    for n, p in layer.named_parameters():
+        want = (start[n].float() + fresh[n].float()).to(p.dtype)
+        torch.testing.assert_close(p.grad, want, rtol=2e-3, atol=1e-3, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_hooks_see_their_gradients(device):
+    """A tensor hook, a post-accumulate-grad hook (a data-parallel reducer's, say) and retain_grad on other
+    parameters all see the gradient through autograd, while the parameters without them still get theirs."""
+    layer = _layer(device)
+    x = _input(layer)
+    layer.zero_grad(set_to_none=True)
+    _loss(layer, x).backward()
+    fresh = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    _grads_set(layer, 0.0)
+    seen = {}
+    layer.linear1.weight.register_hook(lambda g: seen.__setitem__("hook", g.clone()))
+    layer.linear2.weight.register_post_accumulate_grad_hook(lambda p: seen.__setitem__("post", p.grad.clone()))
+    _loss(layer, x).backward()
+    torch.testing.assert_close(seen["hook"], fresh["linear1.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(seen["post"], fresh["linear2.weight"], rtol=0, atol=0)
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, fresh[n], rtol=1e-3, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_double_backward(device):
+    """create_graph=True: the reference layer is twice differentiable; the kernel path's backward is not
+    and says so when a second backward reaches it."""
+    layer = _layer(device)
+    x = _input(layer)
+    (gx,) = torch.autograd.grad(_loss(layer, x), x, create_graph=True)
+    if device == "cpu":
+        gx.square().sum().backward()
+        assert layer.linear1.weight.grad is not None
+    else:
+        with pytest.raises(RuntimeError, match="once_differentiable|double backward"):
+            gx.square().sum().backward()
+
+
+# ================================================================================================= CUDA ===
+@pytest.mark.cuda
+def test_grads_added_into_workspace_views():
+    """With a FusedAdam workspace (every .grad a view of one flat buffer) the layer's backward adds into the
+    views themselves: the buffer holds the gradients, and no .grad is replaced by another tensor."""
+    from lsmini.optim import FusedAdam
+
+    layer = _layer("cuda")
+    opt = FusedAdam(layer)
+    opt.zero_grad()
+    grads = {n: p.grad for n, p in layer.named_parameters()}
+    _loss(layer, _input(layer)).backward()
+    for n, p in layer.named_parameters():
+        assert p.grad is grads[n] and p.grad.any(), n
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pre", [True, False])
+@pytest.mark.parametrize("act", ["relu", "gelu"])
+def test_recompute_equals_saving(pre, act):
+    """recompute off saves what recompute on computes again, with the same dropout masks: the same output
+    and gradients bit for bit (decoder stack: self, cross and FFN blocks)."""
+    cfg = TransformerConfig(64, 4, 128, activation=act, pre_layer_norm=pre, **DROPOUTS)
+    torch.manual_seed(0)
+    dec = perturb_(TransformerDecoder(cfg, 2)).to("cuda", torch.float16)
+    gen = torch.Generator().manual_seed(5)
+    y = torch.randn(3, 11, 64, generator=gen).to("cuda", torch.float16)
+    enc = torch.randn(3, 13, 64, generator=gen).to("cuda", torch.float16).requires_grad_()
+    mask = padding_mask(3, 13, "suffix").cuda()
+    runs = []
+    for recompute in (True, False):
+        for layer in dec.layers:
+            layer.recompute = recompute
+        dec.zero_grad(set_to_none=True)
+        enc.grad = None
+        torch.manual_seed(7)
+        out = dec(y, enc, mask)
+        out.float().square().mean().backward()
+        runs.append([out, enc.grad] + [p.grad for p in dec.parameters()])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), i
+
+
+@pytest.mark.cuda
+def test_dropout_reproducible_under_manual_seed():
+    layer = _layer("cuda", dropout=True)
+    x = _input(layer)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        outs.append(layer(x))
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(layer(x), outs[0])
+
+
+def _op_args(layer, x, **replace):
+    return (x, None, None, None, None, layer.layer_params(), *layer.options(False)._replace(**replace).op_args())
+
+
+@pytest.mark.cuda
+def test_state_holds_keep_bits_only_with_attention_dropout_at_short_lengths():
+    """The state grows by the attention's dropout keep bits exactly when attention dropout is on and the keys
+    are no more than 16·head_dim (head_dim 16 here)."""
+    from lsmini.ops.attention import keep_numel
+
+    layer = _layer("cuda")
+    for length, kept in ((9, True), (257, False)):
+        x = torch.randn(2, length, 64, device="cuda", dtype=torch.float16)
+        plain = torch.ops.lsmini.layer.default(*_op_args(layer, x))[1].numel()
+        dropped = torch.ops.lsmini.layer.default(*_op_args(layer, x, attn_dropout=0.2))[1].numel()
+        bits = keep_numel(2, 4, length, length) * 4 if kept else 0
+        assert plain <= dropped - bits < plain + 128, (length, plain, dropped, bits)
+
+
+@pytest.mark.cuda
+def test_layer_operators_name_the_problem():
+    """The operators check what they are given and say what is wrong, naming the operator."""
+    layer = _layer("cuda")
+    x = _input(layer).detach()
+    op = torch.ops.lsmini.layer.default
+    args = list(_op_args(layer, x))
+    with pytest.raises(RuntimeError, match=r"lsmini::layer: expected 12 parameters for 2 blocks, got 11"):
+        op(*args[:5], args[5][:-1], *args[6:])
+    with pytest.raises(RuntimeError, match=r"lsmini::layer: x must be a contiguous \[batch, len, hidden=64\]"):
+        op(x[..., :32], *args[1:])
+    with pytest.raises(RuntimeError, match="x must be float16 or bfloat16"):
+        op(x.float(), *args[1:])
+    with pytest.raises(RuntimeError, match="norm 'rms_norm' is not supported"):
+        op(*_op_args(layer, x, norm="rms_norm"))
+    with pytest.raises(RuntimeError, match=r"kv_heads \(2\) must equal heads \(4\)"):
+        op(*_op_args(layer, x, kv_heads=2))
+    with pytest.raises(RuntimeError, match="rotary_dim must be 0"):
+        op(*_op_args(layer, x, rotary_dim=16))
+    with pytest.raises(RuntimeError, match="unknown activation 'swiglu'"):
+        op(*_op_args(layer, x, activation="swiglu"))
+    y, state = op(*args)
+    back = torch.ops.lsmini.layer_backward.default
+    rest = (layer.layer_params(), [], [], [], *layer.options(False).op_args())
+    with pytest.raises(RuntimeError, match="lsmini::layer_backward: state must be the contiguous uint8"):
+        back(torch.ones_like(y), state[:-1], x, None, None, None, None, *rest)
+    with pytest.raises(RuntimeError, match="grad must be like x"):
+        back(torch.ones_like(y).float(), state, x, None, None, None, None, *rest)
+    with pytest.raises(RuntimeError, match="into_index holds 12"):
+        back(torch.ones_like(y), state, x, None, None, None, None, layer.layer_params(), [12],
+             [layer.linear1.weight.detach().clone()], [], *layer.options(False).op_args())
+
+
+@pytest.mark.cuda
+def test_stack_decoder_kv_gradient_gathered_in_place():
+    """A decoder stack's layers write their dK/dV into the stacked gradient of its one K/V projection in
+    eager code: the encoder output's gradient and the projection's equal those of the same decoder with that
+    gradient gathered by autograd (a compiled graph's way: every layer's dK/dV returned)."""
+    cfg = TransformerConfig(64, 4, 128, dropout=0.0, attn_dropout=0.0, activation_dropout=0.0)
+    torch.manual_seed(0)
+    dec = perturb_(TransformerDecoder(cfg, 3)).to("cuda", torch.float16)
+    gen = torch.Generator().manual_seed(5)
+    y = torch.randn(3, 11, 64, generator=gen).to("cuda", torch.float16)
+    enc = torch.randn(3, 13, 64, generator=gen).to("cuda", torch.float16)
+    mask = padding_mask(3, 13, "suffix").cuda()
+
+    def step(fn):
+        dec.zero_grad(set_to_none=True)
+        e = enc.clone().requires_grad_()
+        fn(e).float().square().mean().backward()
+        return [e.grad, dec.cross_attn_kv_weight.grad, dec.cross_attn_kv_bias.grad]
+
+    eager = step(lambda e: dec(y, e, mask))
+    compiled = step(torch.compile(lambda e: dec(y, e, mask), fullgraph=True))
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.cuda
+def test_other_head_dims_train_on_the_reference():
+    """A TransformerEncoder with a head_dim the fused attention lacks runs the reference on CUDA and trains
+    (float16)."""
+    enc = TransformerEncoder(TransformerConfig(60, 4, 128), 2).to("cuda", torch.float16)
+    x = torch.randn(2, 5, 60, device="cuda", dtype=torch.float16, requires_grad=True)
+    enc(x).float().sum().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in enc.parameters())
