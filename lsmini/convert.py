@@ -696,8 +696,10 @@ def _unconverted(module):
         sources.update(_cross_sources_to_torch(module))
     encoder = isinstance(module, (ConvertedTransformerEncoderLayer, ConvertedTransformerEncoder))
     layer_cls = nn.TransformerEncoderLayer if encoder else nn.TransformerDecoderLayer
-    layer = torch_layer(layer_cls, module.config, next(module.parameters()), batch_first=module.batch_first,
-                        device="meta")
+    lsmini_layers = [module] if isinstance(module, (ConvertedTransformerEncoderLayer,
+                                                     ConvertedTransformerDecoderLayer)) else list(module.layers)
+    layer = torch_layer(layer_cls, lsmini_layers[0].current_config(), next(module.parameters()),
+                        batch_first=module.batch_first, device="meta")
     if isinstance(module, (ConvertedTransformerEncoderLayer, ConvertedTransformerDecoderLayer)):
         new = layer
     else:
@@ -709,7 +711,20 @@ def _unconverted(module):
                                             enable_nested_tensor=module.enable_nested_tensor)
             else:
                 new = nn.TransformerDecoder(layer, len(module.layers), norm=norm)
+        for torch_layer_i, lsmini_layer in zip(new.layers, lsmini_layers):  # each with the dropouts it holds now
+            _copy_dropouts(torch_layer_i, lsmini_layer)
     return _adopt(new, sources).train(module.training)
+
+
+def _copy_dropouts(dst, src):
+    """dst (a torch.nn layer) gets the dropout probabilities src (an lsmini layer) holds: the modules and
+    attributes of the same names."""
+    for name, module in src.named_modules():
+        if isinstance(module, nn.Dropout):
+            dst.get_submodule(name).p = module.p
+    for name in ("self_attn", "multihead_attn"):
+        if hasattr(src, name):
+            getattr(dst, name).dropout = getattr(src, name).dropout
 
 
 _CONVERTED = (ConvertedLayerNorm, ConvertedTransformerEncoderLayer, ConvertedTransformerDecoderLayer,

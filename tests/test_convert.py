@@ -167,6 +167,70 @@ def test_training_matches_torch():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
 
 
+def _zero_dropouts(model):
+    """Dropout off the way a torch.nn user does it: every nn.Dropout's p and every attention's dropout."""
+    def off(m):
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "dropout", None), float):
+            m.dropout = 0.0
+    model.apply(off)
+
+
+def test_dropout_changes_after_convert_are_honoured():
+    """A converted model holds its dropout probabilities where torch's did (layer.dropout, dropout1..3,
+    self_attn.dropout, multihead_attn.dropout) and every call reads them: set to 0 the usual way, the
+    train-mode outputs equal the eval-mode ones; back at 0.5 they differ again."""
+    model, _ = converted_copy(seq2seq(seed=6, dropout=0.1))
+    model.train()
+    src, tgt, src_pad, tgt_pad = batch(7)
+    layer = model.transformer.decoder.layers[0]
+    assert (layer.dropout1.p, layer.dropout3.p, layer.self_attn.dropout, layer.multihead_attn.dropout,
+            layer.dropout.p) == (0.1, 0.1, 0.1, 0.1, 0.1)
+    with torch.no_grad():
+        want = model.eval()(src, tgt, src_pad, tgt_pad)
+        model.train()
+        assert not torch.allclose(model(src, tgt, src_pad, tgt_pad), want)
+        _zero_dropouts(model)
+        torch.testing.assert_close(model(src, tgt, src_pad, tgt_pad), want, atol=0, rtol=0)
+        model.transformer.encoder.layers[1].dropout.p = 0.5  # one layer's FFN dropout alone
+        assert not torch.allclose(model(src, tgt, src_pad, tgt_pad), want)
+
+
+def test_differing_dropouts_are_refused_by_name():
+    """lsmini's layer applies one probability after every sub-block and one in every attention: a change to
+    one of them alone is an error naming them, not a silent choice; so is a probability outside [0, 1)."""
+    model, _ = converted_copy(seq2seq(seed=6, dropout=0.1))
+    model.train()
+    src, tgt, src_pad, tgt_pad = batch(7)
+    dec = model.transformer.decoder.layers[0]
+    dec.dropout2.p = 0.0
+    with pytest.raises(ValueError, match=r"dropout1.p = 0.1, dropout2.p = 0.0, dropout3.p = 0.1 differ"):
+        model(src, tgt, src_pad, tgt_pad)
+    dec.dropout2.p = 0.1
+    dec.multihead_attn.dropout = 0.3
+    with pytest.raises(ValueError, match=r"self_attn.dropout = 0.1, multihead_attn.dropout = 0.3 differ"):
+        model(src, tgt, src_pad, tgt_pad)
+    dec.multihead_attn.dropout = 0.1
+    enc = model.transformer.encoder.layers[0]
+    enc.dropout.p = 1.5
+    with pytest.raises(ValueError, match=r"dropout.p must be a probability in \[0, 1\), got 1.5"):
+        model(src, tgt, src_pad, tgt_pad)
+    enc.dropout.p = 0.1
+    model.eval()(src, tgt, src_pad, tgt_pad)  # eval: nothing drawn, nothing read
+
+
+def test_unconvert_keeps_the_dropouts_set_after_convert():
+    model, _ = converted_copy(seq2seq(seed=6, dropout=0.1))
+    _zero_dropouts(model.transformer.encoder)
+    model.transformer.decoder.layers[1].dropout.p = 0.25
+    back = lsmini.unconvert(model).model
+    for layer in back.transformer.encoder.layers:
+        assert (layer.dropout.p, layer.dropout1.p, layer.dropout2.p, layer.self_attn.dropout) == (0, 0, 0, 0)
+    dec = back.transformer.decoder.layers
+    assert dec[0].dropout.p == 0.1 and dec[1].dropout.p == 0.25 and dec[1].multihead_attn.dropout == 0.1
+
+
 def test_keeps_device_dtype_training_mode_parameters_and_config():
     torch_model = Seq2Seq(dropout=0.1).double().eval()
     enc_weight = torch_model.transformer.encoder.layers[0].linear1.weight

@@ -1,6 +1,8 @@
 """What the encoder and decoder share: a base for their layers (config check, self-attention and FFN
 parameters, LayerNorms, the input checks, the options of a call, ``recompute``, extra_repr, reorder_cache)
 and a base for their stacks (layer count, final LayerNorm, reorder_cache)."""
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -81,7 +83,13 @@ def reorder_cache(owner, cache, new_order):
 class TransformerLayerBase(nn.Module):
     """A layer with self-attention (``self_attn``), an FFN (``linear1``, ``linear2``) and one LayerNorm per
     sub-block (``norm1``...); subclasses add their own blocks in between and say which ones they run
-    (``KINDS``, in order)."""
+    (``KINDS``, in order).
+
+    Its dropout probabilities live where a torch.nn user looks for them, as in torch.nn's layers, and every
+    call reads them there: ``dropout1``, ``dropout2``... (nn.Dropout, after each sub-block: the config's
+    ``dropout``; the layer applies one probability to all of them, so they must be equal), ``dropout`` (the
+    FFN's, after its activation: ``activation_dropout``) and each attention's ``dropout`` attribute
+    (``self_attn.dropout``...: ``attn_dropout``). ``current_config()`` is the config with these values."""
 
     KINDS = ()
 
@@ -89,7 +97,8 @@ class TransformerLayerBase(nn.Module):
         super().__init__()
         check_config(type(self).__name__, config)
         self.config = config
-        self.self_attn = SelfAttentionParams(config.hidden_size, device=device, dtype=dtype)
+        self.self_attn = SelfAttentionParams(config.hidden_size, dropout=config.attn_dropout, device=device,
+                                             dtype=dtype)
 
     def _add_ffn_and_norms(self, device, dtype):
         """linear1/linear2, then norm1..normN (one per block): after the attention parameters, so the
@@ -100,6 +109,9 @@ class TransformerLayerBase(nn.Module):
         for i in range(len(self.KINDS)):
             self.add_module(f"norm{i + 1}", LayerNorm(c.hidden_size, eps=c.layer_norm_eps, **kw))
         reset_ffn(self.linear1, self.linear2)
+        self.dropout = nn.Dropout(c.activation_dropout)
+        for i in range(len(self.KINDS)):
+            self.add_module(f"dropout{i + 1}", nn.Dropout(c.dropout))
         # Backward recomputes the FFN activation (gelu) and the pre-LN outputs (less memory); False saves them
         # instead (a little faster).
         self.recompute = True
@@ -118,9 +130,36 @@ class TransformerLayerBase(nn.Module):
         """Per sub-block its parameters in spec.BLOCK_PARAMS order, in the order the layer runs them."""
         raise NotImplementedError
 
+    def _attentions(self):
+        return (self.self_attn,)
+
+    def dropouts(self):
+        """(residual, attention, activation) dropout probabilities as the layer's modules hold them now;
+        ValueError when the per-block ones differ or one is outside [0, 1)."""
+        owner = type(self).__name__
+        residual = [(f"dropout{i + 1}.p", getattr(self, f"dropout{i + 1}").p) for i in range(len(self.KINDS))]
+        attention = [(f"{name}.dropout", m.dropout) for name, m in zip(("self_attn", "multihead_attn"),
+                                                                       self._attentions())]
+        for group, what in ((residual, "residual dropout after every sub-block"),
+                            (attention, "attention dropout in every attention")):
+            if any(p != group[0][1] for _, p in group):
+                values = ", ".join(f"{name} = {p}" for name, p in group)
+                raise ValueError(f"{owner}: {values} differ; the layer applies one {what}: set them equal")
+        for name, p in residual[:1] + attention[:1] + [("dropout.p", self.dropout.p)]:
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+                raise ValueError(f"{owner}: {name} must be a probability in [0, 1), got {p!r}")
+        return residual[0][1], attention[0][1], self.dropout.p
+
+    def current_config(self):
+        """The config with the dropout probabilities the layer holds now (``dropouts``)."""
+        dropout, attn, act = self.dropouts()
+        return dataclasses.replace(self.config, dropout=float(dropout), attn_dropout=float(attn),
+                                   activation_dropout=float(act))
+
     def options(self, causal):
-        """The LayerOptions of a call of this layer now (training mode, recompute)."""
-        return LayerOptions.of(self.KINDS, self.config, self.training, causal, self.recompute)
+        """The LayerOptions of a call of this layer now (training mode, dropouts, recompute)."""
+        return LayerOptions.of(self.KINDS, self.config, self.training, causal, self.recompute,
+                               self.dropouts() if self.training else (0.0, 0.0, 0.0))
 
     def layer_params(self):
         """Every block's parameters in one list, as the layer passes them."""
@@ -133,8 +172,7 @@ class TransformerLayerBase(nn.Module):
     def extra_repr(self):
         c = self.config
         return (f"hidden={c.hidden_size}, heads={c.num_heads}, ffn={c.ffn_size}, activation={c.activation}, "
-                f"pre_layer_norm={c.pre_layer_norm}, dropout=({c.dropout}, attn {c.attn_dropout}, "
-                f"act {c.activation_dropout})")
+                f"pre_layer_norm={c.pre_layer_norm}")
 
 
 class TransformerStackBase(nn.Module):

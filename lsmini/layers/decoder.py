@@ -78,8 +78,12 @@ class TransformerDecoderLayer(TransformerLayerBase):
 
     def __init__(self, config, own_kv=True, device=None, dtype=None):
         super().__init__(config, device, dtype)
-        self.multihead_attn = CrossAttentionParams(config.hidden_size, own_kv=own_kv, device=device, dtype=dtype)
+        self.multihead_attn = CrossAttentionParams(config.hidden_size, own_kv=own_kv, dropout=config.attn_dropout,
+                                                   device=device, dtype=dtype)
         self._add_ffn_and_norms(device, dtype)
+
+    def _attentions(self):
+        return self.self_attn, self.multihead_attn
 
     def blocks(self):
         ca = self.multihead_attn
@@ -142,14 +146,13 @@ class TransformerDecoderLayer(TransformerLayerBase):
         """The equivalent torch.nn.TransformerDecoderLayer (batch_first=True), weights copied. A layer of a
         TransformerDecoder has no K/V projection of its own: pass ``decoder.layer_kv(i)`` as kv_weight,
         kv_bias."""
-        c = self.config
         ca = self.multihead_attn
         if kv_weight is None:
             if not ca.owns_kv:
                 raise ValueError("to_torch: this layer belongs to a TransformerDecoder; pass kv_weight, kv_bias = "
                                  "decoder.layer_kv(i)")
             kv_weight, kv_bias = ca.kv_proj_weight, ca.kv_proj_bias
-        t = torch_layer(nn.TransformerDecoderLayer, c, self.self_attn.in_proj_weight)
+        t = torch_layer(nn.TransformerDecoderLayer, self.current_config(), self.self_attn.in_proj_weight)
         src = dict(self.named_parameters())
         with torch.no_grad():
             src["multihead_attn.in_proj_weight"] = torch.cat([ca.q_proj_weight, kv_weight])

@@ -84,7 +84,7 @@ class TransformerEncoderLayer(TransformerLayerBase):
 
     def to_torch(self):
         """The equivalent torch.nn.TransformerEncoderLayer (batch_first=True), weights copied."""
-        t = torch_layer(nn.TransformerEncoderLayer, self.config, self.self_attn.in_proj_weight)
+        t = torch_layer(nn.TransformerEncoderLayer, self.current_config(), self.self_attn.in_proj_weight)
         copy_params(t, dict(self.named_parameters()))
         return t.train(self.training)
 

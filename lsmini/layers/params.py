@@ -16,12 +16,14 @@ def uniform_(t, fan_in, fan_out):
 
 class SelfAttentionParams(nn.Module):
     """Parameters of a self-attention block, named as in torch.nn.MultiheadAttention: in_proj_weight
-    [3H, H] (rows: Q, K, V), in_proj_bias [3H], out_proj (Linear H → H). Holds weights only; the layer
-    computes with them."""
+    [3H, H] (rows: Q, K, V), in_proj_bias [3H], out_proj (Linear H → H), and ``dropout``, the probability of
+    the attention-probability dropout (a float, as MultiheadAttention's; the layer reads it at every call).
+    Holds weights only; the layer computes with them."""
 
-    def __init__(self, hidden, device=None, dtype=None):
+    def __init__(self, hidden, dropout=0.0, device=None, dtype=None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
+        self.dropout = float(dropout)
         self.in_proj_weight = nn.Parameter(torch.empty(3 * hidden, hidden, **kw))
         self.in_proj_bias = nn.Parameter(torch.empty(3 * hidden, **kw))
         self.out_proj = nn.Linear(hidden, hidden, **kw)
@@ -38,11 +40,13 @@ class SelfAttentionParams(nn.Module):
 class CrossAttentionParams(nn.Module):
     """Parameters of a cross-attention block: q_proj_weight [H, H], q_proj_bias, out_proj, and — unless
     the layer belongs to a TransformerDecoder, which holds the K/V projections of all its layers in one
-    parameter — kv_proj_weight [2H, H] (rows: K, V) and kv_proj_bias [2H]."""
+    parameter — kv_proj_weight [2H, H] (rows: K, V) and kv_proj_bias [2H]; ``dropout`` as
+    SelfAttentionParams'."""
 
-    def __init__(self, hidden, own_kv=True, device=None, dtype=None):
+    def __init__(self, hidden, own_kv=True, dropout=0.0, device=None, dtype=None):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
+        self.dropout = float(dropout)
         self.q_proj_weight = nn.Parameter(torch.empty(hidden, hidden, **kw))
         self.q_proj_bias = nn.Parameter(torch.empty(hidden, **kw))
         if own_kv:

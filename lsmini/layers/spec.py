@@ -46,16 +46,18 @@ class LayerOptions(NamedTuple):
     rotary_dim: int
 
     @classmethod
-    def of(cls, kinds, config, training, causal, recompute=True):
+    def of(cls, kinds, config, training, causal, recompute=True, dropouts=None):
+        """dropouts: (residual, attention, activation) probabilities, else the config's."""
         training = bool(training)
+        if dropouts is None:
+            dropouts = (config.dropout, config.attn_dropout, config.activation_dropout)
+        dropout, attn_dropout, activation_dropout = (float(p) if training else 0.0 for p in dropouts)
         return cls(kinds=tuple(kinds), hidden=config.hidden_size, ffn=config.ffn_size, heads=config.num_heads,
                    kv_heads=config.num_heads, head_dim=config.head_dim, scale=1.0 / math.sqrt(config.head_dim),
                    eps=float(config.layer_norm_eps), norm="layer_norm", pre_ln=config.pre_layer_norm,
-                   activation=config.activation, training=training,
-                   dropout=float(config.dropout) if training else 0.0,
-                   attn_dropout=float(config.attn_dropout) if training else 0.0,
-                   activation_dropout=float(config.activation_dropout) if training else 0.0,
-                   causal=bool(causal), recompute=bool(recompute), rotary_dim=0)
+                   activation=config.activation, training=training, dropout=dropout, attn_dropout=attn_dropout,
+                   activation_dropout=activation_dropout, causal=bool(causal), recompute=bool(recompute),
+                   rotary_dim=0)
 
     def op_args(self):
         """The options as the operators' schemas take them (after the tensors)."""
