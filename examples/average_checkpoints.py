@@ -28,7 +28,8 @@ def parse_args(argv=None):
     parser.add_argument("--last", type=int, default=None, metavar="N",
                         help="average the last N periodic checkpoints (checkpoint_<step>.pt) of --save-dir")
     parser.add_argument("--save-dir", default=None, help="the run directory --last reads")
-    parser.add_argument("-o", "--output", required=True, help="the averaged checkpoint to write")
+    parser.add_argument("-o", "--output", required=True, help="the averaged checkpoint to write (a new file)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     args = parser.parse_args(argv)
     if args.last is not None:
         if args.inputs or args.save_dir is None:
@@ -57,6 +58,8 @@ def main(argv=None):
             raise DataError(f"checkpoint not found: {p}")
     if os.path.abspath(args.output) in {os.path.abspath(p) for p in paths}:
         raise DataError(f"--output {args.output} is one of the inputs; write the average to another file")
+    if os.path.exists(args.output) and not args.overwrite:
+        raise DataError(f"--output {args.output} exists; pass --overwrite to replace it, or name another file")
     ckpts = [load_checkpoint(p) for p in paths]
     averaged = average_state_dicts(ckpts, paths)
     out = ckpts[-1]

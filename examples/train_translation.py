@@ -391,6 +391,14 @@ class TranslationTask(run.Task):
             parser.error(f"--beam must be >= 1, got {args.beam}")
         if args.max_len < 2:
             parser.error(f"--max-len must be >= 2, got {args.max_len}")
+        # decoding: a hypothesis may run to max_len_a · source length + max_len_b tokens (at least one word and
+        # the end of sentence), ranked by score / length**lenpen (a negative lenpen would favour the shortest)
+        if not (math.isfinite(args.lenpen) and args.lenpen >= 0):
+            parser.error(f"--lenpen must be a finite number >= 0, got {args.lenpen}")
+        if not (math.isfinite(args.max_len_a) and args.max_len_a >= 0):
+            parser.error(f"--max-len-a must be a finite number >= 0, got {args.max_len_a}")
+        if args.max_len_b < 2:
+            parser.error(f"--max-len-b must be >= 2 (a word and the end of sentence), got {args.max_len_b}")
         if args.best_metric == "bleu" and not args.eval_bleu:
             parser.error("--best-metric bleu needs --eval-bleu (validation BLEU is computed only then)")
         if args.eval_bleu and not args.translate:

@@ -40,6 +40,20 @@ def test_config_validation():
         TransformerEncoderLayer({"hidden_size": 32})
 
 
+def test_layer_norm_module_refuses_a_negative_eps():
+    """A negative (or NaN) eps would give NaN outputs: refused when the module is built and when a changed
+    one is used."""
+    from lsmini.layers import LayerNorm
+    for eps in (-1e-5, float("nan"), "1e-5"):
+        with pytest.raises(ValueError, match="LayerNorm: eps must be a number >= 0"):
+            LayerNorm(8, eps=eps)
+    norm = LayerNorm(8, eps=0.0)
+    assert torch.isfinite(norm(torch.randn(2, 8))).all()
+    norm.eps = -1.0
+    with pytest.raises(ValueError, match="got -1.0"):
+        norm(torch.randn(2, 8))
+
+
 def test_bad_inputs():
     m = encoder_layer("cpu", max_seq_len=16, max_batch_tokens=40)
     with pytest.raises(ValueError, match="hidden_size=32"):

@@ -5,6 +5,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -329,6 +330,25 @@ def test_partial_data_flags_are_a_usage_error(corpus, capsys):
     assert "--valid-src" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_lm.TASK.parse_args(["--train", corpus["train"][0]])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lenpen", "-5"], "--lenpen must be a finite number >= 0, got -5.0"),
+    (["--max-len-a", "-1"], "--max-len-a must be a finite number >= 0, got -1.0"),
+    (["--max-len-b", "-100"], r"--max-len-b must be >= 2 \(a word and the end of sentence\), got -100"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--clip-norm", "nan"], "--clip-norm must be a finite number >= 0, got nan"),
+])
+def test_flags_that_make_no_sense_are_a_usage_error(corpus, capsys, flags, message):
+    """Values decoding or training cannot use are refused up front with the flag named, in --translate mode
+    too, instead of one-token translations or a traceback from the optimizer."""
+    for extra in ([], ["--translate"]):
+        if extra and flags[0] in ("--lr", "--clip-norm"):
+            continue
+        with pytest.raises(SystemExit):
+            train_translation.TASK.parse_args(data_args(corpus) + flags + extra)
+        assert re.search(message, capsys.readouterr().err), message
 
 
 def test_fp16_on_cpu_is_refused(corpus, tmp_path):

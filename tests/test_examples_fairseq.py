@@ -279,6 +279,12 @@ def test_average_checkpoints_script(full_run, tmp_path, capsys):
     a = torch.load(out, map_location="cpu", weights_only=True)
     b = torch.load(os.path.join(d, "checkpoint_average.pt"), map_location="cpu", weights_only=True)
     assert all(torch.equal(a["trainer"]["model"][k], b["trainer"]["model"][k]) for k in a["trainer"]["model"])
+    # an existing output is not replaced unless asked
+    stamp = os.stat(out).st_mtime_ns
+    with pytest.raises(DataError, match=r"--output .*avg\.pt exists; pass --overwrite to replace it"):
+        average_checkpoints.main(["--last", "2", "--save-dir", d, "-o", out])
+    assert os.stat(out).st_mtime_ns == stamp
+    average_checkpoints.main(["--last", "2", "--save-dir", d, "-o", out, "--overwrite"])
     # another model: refused, naming the files
     other = torch.load(os.path.join(d, "checkpoint_4.pt"), map_location="cpu", weights_only=True)
     other["model_config"] = dict(other["model_config"], encoder_layers=3)

@@ -2,6 +2,8 @@
 checkpoints), the defaults that depend on other flags (an --arch table row gives --dropout, --lr, --warmup
 and --max-tokens), the checks that reject values making no sense, and the layer configuration those flags
 describe (what a checkpoint stores to rebuild the model)."""
+import math
+
 from .checkpoints import CHECKPOINT_NAME
 
 DEFAULT_EPOCHS = 3
@@ -117,8 +119,9 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
     if args.default_length:
         args.epochs = DEFAULT_EPOCHS
     for name in ("max_tokens", "log_every", "lr", "update_freq"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v > 0):  # nan compares false both ways
+            parser.error(f"--{name.replace('_', '-')} must be a finite number > 0, got {v}")
     for name in ("max_steps", "epochs", "eval_every", "warmup", "patience", "max_time", "average_last"):
         v = getattr(args, name)
         if v is not None and v <= 0:
@@ -130,8 +133,9 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
     if args.vocab_size < 8:
         parser.error(f"--vocab-size must be at least 8, got {args.vocab_size}")
     for name in ("clip_norm", "weight_decay"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v >= 0):
+            parser.error(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
     for name in ("dropout", "attn_dropout", "activation_dropout", "label_smoothing"):
         if not 0.0 <= getattr(args, name) < 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")

@@ -6,6 +6,14 @@ from torch import nn
 from lsmini.ops.layernorm import layer_norm
 
 
+def _checked_eps(eps):
+    """eps as the module holds it (also after a change by hand); ValueError unless a real number >= 0 (a
+    negative one would take the square root of a negative variance: NaN)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"LayerNorm: eps must be a number >= 0, got {eps!r}")
+    return eps
+
+
 class LayerNorm(nn.Module):
     """Drop-in for ``torch.nn.LayerNorm`` over the last dimension, on lsmini's fused kernel.
 
@@ -25,7 +33,7 @@ class LayerNorm(nn.Module):
         if normalized_shape[0] <= 0:
             raise ValueError(f"LayerNorm: normalized_shape must be positive, got {normalized_shape}")
         self.normalized_shape = normalized_shape
-        self.eps = eps
+        self.eps = _checked_eps(eps)
         self.elementwise_affine = elementwise_affine
         kw = {"device": device, "dtype": dtype}
         if elementwise_affine:
@@ -41,7 +49,7 @@ class LayerNorm(nn.Module):
         if x.shape[-1:] != self.normalized_shape:
             raise ValueError(f"LayerNorm: expected input with last dimension {self.normalized_shape[0]}, "
                              f"got shape {tuple(x.shape)}")
-        return layer_norm(x, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.weight, self.bias, _checked_eps(self.eps))
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
