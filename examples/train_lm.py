@@ -22,6 +22,7 @@ import builtin_data  # noqa: E402
 from training import batching, cli, run, tokenizer  # noqa: E402
 from training.data import DataError, encode_cached, read_lines  # noqa: E402
 from training.tokenizer import BOS, EOS, PAD  # noqa: E402
+from training.trainer import format_ppl  # noqa: E402
 
 # layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens; the least steps of a run
 # without --epochs/--max-steps (tiny: 3 epochs, sized for a CPU run)
@@ -244,7 +245,7 @@ class LanguageModelTask(run.Task):
 
     def summary(self, metrics):
         tps = metrics["tokens_per_s"]
-        return (f"valid loss {metrics['valid_loss']:.3f} (ppl {metrics['valid_ppl']:.2f})" +
+        return (f"valid loss {metrics['valid_loss']:.3f} (ppl {format_ppl(metrics['valid_loss'])})" +
                 (f", {tps:,.0f} tokens/s (average over all training steps)" if tps else ""))
 
 

@@ -28,6 +28,7 @@ import builtin_data  # noqa: E402
 from training import batching, cli, run, tokenizer  # noqa: E402
 from training.data import DataError, decode_lines, encode_cached, read_lines  # noqa: E402
 from training.tokenizer import BOS, EOS, PAD  # noqa: E402
+from training.trainer import format_ppl  # noqa: E402
 
 # encoder+decoder layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens; the least
 # steps of a run without --epochs/--max-steps (tiny: 3 epochs, sized for a CPU run)
@@ -532,7 +533,7 @@ class TranslationTask(run.Task):
     def summary(self, metrics):
         bleu, tps = metrics["bleu"], metrics["tokens_per_s"]
         return (f"train loss {metrics['train_loss']:.3f}, valid loss {metrics['valid_loss']:.3f} "
-                f"(ppl {metrics['valid_ppl']:.2f})" + (f", BLEU {bleu:.2f}" if bleu is not None else "") +
+                f"(ppl {format_ppl(metrics['valid_loss'])})" + (f", BLEU {bleu:.2f}" if bleu is not None else "") +
                 (f", {tps:,.0f} target tokens/s (average over all training steps)" if tps else ""))
 
 

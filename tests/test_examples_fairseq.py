@@ -14,6 +14,8 @@ import torch
 
 from example_testing import builtin_pairs, run as run_main, write_corpus, write_lines
 import average_checkpoints  # noqa: E402
+import builtin_data  # noqa: E402
+import train_lm  # noqa: E402
 import train_translation  # noqa: E402
 from training import cli, run as training_run, runtime  # noqa: E402
 from training.data import DataError  # noqa: E402
@@ -168,6 +170,30 @@ def test_exploding_loss_stops_the_run(corpus, tmp_path, monkeypatch):
     with pytest.raises(TrainingDiverged, match=rf"above 10 x its lowest value .* for {EXPLODE_WINDOWS} log windows"):
         run(data_args(corpus["paths"]) + SMALL + ["--save-dir", d, "--max-steps", "12", "--eval-every", "2"])
     assert ckpt_step(os.path.join(d, "checkpoint_last.pt")) == 2  # step 4 was never saved: it diverged first
+
+
+def test_loss_far_above_a_uniform_guess_stops_the_run(tmp_path, capsys):
+    """--lr 50 without clipping is garbage from its first window on, so its lowest loss is garbage too and
+    the relative check never fires: the absolute line (2 ln V + 4 nats, 15.4 at V = 300) stops it after
+    3 windows, with what to try. A run too short for that prints its perplexity in exponent form."""
+    lines = [s for s, _ in builtin_data.generate_pairs(300, 204)]
+    common = ["--train", write_lines(tmp_path / "train.txt", lines[:270]),
+              "--valid", write_lines(tmp_path / "valid.txt", lines[270:]), "--vocab-size", "300", "--block-size",
+              "32", "--max-tokens", "256", "--no-progress", "--num-samples", "0", "--lr", "50", "--clip-norm", "0",
+              "--warmup", "1"]
+    d = str(tmp_path / "stopped")
+    with pytest.raises(TrainingDiverged, match=r"training diverged at step 6: the training loss \(\d+\.\d+ nats/token\) "
+                                               r"has been above 15\.4 for 3 log windows in a row, far worse than a "
+                                               r"uniform guess .*Try a lower --lr \(this run: 50\), --clip-norm 1"):
+        run_main(train_lm.main, common + ["--save-dir", d, "--max-steps", "12", "--log-every", "2"])
+    assert not os.path.exists(os.path.join(d, "checkpoint_last.pt"))  # nothing diverged was saved
+    capsys.readouterr()
+    m = run_main(train_lm.main, common + ["--save-dir", str(tmp_path / "short"), "--max-steps", "2", "--log-every",
+                                          "1"])
+    assert m["valid_loss"] > 100
+    out = capsys.readouterr().out
+    assert re.search(r"valid ppl \d\.\d\de\+\d+ ", out) and re.search(r"\(ppl \d\.\d\de\+\d+\)", out), out
+    assert not re.search(r"\d{12}", out), out
 
 
 def test_divergence_exits_non_zero(capsys):

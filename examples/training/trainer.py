@@ -35,7 +35,7 @@ class Trainer:
     counts the batches consumed by all ranks, so a checkpoint also resumes under another world size.
     """
 
-    def __init__(self, args, model, device, dtype, dist=None):
+    def __init__(self, args, model, device, dtype, dist=None, vocab_size=None):
         from lsmini.optim import FusedAdam, LossScaler
         from lsmini.train import inverse_sqrt_schedule
 
@@ -63,6 +63,11 @@ class Trainer:
         self.bad_validations = 0  # validations since the best one (--patience)
         self.loss_min = None  # the lowest window training loss so far (divergence check)
         self.exploding = 0  # log windows in a row with a training loss above EXPLODE_FACTOR x loss_min
+        # the loss no model should reach (absurd_loss_limit) for this vocabulary, and the log windows in a
+        # row above it; None: no vocabulary given, no absolute check
+        self.loss_limit = absurd_loss_limit(vocab_size) if vocab_size else None
+        self.vocab_size = vocab_size
+        self.absurd = 0
         self.saved_step = None  # step of the latest checkpoint this run wrote
         self.train_log = TrainLog(None, 0.0, enabled=False)  # train_and_validate sets the run's log
         self.time_budget_start = None  # --max-time counts from here (the start of the training loop)
@@ -82,7 +87,7 @@ class Trainer:
                  "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                  "train_loss": self.train_loss, "valid_loss": self.valid_loss, "valid_bleu": self.valid_bleu,
                  "best": self.best, "bad_validations": self.bad_validations, "loss_min": self.loss_min,
-                 "exploding": self.exploding, "rng": rng}
+                 "exploding": self.exploding, "absurd": self.absurd, "rng": rng}
         if self.dist.active:
             state["rng_per_rank"] = self.dist.gather(rng)
         return state
@@ -100,7 +105,7 @@ class Trainer:
         # absent from checkpoints written before early stopping and divergence checks existed
         self.valid_bleu, self.best = state.get("valid_bleu"), state.get("best")
         self.bad_validations, self.loss_min = state.get("bad_validations", 0), state.get("loss_min")
-        self.exploding = state.get("exploding", 0)
+        self.exploding, self.absurd = state.get("exploding", 0), state.get("absurd", 0)
         if self.best is not None and self.best.get("metric") != self.args.best_metric:
             self.best, self.bad_validations = None, 0  # another --best-metric: start its record afresh
         per_rank = state.get("rng_per_rank")
@@ -148,7 +153,9 @@ class Trainer:
 
     def check_divergence(self, loss, what):
         """Stop the run (TrainingDiverged) when `loss` is not finite, or when the training loss has stayed
-        above EXPLODE_FACTOR x its running minimum for EXPLODE_WINDOWS log windows in a row."""
+        above EXPLODE_FACTOR x its running minimum, or above the absolute limit of the vocabulary
+        (absurd_loss_limit), for EXPLODE_WINDOWS log windows in a row. The relative check alone misses a run
+        that is garbage from its first window on (its minimum is garbage too)."""
         if not math.isfinite(loss):
             raise TrainingDiverged(f"training diverged at step {self.step}: the {what} is {loss}")
         if what != "training loss":
@@ -156,11 +163,28 @@ class Trainer:
         if self.loss_min is None or loss < self.loss_min:
             self.loss_min = loss
         self.exploding = self.exploding + 1 if loss > EXPLODE_FACTOR * self.loss_min else 0
+        self.absurd = self.absurd + 1 if self.loss_limit is not None and loss > self.loss_limit else 0
         if self.exploding >= EXPLODE_WINDOWS:
             raise TrainingDiverged(
                 f"training diverged at step {self.step}: the training loss ({loss:.3f}) has been above "
                 f"{EXPLODE_FACTOR:g} x its lowest value ({self.loss_min:.3f}) for {self.exploding} log windows in a "
                 "row")
+        if self.absurd >= EXPLODE_WINDOWS:
+            raise TrainingDiverged(
+                f"training diverged at step {self.step}: the training loss ({loss:.3f} nats/token) has been above "
+                f"{self.loss_limit:.1f} for {self.absurd} log windows in a row, far worse than a uniform guess over "
+                f"the {self.vocab_size} tokens of the vocabulary (ln {self.vocab_size} = "
+                f"{math.log(self.vocab_size):.2f})")
+
+    def watch_note(self):
+        """Why the current state may be diverging (no checkpoint may replace the last good one), or None."""
+        if self.absurd and not self.exploding:
+            return (f"the training loss is above {self.loss_limit:.1f}, far worse than a uniform guess "
+                    f"(divergence watch, {self.absurd} of {EXPLODE_WINDOWS} windows)")
+        if self.exploding:
+            return (f"the training loss is above {EXPLODE_FACTOR:g} x its lowest value (divergence watch, "
+                    f"{self.exploding} of {EXPLODE_WINDOWS} windows)")
+        return None
 
     def steps_per_epoch(self, num_batches):
         per_step = self.batches_per_step
@@ -267,9 +291,9 @@ class Trainer:
                 self.check_divergence(self.valid_loss, "validation loss")
                 improved = self.update_best(self.valid_loss, self.valid_bleu)
                 model.train()
-                if self.exploding:  # a state that may be diverging must not replace the last good checkpoint
-                    log(f"step {self.step}: no checkpoint written: the training loss is above {EXPLODE_FACTOR:g} x "
-                        f"its lowest value (divergence watch, {self.exploding} of {EXPLODE_WINDOWS} windows)")
+                watch = self.watch_note()
+                if watch:  # a state that may be diverging must not replace the last good checkpoint
+                    log(f"step {self.step}: no checkpoint written: {watch}")
                 else:
                     save(improved)
                     self.saved_step = self.step
@@ -279,7 +303,7 @@ class Trainer:
                                       "lr": self.optimizer.param_groups[0]["lr"]}, time.perf_counter())
                 bar.refresh()
                 log(f"step {self.step} | epoch {step_epoch} | train loss {self.train_loss:.3f} | valid loss "
-                    f"{self.valid_loss:.3f} | valid ppl {safe_exp(self.valid_loss):.2f}" +
+                    f"{self.valid_loss:.3f} | valid ppl {format_ppl(self.valid_loss)}" +
                     (f" | valid BLEU {self.valid_bleu:.2f}" if self.valid_bleu is not None else "") +
                     (" | best" if improved else ""))
                 if stop is None:
@@ -315,16 +339,52 @@ class TrainingDiverged(RuntimeError):
 # whose loss has blown up stops within a few --log-every intervals instead of training on garbage.
 EXPLODE_FACTOR = 10.0
 EXPLODE_WINDOWS = 3
+# The absolute line, for a run that is garbage from its first window (its lowest value is garbage too): a
+# uniform guess over a vocabulary of V tokens scores ln V nats per token, and a freshly initialised model
+# scores about that (ln V + 2 for the tiny LM at V = 300: its initial logits have a spread of a few units).
+# A mean loss of 2 ln V gives the right token probability 1/V^2 on average, V times less than guessing:
+# no model that learns gets there. The 4 nats on top (a factor e^4 ~ 55 in probability) keep a small
+# vocabulary, where 2 ln V is only a few nats above ln V, clear of the first windows of a healthy run.
+ABSURD_LOSS_FACTOR = 2.0
+ABSURD_LOSS_MARGIN = 4.0
+
+
+def absurd_loss_limit(vocab_size):
+    """The training loss (nats/token) above which a model over `vocab_size` tokens is diverging."""
+    return ABSURD_LOSS_FACTOR * math.log(vocab_size) + ABSURD_LOSS_MARGIN
 
 
 def safe_exp(x):
     return math.exp(min(x, 700.0))
 
 
+def format_ppl(loss):
+    """The perplexity exp(loss) for a log line: two decimals up to 1e6, above that in exponent form computed
+    from the loss itself (a diverged loss of 1e5 nats is e^100000, far past what a float holds; printed
+    whole it would be hundreds of digits)."""
+    if not math.isfinite(loss):
+        return str(math.exp(loss))
+    if loss < math.log(1e6):
+        return f"{math.exp(loss):.2f}"
+    exponent = loss / math.log(10)
+    whole = math.floor(exponent)
+    mantissa = 10 ** (exponent - whole)
+    if mantissa >= 9.995:  # rounds up to 10.0: carry into the exponent
+        mantissa, whole = 1.0, whole + 1
+    return f"{mantissa:.2f}e+{whole}"
+
+
+def divergence_advice(args):
+    """What to try after a diverged run, with this run's values."""
+    clip = ("--clip-norm 1 (gradient clipping is off in this run)" if not args.clip_norm
+            else f"a lower --clip-norm (this run: {args.clip_norm:g})")
+    return f"Try a lower --lr (this run: {args.lr:g}), {clip}, or a longer --warmup"
+
+
 def start_trainer(args, model, model_config, ckpt, ckpt_path, device, dtype, log, dist=None):
     """A Trainer for `model`; with --resume, restored from the checkpoint `ckpt` (loaded from ckpt_path; it
     must hold the same model). Under torchrun every rank restores from the same checkpoint file."""
-    trainer = Trainer(args, model, device, dtype, dist)
+    trainer = Trainer(args, model, device, dtype, dist, vocab_size=model_config.get("vocab_size"))
     if trainer.dist.active:
         torch.manual_seed(rank_seed(args.seed, trainer.dist.rank))  # dropout differs per rank, init did not
     if args.resume:
@@ -409,8 +469,8 @@ def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path,
         kept = (f"{ckpt_path} (step {trainer.saved_step}) keeps the last good state" if trainer.saved_step is not None
                 else "no checkpoint of this run was written" + (f"; {ckpt_path} is the resumed one, unchanged"
                                                                   if args.resume else ""))
-        raise TrainingDiverged(f"{e}. Stopped without saving the diverged state: {kept}. Try a lower --lr or a longer "
-                               "--warmup") from None
+        raise TrainingDiverged(f"{e}. Stopped without saving the diverged state: {kept}. {divergence_advice(args)}") \
+            from None
     if trainer.valid_loss is None:
         trainer.valid_loss, trainer.valid_bleu = validate(model)
     return validate_loss
