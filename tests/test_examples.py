@@ -6,12 +6,14 @@ import json
 import math
 import os
 import re
+import select
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from example_testing import builtin_pairs, run, write_corpus, write_lines
+from example_testing import EXAMPLES, builtin_pairs, run, write_corpus, write_lines
 import builtin_data  # noqa: E402  (after example_testing, which puts examples/ on sys.path)
 import train_lm  # noqa: E402
 import train_translation  # noqa: E402
@@ -107,6 +109,29 @@ def test_lm_short_run_writes_metrics_and_generates(tmp_path, capsys):
                                "--max-new-tokens", "5"]) is None
     out = [s for s in capsys.readouterr().out.splitlines() if s.startswith("sample: ")]
     assert len(out) == 2 and all(s.startswith("sample: The dog") for s in out)
+
+
+def test_log_lines_reach_a_pipe_as_they_are_printed(tmp_path):
+    """With stdout a pipe (`| tee`), the first log line arrives while the run goes on, not when 8 KiB of
+    output have piled up or the process ends. The run is far from done when the line is read."""
+    lines = [s for s, _ in builtin_data.generate_pairs(200, 205)]
+    argv = [sys.executable, os.path.join(EXAMPLES, "train_lm.py"), "--train", write_lines(tmp_path / "train.txt", lines),
+            "--valid", write_lines(tmp_path / "valid.txt", lines[:20]), "--save-dir", str(tmp_path / "run"),
+            "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1000000",
+            "--log-every", "100000", "--no-progress", "--num-samples", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        # generous: Python and torch start slowly on a loaded 2-core machine
+        ready, _, _ = select.select([proc.stdout], [], [], 180)
+        assert ready, "no output line within 180 s"
+        first = proc.stdout.readline().decode()
+        assert first.endswith("\n") and first.strip(), first
+        assert proc.poll() is None  # the line came while the run was still going
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
 
 
 def test_builtin_corpus_is_deterministic_and_disjoint():

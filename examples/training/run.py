@@ -353,6 +353,7 @@ def run_main(main):
     """Script entry: DataError and KeyboardInterrupt become a one-line message and a non-zero exit. In a
     torchrun job any error ends the process at once with a non-zero status (torchrun then stops the other
     ranks): leaving the process group cleanly could block on peers that wait in a collective."""
+    line_buffered_output()
     try:
         main()
     except DataError as e:
@@ -366,6 +367,16 @@ def run_main(main):
             raise
         traceback.print_exc()
         _exit(None, 1)
+
+
+def line_buffered_output():
+    """Make every line printed reach stdout (and stderr) as it is printed. Python buffers a pipe or a file
+    in 8 KiB blocks, so `| tee run.log` or a batch job's log would show nothing of a run for minutes;
+    the examples print a few lines per log window, so flushing each costs nothing."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # absent on a replaced stream (io.StringIO)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
 
 
 def _in_process_group():
