@@ -142,6 +142,7 @@ def print_samples(model, sp, args, prompt, max_seq_len, device, log):
 
 # ---- the task -----------------------------------------------------------------------------------------
 class LanguageModelTask(run.Task):
+    name = "lm"
     description = "Train an lsmini Transformer language model (no arguments: the built-in English corpus)."
     archs = ARCHS
     arch_sizes = ("tiny: 2 layers, 128 hidden; small: 6, 512, 8 heads; base: 12, 768, 12 heads (GPT-2 small); "

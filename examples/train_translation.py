@@ -340,6 +340,7 @@ class TranslationData(run.TaskData):
 
 
 class TranslationTask(run.Task):
+    name = "translation"
     description = "Train an lsmini Transformer translation model (no arguments: the built-in en→zl task)."
     archs = ARCHS
     arch_sizes = ("tiny: 2+2 layers 128 hidden; small: 6+6, 512, 4 heads, FFN 1024; base: 6+6, 512, 8 heads, "

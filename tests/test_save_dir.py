@@ -121,6 +121,42 @@ def test_generate_refuses_another_tokenizer(tmp_path):
         run(train_lm.main, ["--save-dir", d, "--generate", "The dog", "--num-samples", "1"])
 
 
+# ---- a save directory of the other example ------------------------------------------------------------
+def test_the_other_examples_save_dir_is_named(trained, tmp_path, monkeypatch):
+    """--generate on a translation run, --translate on a language-model run and --resume across the two say
+    which example wrote the checkpoint (instead of KeyError: 'layers'); checkpoints written before the
+    "task" field are told apart by their model configuration."""
+    lines = [s for s, _ in builtin_data.generate_pairs(120, 305)]
+    lm = str(tmp_path / "lm")
+    run(train_lm.main, ["--train", write_lines(tmp_path / "train.txt", lines[:100]),
+                        "--valid", write_lines(tmp_path / "valid.txt", lines[100:]), "--save-dir", lm,
+                        "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
+                        "--no-progress", "--num-samples", "0"])
+    mt = copy_run(trained, str(tmp_path / "mt"))
+    old = copy_run(trained, str(tmp_path / "old"))
+    path = os.path.join(old, checkpoints.CHECKPOINT_NAME)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    assert ckpt.pop("task") == "translation"
+    torch.save(ckpt, path)
+    for d in (mt, old):
+        with pytest.raises(DataError, match=r"^--generate: .*checkpoint_last.pt holds a translation model, written by "
+                                            r"train_translation.py, not a language model of train_lm.py: use it with "
+                                            r"train_translation.py --translate, or give train_lm.py the --save-dir "
+                                            r"of one of its own runs$") as e:
+            run(train_lm.main, ["--save-dir", d, "--generate", "The dog", "--num-samples", "1"])
+        assert "\n" not in str(e.value)
+    with pytest.raises(DataError, match=r"^--translate: .*checkpoint_last.pt holds a language model, written by "
+                                        r"train_lm.py, not a translation model of train_translation.py: use it with "
+                                        r"train_lm.py --generate"):
+        translate(lm, monkeypatch)
+    before = {name: read(os.path.join(mt, name)) for name in os.listdir(mt)}
+    with pytest.raises(DataError, match=r"^--resume: .* holds a translation model, written by train_translation.py, "
+                                        r"not a language model of train_lm.py: continue that run with "
+                                        r"train_translation.py --resume"):
+        run(train_lm.main, ["--save-dir", mt, "--resume", "--max-steps", "2", "--no-progress"])
+    assert {name: read(os.path.join(mt, name)) for name in os.listdir(mt)} == before
+
+
 # ---- a new run into a used directory ------------------------------------------------------------------
 def test_new_run_refuses_a_directory_with_a_checkpoint(trained, data, tmp_path):
     d = copy_run(trained, str(tmp_path / "used"))

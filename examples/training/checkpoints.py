@@ -1,9 +1,10 @@
 """Checkpoints and the save directory of a run.
 
-<save-dir>/checkpoint_last.pt holds the model configuration, the trainer's state (model, optimizer, schedule,
-loss scale, position in the data, every rank's RNG streams, so a resumed run continues exactly), the flags
-and the run's tokenizer (the sentencepiece model and its sha256); written atomically (by a background
-thread during training: CheckpointWriter), read on CPU, refused when it holds another model.
+<save-dir>/checkpoint_last.pt holds the example that wrote it ("task": a key of TASKS), the model
+configuration, the trainer's state (model, optimizer, schedule, loss scale, position in the data, every
+rank's RNG streams, so a resumed run continues exactly), the flags and the run's tokenizer (the
+sentencepiece model and its sha256); written atomically (by a background thread during training:
+CheckpointWriter), read on CPU, refused when it holds another model.
 checkpoint_best.pt (the best validation so far, --best-metric) and the periodic checkpoint_<step>.pt
 (--keep-last) are copies (hard links where possible) of checkpoint_last.pt made right after it is written,
 so each of them carries everything it does. average_state_dicts averages the parameters of several
@@ -12,7 +13,7 @@ checkpoints of one model (--average-last, examples/average_checkpoints.py).
 A save directory belongs to one run. A new run refuses a directory that holds a checkpoint unless told to
 --overwrite it (then the earlier run's files go first, so an interrupted new run never leaves its
 tokenizer beside the old model); --resume, --translate and --generate refuse a tokenizer on disk that is not
-the checkpoint's; files a killed run left half-written (*.tmp) are removed when a run starts.
+the checkpoint's and a checkpoint of the other example (naming it); files a killed run left half-written (*.tmp) are removed when a run starts.
 """
 import glob
 import hashlib
@@ -101,6 +102,40 @@ def check_tokenizer(ckpt, spm_path, ckpt_path, flag, log):
                         f"(sha256 {on_disk[:12]} on disk, {record['sha256'][:12]} in the checkpoint): the directory "
                         "mixes two runs, e.g. a later run that stopped before its first checkpoint. Train again "
                         "with --overwrite, or use another --save-dir")
+
+
+# The examples whose runs write checkpoints, by the "task" field a checkpoint names its example with: the
+# script, what its model is, the flag that uses a trained one, and a model_config key only that example's
+# models have (to tell which example wrote a checkpoint older than the "task" field).
+TASKS = {
+    "translation": dict(script="train_translation.py", model="a translation model", infer="--translate",
+                        config_key="encoder_layers"),
+    "lm": dict(script="train_lm.py", model="a language model", infer="--generate", config_key="layers"),
+}
+
+
+def checkpoint_task(ckpt):
+    """The name of the example that wrote `ckpt` (a key of TASKS), None when it cannot be told."""
+    task = ckpt.get("task")
+    if task is None:  # written before the field existed: the model configuration tells
+        config = ckpt.get("model_config") or {}
+        task = next((name for name, t in TASKS.items() if t["config_key"] in config), None)
+    return task
+
+
+def check_task(ckpt, task, ckpt_path, flag):
+    """The checkpoint must hold a model of the example `task` (a TASKS key) that reads it with `flag`:
+    DataError naming the example that wrote it otherwise."""
+    wrote = checkpoint_task(ckpt)
+    if wrote is None or wrote == task:
+        return
+    this = TASKS[task]
+    other = TASKS.get(wrote, dict(script=f"the {wrote!r} example", model="another kind of model", infer=flag))
+    use = "continue that run with" if flag == "--resume" else "use it with"
+    other_flag = "--resume" if flag == "--resume" else other["infer"]
+    raise DataError(f"{flag}: {ckpt_path} holds {other['model']}, written by {other['script']}, not {this['model']} "
+                    f"of {this['script']}: {use} {other['script']} {other_flag}, or give {this['script']} the "
+                    "--save-dir of one of its own runs")
 
 
 def rng_state(device):

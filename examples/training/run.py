@@ -23,7 +23,7 @@ import torch.distributed
 from tqdm import tqdm
 
 from . import cli
-from .checkpoints import (AVERAGE_NAME, BEST_NAME, CHECKPOINT_NAME, average_state_dicts, check_tokenizer,
+from .checkpoints import (AVERAGE_NAME, BEST_NAME, CHECKPOINT_NAME, average_state_dicts, check_task, check_tokenizer,
                           load_checkpoint, periodic_checkpoints, prepare_save_dir, save_checkpoint, tokenizer_record)
 from .data import DataError
 from .runtime import RunSettings, describe_backend, place_model, start_distributed
@@ -48,6 +48,7 @@ class Task:
     """One example, as the hooks run_task calls. Subclasses set the class attributes and implement every
     hook that raises NotImplementedError here."""
 
+    name = None  # the example's name in its checkpoints ("task"; a key of checkpoints.TASKS)
     description = None  # what the script does, for --help
     # the --arch table: name -> layers, hidden, heads, ffn, the defaults of --dropout --lr --warmup --max-tokens,
     # and min_steps, the least steps of a run without --epochs and --max-steps (cli.default_epochs)
@@ -200,6 +201,7 @@ def run_task(task, argv=None):
         ckpt = None
         if args.resume:  # before anything is read or written: the tokenizer must be the checkpoint's
             ckpt = load_checkpoint(ckpt_path)
+            check_task(ckpt, task.name, ckpt_path, "--resume")
             check_tokenizer(ckpt, spm_path, ckpt_path, "--resume", log)
         lines, paths = task.read_data(args, log, dist)
         with dist.main_first():  # rank 0 trains the tokenizer and fills the token cache, the others read them
@@ -232,7 +234,7 @@ def run_task(task, argv=None):
         validate_loss = train_and_validate(
             trainer, args, model, model_config, tokenizer_record(spm_path), ckpt_path, data.train, data.valid,
             functools.partial(task.loss, criterion), task.logits_and_target, nll_criterion, device, log,
-            eval_bleu=task.validation_scorer(args, data, device, dist), start_time=start)
+            eval_bleu=task.validation_scorer(args, data, device, dist), start_time=start, task_name=task.name)
         results = task.after_training(args, model, data, device, dist, log)
         results.update(score_other_checkpoints(task, args, model, data, device, dist, log, trainer, validate_loss,
                                                results))
@@ -312,6 +314,7 @@ def load_trained_model(task, args, mode, device, dtype):
     if not os.path.isfile(ckpt_path):
         raise DataError(f"{mode}: no trained model at {ckpt_path}; train one first (same --save-dir)")
     ckpt = load_checkpoint(ckpt_path)
+    check_task(ckpt, task.name, ckpt_path, mode)
     spm_path = os.path.join(args.save_dir, SPM_NAME)
     check_tokenizer(ckpt, spm_path, ckpt_path, mode, lambda msg: print(msg, file=sys.stderr))
     sp = load_sentencepiece(spm_path)
