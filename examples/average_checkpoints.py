@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from training.checkpoints import (average_state_dicts, load_checkpoint, periodic_checkpoints,  # noqa: E402
-                                  save_checkpoint)
+from training.checkpoints import (SaveError, average_state_dicts, load_checkpoint,  # noqa: E402
+                                  periodic_checkpoints, save_checkpoint)
 from training.data import DataError  # noqa: E402
 
 
@@ -73,5 +73,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except DataError as e:
+    except (DataError, SaveError) as e:
         sys.exit(f"error: {e}")

@@ -2,9 +2,11 @@
 tokenizer and its hash; --resume, --translate and --generate refuse a tokenizer on disk that is not the
 checkpoint's; a new run refuses a directory holding a checkpoint unless --overwrite; an interrupted
 --overwrite run leaves nothing of two runs mixed; stale *.tmp files go when a run starts."""
+import errno
 import hashlib
 import io
 import os
+import re
 import sys
 
 import pytest
@@ -219,3 +221,98 @@ def test_stale_tmp_files_are_removed_when_a_run_starts(data, tmp_path, capsys):
     assert not any(p.exists() for p in stale) and keep.read_text() == "mine"
     assert "removed 3 unfinished file(s) of an interrupted run" in capsys.readouterr().out
     assert not [p for p in d.rglob("*.tmp")]
+
+
+# ---- a disk that refuses the checkpoint ---------------------------------------------------------------
+def refusing_open(monkeypatch, error, after_bytes):
+    """Make the checkpoint module's writes of *.tmp files fail with OSError `error` once `after_bytes` bytes
+    are written (0: at open), the way a full disk (ENOSPC midway) or a read-only directory (EACCES) does."""
+    real_open = open
+
+    class Refusing:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            if self.written + len(data) > after_bytes:
+                keep = max(0, after_bytes - self.written)
+                self.f.write(bytes(data)[:keep])  # the part that fit
+                self.written += keep
+                raise OSError(error, os.strerror(error))
+            self.written += len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if str(path).endswith(".tmp") and "w" in mode:
+            if after_bytes == 0:
+                raise OSError(error, os.strerror(error), str(path))
+            return Refusing(real_open(path, mode, *args, **kwargs))
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints, "open", fake_open, raising=False)
+
+
+@pytest.mark.parametrize("error,after_bytes,cause", [
+    (errno.ENOSPC, 5000, r"No space left on device \(free space on that disk, or use a --save-dir on another one\)"),
+    (errno.EACCES, 0, "Permission denied"),
+])
+def test_refused_checkpoint_write_is_one_line_and_keeps_the_last_checkpoint(trained, data, tmp_path, monkeypatch,
+                                                                           capsys, error, after_bytes, cause):
+    """A full disk midway through the file (torch reports it as "unexpected pos") or a directory that refuses
+    it: one line naming the file and the cause, exit status 1, no *.tmp left, checkpoint_last.pt still the
+    last good one, and --resume carries on from it once the disk takes files again."""
+    d = copy_run(trained, str(tmp_path / "run"))
+    path = os.path.join(d, checkpoints.CHECKPOINT_NAME)
+    before = read(path)
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        refusing_open(m, error, after_bytes)
+        with pytest.raises(SystemExit) as e:
+            training_run.run_main(lambda: train(data, d, "--resume", "--max-steps", "4"))
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(rf"error: cannot write checkpoint {re.escape(path)}: {cause}; the "
+                                          r"checkpoint_last.pt there is unchanged", err[0]), err
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+    assert read(path) == before
+    assert train(data, d, "--resume", "--max-steps", "4")["steps"] == 4
+
+
+def test_refused_checkpoint_copy_leaves_no_partial_file(tmp_path, monkeypatch):
+    """checkpoint_best.pt on a file system without hard links is a copy: a full disk midway leaves no
+    *.tmp and names the copy."""
+    last, best = str(tmp_path / "checkpoint_last.pt"), str(tmp_path / "checkpoint_best.pt")
+    checkpoints.save_checkpoint(last, {"w": torch.arange(4096.0)})
+    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "no links here")))
+    refusing_open(monkeypatch, errno.ENOSPC, 1000)
+    with pytest.raises(checkpoints.SaveError, match=rf"cannot write checkpoint {re.escape(best)}: No space left"):
+        checkpoints.copy_checkpoint(last, best)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_last.pt"]
+    assert torch.equal(torch.load(last)["w"], torch.arange(4096.0))
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root writes into a read-only directory anyway (the patched variant above covers it)")
+def test_read_only_save_dir_is_one_line(trained, data, tmp_path, capsys):
+    d = copy_run(trained, str(tmp_path / "run"))
+    before = read(os.path.join(d, checkpoints.CHECKPOINT_NAME))
+    os.chmod(d, 0o555)
+    try:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            training_run.run_main(lambda: train(data, d, "--resume", "--max-steps", "4"))
+        assert e.value.code == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and d in err[0] and "Permission denied" in err[0], err
+        assert read(os.path.join(d, checkpoints.CHECKPOINT_NAME)) == before
+    finally:
+        os.chmod(d, 0o755)

@@ -4,7 +4,8 @@
 configuration, the trainer's state (model, optimizer, schedule, loss scale, position in the data, every
 rank's RNG streams, so a resumed run continues exactly), the flags and the run's tokenizer (the
 sentencepiece model and its sha256); written atomically (by a background thread during training:
-CheckpointWriter), read on CPU, refused when it holds another model.
+CheckpointWriter), read on CPU, refused when it holds another model. A write the disk refuses (full,
+read-only) stops the run with one line (SaveError) and leaves no partial file, the previous checkpoint intact.
 checkpoint_best.pt (the best validation so far, --best-metric) and the periodic checkpoint_<step>.pt
 (--keep-last) are copies (hard links where possible) of checkpoint_last.pt made right after it is written,
 so each of them carries everything it does. average_state_dicts averages the parameters of several
@@ -12,9 +13,11 @@ checkpoints of one model (--average-last, examples/average_checkpoints.py).
 
 A save directory belongs to one run. A new run refuses a directory that holds a checkpoint unless told to
 --overwrite it (then the earlier run's files go first, so an interrupted new run never leaves its
-tokenizer beside the old model); --resume, --translate and --generate refuse a tokenizer on disk that is not
-the checkpoint's and a checkpoint of the other example (naming it); files a killed run left half-written (*.tmp) are removed when a run starts.
+tokenizer beside the old model); --resume, --translate and --generate refuse a tokenizer on disk that is
+not the checkpoint's and a checkpoint of the other example (naming it); files a killed run left
+half-written (*.tmp) are removed when a run starts.
 """
+import errno
 import glob
 import hashlib
 import os
@@ -151,10 +154,73 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(path, state):
+class SaveError(RuntimeError):
+    """A file of the run could not be written (a full disk, a read-only or missing directory, no
+    permission). The one-line message names the file and the cause; the partial file is removed and the
+    file it was to replace is unchanged."""
+
+
+# what to do about the usual reasons a run's file cannot be written
+_OS_ERROR_HINTS = {
+    errno.ENOSPC: "free space on that disk, or use a --save-dir on another one",
+    errno.EDQUOT: "free space within the disk quota, or use a --save-dir on another disk",
+    errno.EROFS: "the file system is read-only: use a --save-dir you can write to",
+}
+
+
+def os_error_cause(e):
+    """The cause of an OSError in words, with what to do about the usual ones."""
+    hint = _OS_ERROR_HINTS.get(e.errno)
+    return (e.strerror or str(e)) + (f" ({hint})" if hint else "")
+
+
+class _RecordingWriter:
+    """The file torch.save writes to, keeping the first OSError of its writes: torch's writer turns it into
+    an opaque RuntimeError ("unexpected pos ..."), which would hide that the disk is full."""
+
+    def __init__(self, f):
+        self._f, self.error = f, None
+
+    def write(self, data):
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+    def flush(self):
+        self._f.flush()
+
+
+def write_atomically(path, write, what):
+    """write(f) into path + ".tmp" (a binary file), then rename it over `path`: readers see the old file or
+    the new one, never half of one. When the disk or the directory refuses (OSError), the partial *.tmp is
+    removed, `path` stays as it was, and SaveError names `what` (e.g. "checkpoint"), the path and the cause.
+    Other errors propagate unchanged (the *.tmp removed too)."""
     tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    recorder = None
+    try:
+        if os.path.lexists(tmp):  # never write through a stale *.tmp: it may be a hard link to a checkpoint
+            os.remove(tmp)
+        with open(tmp, "wb") as f:
+            recorder = _RecordingWriter(f)
+            write(recorder)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass  # not created, or the directory refuses that too; a later run removes stale *.tmp files
+        cause = recorder.error if recorder is not None and recorder.error is not None else e
+        if not isinstance(cause, OSError):
+            raise
+        kept = f"; the {os.path.basename(path)} there is unchanged" if os.path.isfile(path) else ""
+        raise SaveError(f"cannot write {what} {path}: {os_error_cause(cause)}{kept}") from None
+
+
+def save_checkpoint(path, state):
+    write_atomically(path, lambda f: torch.save(state, f), "checkpoint")
 
 
 def cpu_snapshot(obj):
@@ -221,6 +287,8 @@ class CheckpointWriter:
             self._thread = None
         if self._error is not None:
             e, self._error = self._error, None
+            if isinstance(e, SaveError):  # says what and why already
+                raise e
             raise RuntimeError(f"writing a checkpoint failed: {e}") from e
 
 
@@ -231,13 +299,16 @@ def copy_checkpoint(src, dst):
     copy, and it is free where copying a checkpoint costs about as much as writing it (every validation of
     a small corpus writes checkpoint_best.pt)."""
     tmp = dst + ".tmp"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
     try:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
         os.link(src, tmp)
-    except OSError:  # no hard links here (another device, FAT, some network file systems)
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+        os.replace(tmp, dst)
+        return
+    except OSError:  # no hard links here (another device, FAT, some network file systems): copy
+        pass
+    with open(src, "rb") as f:
+        write_atomically(dst, lambda out: shutil.copyfileobj(f, out), "checkpoint")
 
 
 def periodic_checkpoints(save_dir):

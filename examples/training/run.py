@@ -11,6 +11,7 @@ run_main wraps a script's main() into exit codes.
 """
 import argparse
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -23,8 +24,9 @@ import torch.distributed
 from tqdm import tqdm
 
 from . import cli
-from .checkpoints import (AVERAGE_NAME, BEST_NAME, CHECKPOINT_NAME, average_state_dicts, check_task, check_tokenizer,
-                          load_checkpoint, periodic_checkpoints, prepare_save_dir, save_checkpoint, tokenizer_record)
+from .checkpoints import (AVERAGE_NAME, BEST_NAME, CHECKPOINT_NAME, SaveError, average_state_dicts, check_task,
+                          check_tokenizer, load_checkpoint, os_error_cause, periodic_checkpoints, prepare_save_dir,
+                          save_checkpoint, tokenizer_record, write_atomically)
 from .data import DataError
 from .runtime import RunSettings, describe_backend, place_model, start_distributed
 from .tokenizer import SPM_NAME, load_sentencepiece
@@ -345,17 +347,21 @@ def run_metrics(trainer, args, device, start, bleu=None, **extra):
 
 def write_metrics(save_dir, metrics):
     path = os.path.join(save_dir, "metrics.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(metrics, f, indent=2)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    write_atomically(path, lambda f: f.write((json.dumps(metrics, indent=2) + "\n").encode()), "metrics")
     return path
 
 
+# OSErrors that say the machine refused a file (space, permissions), not that the code is wrong: one line
+# naming the file and the cause, no traceback
+_REFUSED_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
 def run_main(main):
-    """Script entry: DataError and KeyboardInterrupt become a one-line message and a non-zero exit. In a
-    torchrun job any error ends the process at once with a non-zero status (torchrun then stops the other
-    ranks): leaving the process group cleanly could block on peers that wait in a collective."""
+    """Script entry: DataError and KeyboardInterrupt become a one-line message and a non-zero exit, and so
+    does a file the machine refuses to write (SaveError, or an OSError for a full disk or a read-only or
+    forbidden path: exit status 1). In a torchrun job any error ends the process at once with a non-zero
+    status (torchrun then stops the other ranks): leaving the process group cleanly could block on peers
+    that wait in a collective."""
     line_buffered_output()
     try:
         main()
@@ -363,13 +369,25 @@ def run_main(main):
         _exit(f"error: {e}", 2)
     except TrainingDiverged as e:
         _exit(f"error: {e}", 3)
+    except SaveError as e:
+        _exit(f"error: {e}", 1)
     except KeyboardInterrupt:
         _exit("interrupted", 130)
+    except OSError as e:
+        if e.errno in _REFUSED_ERRNOS and e.filename is not None:
+            _exit(f"error: {e.filename}: {os_error_cause(e)}", 1)
+        _unexpected()
     except Exception:
-        if not _in_process_group():
-            raise
-        traceback.print_exc()
-        _exit(None, 1)
+        _unexpected()
+
+
+def _unexpected():
+    """A bug or an unforeseen failure, called while it is handled: the traceback (the error raised again
+    outside a torchrun job)."""
+    if not _in_process_group():
+        raise
+    traceback.print_exc()
+    _exit(None, 1)
 
 
 def line_buffered_output():
