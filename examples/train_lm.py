@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import builtin_data  # noqa: E402
 from training import batching, cli, run, tokenizer  # noqa: E402
 from training.data import DataError, encode_cached, read_lines  # noqa: E402
-from training.tokenizer import BOS, EOS, PAD  # noqa: E402
+from training.tokenizer import BOS, EOS, PAD, unknown_pieces_note  # noqa: E402
 from training.trainer import format_ppl  # noqa: E402
 
 # layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens; the least steps of a run
@@ -135,6 +135,9 @@ def print_samples(model, sp, args, prompt, max_seq_len, device, log):
     gen.manual_seed(args.seed)
     model.eval()
     ids = sp.encode(prompt) if prompt else []
+    note = unknown_pieces_note([ids], sp, [prompt])
+    if note:
+        print(f"warning: --generate: the prompt: {note}", file=sys.stderr)
     for s in sample(model, ids, args.num_samples, args.max_new_tokens, args.temperature, args.top_k, max_seq_len, gen):
         text = sp.decode(ids + s)
         log(f"sample: {text}")
@@ -218,6 +221,9 @@ class LanguageModelTask(run.Task):
             f"{train_batches.batches[0].size} x {args.block_size}, {len(streams['valid']):,} valid tokens; "
             f"vocabulary {sp.get_piece_size()}")
         return run.TaskData(sp, train_batches, valid_batches, batching.round_up(args.block_size))
+
+    def data_files(self, paths, streams):
+        return [(f"--{split}", paths[split], streams[split]) for split in paths]
 
     def model_config(self, args, vocab_size, max_seq_len):
         arch = ARCHS[args.arch]

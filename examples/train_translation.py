@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import builtin_data  # noqa: E402
 from training import batching, cli, run, tokenizer  # noqa: E402
 from training.data import DataError, decode_lines, encode_cached, read_lines  # noqa: E402
-from training.tokenizer import BOS, EOS, PAD  # noqa: E402
+from training.tokenizer import BOS, EOS, PAD, unknown_pieces_note  # noqa: E402
 from training.trainer import format_ppl  # noqa: E402
 
 # encoder+decoder layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens; the least
@@ -267,10 +267,15 @@ def fit_to_model(ids, max_seq_len, what, warn, first_line=1):
     return out
 
 
-def translate_lines(lines, args, model, sp, max_seq_len, device, what, warn, first_line=1):
+def translate_lines(lines, args, model, sp, max_seq_len, device, what, warn, first_line=1, check_unknown=False):
     """Translations of `lines` (str): a blank line gives a blank line, a line longer than the model takes
-    is cut to it (with a warning naming the line)."""
-    ids = fit_to_model(sp.encode(lines), max_seq_len, what, warn, first_line)
+    is cut to it (with a warning naming the line). check_unknown: warn when many of the lines' tokens are
+    unknown to the tokenizer (tokenizer.unknown_pieces_note)."""
+    ids = sp.encode(lines)
+    note = unknown_pieces_note(ids, sp, lines) if check_unknown else None
+    if note:
+        warn(f"warning: {what}" + (f" line {first_line}" if len(lines) == 1 else "") + f": {note}")
+    ids = fit_to_model(ids, max_seq_len, what, warn, first_line)
     todo = [i for i, line in enumerate(lines) if line.strip() and ids[i]]
     out = [""] * len(lines)
     if todo:
@@ -301,13 +306,13 @@ def translate_stdin(args, model, sp, max_seq_len, device, log):
             except DataError as e:
                 print(f"error: {e}", file=sys.stderr)
                 continue
-            print(translate_lines(lines, args, model, sp, max_seq_len, device, "stdin", log, first_line=n)[0],
-                  flush=True)
+            print(translate_lines(lines, args, model, sp, max_seq_len, device, "stdin", log, first_line=n,
+                                  check_unknown=True)[0], flush=True)
         return
     lines = decode_lines(stdin.read(), "stdin")
     if not lines:
         return
-    for h in translate_lines(lines, args, model, sp, max_seq_len, device, "stdin", log):
+    for h in translate_lines(lines, args, model, sp, max_seq_len, device, "stdin", log, check_unknown=True):
         sys.stdout.write(h + "\n")
     sys.stdout.flush()
 
@@ -451,6 +456,10 @@ class TranslationTask(run.Task):
         ids = {split: tuple(encode_cached(sp, spm_path, ls, p, cache_dir) for ls, p in zip(lines[split], paths[split]))
                for split in lines}
         return sp, ids
+
+    def data_files(self, paths, ids):
+        return [(f"--{split}-{side}", path, arr.flat) for split in paths
+                for side, path, arr in zip(("src", "tgt"), paths[split], ids[split])]
 
     def make_batches(self, args, lines, paths, sp, ids, log):
         if "test" in ids:

@@ -159,6 +159,39 @@ def test_the_other_examples_save_dir_is_named(trained, tmp_path, monkeypatch):
     assert {name: read(os.path.join(mt, name)) for name in os.listdir(mt)} == before
 
 
+# ---- other data on --resume, text the tokenizer does not cover ---------------------------------------
+def test_resume_on_other_data_says_what_changed_and_unknown_text_is_warned(trained, tmp_path, monkeypatch, capsys):
+    """--resume names the data files that are not the checkpoint's run's; text the tokenizer was not trained
+    on (here: Greek vowels in English) is warned about with its share of unknown pieces when training, with
+    --generate and with --translate."""
+    lines = [s for s, _ in builtin_data.generate_pairs(120, 306)]
+    greek = str.maketrans("aeo", "αεο")
+    train_txt = write_lines(tmp_path / "train.txt", lines[:100])
+    other_txt = write_lines(tmp_path / "other.txt", [s.translate(greek) for s in lines[:100]])
+    valid_txt = write_lines(tmp_path / "valid.txt", lines[100:])
+    d = str(tmp_path / "lm")
+    common = ["--valid", valid_txt, "--save-dir", d, "--vocab-size", "300", "--block-size", "32", "--max-tokens",
+              "256", "--no-progress", "--num-samples", "0"]
+    run(train_lm.main, ["--train", train_txt, "--max-steps", "1"] + common)
+    assert "warning" not in capsys.readouterr().out
+    run(train_lm.main, ["--train", other_txt, "--max-steps", "2", "--resume"] + common)
+    out = capsys.readouterr().out
+    changed = [s for s in out.splitlines() if s.startswith("warning: --resume with other data")]
+    assert changed == [f"warning: --resume with other data than the checkpoint's run: --train {other_txt}: other "
+                       f"content than the checkpoint's run's {train_txt}. Training goes on from the checkpoint's "
+                       "step and place in its epoch over the batches of this data, with the checkpoint's tokenizer"]
+    assert re.search(rf"warning: --train {re.escape(other_txt)}: [\d,]+ of [\d,]+ tokens \((\d\d|[2-9])\.\d%\) are "
+                     r"unknown to the tokenizer: it was not trained on text like this", out), out
+    run(train_lm.main, ["--train", other_txt, "--max-steps", "3", "--resume"] + common)
+    assert "--resume with other data" not in capsys.readouterr().out  # the checkpoint's data now
+    run(train_lm.main, ["--save-dir", d, "--generate", "Thε dαg", "--num-samples", "1", "--max-new-tokens", "2"])
+    assert re.search(r"warning: --generate: the prompt: 2 of \d+ tokens .* unknown to the tokenizer \('ε' 'α'\)",
+                     capsys.readouterr().err)
+    translate(trained, monkeypatch, "Thε dαg slεεps.\n".encode())
+    assert re.search(r"warning: stdin line 1: \d+ of \d+ tokens .* unknown to the tokenizer \('ε' 'α'\)",
+                     capsys.readouterr().err)
+
+
 # ---- a new run into a used directory ------------------------------------------------------------------
 def test_new_run_refuses_a_directory_with_a_checkpoint(trained, data, tmp_path):
     d = copy_run(trained, str(tmp_path / "used"))

@@ -2,10 +2,11 @@
 
 <save-dir>/checkpoint_last.pt holds the example that wrote it ("task": a key of TASKS), the model
 configuration, the trainer's state (model, optimizer, schedule, loss scale, position in the data, every
-rank's RNG streams, so a resumed run continues exactly), the flags and the run's tokenizer (the
-sentencepiece model and its sha256); written atomically (by a background thread during training:
-CheckpointWriter), read on CPU, refused when it holds another model. A write the disk refuses (full,
-read-only) stops the run with one line (SaveError) and leaves no partial file, the previous checkpoint intact.
+rank's RNG streams, so a resumed run continues exactly), the flags, the run's data files (path and sha1:
+--resume says which changed) and its tokenizer (the sentencepiece model and its sha256); written
+atomically (by a background thread during training: CheckpointWriter), read on CPU, refused when it holds
+another model. A write the disk refuses (full, read-only) stops the run with one line (SaveError) and
+leaves no partial file, the previous checkpoint intact.
 checkpoint_best.pt (the best validation so far, --best-metric) and the periodic checkpoint_<step>.pt
 (--keep-last) are copies (hard links where possible) of checkpoint_last.pt made right after it is written,
 so each of them carries everything it does. average_state_dicts averages the parameters of several
@@ -139,6 +140,31 @@ def check_task(ckpt, task, ckpt_path, flag):
     raise DataError(f"{flag}: {ckpt_path} holds {other['model']}, written by {other['script']}, not {this['model']} "
                     f"of {this['script']}: {use} {other['script']} {other_flag}, or give {this['script']} the "
                     "--save-dir of one of its own runs")
+
+
+def data_record(files):
+    """What a checkpoint stores of the run's data files: {flag: {"path": absolute path, "sha1": digest}} for
+    `files`, {flag: path}."""
+    return {flag: {"path": os.path.abspath(path), "sha1": file_digest(path)} for flag, path in files.items()}
+
+
+def data_changes(saved, now):
+    """The data files of this run (a data_record) that are not the checkpoint's (`saved`; None for a
+    checkpoint written before the record existed: nothing can be told), in words. A file moved without a
+    change of content is the same file."""
+    if saved is None:
+        return []
+    out = []
+    for flag in list(now) + [f for f in saved if f not in now]:
+        before, after = saved.get(flag), now.get(flag)
+        if after is None:
+            out.append(f"{flag}: none now, the checkpoint's run read {before['path']}")
+        elif before is None:
+            out.append(f"{flag} {after['path']}: the checkpoint's run had none")
+        elif before["sha1"] != after["sha1"]:
+            out.append(f"{flag} {after['path']}: changed since the checkpoint's run" if before["path"] == after["path"]
+                       else f"{flag} {after['path']}: other content than the checkpoint's run's {before['path']}")
+    return out
 
 
 def rng_state(device):

@@ -25,11 +25,11 @@ from tqdm import tqdm
 
 from . import cli
 from .checkpoints import (AVERAGE_NAME, BEST_NAME, CHECKPOINT_NAME, SaveError, average_state_dicts, check_task,
-                          check_tokenizer, load_checkpoint, os_error_cause, periodic_checkpoints, prepare_save_dir,
-                          save_checkpoint, tokenizer_record, write_atomically)
+                          check_tokenizer, data_changes, data_record, load_checkpoint, os_error_cause,
+                          periodic_checkpoints, prepare_save_dir, save_checkpoint, tokenizer_record, write_atomically)
 from .data import DataError
 from .runtime import RunSettings, describe_backend, place_model, start_distributed
-from .tokenizer import SPM_NAME, load_sentencepiece
+from .tokenizer import SPM_NAME, load_sentencepiece, unknown_pieces_note
 from .trainer import TrainingDiverged, make_criteria, safe_exp, start_trainer, train_and_validate
 from .trainlog import plot_log
 
@@ -130,6 +130,12 @@ class Task:
         """The TaskData (batches built once, up front) for training."""
         raise NotImplementedError
 
+    def data_files(self, paths, ids):
+        """[(flag, path, token ids)] of every data file read_data and tokenize gave (the ids: an int array, the
+        special ids included or not): the checkpoint records the files (--resume says which changed) and
+        a file the tokenizer does not cover is warned about."""
+        raise NotImplementedError
+
     # -- model --
     def model_config(self, args, vocab_size, max_seq_len):
         """The dict a checkpoint stores to rebuild the model; its "config" holds the TransformerConfig fields
@@ -208,6 +214,19 @@ def run_task(task, argv=None):
         lines, paths = task.read_data(args, log, dist)
         with dist.main_first():  # rank 0 trains the tokenizer and fills the token cache, the others read them
             sp, ids = task.tokenize(args, lines, paths, log, train=dist.is_main)
+        files = task.data_files(paths, ids)
+        for flag, path, file_ids in files:
+            note = unknown_pieces_note(file_ids)
+            if note:
+                log(f"warning: {flag} {path}: {note}")
+        # rank 0 writes the checkpoints and prints
+        data_files = data_record({flag: path for flag, path, _ in files}) if dist.is_main else None
+        if args.resume and dist.is_main:
+            changed = data_changes(ckpt.get("data"), data_files)
+            if changed:
+                log(f"warning: --resume with other data than the checkpoint's run: {'; '.join(changed)}. Training "
+                    "goes on from the checkpoint's step and place in its epoch over the batches of this data, with "
+                    "the checkpoint's tokenizer")
         data = task.make_batches(args, lines, paths, sp, ids, log)
 
         model_config = task.model_config(args, sp.get_piece_size(), data.max_seq_len)
@@ -236,7 +255,8 @@ def run_task(task, argv=None):
         validate_loss = train_and_validate(
             trainer, args, model, model_config, tokenizer_record(spm_path), ckpt_path, data.train, data.valid,
             functools.partial(task.loss, criterion), task.logits_and_target, nll_criterion, device, log,
-            eval_bleu=task.validation_scorer(args, data, device, dist), start_time=start, task_name=task.name)
+            eval_bleu=task.validation_scorer(args, data, device, dist), start_time=start,
+            record={"task": task.name, "data": data_files})
         results = task.after_training(args, model, data, device, dist, log)
         results.update(score_other_checkpoints(task, args, model, data, device, dist, log, trainer, validate_loss,
                                                results))

@@ -2,13 +2,47 @@
 loaded back with a check of the special ids every part of the examples relies on (PAD 0 pads batches and
 is ignored by the loss, BOS 2 starts decoding, EOS 3 ends a sentence)."""
 import io
+import itertools
 import os
 import time
+
+import numpy as np
 
 from .data import DataError
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 SPM_NAME = "spm.model"
+
+
+# Text of the kind the tokenizer was trained on has almost no unknown pieces: the tokenizer covers 99.95% of
+# its training text's characters (character_coverage below). Above 1% of the tokens, the text is of another
+# kind (another script or language, another source), and the model sees each of its unknown characters as
+# one and the same piece, which it also writes back as "⁇".
+UNKNOWN_WARN_SHARE = 0.01
+
+
+def unknown_pieces_note(ids, sp=None, texts=()):
+    """None, or what to warn about when more than UNKNOWN_WARN_SHARE of the tokens in `ids` (an int array,
+    or lists of ids; PAD/BOS/EOS not counted) are the unknown piece: how many, and with the tokenizer `sp`
+    the characters of `texts` (the encoded strings) it does not know."""
+    if not isinstance(ids, np.ndarray):
+        ids = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64)
+    unknown = int(np.count_nonzero(ids == UNK))
+    total = unknown + int(np.count_nonzero(ids > EOS))
+    if total == 0 or unknown <= UNKNOWN_WARN_SHARE * total:
+        return None
+    chars = []
+    if sp is not None:
+        for text in texts:
+            for piece, i in zip(sp.encode(text, out_type=str), sp.encode(text)):
+                if i == UNK:  # a run of unknown characters is one piece
+                    chars.extend(c for c in dict.fromkeys(piece) if c not in chars and c != "\u2581")
+            if len(chars) >= 10:
+                break
+    named = f" ({' '.join(repr(c) for c in chars[:10])}{' ...' if len(chars) > 10 else ''})" if chars else ""
+    return (f"{unknown:,} of {total:,} tokens ({100 * unknown / total:.1f}%) are unknown to the tokenizer{named}: "
+            "it was not trained on text like this, and the model sees every such character as the same unknown "
+            "piece")
 
 
 def train_sentencepiece(lines, model_path, vocab_size, model_type, seed, max_sentences=2_000_000):

@@ -412,13 +412,13 @@ def make_criteria(label_smoothing):
 
 def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path, train_batches, valid_batches,
                        loss_fn, logits_and_target, nll_criterion, device, log, eval_bleu=None, start_time=None,
-                       task_name=None):
+                       record=None):
     """Run the training loop (validating and checkpointing as configured) and make sure a validation loss
     exists at the end. logits_and_target(model, batch on device) -> (logits, target) for validation;
     tokenizer: the checkpoints' record of the run's tokenizer (checkpoints.tokenizer_record); eval_bleu(model)
-    -> validation BLEU (--eval-bleu; on every rank, the same value); task_name: the example, recorded in the
-    checkpoints (checkpoints.TASKS). Under torchrun each rank validates every world-th batch and the sums
-    are added up; rank 0 writes the checkpoints and the training log.
+    -> validation BLEU (--eval-bleu; on every rank, the same value); record: more fields of the checkpoints
+    (the example that wrote them, "task"; the run's data files, "data"). Under torchrun each rank validates
+    every world-th batch and the sums are added up; rank 0 writes the checkpoints and the training log.
 
     Every validation writes checkpoint_last.pt (on a background thread: checkpoints.CheckpointWriter), then
     copies it to checkpoint_best.pt when --best-metric improved and to checkpoint_<step>.pt under --keep-last
@@ -459,7 +459,7 @@ def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path,
                 copy_checkpoint(ckpt_path, os.path.join(save_dir, f"checkpoint_{step}.pt"))
                 keep_periodic(save_dir, args.keep_last)
 
-        writer.save(ckpt_path, {"task": task_name, "model_config": model_config, "trainer": state, "args": vars(args),
+        writer.save(ckpt_path, {**(record or {}), "model_config": model_config, "trainer": state, "args": vars(args),
                                 "tokenizer": tokenizer}, copies)
 
     try:
