@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 
 import pytest
 import torch
@@ -36,6 +37,13 @@ PAD = 0
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
 
+if dist.is_available():
+    # Imported now, before any process group exists (in pytest and in every spawned worker, which imports this
+    # module first): its functions take `group=group.WORLD` as a default argument, evaluated at import, and
+    # torch.optim imports it (through torch._dynamo) when the first optimizer is built. Imported while a group
+    # is up, it would keep that group, and gloo's worker threads, alive after destroy_process_group(): _entry.
+    import torch.distributed.nn  # noqa: F401
+
 
 # ---- launching -----------------------------------------------------------------------------------------
 def _entry(rank, world, init_file, cuda, fn, args):
@@ -49,10 +57,17 @@ def _entry(rank, world, init_file, cuda, fn, args):
         if cuda:
             torch.cuda.set_device(0)  # the ranks share one GPU (gloo carries CUDA tensors)
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    group = weakref.ref(dist.group.WORLD)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    if cuda is False:
+        # Gone, so its gloo threads were joined here, while the interpreter is whole. A group kept alive takes
+        # them into interpreter shutdown: a worker thread that releases a finished collective's tensors needs
+        # the GIL for their Python objects, and if it waits for it as shutdown begins, Python ends the thread
+        # inside a noexcept destructor: "terminate called without an active exception" (SIGABRT), at random.
+        assert group() is None, "the process group outlived destroy_process_group() (something still holds it)"
 
 
 def spawn(fn, *args, world=WORLD, timeout=120, cuda=False):
