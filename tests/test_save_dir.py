@@ -111,13 +111,19 @@ def test_checkpoint_without_tokenizer_record_still_loads(trained, tmp_path, monk
     assert "does not record its tokenizer" in capsys.readouterr().err
 
 
-def test_generate_refuses_another_tokenizer(tmp_path):
-    lines = [s for s, _ in builtin_data.generate_pairs(120, 304)]
+def _one_step_lm(tmp_path, seed):
+    """The save directory of a one-step train_lm.py run on generated sentences (tmp_path/lm)."""
+    lines = [s for s, _ in builtin_data.generate_pairs(120, seed)]
     d = str(tmp_path / "lm")
     run(train_lm.main, ["--train", write_lines(tmp_path / "train.txt", lines[:100]),
                         "--valid", write_lines(tmp_path / "valid.txt", lines[100:]), "--save-dir", d,
                         "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
                         "--no-progress", "--num-samples", "0"])
+    return d
+
+
+def test_generate_refuses_another_tokenizer(tmp_path):
+    d = _one_step_lm(tmp_path, 304)
     replace_tokenizer(d)
     with pytest.raises(DataError, match="--generate: .*spm.model is not the tokenizer the model in"):
         run(train_lm.main, ["--save-dir", d, "--generate", "The dog", "--num-samples", "1"])
@@ -128,12 +134,7 @@ def test_the_other_examples_save_dir_is_named(trained, tmp_path, monkeypatch):
     """--generate on a translation run, --translate on a language-model run and --resume across the two say
     which example wrote the checkpoint (instead of KeyError: 'layers'); checkpoints written before the
     "task" field are told apart by their model configuration."""
-    lines = [s for s, _ in builtin_data.generate_pairs(120, 305)]
-    lm = str(tmp_path / "lm")
-    run(train_lm.main, ["--train", write_lines(tmp_path / "train.txt", lines[:100]),
-                        "--valid", write_lines(tmp_path / "valid.txt", lines[100:]), "--save-dir", lm,
-                        "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
-                        "--no-progress", "--num-samples", "0"])
+    lm = _one_step_lm(tmp_path, 305)
     mt = copy_run(trained, str(tmp_path / "mt"))
     old = copy_run(trained, str(tmp_path / "old"))
     path = os.path.join(old, checkpoints.CHECKPOINT_NAME)

@@ -135,20 +135,32 @@ class TransformerLayerBase(nn.Module):
 
     def dropouts(self):
         """(residual, attention, activation) dropout probabilities as the layer's modules hold them now;
-        ValueError when the per-block ones differ or one is outside [0, 1)."""
-        owner = type(self).__name__
-        residual = [(f"dropout{i + 1}.p", getattr(self, f"dropout{i + 1}").p) for i in range(len(self.KINDS))]
-        attention = [(f"{name}.dropout", m.dropout) for name, m in zip(("self_attn", "multihead_attn"),
-                                                                       self._attentions())]
-        for group, what in ((residual, "residual dropout after every sub-block"),
-                            (attention, "attention dropout in every attention")):
-            if any(p != group[0][1] for _, p in group):
-                values = ", ".join(f"{name} = {p}" for name, p in group)
-                raise ValueError(f"{owner}: {values} differ; the layer applies one {what}: set them equal")
-        for name, p in residual[:1] + attention[:1] + [("dropout.p", self.dropout.p)]:
+        ValueError when the per-block ones differ or one is outside [0, 1). (Read on every training call: the
+        messages are built only on an error.)"""
+        residual = [getattr(self, f"dropout{i + 1}").p for i in range(len(self.KINDS))]
+        attention = [m.dropout for m in self._attentions()]
+        activation = self.dropout.p
+        if any(p != residual[0] for p in residual) or any(p != attention[0] for p in attention):
+            self._refuse_differing(residual, attention)
+        for p in (residual[0], attention[0], activation):
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-                raise ValueError(f"{owner}: {name} must be a probability in [0, 1), got {p!r}")
-        return residual[0][1], attention[0][1], self.dropout.p
+                self._refuse_probability(residual[0], attention[0], activation)
+        return residual[0], attention[0], activation
+
+    def _refuse_differing(self, residual, attention):
+        owner = type(self).__name__
+        for names, values, what in (([f"dropout{i + 1}.p" for i in range(len(residual))], residual,
+                                     "residual dropout after every sub-block"),
+                                    (["self_attn.dropout", "multihead_attn.dropout"], attention,
+                                     "attention dropout in every attention")):
+            if any(p != values[0] for p in values):
+                listed = ", ".join(f"{name} = {p}" for name, p in zip(names, values))
+                raise ValueError(f"{owner}: {listed} differ; the layer applies one {what}: set them equal")
+
+    def _refuse_probability(self, residual, attention, activation):
+        for name, p in (("dropout1.p", residual), ("self_attn.dropout", attention), ("dropout.p", activation)):
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+                raise ValueError(f"{type(self).__name__}: {name} must be a probability in [0, 1), got {p!r}")
 
     def current_config(self):
         """The config with the dropout probabilities the layer holds now (``dropouts``)."""
