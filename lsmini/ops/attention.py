@@ -252,7 +252,7 @@ def _(q, k, v, key_padding_mask, causal, p, scale):
     b, h, lq, d = q.shape
     out = q.new_empty((b, lq, h, d)).transpose(1, 2)
     bits = keep_buffer(q, k, p)
-    return (out, q.new_empty((b, h, lq), dtype=torch.float32), fake_dropout_state(q),
+    return (out, q.new_empty((b, h, lq), dtype=torch.float32), fake_dropout_state(q, (b, h, lq, k.shape[2]), p),
             q.new_empty(0, dtype=torch.int32) if bits is None else bits)
 
 

@@ -97,7 +97,7 @@ def attention_softmax_op(scores: Tensor, key_padding_mask: Tensor | None, causal
 @attention_softmax_op.register_fake
 def _(scores, key_padding_mask, causal, p):
     softmax = scores.new_empty(scores.shape if p > 0 else (0,))
-    return scores.new_empty(scores.shape), softmax, fake_dropout_state(scores)
+    return scores.new_empty(scores.shape), softmax, fake_dropout_state(scores, scores.shape, p)
 
 
 @torch.library.custom_op("lsmini::attention_softmax_backward", mutates_args=(), device_types="cuda")

@@ -140,7 +140,7 @@ def bias_act_dropout_op(x: Tensor, bias: Tensor | None, activation: str, p: floa
 
 @bias_act_dropout_op.register_fake
 def _(x, bias, activation, p):
-    return x.new_empty(x.shape), fake_dropout_state(x)
+    return x.new_empty(x.shape), fake_dropout_state(x, x.shape, p)
 
 
 @torch.library.custom_op("lsmini::bias_act_dropout_backward", mutates_args=(), device_types="cuda")

@@ -119,7 +119,7 @@ def bias_dropout_residual_op(x: Tensor, bias: Tensor | None, residual: Tensor, p
 
 @bias_dropout_residual_op.register_fake
 def _(x, bias, residual, p):
-    return x.new_empty(x.shape), fake_dropout_state(x)
+    return x.new_empty(x.shape), fake_dropout_state(x, x.shape, p)
 
 
 @torch.library.custom_op("lsmini::bias_dropout_residual_backward", mutates_args=(), device_types="cuda")

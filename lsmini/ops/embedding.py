@@ -112,7 +112,8 @@ def embedding_op(tokens: Tensor, weight: Tensor, pos_table: Tensor, scale: float
 @embedding_op.register_fake
 def _(tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
     batch, length = tokens.shape
-    return weight.new_empty((batch, length, weight.shape[1])), fake_dropout_state(weight)
+    shape = (batch, length, weight.shape[1])
+    return weight.new_empty(shape), fake_dropout_state(weight, shape, dropout_p)
 
 
 @torch.library.custom_op("lsmini::embedding_backward", mutates_args=(), device_types="cuda")
