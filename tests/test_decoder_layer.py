@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from fake_ext import fake_kernels  # noqa: F401  (fixture)
 from layer_testing import (DEVICES, _one_thread, _poison_arena, no_tf32,  # noqa: F401  (fixtures)
                            assert_close_scaled, padding_mask, param_grads, perturb_, plain_attention, run)
 from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerDecoderLayer
@@ -187,34 +186,6 @@ def test_gemm_count_cpu(num_layers, recompute):
 @pytest.mark.parametrize("num_layers", [2, 6])
 def test_gemm_count_cuda(num_layers, recompute):
     _gemm_count_check("cuda", num_layers, recompute)
-
-
-@pytest.mark.parametrize("recompute", [True, False])
-@pytest.mark.parametrize("pre", [True, False])
-def test_kernel_path_glue(fake_kernels, pre, recompute):
-    """The kernel path (binding calls, stacked K/V through split_heads with 2L parts, the gradient slots)
-    with the extension replaced by the CPU stand-in of fake_ext: a standalone layer against
-    torch.nn, and a 3-layer stack against its layers run one by one."""
-    t = torch_decoder_layer(24, 3, 40, "gelu", pre)
-    m = TransformerDecoderLayer.from_torch(t)
-    m.recompute = recompute
-    gen = torch.Generator().manual_seed(1)
-    y, mem, g = (torch.randn(3, n, 24, generator=gen) for n in (5, 8, 5))
-    compare_decoder_with_torch(t, m, y, mem, padding_mask(3, 8, "random"), g, tol=2e-5)
-
-    dec, layers = _stack_and_layers("cpu", pre)
-    for layer in list(dec.layers) + layers:
-        layer.recompute = recompute
-    y, mem, g = (torch.randn(3, n, 32, generator=gen) for n in (5, 9, 5))
-    mask = padding_mask(3, 9, "suffix")
-
-    out_s, (dy_s, dm_s) = run(_one_by_one(dec, layers, mask), [y, mem], g)
-    out_d, (dy_d, dm_d) = run(lambda a, e: dec(a, e, mask), [y, mem], g)
-    assert_close_scaled(out_d, out_s, 2e-5, "output")
-    assert_close_scaled(dm_d, dm_s, 2e-5, "grad encoder_out")
-    kv = torch.cat([l.multihead_attn.kv_proj_weight.grad for l in layers])
-    assert_close_scaled(dec.cross_attn_kv_weight.grad, kv, 2e-5, "stacked kv grad")
-    assert "layernorm_bwd" in [name for name, _ in fake_kernels.calls]
 
 
 # ------------------------------------------------------------------------------------------- properties ---

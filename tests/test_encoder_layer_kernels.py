@@ -5,70 +5,11 @@ and autocast by the 2x-PyTorch rule, and the kernels against the reference path 
 import pytest
 import torch
 
-from fake_ext import fake_kernels  # noqa: F401  (fixture)
 from layer_testing import (_one_thread, _poison_arena, no_tf32,  # noqa: F401  (fixtures)
                            assert_close_scaled, compare_encoder_with_torch, encoder_layer, padding_mask, param_grads,
                            perturb_, plain_attention, run, torch_encoder_layer)
 from lsmini.layers import TransformerConfig, TransformerEncoderLayer
 from util import assert_lowp_rule
-
-
-# -------------------------------------------------------------------- CPU: through the stand-in extension ---
-@pytest.mark.parametrize("recompute", [True, False])
-@pytest.mark.parametrize("act", ["relu", "gelu"])
-@pytest.mark.parametrize("pre", [True, False])
-def test_kernel_path_glue_matches_torch(fake_kernels, pre, act, recompute):
-    """The kernel path of the layer (binding calls, returned tuples, aliasing, scratch layout) against
-    torch.nn, with the extension replaced by a CPU stand-in that follows the bindings' contracts."""
-    t = torch_encoder_layer(24, 3, 40, act, pre)
-    m = TransformerEncoderLayer.from_torch(t)
-    m.recompute = recompute
-    gen = torch.Generator().manual_seed(1)
-    x, g = torch.randn(4, 9, 24, generator=gen), torch.randn(4, 9, 24, generator=gen)
-    compare_encoder_with_torch(t, m, x, padding_mask(4, 9, "random"), g, tol=2e-5)
-    compare_encoder_with_torch(t, m, x, None, g, tol=2e-5, causal=True)
-    assert "layernorm_bwd" in [name for name, _ in fake_kernels.calls]
-
-
-@pytest.mark.parametrize("pre", [True, False])
-def test_kernel_path_glue_dropout_recompute(fake_kernels, pre):
-    """With dropout on, the kernel path's recompute (same seed/offset) gives what saving gives."""
-    cfg = TransformerConfig(32, 4, 64, dropout=0.2, attn_dropout=0.3, activation_dropout=0.25, pre_layer_norm=pre)
-    torch.manual_seed(0)
-    a = perturb_(TransformerEncoderLayer(cfg))
-    b = TransformerEncoderLayer(cfg)
-    b.load_state_dict(a.state_dict())
-    b.recompute = False
-    x, g = torch.randn(3, 8, 32), torch.randn(3, 8, 32)
-    mask = padding_mask(3, 8, "suffix")
-    fake_kernels.offset = 0
-    torch.manual_seed(5)  # the reference attention (fp32) draws its dropout mask from torch's generator
-    ya, (dxa,) = run(lambda u: a(u, mask), [x], g)
-    fake_kernels.offset = 0
-    torch.manual_seed(5)  # the reference attention (fp32) draws its dropout mask from torch's generator
-    yb, (dxb,) = run(lambda u: b(u, mask), [x], g)
-    torch.testing.assert_close(ya, yb, atol=0, rtol=0)
-    torch.testing.assert_close(dxa, dxb, atol=1e-6, rtol=1e-5)
-    gb = param_grads(b)
-    for n, gr in param_grads(a).items():
-        torch.testing.assert_close(gr, gb[n], atol=1e-6, rtol=1e-5, msg=lambda msg: f"{n}: {msg}")
-    assert (ya - a.eval()(x, mask)).abs().max() > 1e-3  # dropout did act
-
-
-@pytest.mark.parametrize("pre", [True, False])
-def test_kernel_path_glue_incremental_equals_full(fake_kernels, pre):
-    """Incremental decoding on the kernel path (split/merge heads and the attention softmax over the
-    cached keys through the stand-in) gives what the full causal forward gives."""
-    m = encoder_layer("cpu", pre).eval()
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(3, 7, 32, generator=gen)
-    mask = padding_mask(3, 7, "suffix")
-    full = m(x, mask, causal=True)
-    cache = {}
-    steps = [m(x[:, i:i + 1], mask[:, :i + 1], causal=True, cache=cache) for i in range(7)]
-    torch.testing.assert_close(torch.cat(steps, 1)[~mask], full[~mask], atol=2e-5, rtol=1e-4)
-    names = {name for name, _ in fake_kernels.calls}
-    assert {"split_heads_fwd", "attention_softmax_fwd", "merge_heads_fwd"} <= names, names
 
 
 # ================================================================================================= CUDA ===
