@@ -9,6 +9,7 @@ during capture, which is what the same calls advance it by in eager mode.
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lsmini import _backend
 from lsmini.ops import attention_softmax, bias_act_dropout, bias_dropout_residual, embedding, sinusoidal_positions
@@ -262,8 +263,50 @@ def _cpu_forward(op, p):
     return bias_act_dropout(x, bias, "relu", p)
 
 
+class DropoutStates(TorchDispatchMode):
+    """Records the dropout state of each lsmini operator call: what a forward returns (its last output)
+    and what a backward operator gets (its argument ``state``), as (operator name, state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.states = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "lsmini":
+            if func._opname.endswith("_backward"):
+                names = [a.name for a in func._schema.arguments]
+                self.states.append((func._opname, args[names.index("state")]))
+            else:
+                self.states.append((func._opname, out[-1]))
+        return out
+
+
+REGISTERED = ["bias_dropout_residual"]
+
+
 @pytest.mark.parametrize("p", [0.0, P])
-@pytest.mark.parametrize("op", list(CASES))
+@pytest.mark.parametrize("op", REGISTERED)
+def test_ops_hand_the_forward_state_to_the_backward(op, p):
+    """The autograd glue of every dropout op on its registered operators: the dropout state the forward
+    operator returns (on CPU, the keep-mask it drew from torch's generator, shaped like its output) goes
+    unchanged to the backward operator; p == 0 draws nothing and hands over an empty state."""
+    rng = torch.get_rng_state()
+    with DropoutStates() as seen:
+        out = _cpu_forward(op, p)
+        out.backward(torch.ones_like(out))
+    assert [name for name, _ in seen.states] == [op, f"{op}_backward"]
+    (_, drawn), (_, handed) = seen.states
+    assert handed is drawn or (handed.data_ptr() == drawn.data_ptr() and torch.equal(handed, drawn))
+    assert drawn.dtype == torch.bool
+    if p > 0:
+        assert drawn.numel() == out.numel() and not torch.equal(torch.get_rng_state(), rng)
+    else:
+        assert drawn.numel() == 0 and torch.equal(torch.get_rng_state(), rng)
+
+
+@pytest.mark.parametrize("p", [0.0, P])
+@pytest.mark.parametrize("op", [op for op in CASES if op not in REGISTERED])
 def test_ops_hand_the_drawn_rng_to_forward_and_backward(op, p, fake_kernels):
     """The Python side of every dropout op: the rng tuple drawn once per call goes to the forward
     binding and, unchanged, to the backward binding (the captured form included); p == 0 draws
