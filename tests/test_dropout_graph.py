@@ -282,7 +282,7 @@ class DropoutStates(TorchDispatchMode):
         return out
 
 
-REGISTERED = ["bias_dropout_residual"]
+REGISTERED = ["bias_dropout_residual", "bias_act_dropout"]
 
 
 @pytest.mark.parametrize("p", [0.0, P])
