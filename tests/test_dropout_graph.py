@@ -282,7 +282,7 @@ class DropoutStates(TorchDispatchMode):
         return out
 
 
-REGISTERED = ["bias_dropout_residual", "bias_act_dropout"]
+REGISTERED = ["bias_dropout_residual", "bias_act_dropout", "attention_softmax"]
 
 
 @pytest.mark.parametrize("p", [0.0, P])
