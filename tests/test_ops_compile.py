@@ -221,9 +221,12 @@ def _cross_entropy_samples(rand, device, dtype, p, rows, vocab, **_):
     logits = rand(rows, vocab)
     target = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(1)).to(device)
     target[rows // 2] = -100
-    loss, nll, lse = OPS.cross_entropy(logits, target, 0.1, -100)
-    return [(OPS.cross_entropy, (logits, target, 0.1, -100)),
-            (OPS.cross_entropy_backward, (rand(rows, dt=torch.float32), logits, target, lse, 0.1, -100))]
+    loss, nll, lse = OPS.cross_entropy(logits, target, 0.1, -100, False)
+    grad_rows = rand(rows, dt=torch.float32)
+    return [(OPS.cross_entropy, (logits, target, 0.1, -100, False)),
+            (OPS.cross_entropy, (logits, target, 0.0, -100, True)),
+            (OPS.cross_entropy_backward, (grad_rows, logits, target, lse, 0.1, -100)),
+            (OPS.cross_entropy_backward_, (grad_rows, logits.clone(), target, lse, 0.1, -100))]
 
 
 def _embedding_samples(rand, device, dtype, p, batch, q_len, hidden, vocab, **_):
@@ -261,7 +264,8 @@ SAMPLES = {"layer_norm": _layer_norm_samples, "heads": _heads_samples,
            "attention_softmax": _attention_softmax_samples, "attention": _attention_samples,
            "cross_entropy": _cross_entropy_samples, "embedding": _embedding_samples,
            "bias_dropout_residual": _bias_dropout_residual_samples, "bias_act_dropout": _bias_act_dropout_samples}
-CPU_FAMILIES = ("layer_norm", "heads", "bias_dropout_residual", "bias_act_dropout", "attention_softmax")
+CPU_FAMILIES = ("layer_norm", "heads", "bias_dropout_residual", "bias_act_dropout", "attention_softmax",
+                "cross_entropy")
 
 
 def op_samples(device, dtype, p, families=tuple(SAMPLES), sizes=SAMPLE_SIZES[0]):
@@ -277,7 +281,7 @@ def op_samples(device, dtype, p, families=tuple(SAMPLES), sizes=SAMPLE_SIZES[0])
 
 def _with_grad(op, args):
     """A forward operator's floating inputs require grad, so opcheck checks its autograd registration."""
-    if op.__name__.endswith("_backward"):
+    if "_backward" in op.__name__:
         return args
     return tuple(a.detach().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)
