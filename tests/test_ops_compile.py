@@ -265,7 +265,7 @@ SAMPLES = {"layer_norm": _layer_norm_samples, "heads": _heads_samples,
            "cross_entropy": _cross_entropy_samples, "embedding": _embedding_samples,
            "bias_dropout_residual": _bias_dropout_residual_samples, "bias_act_dropout": _bias_act_dropout_samples}
 CPU_FAMILIES = ("layer_norm", "heads", "bias_dropout_residual", "bias_act_dropout", "attention_softmax",
-                "cross_entropy")
+                "cross_entropy", "embedding")
 
 
 def op_samples(device, dtype, p, families=tuple(SAMPLES), sizes=SAMPLE_SIZES[0]):
