@@ -229,6 +229,13 @@ def _cross_entropy_samples(rand, device, dtype, p, rows, vocab, **_):
             (OPS.cross_entropy_backward_, (grad_rows, logits.clone(), target, lse, 0.1, -100))]
 
 
+def _linear_cross_entropy_samples(rand, device, dtype, p, rows, hidden, vocab, **_):
+    x, weight = rand(rows, hidden), rand(vocab, hidden)
+    target = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(3)).to(device)
+    target[0] = -100
+    return [(OPS.linear_cross_entropy, (x, weight, target, 0.1, -100, 3, True))]
+
+
 def _embedding_samples(rand, device, dtype, p, batch, q_len, hidden, vocab, **_):
     tokens = torch.randint(0, vocab, (batch, q_len), generator=torch.Generator().manual_seed(2)).to(device)
     weight, pos = rand(vocab, hidden), rand(q_len + 4, hidden)
@@ -262,10 +269,11 @@ def _bias_act_dropout_samples(rand, device, dtype, p, rows, hidden, **_):
 # family -> its samples; the operators of the families in CPU_FAMILIES have a CPU implementation
 SAMPLES = {"layer_norm": _layer_norm_samples, "heads": _heads_samples,
            "attention_softmax": _attention_softmax_samples, "attention": _attention_samples,
-           "cross_entropy": _cross_entropy_samples, "embedding": _embedding_samples,
+           "cross_entropy": _cross_entropy_samples, "linear_cross_entropy": _linear_cross_entropy_samples,
+           "embedding": _embedding_samples,
            "bias_dropout_residual": _bias_dropout_residual_samples, "bias_act_dropout": _bias_act_dropout_samples}
 CPU_FAMILIES = ("layer_norm", "heads", "bias_dropout_residual", "bias_act_dropout", "attention_softmax",
-                "cross_entropy", "embedding")
+                "cross_entropy", "linear_cross_entropy", "embedding")
 
 
 def op_samples(device, dtype, p, families=tuple(SAMPLES), sizes=SAMPLE_SIZES[0]):
