@@ -11,7 +11,8 @@ backward is an operator of its own), which eager and compiled code alike call:
 A custom operator is a pure function of its inputs, which shapes them:
 - Outputs are fresh tensors, never an input nor another output (torch refuses aliases): where a binding
   would hand back an input, or one tensor twice, the operator returns something else or nothing there,
-  as its docstring says.
+  as its docstring says. The one operator that writes into an input, ``lsmini::cross_entropy_backward_``
+  (the in-place backward ``cross_entropy`` offers), declares it (``mutates_args``) and returns nothing.
 - An operator cannot return None: outputs that exist only for some inputs (a bias gradient when there
   is a bias) come back as a ``list[Tensor]`` holding just the present ones, in a documented order
   (``optional_outputs`` reads them back).
