@@ -2,10 +2,12 @@
 
 The extension ``lsmini._C`` is built at install time where a CUDA build of torch, its nvcc and the CUDA
 headers exist (``pip install --no-build-isolation -e .``); setup.py records why it did or did not build
-it in the generated ``lsmini/_build_info.py``, which ``backend().reason`` reports. Without the extension
-every op runs its pure-PyTorch reference, on any device. ``LSMINI_FORCE_REFERENCE=1`` forces the
-reference path even when the kernels are there; it is read at every call, so tests and debugging
-sessions can flip it.
+it in the generated ``lsmini/_build_info.py``, which ``backend().reason`` reports. Each op is registered
+once as a PyTorch operator (``torch.ops.lsmini.<op>``) whose CUDA implementation calls the extension's
+kernels and whose CPU implementation is the op's pure-PyTorch reference; ``has_op_impl`` says whether the
+operators have an implementation for a device. Without the extension, CUDA tensors run the references
+directly. ``LSMINI_FORCE_REFERENCE=1`` makes every op call its reference directly, even when the kernels
+are there (``force_reference``); it is read at every call, so tests and debugging sessions can flip it.
 """
 import importlib.util
 import os
@@ -55,6 +57,8 @@ class Backend(str):
 
 
 def force_reference():
+    """True when ``LSMINI_FORCE_REFERENCE`` asks every op to call its pure-PyTorch reference directly (to
+    compare against it, or to debug) instead of its registered operator or kernels."""
     return os.environ.get("LSMINI_FORCE_REFERENCE", "0") not in ("", "0")
 
 
@@ -73,20 +77,39 @@ _warned_missing = False
 
 
 def use_kernels(*tensors):
-    """True when the op should run its CUDA kernel: the extension is there, the reference path is not
-    forced, and every given tensor (None ignored) lives on a CUDA device."""
+    """True when a layer's primitives should run their CUDA kernels: the extension is there, the reference
+    path is not forced, and every given tensor (None ignored) lives on a CUDA device. (The ops decide with
+    ``force_reference`` and ``has_op_impl``.)"""
     if not all(t is None or t.is_cuda for t in tensors):
         return False
     if force_reference():
         return False
     if _C is None:
-        global _warned_missing
-        if not _warned_missing and not torch.compiler.is_compiling():  # a warning would break the compiled graph
-            _warned_missing = True
-            warnings.warn(f"lsmini: CUDA tensors but the CUDA extension lsmini._C is {_IMPORT_ERROR}; using the "
-                          f"PyTorch reference path; {BUILD_HINT}")
+        _warn_missing()
         return False
     return True
+
+
+def has_op_impl(device):
+    """True when the registered operators ``torch.ops.lsmini.<op>`` have an implementation for tensors on
+    ``device``: CPU always (the references), CUDA when the extension is built and loads (the kernels).
+    Without it, a CUDA call warns once and the op runs its reference instead."""
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    if _C is None:
+        _warn_missing()
+        return False
+    return True
+
+
+def _warn_missing():
+    global _warned_missing
+    if not _warned_missing and not torch.compiler.is_compiling():  # a warning would break the compiled graph
+        _warned_missing = True
+        warnings.warn(f"lsmini: CUDA tensors but the CUDA extension lsmini._C is {_IMPORT_ERROR}; using the "
+                      f"PyTorch reference path; {BUILD_HINT}")
 
 
 def ext():

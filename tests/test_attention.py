@@ -8,10 +8,11 @@ import torch.nn.functional as F
 import lsmini
 from lsmini import _backend
 from lsmini.limits import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
-from lsmini.ops.attention import (AttentionFunction, attention, attention_ref, dropout_bits, fused_attention_supported,
-                                  keep_buffer, keep_numel, keeps_bits, sm90_kernels, sm90_kernels_available)
+from lsmini.ops.attention import (attention, attention_ref, dropout_bits, fused_attention_supported, keep_buffer,
+                                  keep_numel, keeps_bits, sm90_kernels, sm90_kernels_available)
 from lsmini.ops.attention_softmax import attention_softmax
-from util import (attention_masks, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err,
+from lsmini.ops.dropout import keep_mask
+from util import (LsminiOps, attention_masks, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err,
                   next_seed_offset, philox_keep_mask, poison)
 
 MASK_KINDS = ["none", "pad", "causal", "both"]
@@ -199,15 +200,68 @@ def test_fused_attention_supported():
         assert not fused_attention_supported(dtype, 64)
 
 
-def test_functional_on_cpu_uses_reference():
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("shape", [(3, 2, 5, 7, 16), (3, 2, 7, 5, 32), (1, 1, 1, 1, 16), (2, 2, 17, 9, 64)])
+@pytest.mark.parametrize("p", [0.0, P])
+def test_op_on_cpu_matches_plain_torch(p, shape, kind, dtype):
+    """The registered operators' CPU implementation (the kernel's dtypes and head dims), forward and
+    backward with one random grad_output, against plain PyTorch applying the mask the op draws: the
+    reference's keep-mask (``lsmini.ops.dropout.keep_mask``) from torch's CPU generator, here drawn again
+    under the same seed. By the 2x rule against float64, plain PyTorch in the same precision the yardstick."""
+    b, h, lq, lk, d = shape
+    q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cpu")
+    kpm, causal, masked = attention_masks(b, lq, lk, kind, gen, "cpu")
+    scale = 1.0 / math.sqrt(d)
+    torch.manual_seed(1)
+    with LsminiOps() as ops:
+        out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal, p), q, k, v, dout)
+    assert ops.names == ["attention", "attention_backward"]
+    assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    torch.manual_seed(1)
+    keep = keep_mask((b, h, lq, lk), p, "cpu")
+    truth, truth_grads = _run(lambda q, k, v: _plain(q, k, v, masked, scale, keep, p),
+                              q.double(), k.double(), v.double(), dout.double())
+    lowp, lowp_grads = _run(lambda q, k, v: _plain(q, k, v, masked, scale, keep, p), q, k, v, dout)
+    assert_lowp_rule(out, truth, lowp, atol=1e-3, name="out")
+    for name, g, r, t in zip(("dq", "dk", "dv"), grads, truth_grads, lowp_grads):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        assert_lowp_rule(g, r, t, atol=GRAD_ATOL[dtype], name=name)
+    dead = _dead_rows(masked, b, h, lq)
+    assert (out[dead] == 0).all() and (grads[0][dead] == 0).all()
+    if kpm is not None:
+        pad = kpm.view(b, 1, lk).expand(b, h, lk)
+        assert (grads[1][pad] == 0).all() and (grads[2][pad] == 0).all()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_op_on_cpu_dropout_statistics_same_mask_and_seed(p):
+    # v[b, h, j] = e_j makes out[b, h, i, j] the dropped probability itself: the mask becomes visible, and
+    # grad_v = (dropped probabilities)ᵀ · dout shows the backward's mask
+    b, h, lq, lk, d = 4, 4, 64, 64, 64
+    q, k, _, dout, _ = _inputs(b, h, lq, lk, d, torch.bfloat16, "cpu", seed=7, q_scale=0.1)
+    v = torch.eye(lk, d, dtype=torch.bfloat16).expand(b, h, lk, d).contiguous().requires_grad_(True)
+    torch.manual_seed(3)
+    out = attention(q, k, v, dropout_p=p)
+    (gv,) = torch.autograd.grad(out, v, dout)
+    kept = out != 0
+    assert (attention(q, k, v.detach()) > 0).all()
+    assert_dropout_keep_stats(kept.reshape(-1, lk), p)
+    assert_close_fp32(gv.float(), out.float().transpose(-1, -2) @ dout.float(), atol=2e-2, rtol=2e-2, name="dv")
+    torch.manual_seed(3)
+    assert torch.equal(attention(q, k, v, dropout_p=p), out)
+    assert not torch.equal(attention(q, k, v, dropout_p=p), out), "each call draws a new mask"
+
+
+def test_float32_on_cpu_calls_the_reference_directly():
     b, h, lq, lk, d = 3, 2, 4, 6, 16
     q, k, v, dout, gen = _inputs(b, h, lq, lk, d, torch.float32, "cpu")
     kpm, _, _ = attention_masks(b, lq, lk, "pad", gen, "cpu")
-    out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal=True), q, k, v, dout)
+    with LsminiOps() as ops:
+        out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal=True), q, k, v, dout)
+    assert ops.names == []
     want, want_grads = _run(lambda q, k, v: attention_ref(q, k, v, kpm, causal=True), q, k, v, dout)
     assert torch.equal(out, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads))
-    y = attention(q.requires_grad_(), k, v)
-    assert not isinstance(y.grad_fn, AttentionFunction._backward_cls)
     torch.manual_seed(3)
     a = attention(q, k, v, dropout_p=0.3)
     torch.manual_seed(3)
@@ -341,7 +395,9 @@ def test_kernel_uses_the_fused_path_and_lse(dtype):
     b, h, lq, lk, d = 3, 2, 65, 63, 64
     q, k, v, _, gen = _inputs(b, h, lq, lk, d, dtype, "cuda")
     kpm, causal, masked = attention_masks(b, lq, lk, "both", gen, "cuda")
-    assert isinstance(attention(q.requires_grad_(), k, v, kpm, causal).grad_fn, AttentionFunction._backward_cls)
+    with LsminiOps() as ops:
+        attention(q.requires_grad_(), k, v, kpm, causal)
+    assert ops.names == ["attention"]
     out, lse = ext.attention_fwd(q.detach(), k, v, kpm, causal, 0.0, 0.125, (0, 0, 0, 0))
     assert lse.dtype == torch.float32 and lse.shape == (b, h, lq) and lse.is_contiguous()
     s = (q.detach().float() @ k.float().transpose(-1, -2)) * 0.125
@@ -698,12 +754,14 @@ def test_kernel_bad_input_errors():
 @pytest.mark.cuda
 def test_unsupported_cases_on_cuda_run_the_reference():
     q, k, v, _, _ = _inputs(2, 2, 8, 9, 24, torch.float16, "cuda")  # head_dim 24
-    y = attention(q.requires_grad_(), k, v, causal=True)
-    assert not isinstance(y.grad_fn, AttentionFunction._backward_cls)
+    with LsminiOps() as ops:
+        y = attention(q.requires_grad_(), k, v, causal=True)
+    assert ops.names == [] and y.grad_fn is not None
     assert torch.equal(y, attention_ref(q, k, v, causal=True))
     q, k, v, _, _ = _inputs(2, 2, 8, 9, 64, torch.float32, "cuda")  # float32
-    y = attention(q.requires_grad_(), k, v)
-    assert not isinstance(y.grad_fn, AttentionFunction._backward_cls)
+    with LsminiOps() as ops:
+        y = attention(q.requires_grad_(), k, v)
+    assert ops.names == [] and y.grad_fn is not None
     assert torch.equal(y, attention_ref(q, k, v))
     q, k, v, _, _ = _inputs(2, 2, 8, 0, 64, torch.float16, "cuda")  # no keys at all
     assert (attention(q, k, v, dropout_p=0.1) == 0).all()
@@ -713,9 +771,12 @@ def test_unsupported_cases_on_cuda_run_the_reference():
 def test_force_reference_env(monkeypatch):
     q, k, v, _, _ = _inputs(2, 2, 8, 9, 64, torch.float16, "cuda")
     q.requires_grad_(True)
-    assert isinstance(attention(q, k, v).grad_fn, AttentionFunction._backward_cls)
+    with LsminiOps() as ops:
+        attention(q, k, v)
+    assert ops.names == ["attention"]
     monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
-    y = attention(q, k, v, causal=True)
-    assert y.grad_fn is not None and not isinstance(y.grad_fn, AttentionFunction._backward_cls)
+    with LsminiOps() as ops:
+        y = attention(q, k, v, causal=True)
+    assert ops.names == [] and y.grad_fn is not None
     assert torch.equal(y, attention_ref(q, k, v, causal=True))
     assert lsmini.backend() == "reference"

@@ -6,8 +6,9 @@ import torch.nn.functional as F
 
 import lsmini
 from lsmini.limits import ATTENTION_SOFTMAX_MAX_KEYS as MAX_KEYS
-from lsmini.ops.attention_softmax import AttentionSoftmaxFunction, attention_softmax, attention_softmax_ref
-from util import (attention_masks, LOWP, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule,
+from lsmini.ops.attention_softmax import attention_softmax, attention_softmax_ref
+from lsmini.ops.dropout import keep_mask
+from util import (attention_masks, LOWP, LsminiOps, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule,
                   philox_keep_mask)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -31,11 +32,13 @@ def _run(fn, scores, grad):
     return y.detach(), x.grad
 
 
-def _plain_torch(scores, masked, grad):
-    """masked_fill + softmax in scores' own dtype, autograd backward. Fully masked rows come out NaN
-    in plain PyTorch; they are set to 0 here (the op's definition) so the error rule can compare."""
+def _plain_torch(scores, masked, grad, keep=None, p=0.0):
+    """masked_fill + softmax in scores' own dtype, then the keep-mask (None: no dropout), autograd
+    backward. Fully masked rows come out NaN in plain PyTorch; they are set to 0 here (the op's
+    definition) so the error rule can compare."""
     def fn(x):
-        return torch.softmax(x if masked is None else x.masked_fill(masked, float("-inf")), dim=-1)
+        y = torch.softmax(x if masked is None else x.masked_fill(masked, float("-inf")), dim=-1)
+        return y if keep is None else torch.where(keep, y * (1.0 / (1.0 - p)), torch.zeros_like(y))
     y, dx = _run(fn, scores, grad)
     return y.nan_to_num(0.0), dx.nan_to_num(0.0)
 
@@ -119,15 +122,68 @@ def test_reference_keeps_dtype():
     assert attention_softmax_ref(scores, causal=True).dtype == torch.bfloat16
 
 
-def test_functional_on_cpu_uses_reference():
-    scores, _, gen = _inputs((3, 2, 4, 6), torch.float32, "cpu")
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 2, 5, 7), (3, 2, 7, 5), (1, 1, 1, 1), (3, 3, 16, 33)])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_op_on_cpu_matches_torch(shape, dtype, kind, p):
+    """The registered operator's CPU implementation, forward and backward with one random grad_output,
+    against plain PyTorch applying the mask the op draws: the reference's keep-mask
+    (``lsmini.ops.dropout.keep_mask``) from torch's CPU generator, here drawn again under the same seed.
+    fp32 against float64; fp16/bf16 by the 2x rule, plain PyTorch in that precision as the yardstick."""
+    b, h, q, k = shape
+    scores, grad, gen = _inputs(shape, dtype, "cpu")
+    kpm, causal, masked = attention_masks(b, q, k, kind, gen, "cpu")
+    torch.manual_seed(1)
+    with LsminiOps() as ops:
+        y, dx = _run(lambda x: attention_softmax(x, kpm, causal, p), scores, grad)
+    assert ops.names == ["attention_softmax", "attention_softmax_backward"]
+    assert y.dtype == dtype and dx.dtype == dtype
+    torch.manual_seed(1)
+    keep = keep_mask(shape, p, "cpu")
+    yt, dxt = _plain_torch(scores.double(), masked, grad.double(), keep, p)
+    if dtype in LOWP:
+        yl, dxl = _plain_torch(scores, masked, grad, keep, p)
+        assert_lowp_rule(y, yt, yl, atol=1e-3, name="probs")
+        assert_lowp_rule(dx, dxt, dxl, atol=1e-3, name="grad_scores")
+    else:
+        assert_close_fp32(y, yt, name="probs")
+        assert_close_fp32(dx, dxt, atol=1e-5, rtol=1e-4, name="grad_scores")
+    if masked is not None:  # masked keys and fully masked rows are exactly 0, forward and backward
+        mb = masked.expand(shape)
+        assert (y[mb] == 0).all() and (dx[mb] == 0).all()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_op_on_cpu_dropout_statistics_same_mask_and_seed(p):
+    k = 64
+    scores = torch.zeros(8, 4, 32, k, requires_grad=True)  # every probability 1/k: kept ≠ 0
+    grad = 1 + torch.rand(8, 4, 32, k, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(3)
+    out = attention_softmax(scores, None, False, p)
+    (dx,) = torch.autograd.grad(out, (scores,), grad)
+    keep = out != 0
+    assert_dropout_keep_stats(keep.view(-1, k), p, name=f"mask p={p}")
+    # the backward applies the forward's mask: dx = y·(g' − Σ y·g'), g' the dropped gradient
+    g = torch.where(keep, grad / (1 - p), torch.zeros_like(grad))
+    assert_close_fp32(dx, (g - (g / k).sum(-1, keepdim=True)) / k, atol=1e-7, rtol=1e-5)
+    torch.manual_seed(3)
+    assert torch.equal(attention_softmax(scores, None, False, p), out)
+    assert not torch.equal(attention_softmax(scores, None, False, p), out), "each call draws a new mask"
+
+
+def test_float64_and_forced_reference_call_the_reference_directly(monkeypatch):
+    scores, _, gen = _inputs((3, 2, 4, 6), torch.float64, "cpu")
     kpm, _, _ = attention_masks(3, 4, 6, "pad", gen, "cpu")
-    torch.testing.assert_close(attention_softmax(scores, kpm, causal=True),
-                               attention_softmax_ref(scores, kpm, causal=True))
-    torch.manual_seed(3)
-    a = attention_softmax(scores, dropout_p=0.3)
-    torch.manual_seed(3)
-    torch.testing.assert_close(a, attention_softmax_ref(scores, dropout_p=0.3))
+    with LsminiOps() as ops:
+        y = attention_softmax(scores, kpm, causal=True)
+    assert ops.names == [] and y.dtype == torch.float64
+    torch.testing.assert_close(y, attention_softmax_ref(scores, kpm, causal=True))
+    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    with LsminiOps() as ops:
+        y = attention_softmax(scores.float(), kpm, causal=True)
+    assert ops.names == []
+    torch.testing.assert_close(y, attention_softmax_ref(scores.float(), kpm, causal=True))
 
 
 def test_bad_input_errors():
@@ -426,16 +482,20 @@ def test_kernel_bad_input_errors():
 @pytest.mark.cuda
 def test_float64_on_cuda_runs_the_reference():
     x = torch.randn(2, 2, 3, 5, device="cuda", dtype=torch.float64, requires_grad=True)
-    y = attention_softmax(x, causal=True)
-    assert y.dtype == torch.float64 and not isinstance(y.grad_fn, AttentionSoftmaxFunction._backward_cls)
+    with LsminiOps() as ops:
+        y = attention_softmax(x, causal=True)
+    assert y.dtype == torch.float64 and ops.names == [] and y.grad_fn is not None
     torch.testing.assert_close(y, attention_softmax_ref(x, causal=True))
 
 
 @pytest.mark.cuda
 def test_force_reference_env(monkeypatch):
     x = torch.randn(2, 2, 3, 5, device="cuda", requires_grad=True)
-    assert isinstance(attention_softmax(x).grad_fn, AttentionSoftmaxFunction._backward_cls)
+    with LsminiOps() as ops:
+        attention_softmax(x)
+    assert ops.names == ["attention_softmax"]
     monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
-    y = attention_softmax(x, causal=True)
-    assert y.grad_fn is not None and not isinstance(y.grad_fn, AttentionSoftmaxFunction._backward_cls)
+    with LsminiOps() as ops:
+        y = attention_softmax(x, causal=True)
+    assert ops.names == [] and y.grad_fn is not None
     torch.testing.assert_close(y, attention_softmax_ref(x, causal=True))

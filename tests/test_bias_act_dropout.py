@@ -4,8 +4,9 @@ import torch.nn.functional as F
 
 import lsmini
 from lsmini.ops.bias_act_dropout import ACTIVATIONS, bias_act_dropout, bias_act_dropout_ref
-from util import (LOWP, assert_close_fp32, assert_column_sum_close, assert_dropout_keep_stats, assert_lowp_rule,
-                  next_seed_offset, philox_keep_mask)
+from lsmini.ops.dropout import keep_mask
+from util import (LOWP, LsminiOps, assert_close_fp32, assert_column_sum_close, assert_dropout_keep_stats,
+                  assert_lowp_rule, next_seed_offset, philox_keep_mask)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -80,16 +81,63 @@ def test_reference_computes_in_fp32_and_keeps_dtype(dtype):
     assert torch.equal(out, F.gelu(x.float() + bias).to(dtype))
 
 
-def test_functional_on_cpu_uses_reference():
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (3, 5, 24), (129, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_op_on_cpu_matches_torch(activation, shape, dtype, p):
+    """The registered operator's CPU implementation, forward and every gradient with one random
+    grad_output, against plain PyTorch applying the mask the op draws: the reference's keep-mask
+    (``lsmini.ops.dropout.keep_mask``) from torch's CPU generator, here drawn again under the same seed."""
+    for bias_kind in _bias_kinds(dtype):
+        x, bias, grad = _inputs(shape, dtype, "cpu", bias_kind)
+        torch.manual_seed(1)
+        with LsminiOps() as ops:
+            ours = _run(lambda x, b: bias_act_dropout(x, b, activation, p), x, bias, grad)
+        assert ops.names == ["bias_act_dropout", "bias_act_dropout_backward"]
+        torch.manual_seed(1)
+        keep = keep_mask(x.shape, p, "cpu")
+        up = lambda t: t.float() if t is not None else None  # noqa: E731
+        ref32 = _lowp_torch(up(x), up(bias), up(grad), activation, keep, p)  # plain PyTorch in fp32
+        lowp = _lowp_torch(x, bias, grad, activation, keep, p)
+        _check_all(dtype, ours, ref32, lowp)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_op_on_cpu_dropout_statistics_same_mask_and_seed(p):
+    g = torch.Generator(device="cpu").manual_seed(2)
+    shape = (333, 1032)
+    x = (1 + torch.rand(*shape, generator=g)).requires_grad_()  # relu(x) ≥ 1: kept ≠ 0
+    grad = 1 + torch.rand(*shape, generator=g)
+    torch.manual_seed(3)
+    out = bias_act_dropout(x, None, "relu", p)
+    (gx,) = torch.autograd.grad(out, (x,), grad)
+    keep = out != 0
+    assert_dropout_keep_stats(keep, p, name=f"mask p={p}")
+    assert torch.equal(gx == 0, ~keep)  # the backward applies the forward's mask
+    assert_close_fp32(gx[keep], grad[keep] / (1 - p), atol=0, rtol=1e-6)
+    torch.manual_seed(3)
+    assert torch.equal(bias_act_dropout(x, None, "relu", p), out)
+    assert not torch.equal(bias_act_dropout(x, None, "relu", p), out), "each call draws a new mask"
+
+
+def test_op_on_cpu_eval_p0_and_forced_reference(monkeypatch):
     x, bias, _ = _inputs((4, 16), torch.float32, "cpu")
-    for act in ACTIVATIONS:
-        assert torch.equal(bias_act_dropout(x, bias, act), bias_act_dropout_ref(x, bias, act))
-    torch.manual_seed(5)
-    a = bias_act_dropout(x, bias, "gelu", 0.5)
-    torch.manual_seed(5)
-    assert torch.equal(a, bias_act_dropout_ref(x, bias, "gelu", 0.5))
-    assert torch.equal(bias_act_dropout(x, bias, "relu", 0.5, training=False), F.relu(x + bias))
-    assert torch.equal(bias_act_dropout(x, None), F.relu(x))  # relu by default
+    state = torch.get_rng_state()
+    with LsminiOps() as ops:
+        for act in ACTIVATIONS:
+            assert torch.equal(bias_act_dropout(x, bias, act), bias_act_dropout_ref(x, bias, act))
+        assert torch.equal(bias_act_dropout(x, bias, "relu", 0.5, training=False), F.relu(x + bias))
+        assert torch.equal(bias_act_dropout(x, None), F.relu(x))  # relu by default
+    assert ops.names == ["bias_act_dropout"] * 5
+    assert torch.equal(torch.get_rng_state(), state), "p == 0 / eval must not draw"
+    with LsminiOps() as ops:
+        bias_act_dropout(x.double(), bias.double(), "gelu")
+    assert ops.names == []
+    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    with LsminiOps() as ops:
+        assert torch.equal(bias_act_dropout(x, bias, "gelu"), bias_act_dropout_ref(x, bias, "gelu"))
+    assert ops.names == []
 
 
 def test_bad_inputs_cpu():

@@ -3,10 +3,10 @@ import torch
 import torch.nn.functional as F
 
 import lsmini
-from lsmini.ops.bias_dropout_residual import (BiasDropoutResidualFunction, bias_dropout_residual,
-                                              bias_dropout_residual_ref)
-from util import (LOWP, assert_close_fp32, assert_column_sum_close, assert_dropout_keep_stats, assert_lowp_rule,
-                  next_seed_offset, PHILOX_ROUNDS, philox4x32, philox_keep_mask)
+from lsmini.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
+from lsmini.ops.dropout import keep_mask
+from util import (LOWP, LsminiOps, assert_close_fp32, assert_column_sum_close, assert_dropout_keep_stats,
+                  assert_lowp_rule, next_seed_offset, PHILOX_ROUNDS, philox4x32, philox_keep_mask)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -79,14 +79,71 @@ def test_reference_computes_in_fp32_and_keeps_dtype(dtype):
     assert torch.equal(out, want)
 
 
-def test_functional_on_cpu_uses_reference():
+def _plain(x, bias, residual, keep, p):
+    """residual + dropout(x + bias) in plain PyTorch, with the given keep-mask (None: no dropout)."""
+    y = x if bias is None else x + bias.to(x.dtype)
+    if keep is not None:
+        y = torch.where(keep, y * (1.0 / (1.0 - p)), torch.zeros_like(y))
+    return residual + y
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 33), (3, 5, 24), (129, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_op_on_cpu_matches_torch(shape, dtype, p):
+    """The registered operator's CPU implementation, forward and every gradient with one random
+    grad_output, against plain PyTorch applying the mask the op draws: the reference's keep-mask
+    (``lsmini.ops.dropout.keep_mask``) from torch's CPU generator, here drawn again under the same seed."""
+    for bias_kind in _bias_kinds(dtype):
+        x, bias, residual, grad = _inputs(shape, dtype, "cpu", bias_kind)
+        torch.manual_seed(1)
+        with LsminiOps() as ops:
+            ours = _run(lambda x, b, r: bias_dropout_residual(x, b, r, p), x, bias, residual, grad)
+        calls_backward = p > 0 or bias is not None  # else grad_x is grad_out itself
+        assert ops.names == ["bias_dropout_residual"] + ["bias_dropout_residual_backward"] * calls_backward
+        torch.manual_seed(1)
+        keep = keep_mask(x.shape, p, "cpu")
+        up = lambda t: t.float() if t is not None else None  # noqa: E731
+        ref32 = _run(lambda x, b, r: _plain(x, b, r, keep, p), up(x), up(bias), up(residual), up(grad))
+        lowp = _lowp_torch(x, bias, residual, grad, keep, p)
+        _check_all(dtype, ours, ref32, lowp)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_op_on_cpu_dropout_statistics_same_mask_and_seed(p):
+    g = torch.Generator(device="cpu").manual_seed(2)
+    shape = (333, 1032)
+    x = (1 + torch.rand(*shape, generator=g)).requires_grad_()  # |x + 0| ≥ 1: kept ≠ 0
+    residual = torch.randn(*shape, generator=g).requires_grad_()
+    grad = 1 + torch.rand(*shape, generator=g)
+    torch.manual_seed(3)
+    out = bias_dropout_residual(x, None, residual, p)
+    (gx,) = torch.autograd.grad(out, (x,), grad)
+    keep = out != residual  # a dropped element gives exactly the residual
+    assert_dropout_keep_stats(keep, p, name=f"mask p={p}")
+    assert torch.equal(gx == 0, ~keep)  # the backward applies the forward's mask
+    assert_close_fp32(gx[keep], grad[keep] / (1 - p), atol=0, rtol=1e-6)
+    torch.manual_seed(3)
+    assert torch.equal(bias_dropout_residual(x, None, residual, p), out)
+    assert not torch.equal(bias_dropout_residual(x, None, residual, p), out), "each call draws a new mask"
+
+
+def test_op_on_cpu_eval_p0_and_forced_reference(monkeypatch):
     x, bias, residual, _ = _inputs((4, 16), torch.float32, "cpu")
-    assert torch.equal(bias_dropout_residual(x, bias, residual), bias_dropout_residual_ref(x, bias, residual))
-    torch.manual_seed(5)
-    a = bias_dropout_residual(x, bias, residual, 0.5)
-    torch.manual_seed(5)
-    assert torch.equal(a, bias_dropout_residual_ref(x, bias, residual, 0.5))
-    assert torch.equal(bias_dropout_residual(x, bias, residual, 0.5, training=False), residual + (x + bias))
+    state = torch.get_rng_state()
+    with LsminiOps() as ops:
+        plain = bias_dropout_residual(x, bias, residual)
+        assert torch.equal(bias_dropout_residual(x, bias, residual, 0.5, training=False), plain)
+    assert ops.names == ["bias_dropout_residual"] * 2
+    assert torch.equal(torch.get_rng_state(), state), "p == 0 / eval must not draw"
+    assert torch.equal(plain, bias_dropout_residual_ref(x, bias, residual))
+    with LsminiOps() as ops:
+        bias_dropout_residual(x.double(), bias.double(), residual.double())
+    assert ops.names == []
+    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    with LsminiOps() as ops:
+        assert torch.equal(bias_dropout_residual(x, bias, residual), plain)
+    assert ops.names == []
 
 
 def test_bad_inputs_cpu():
@@ -245,11 +302,10 @@ def test_binding_outputs_and_grad_bias_dtype(dtype):
         ext.bias_dropout_residual_bwd(grad, 0.3, (5, 8, 0, 0), False, None, buf[:3])
 
 
-@pytest.mark.cuda
-def test_grad_residual_is_grad_out():
-    x, bias, residual, grad = _inputs((9, 64), torch.float16, "cuda")
-    out = BiasDropoutResidualFunction.apply(x.requires_grad_(), bias.requires_grad_(), residual.requires_grad_(),
-                                            0.2)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_grad_residual_is_grad_out(device):
+    x, bias, residual, grad = _inputs((9, 64), torch.float16, device)
+    out = bias_dropout_residual(x.requires_grad_(), bias.requires_grad_(), residual.requires_grad_(), 0.2)
     gx, gb, gr = torch.autograd.grad(out, (x, bias, residual), grad)
     assert gr.data_ptr() == grad.data_ptr()
 

@@ -1,13 +1,13 @@
-"""cross_entropy: the reference against torch.nn.functional (CPU), the CUDA kernels against the
-reference upcast to fp32 (forward loss/nll and the logits gradient), in-place backward, alignment
-paths, special values and bad input."""
+"""cross_entropy: the reference and the registered operators' CPU implementation against
+torch.nn.functional (CPU), the CUDA kernels against the reference upcast to fp32 (forward loss/nll and
+the logits gradient), in-place backward, alignment paths, special values and bad input."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lsmini import _backend
 from lsmini.ops import cross_entropy, cross_entropy_ref
-from util import LOWP, assert_close_fp32, check
+from util import LOWP, LsminiOps, assert_close_fp32, check
 
 REDUCTIONS = ("mean", "sum", "none")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -135,11 +135,79 @@ def test_ref_float64_gradcheck():
     assert torch.autograd.gradcheck(lambda v: cross_entropy_ref(v, t, 0.2, reduction="mean"), (x,))
 
 
-def test_functional_cpu_uses_reference():
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_op_on_cpu_matches_torch(inplace, ignore_index, eps, reduction, dtype):
+    """The registered operators' CPU implementation against plain PyTorch: loss, nll and the logits'
+    gradient with one random grad_output; fp32 against float64, fp16/bf16 by the 2x rule."""
+    gen = torch.Generator().manual_seed(7)
+    n, vocab = 37, 11
+    logits = (torch.randn(n, vocab, generator=gen) * 3).to(dtype)
+    t = _targets(n, vocab, gen, ignore_index=ignore_index)
+    x = logits.clone().requires_grad_(True)
+    with LsminiOps() as ops:
+        loss, nll = cross_entropy(x, t, eps, ignore_index, reduction, return_nll=True, inplace_backward=inplace)
+        go = _grad_out(loss, gen)
+        (gx,) = torch.autograd.grad(loss, x, go)
+    assert ops.names == ["cross_entropy", "cross_entropy_backward_" if inplace else "cross_entropy_backward"]
+    assert loss.dtype == nll.dtype == torch.float32 and not nll.requires_grad and gx.dtype == dtype
+    if inplace:
+        assert torch.equal(x.detach(), gx), "in-place backward did not write into the logits"
+    x64 = logits.double().requires_grad_(True)
+    tl = F.cross_entropy(x64, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=eps)
+    tn = F.nll_loss(F.log_softmax(x64.detach(), dim=-1), t, ignore_index=ignore_index, reduction=reduction)
+    (tg,) = torch.autograd.grad(tl, x64, go.double())
+    gscale = go.abs().max().item()  # |dx| is bounded by |grad_output| (÷ count for "mean")
+    if reduction == "mean":
+        gscale /= max(int((t != ignore_index).sum()), 1)
+    if dtype == torch.float32:
+        assert_close_fp32(loss, tl, name="loss")
+        assert_close_fp32(nll, tn, name="nll")
+        assert_close_fp32(gx, tg, atol=1e-5 * gscale, name="grad")
+    else:
+        ll, ln = _torch_lowp_loss(logits, t, eps, ignore_index, reduction)
+        check(loss, tl, ll, dtype, name="loss")
+        check(nll, tn, ln, dtype, name="nll")
+        xl = logits.clone().requires_grad_(True)
+        tll = F.cross_entropy(xl, t, ignore_index=ignore_index, reduction=reduction, label_smoothing=eps)
+        (tgl,) = torch.autograd.grad(tll, xl, go.to(dtype))
+        check(gx, tg, tgl, dtype, atol_lowp=1e-5 * gscale, name="grad")
+
+
+def test_op_on_cpu_nd_shapes_and_non_contiguous_logits():
+    gen = torch.Generator().manual_seed(8)
+    wide = torch.randn(2, 5, 12, generator=gen)
+    x = wide[..., :9].detach().requires_grad_(True)  # [2, 5, 9], not contiguous
+    t = _targets(10, 9, gen).view(2, 5)
+    for inplace in (False, True):
+        with LsminiOps() as ops:
+            loss = cross_entropy(x, t, 0.1, reduction="none", inplace_backward=inplace)
+        assert ops.names == ["cross_entropy"] and loss.shape == (2, 5)
+        x2 = x.detach().reshape(10, 9).requires_grad_(True)
+        want = F.cross_entropy(x2, t.reshape(-1), label_smoothing=0.1, reduction="none")
+        assert_close_fp32(loss, want.view(2, 5))
+        go = torch.randn(2, 5, generator=gen)
+        (gx,) = torch.autograd.grad(loss, x, go)
+        assert_close_fp32(gx, torch.autograd.grad(want, x2, go.reshape(-1))[0].view(2, 5, 9))
+        assert torch.equal(wide[..., :9], x.detach())  # a copy took the in-place gradient, not x
+
+
+def test_float64_and_forced_reference_call_the_reference_directly(monkeypatch):
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(10, 20, generator=gen)
     t = _targets(10, 20, gen)
-    loss, nll = cross_entropy(x, t, 0.1, return_nll=True)
+    with LsminiOps() as ops:
+        loss, nll = cross_entropy(x.double(), t, 0.1, return_nll=True)
+    assert ops.names == [] and loss.dtype == torch.float64
+    rl, rn = cross_entropy_ref(x.double(), t, 0.1, return_nll=True)
+    assert torch.equal(loss, rl) and torch.equal(nll, rn)
+    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    with LsminiOps() as ops:
+        loss, nll = cross_entropy(x, t, 0.1, return_nll=True)
+    assert ops.names == []
     rl, rn = cross_entropy_ref(x, t, 0.1, return_nll=True)
     assert torch.equal(loss, rl) and torch.equal(nll, rn)
 

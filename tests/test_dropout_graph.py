@@ -9,10 +9,10 @@ during capture, which is what the same calls advance it by in eager mode.
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lsmini import _backend
 from lsmini.ops import attention_softmax, bias_act_dropout, bias_dropout_residual, embedding, sinusoidal_positions
-from fake_ext import fake_kernels  # noqa: F401  (fixture)
 from util import assert_dropout_keep_stats
 
 P = 0.5
@@ -247,7 +247,7 @@ def test_philox_seed_offset_of_another_device():
 
 # -------------------------------------------------------------------------------------- CPU (CI) ---
 def _cpu_forward(op, p):
-    """A forward of the public op on small CPU tensors (taking its kernel path); returns the output."""
+    """A forward of the public op on small CPU tensors (its registered operator); returns the output."""
     g = _gen()
     if op == "embedding":
         weight = torch.randn(10, 8, generator=g).requires_grad_()
@@ -262,18 +262,40 @@ def _cpu_forward(op, p):
     return bias_act_dropout(x, bias, "relu", p)
 
 
+class DropoutStates(TorchDispatchMode):
+    """Records the dropout state of each lsmini operator call: what a forward returns (its last output)
+    and what a backward operator gets (its argument ``state``), as (operator name, state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.states = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "lsmini":
+            if func._opname.endswith("_backward"):
+                names = [a.name for a in func._schema.arguments]
+                self.states.append((func._opname, args[names.index("state")]))
+            else:
+                self.states.append((func._opname, out[-1]))
+        return out
+
+
 @pytest.mark.parametrize("p", [0.0, P])
 @pytest.mark.parametrize("op", list(CASES))
-def test_ops_hand_the_drawn_rng_to_forward_and_backward(op, p, fake_kernels):
-    """The Python side of every dropout op: the rng tuple drawn once per call goes to the forward
-    binding and, unchanged, to the backward binding (the captured form included); p == 0 draws
-    nothing and passes NO_RNG."""
-    fake_kernels.captured = True  # rng tuples in the captured form (device addresses), as inside a graph
-    out = _cpu_forward(op, p)
-    out.backward(torch.ones_like(out))
-    assert [name for name, _ in fake_kernels.calls] == [f"{op}_fwd", f"{op}_bwd"]
-    assert len(fake_kernels.drawn) == (1 if p > 0 else 0)
-    want = fake_kernels.drawn[0] if p > 0 else _backend.NO_RNG
-    for name, args in fake_kernels.calls:
-        rng = args["rng"]
-        assert type(rng) is tuple and rng == want, f"{name} got rng {rng!r}, expected {want!r}"
+def test_ops_hand_the_forward_state_to_the_backward(op, p):
+    """The autograd glue of every dropout op on its registered operators: the dropout state the forward
+    operator returns (on CPU, the keep-mask it drew from torch's generator, shaped like its output) goes
+    unchanged to the backward operator; p == 0 draws nothing and hands over an empty state."""
+    rng = torch.get_rng_state()
+    with DropoutStates() as seen:
+        out = _cpu_forward(op, p)
+        out.backward(torch.ones_like(out))
+    assert [name for name, _ in seen.states] == [op, f"{op}_backward"]
+    (_, drawn), (_, handed) = seen.states
+    assert handed is drawn or (handed.data_ptr() == drawn.data_ptr() and torch.equal(handed, drawn))
+    assert drawn.dtype == torch.bool
+    if p > 0:
+        assert drawn.numel() == out.numel() and not torch.equal(torch.get_rng_state(), rng)
+    else:
+        assert drawn.numel() == 0 and torch.equal(torch.get_rng_state(), rng)

@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import lsmini
-from lsmini.ops.embedding import EmbeddingFunction, embedding, embedding_ref, sinusoidal_positions
-from util import LOWP, assert_close_fp32, assert_lowp_rule, philox_keep_mask
+from lsmini.ops.dropout import keep_mask
+from lsmini.ops.embedding import embedding, embedding_ref, sinusoidal_positions
+from util import LOWP, LsminiOps, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, philox_keep_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -120,7 +121,75 @@ def test_reference_fp32_math_for_half_weights():
     torch.testing.assert_close(out, ref.bfloat16(), atol=0, rtol=0)  # fp32 math, one rounding at the end
 
 
-def test_functional_on_cpu_uses_reference_and_defaults():
+def _plain_with_mask(tokens, weight, pos, grad, scale, pad, step, learned, keep, p):
+    """_plain's forward and backward (out, grad_weight, grad_pos) with the given dropout keep-mask (None: no
+    dropout), in the tensors' own dtype."""
+    out, w, q = _plain(tokens, weight, pos, scale, pad, step)
+    if keep is not None:
+        out = torch.where(keep, out * (1.0 / (1.0 - p)), torch.zeros_like(out))
+    out.backward(grad)
+    return out.detach(), w.grad, (q.grad if learned else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pad", [None, 3])
+@pytest.mark.parametrize("learned", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_op_on_cpu_matches_plain_pytorch(p, learned, pad, dtype):
+    """The registered operators' CPU implementation, forward and gradients with one random grad_output,
+    against nn.Embedding · scale + positions with the mask the op draws: the reference's keep-mask
+    (``lsmini.ops.dropout.keep_mask``) from torch's CPU generator, here drawn again under the same seed.
+    fp32 against float64, fp16/bf16 by the 2x rule."""
+    batch, length, hidden, vocab, step = 5, 11, 16, 20, 2
+    tokens, weight, pos, grad = _inputs(batch, length, hidden, vocab, dtype, "cpu", pad=pad,
+                                        max_positions=length + step + 1, learned=learned)
+    scale = math.sqrt(hidden)
+    torch.manual_seed(1)
+    with LsminiOps() as ops:
+        ours = _run(lambda w, q: embedding(tokens, w, q, padding_idx=pad, step=step, dropout_p=p,
+                                           learned_positions=learned), weight, pos, grad, learned)
+    assert ops.names == ["embedding", "embedding_backward"]
+    torch.manual_seed(1)
+    keep = keep_mask((batch, length, hidden), p, "cpu")
+    truth = _plain_with_mask(tokens, weight.double(), pos.double(), grad.double(), scale, pad, step, learned, keep, p)
+    plain = _plain_with_mask(tokens, weight, pos, grad, scale, pad, step, learned, keep, p)
+    _check_all(ours, truth, plain, dtype, scale, _max_count(tokens, pad), batch)
+    if pad is not None:
+        assert torch.equal(ours[1][pad], torch.zeros_like(ours[1][pad]))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_op_on_cpu_dropout_statistics_same_mask_and_seed(p):
+    tokens, weight, pos, grad = _inputs(8, 64, 64, 100, torch.float32, "cpu", learned=True)
+    weight = (weight.abs() + 1).requires_grad_(True)  # every row ≥ 1 + pos: kept ≠ 0
+    pos = pos.abs().requires_grad_(True)
+    torch.manual_seed(3)
+    out = embedding(tokens, weight, pos, scale=1.0, dropout_p=p, learned_positions=True)
+    (gp,) = torch.autograd.grad(out, pos, grad)
+    keep = out != 0
+    assert_dropout_keep_stats(keep.view(-1, 64), p, name=f"mask p={p}")
+    # the backward applies the forward's mask: grad_pos sums the kept gradients over the batch
+    assert_close_fp32(gp, torch.where(keep, grad / (1 - p), 0.0).sum(0), atol=1e-5, rtol=1e-5)
+    torch.manual_seed(3)
+    again = embedding(tokens, weight, pos, scale=1.0, dropout_p=p, learned_positions=True)
+    assert torch.equal(again, out)
+    assert not torch.equal(embedding(tokens, weight, pos, scale=1.0, dropout_p=p, learned_positions=True), out)
+
+
+def test_float64_and_forced_reference_call_the_reference_directly(monkeypatch):
+    tokens, weight, pos, _ = _inputs(2, 9, 24, 30, torch.float64, "cpu", pad=1)
+    with LsminiOps() as ops:
+        out = embedding(tokens, weight, pos, padding_idx=1)
+    assert ops.names == [] and out.dtype == torch.float64
+    torch.testing.assert_close(out, embedding_ref(tokens, weight, pos, padding_idx=1))
+    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    with LsminiOps() as ops:
+        out = embedding(tokens, weight.float(), pos.float(), padding_idx=1)
+    assert ops.names == []
+    torch.testing.assert_close(out, embedding_ref(tokens, weight.float(), pos.float(), padding_idx=1))
+
+
+def test_functional_on_cpu_defaults():
     tokens, weight, pos, _ = _inputs(2, 9, 24, 30, torch.float32, "cpu", pad=1, max_positions=12)
     out = embedding(tokens, weight, pos, padding_idx=1, step=2)
     torch.testing.assert_close(out, embedding_ref(tokens, weight, pos, math.sqrt(24), 1, 2))
@@ -569,6 +638,7 @@ def test_force_reference_env(monkeypatch):
     tokens, weight, pos, _ = _inputs(2, 8, 32, 10, torch.float32, "cuda")
     monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
     w = weight.clone().requires_grad_(True)
-    y = embedding(tokens, w, pos)
-    assert not isinstance(y.grad_fn, EmbeddingFunction._backward_cls)
+    with LsminiOps() as ops:
+        y = embedding(tokens, w, pos)
+    assert ops.names == [] and y.grad_fn is not None
     assert_close_fp32(y, embedding_ref(tokens, weight, pos))

@@ -1,7 +1,8 @@
-"""linear_cross_entropy (the output projection and the label-smoothed criterion in chunks of rows): the CPU path
-against F.linear + F.cross_entropy, the CUDA chunks against the float64 reference (loss, nll and both
-gradients) over chunk sizes, dtypes, reductions and ignored rows, its custom operator (opcheck, torch.compile,
-a CUDA graph), LinearCrossEntropyLoss with the models' features_only, and bad input."""
+"""linear_cross_entropy (the output projection and the label-smoothed criterion in chunks of rows): the
+reference and the registered operator's CPU implementation against F.linear + F.cross_entropy, the CUDA
+chunks against the float64 reference (loss, nll and both gradients) over chunk sizes, dtypes, reductions and
+ignored rows, its operator on CUDA (opcheck, torch.compile, a CUDA graph), LinearCrossEntropyLoss with the
+models' features_only, and bad input."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,8 +11,8 @@ from lsmini.layers import LinearCrossEntropyLoss
 from lsmini.models import Transformer, TransformerLM
 from lsmini.layers import TransformerConfig
 from lsmini.ops import cross_entropy, linear_cross_entropy, linear_cross_entropy_ref
-from lsmini.ops.linear_cross_entropy import default_chunk_tokens, linear_cross_entropy_op
-from util import LOWP, assert_close_fp32, check
+from lsmini.ops.linear_cross_entropy import default_chunk_tokens
+from util import LOWP, LsminiOps, assert_close_fp32, check
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -50,6 +51,52 @@ def test_cpu_path_matches_torch(reduction, eps):
     ex, ew = torch.autograd.grad(expect, (x, w))
     assert_close_fp32(gx, ex, atol=1e-10, rtol=1e-10, name="grad x")
     assert_close_fp32(gw, ew, atol=1e-10, rtol=1e-10, name="grad weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_op_on_cpu_matches_torch(eps, reduction, dtype):
+    """The registered operator's CPU implementation: loss, nll and both gradients with a random incoming
+    gradient, against F.linear + F.cross_entropy; fp32 against float64, fp16/bf16 by the 2x rule."""
+    x, w, t = _inputs(23, 8, 13, seed=2, dtype=dtype, ignore_index=5, lead=(2,))
+    with LsminiOps() as ops:
+        loss, nll = linear_cross_entropy(x, w, t, eps, 5, reduction, return_nll=True)
+        go = torch.tensor(0.75)
+        gx, gw = torch.autograd.grad(loss, (x, w), go)
+    assert ops.names == ["linear_cross_entropy"]  # the backward scales the forward's gradients
+    assert loss.dtype == nll.dtype == torch.float32 and not nll.requires_grad
+    assert gx.dtype == gw.dtype == dtype
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    expect = _torch_loss(x64, w64, t, eps, 5, reduction)
+    expect_nll = _torch_loss(x64, w64, t, 0.0, 5, reduction).detach()
+    ex, ew = torch.autograd.grad(expect, (x64, w64), go.double())
+    if dtype == torch.float32:
+        assert_close_fp32(loss, expect, atol=1e-5, rtol=1e-5, name="loss")
+        assert_close_fp32(nll, expect_nll, atol=1e-5, rtol=1e-5, name="nll")
+        assert_close_fp32(gx, ex, atol=1e-6, rtol=1e-4, name="grad x")
+        assert_close_fp32(gw, ew, atol=1e-6, rtol=1e-4, name="grad weight")
+        return
+    lowp = _torch_loss(x, w, t, eps, 5, reduction)
+    tx, tw = torch.autograd.grad(lowp, (x, w), go)
+    check(loss, expect, lowp.detach(), dtype, name="loss")
+    check(nll, expect_nll, _torch_loss(x, w, t, 0.0, 5, reduction).detach(), dtype, name="nll")
+    check(gx, ex, tx, dtype, name="grad x")
+    check(gw, ew, tw, dtype, name="grad weight")
+
+
+def test_op_on_cpu_without_grad_computes_the_loss_alone(monkeypatch):
+    x, w, t = _inputs(40, 16, 50, 0, dtype=torch.bfloat16)
+    with torch.no_grad(), LsminiOps() as ops:
+        loss = linear_cross_entropy(x, w, t, 0.1, chunk_tokens=8)
+        loss_sum, nll_sum, gx, gw = torch.ops.lsmini.linear_cross_entropy(x, w, t, 0.1, -100, 8, False)
+    assert ops.names == ["linear_cross_entropy"] * 2
+    assert gx.numel() == 0 and gw.numel() == 0 and not loss.requires_grad
+    assert torch.equal(loss_sum / (t != -100).sum(), loss)
+    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    with LsminiOps() as ops:
+        forced = linear_cross_entropy(x, w, t, 0.1)
+    assert ops.names == [] and torch.equal(forced.detach(), loss)
 
 
 def test_default_chunk_keeps_a_chunk_of_logits_within_64_mib():
@@ -156,7 +203,7 @@ def test_without_grad_computes_the_loss_alone():
     x, w, t = _inputs(40, 16, 50, 0, "cuda", torch.float16)
     with torch.no_grad():
         loss = linear_cross_entropy(x, w, t, 0.1, chunk_tokens=8)
-        loss_sum, nll_sum, gx, gw = linear_cross_entropy_op(x, w, t, 0.1, -100, 8, False)
+        loss_sum, nll_sum, gx, gw = torch.ops.lsmini.linear_cross_entropy(x, w, t, 0.1, -100, 8, False)
     assert gx.numel() == 0 and gw.numel() == 0 and not loss.requires_grad
     assert torch.equal(loss, linear_cross_entropy(x, w, t, 0.1, chunk_tokens=8).detach())
     assert torch.equal(loss_sum / (t != -100).sum(), loss)
@@ -185,11 +232,12 @@ def test_autocast_casts_features_and_weight_as_linear_does():
     assert gx.dtype == torch.float32 and gw.dtype == torch.float32
 
 
-@pytest.mark.cuda
-def test_opcheck():
-    x, w, t = _inputs(50, 32, 70, 5, "cuda", torch.float16)
-    torch.library.opcheck(linear_cross_entropy_op, (x, w, t, 0.1, -100, 16, True))
-    torch.library.opcheck(linear_cross_entropy_op, (x.detach(), w.detach(), t, 0.1, -100, 16, False))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_opcheck(device):
+    x, w, t = _inputs(50, 32, 70, 5, device, torch.float16)
+    op = torch.ops.lsmini.linear_cross_entropy
+    torch.library.opcheck(op, (x, w, t, 0.1, -100, 16, True))
+    torch.library.opcheck(op, (x.detach(), w.detach(), t, 0.1, -100, 16, False))
 
 
 @pytest.mark.cuda

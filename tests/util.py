@@ -1,9 +1,25 @@
 """Helpers shared by the op tests."""
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lsmini import _backend
 
 LOWP = (torch.float16, torch.bfloat16)
+
+
+class LsminiOps(TorchDispatchMode):
+    """Within the block, records the name of every lsmini operator that runs, forward and backward, in
+    order: ``with LsminiOps() as ops: ...`` then ``ops.names == ["layer_norm", "layer_norm_backward"]``.
+    An op that calls its reference directly records nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "lsmini":
+            self.names.append(func._opname)
+        return func(*args, **(kwargs or {}))
 
 
 def poison(t):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import lsmini
-from lsmini.ops.embedding import EmbeddingFunction, sinusoidal_positions
+from lsmini.ops.embedding import sinusoidal_positions
 
 
 def _compiled(fn):
@@ -41,7 +41,7 @@ def bench(ctx):
                 return F.dropout(F.embedding(tokens, weight) * scale + pos, p, True)
 
             ctx.row("embedding_fwd", dtype, shape,
-                    lambda: EmbeddingFunction.apply(tokens, weight, pos, scale, -1, 0, p), torch_fwd,
+                    lambda: torch.ops.lsmini.embedding.default(tokens, weight, pos, scale, -1, 0, p), torch_fwd,
                     nbytes=fwd_bytes, compiled_fn=None if ctx.quick else _compiled(torch_fwd))
 
             # backward at the op level on both sides: our binding vs the ops torch's autograd runs for

@@ -1,19 +1,24 @@
-"""Fused ops. Each ``lsmini.ops.<op>(...)`` runs the CUDA kernel for CUDA tensors when the extension is
-built, and its pure-PyTorch reference ``<op>_ref`` otherwise.
+"""Fused ops. Each op is registered once as a PyTorch operator, ``torch.ops.lsmini.<op>`` (with
+``lsmini::<op>_backward`` where its backward is an operator of its own), whose CUDA implementation runs the
+extension's kernel and whose CPU implementation is the op's pure-PyTorch reference ``<op>_ref`` (a backward
+operator's: the reference's gradients by autograd). The public ``lsmini.ops.<op>(...)`` checks its
+arguments and calls that operator, in eager and compiled code alike, for the dtypes and sizes the kernel
+takes; other inputs (float64, a head_dim without a kernel, tensors on another device), CUDA tensors
+without the built extension, and a forced reference (``LSMINI_FORCE_REFERENCE``, read at every call) run
+``<op>_ref`` directly.
 
-``lsmini/ops/<op>.py`` holds everything of one op: the public function, the reference, the autograd
-Function and, for the ops inside the fused layers, the forward/backward primitives the layers' hand-written
-backward is built on. What several ops share lives in modules named by their role: ``checks`` (argument
-checks), ``dropout`` (the references' dropout masks) and ``reference_grads`` (a reference's backward by
+``lsmini/ops/<op>.py`` holds everything of one op: the public function, the reference, the registered
+operators (implementations, fake implementation for tracing, autograd registered once) and, for the ops
+inside the fused layers, the forward/backward primitives the layers' hand-written backward is built on.
+What several ops share lives in modules named by their role: ``checks`` (argument checks), ``dropout``
+(the references' dropout masks), ``library`` (what the registered operators share: the dropout state a
+forward hands its backward, optional outputs) and ``reference_grads`` (a reference's backward by
 autograd). Kernel dtypes and size limits come from ``lsmini.limits``.
 
-Every op works under ``torch.compile(fullgraph=True)``. The reference path is plain PyTorch, which the
-compiler traces. The kernel path is also registered as PyTorch custom operators, ``lsmini::<op>`` and
-``lsmini::<op>_backward`` (fake implementations for tracing, registered autograd; ``library`` holds what
-they share): the ops call them while torch.compile traces them and keep their autograd Functions in eager
-mode. The host-syncing value checks (embedding's token range, cross_entropy's targets) are skipped while
-compiling, and which path runs (``LSMINI_FORCE_REFERENCE`` included) is decided when the function is
-compiled, not at every call.
+Every op works under ``torch.compile(fullgraph=True)``: the compiler sees the operators through their fake
+implementations and registered autograd, and the same operators run as in eager mode. The host-syncing
+value checks (embedding's token range, cross_entropy's targets) are skipped while compiling, and which
+path runs (``LSMINI_FORCE_REFERENCE`` included) is decided when the function is compiled.
 """
 from lsmini.ops.layernorm import layer_norm, layer_norm_ref
 from lsmini.ops.heads import merge_heads, merge_heads_ref, split_heads, split_heads_ref

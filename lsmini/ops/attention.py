@@ -1,5 +1,5 @@
 """Attention: fused scaled-dot-product attention (FlashAttention-style; the scores never reach memory): the
-public op, its reference, its autograd Function and the forward/backward primitives of the fused layers.
+public op, its reference, its registered operators and the forward/backward primitives of the fused layers.
 
     s[b, h, i, j]  = scale · q[b, h, i] · k[b, h, j]                       (scale defaults to 1/sqrt(d))
     masked[b, h, i, j] = key_padding_mask[b, j]  or  (causal and j > i + k_len − q_len)
@@ -25,20 +25,22 @@ changes where): there the forward also stores the mask it drew, one bit per scor
 instead, which spares the backward's two kernels a Philox draw each; the bits are the same either way.
 
 The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) with head_dim d in
-``lsmini.limits.ATTENTION_HEAD_DIMS``; anything else (float32, float64, other d, CPU tensors) runs
-``attention_ref``. Backward is deterministic (no atomics). On Hopper (compute capability 9.0, an sm_90a
-build) head dims 64 and 128 run kernels built on warpgroup MMAs (``sm90_kernels_available``); the same
-math, masks and dropout bits as the sm_80 kernels, which ``sm90_kernels(False)`` selects instead.
+``lsmini.limits.ATTENTION_HEAD_DIMS``, and so does the registered operator on CPU; anything else
+(float32, float64, other d) runs ``attention_ref``. Backward is deterministic (no atomics). On Hopper
+(compute capability 9.0, an sm_90a build) head dims 64 and 128 run kernels built on warpgroup MMAs
+(``sm90_kernels_available``); the same math, masks and dropout bits as the sm_80 kernels, which
+``sm90_kernels(False)`` selects instead.
 
-- ``attention(q, k, v, key_padding_mask, causal, dropout_p, training, scale)``: the op; the kernel where
-  ``fused_attention_supported`` and the tensors are on CUDA, ``attention_ref`` elsewhere.
-- ``attention_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
-- ``AttentionFunction``: autograd over the kernels.
+- ``attention(q, k, v, key_padding_mask, causal, dropout_p, training, scale)``: the op: argument checks,
+  then ``torch.ops.lsmini.attention`` where ``fused_attention_supported``, ``attention_ref`` elsewhere.
+- ``attention_ref``: pure PyTorch in fp32 math, the oracle and the operators' CPU implementation.
+- ``lsmini::attention`` / ``lsmini::attention_backward``: the op registered once (see
+  ``lsmini.ops.library``): the kernels on CUDA; on CPU the reference with the reference's keep-mask as the
+  dropout state (and no keep bits), and its gradients by autograd; fake implementations for tracing;
+  autograd saving q, k, v, out, lse, the mask, the dropout state and the bits.
 - ``attention_fwd`` / ``attention_bwd``: the primitives a layer's hand-written backward is built on: a
   forward that returns the merged-heads output and its saved state, a backward that writes the
   gradients into given views (e.g. of one projection-gradient buffer); fused kernel or reference.
-- ``lsmini::attention`` / ``lsmini::attention_backward`` (``attention_op``, ``attention_backward_op``): the
-  kernel path as custom operators, which ``attention`` calls while torch.compile traces it.
 """
 import contextlib
 import math
@@ -46,14 +48,14 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from lsmini import _backend, limits
-from lsmini.ops.attention_softmax import attention_softmax_ref
+from lsmini.ops.attention_softmax import attention_mask_ref, attention_softmax_ref
 from lsmini.ops.checks import (check_causal_and_dropout, check_floating, check_key_padding_mask, check_same_device,
                                check_tensor)
 from lsmini.ops.dropout import keep_mask
-from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, state_rng
+from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
+                                state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -214,52 +216,45 @@ def attention_bwd(grad_out, saved, grad_q, grad_k, grad_v, fused):
         grad.copy_(result)
 
 
-class AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, causal, p, scale):
-        rng = _backend.dropout_rng(p, q.device)
-        bits = keep_buffer(q, k, p)
-        out, lse = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng, bits)
-        # the mask goes through save_for_backward too: an in-place change before backward then errors
-        ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, bits)
-        ctx.causal, ctx.p, ctx.scale, ctx.rng = causal, p, scale, rng
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse, key_padding_mask, bits = ctx.saved_tensors
-        if dout.stride(-1) != 1:  # e.g. the all-zero-stride gradient of out.sum()
-            dout = dout.contiguous()
-        dq, dk, dv = _backend.ext().attention_bwd(dout, q, k, v, out, lse, key_padding_mask, ctx.causal, ctx.p,
-                                                  ctx.scale, ctx.rng, keep=bits)
-        return dq, dk, dv, None, None, None, None
-
-
 @torch.library.custom_op("lsmini::attention", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
-def attention_op(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool, p: float,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool, p: float,
+                  scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, dropout state, keep bits): out [b, h, lq, d] as the transposed view of a contiguous
-    [b, lq, h, d] buffer, lse float32 [b, h, lq], the bits int32 (``keep_buffer``; empty when not kept)."""
+    [b, lq, h, d] buffer, lse float32 [b, h, lq] (+inf where every key is masked), the bits int32
+    (``keep_buffer``; empty when not kept, and always on CPU). This function is the CUDA implementation
+    (the kernel; the state is the call's Philox state)."""
     rng, state = draw_dropout_state(p, q.device)
     bits = keep_buffer(q, k, p)
     out, lse = _backend.ext().attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng, bits)
     return out, lse, state, q.new_empty(0, dtype=torch.int32) if bits is None else bits
 
 
-@attention_op.register_fake
+@_attention_op.register_kernel("cpu")
+def _attention_cpu(q, k, v, key_padding_mask, causal, p, scale):
+    b, h, lq, _ = q.shape
+    lk = k.shape[2]
+    state = draw_keep_mask((b, h, lq, lk), p, q.device)
+    out = attention_ref(q, k, v, key_padding_mask, causal, p, True, scale, keep_mask_or_none(state, p))
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    masked = attention_mask_ref(b, lq, lk, key_padding_mask, causal, q.device)
+    lse = torch.logsumexp(s if masked is None else s.masked_fill(masked, float("-inf")), dim=-1)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # the kernel's value for a row that sees no key
+    return out.transpose(1, 2).contiguous().transpose(1, 2), lse, state, q.new_empty(0, dtype=torch.int32)
+
+
+@_attention_op.register_fake
 def _(q, k, v, key_padding_mask, causal, p, scale):
     b, h, lq, d = q.shape
     out = q.new_empty((b, lq, h, d)).transpose(1, 2)
-    bits = keep_buffer(q, k, p)
-    return (out, q.new_empty((b, h, lq), dtype=torch.float32), fake_dropout_state(q),
+    bits = keep_buffer(q, k, p) if q.device.type == "cuda" else None
+    return (out, q.new_empty((b, h, lq), dtype=torch.float32), fake_dropout_state(q, (b, h, lq, k.shape[2]), p),
             q.new_empty(0, dtype=torch.int32) if bits is None else bits)
 
 
 @torch.library.custom_op("lsmini::attention_backward", mutates_args=(), device_types="cuda")
-def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          key_padding_mask: Tensor | None, state: Tensor, bits: Tensor, causal: bool, p: float,
-                          scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                           key_padding_mask: Tensor | None, state: Tensor, bits: Tensor, causal: bool, p: float,
+                           scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv), contiguous, shaped like q, k, v; the dropout mask read from the forward's bits, or
     regenerated from its state when the bits are empty."""
     if dout.stride(-1) != 1:  # e.g. the all-zero-stride gradient of out.sum()
@@ -269,7 +264,15 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     return dq, dk, dv
 
 
-@attention_backward_op.register_fake
+@_attention_backward_op.register_kernel("cpu")
+def _attention_backward_cpu(dout, q, k, v, out, lse, key_padding_mask, state, bits, causal, p, scale):
+    keep = keep_mask_or_none(state, p)
+    dq, dk, dv = reference_grads(lambda q, k, v: attention_ref(q, k, v, key_padding_mask, causal, p, True, scale, keep),
+                                 [q, k, v], dout)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, key_padding_mask, state, bits, causal, p, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -278,18 +281,19 @@ def _attention_setup_context(ctx, inputs, output):
     q, k, v, key_padding_mask, causal, p, scale = inputs
     out, lse, state, bits = output
     ctx.mark_non_differentiable(lse, bits)
+    # the mask goes through save_for_backward too: an in-place change before backward then errors
     ctx.save_for_backward(q, k, v, out, lse, key_padding_mask, state, bits)
     ctx.causal, ctx.p, ctx.scale = causal, p, scale
 
 
 def _attention_backward(ctx, dout, _grad_lse, _grad_state, _grad_bits):
     q, k, v, out, lse, key_padding_mask, state, bits = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout, q, k, v, out, lse, key_padding_mask, state, bits, ctx.causal, ctx.p,
-                                       ctx.scale)
+    dq, dk, dv = torch.ops.lsmini.attention_backward.default(dout, q, k, v, out, lse, key_padding_mask, state, bits,
+                                                             ctx.causal, ctx.p, ctx.scale)
     return dq, dk, dv, None, None, None, None
 
 
-attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
 
 
 def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
@@ -330,18 +334,18 @@ def attention(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, train
     causal: bottom-right aligned (query i sees key j iff j ≤ i + k_len − q_len).
     dropout_p: attention-probability dropout, applied only when ``training`` and dropout_p > 0.
     scale: multiplier of q·k, default 1/sqrt(d).
-    Returns out [batch, heads, q_len, d] in q's dtype; rows with every key masked are zeros. On CUDA
-    with the kernel (float16/bfloat16, d in 16/32/64/128) out is a transposed view of a contiguous
-    [batch, q_len, heads, d] buffer; otherwise ``attention_ref`` runs.
+    Returns out [batch, heads, q_len, d] in q's dtype; rows with every key masked are zeros. Calls
+    ``torch.ops.lsmini.attention`` where the fused kernel applies (float16/bfloat16, d in 16/32/64/128,
+    no empty dimension): the kernel for CUDA tensors, ``attention_ref`` (with a keep-mask drawn from
+    torch's CPU generator) for CPU tensors; out is then a transposed view of a contiguous
+    [batch, q_len, heads, d] buffer. Other cases and the forced reference run ``attention_ref``.
     """
     _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale)
     p = float(dropout_p) if training else 0.0
     d = q.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     empty = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] == 0  # nothing for a kernel to do
-    if not empty and fused_attention_supported(q.dtype, d) and _backend.use_kernels(q, k, v, key_padding_mask):
-        if torch.compiler.is_compiling():
-            out = attention_op(q, k, v, key_padding_mask, causal, p, scale)[0]
-            return out
-        return AttentionFunction.apply(q, k, v, key_padding_mask, causal, p, scale)
-    return attention_ref(q, k, v, key_padding_mask, causal, p, training, scale)
+    if (_backend.force_reference() or empty or not fused_attention_supported(q.dtype, d)
+            or not _backend.has_op_impl(q.device)):
+        return attention_ref(q, k, v, key_padding_mask, causal, p, training, scale)
+    return torch.ops.lsmini.attention.default(q, k, v, key_padding_mask, causal, p, scale)[0]

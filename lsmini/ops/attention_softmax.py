@@ -1,5 +1,5 @@
 """Attention softmax: masked softmax over the keys of attention scores, fused with dropout: the public op,
-its reference (and the reference attention mask) and its autograd Function.
+its reference (and the reference attention mask) and its registered operators.
 
     masked[b, h, i, j] = key_padding_mask[b, j]  or  (causal and j > i + k_len − q_len)
     y   = softmax(scores.masked_fill(masked, −inf), dim=−1)     (a row with every key masked → 0)
@@ -19,19 +19,24 @@ pre-dropout softmax) and regenerates the dropout mask from the call's Philox sta
 graph and every replay draws a fresh mask.
 
 The CUDA kernel covers float32/float16/bfloat16 (fp32 math) and k_len ≤ 16384
-(``lsmini.limits.ATTENTION_SOFTMAX_MAX_KEYS``, on every backend); other dtypes (e.g. float64) and non-CUDA
-tensors run ``attention_softmax_ref``.
+(``lsmini.limits.ATTENTION_SOFTMAX_MAX_KEYS``, on every backend).
 
-While torch.compile traces the op, the kernels run through the custom operators
-``lsmini::attention_softmax`` / ``lsmini::attention_softmax_backward`` instead of the autograd Function.
+The op is registered once (see ``lsmini.ops.library``) as ``lsmini::attention_softmax`` /
+``lsmini::attention_softmax_backward``: the kernels on CUDA; on CPU ``attention_softmax_ref`` with the
+reference's keep-mask as the dropout state, and its gradient by autograd; fake implementations for
+tracing; autograd saving the softmax and the dropout state. ``attention_softmax`` checks its arguments
+and calls it in eager and compiled code alike; other dtypes (e.g. float64) and the forced reference run
+``attention_softmax_ref`` directly.
 """
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_causal_and_dropout, check_floating, check_key_padding_mask, check_tensor
-from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, state_rng
+from lsmini.ops.dropout import dropout_ref
+from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
+                                state_rng)
+from lsmini.ops.reference_grads import reference_grads
 
 
 def attention_mask_ref(batch, q_len, k_len, key_padding_mask=None, causal=False, device=None):
@@ -47,11 +52,19 @@ def attention_mask_ref(batch, q_len, k_len, key_padding_mask=None, causal=False,
     return masked
 
 
-def attention_softmax_ref(scores, key_padding_mask=None, causal=False, dropout_p=0.0, training=True):
+def attention_softmax_ref(scores, key_padding_mask=None, causal=False, dropout_p=0.0, training=True, mask=None):
     """Pure-PyTorch attention softmax in fp32 math (the oracle and the CPU path); returns scores' dtype.
 
-    Rows whose every key is masked give zeros (forward) and zero gradients, never NaN.
+    Rows whose every key is masked give zeros (forward) and zero gradients, never NaN. ``mask`` (bool,
+    shaped like scores, True = keep) replaces the random dropout draw, so a caller can reproduce a given
+    dropout pattern.
     """
+    return dropout_ref(_masked_softmax_ref(scores, key_padding_mask, causal), dropout_p, training,
+                       mask).to(scores.dtype)
+
+
+def _masked_softmax_ref(scores, key_padding_mask, causal):
+    """The fp32 softmax of ``attention_softmax_ref`` before dropout."""
     b, _, q, k = scores.shape
     x = scores.float()
     masked = attention_mask_ref(b, q, k, key_padding_mask, causal, scores.device)
@@ -60,54 +73,55 @@ def attention_softmax_ref(scores, key_padding_mask=None, causal=False, dropout_p
     # Rows with no finite maximum (all keys masked) would give 0/0: softmax a zero row instead and
     # zero it afterwards, so neither the output nor the gradient sees a NaN.
     dead = (x == float("-inf")).all(dim=-1, keepdim=True)
-    y = torch.softmax(x.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
-    if training and dropout_p > 0:
-        y = F.dropout(y, p=dropout_p, training=True)
-    return y.to(scores.dtype)
-
-
-class AttentionSoftmaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores, key_padding_mask, causal, p):
-        rng = _backend.dropout_rng(p, scores.device)
-        probs, softmax = _backend.ext().attention_softmax_fwd(scores, key_padding_mask, causal, p, rng)
-        ctx.save_for_backward(softmax)
-        ctx.p, ctx.rng = p, rng
-        return probs
-
-    @staticmethod
-    def backward(ctx, grad_probs):
-        (softmax,) = ctx.saved_tensors
-        # Not in place: autograd may hand the same gradient buffer to other consumers.
-        grad = _backend.ext().attention_softmax_bwd(grad_probs, softmax, ctx.p, ctx.rng, False)
-        return grad, None, None, None
+    return torch.softmax(x.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
 
 
 @torch.library.custom_op("lsmini::attention_softmax", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
-def attention_softmax_op(scores: Tensor, key_padding_mask: Tensor | None, causal: bool,
-                         p: float) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_softmax_op(scores: Tensor, key_padding_mask: Tensor | None, causal: bool,
+                          p: float) -> tuple[Tensor, Tensor, Tensor]:
     """(probs, softmax, dropout state) for scores [batch, heads, q_len, k_len]: probs and, when p > 0, the
     pre-dropout softmax, both contiguous like scores. With p == 0 the two are one tensor, which an
-    operator may not return twice: softmax is then an empty tensor (backward reads probs instead)."""
+    operator may not return twice: softmax is then an empty tensor (backward reads probs instead). This
+    function is the CUDA implementation (the kernel; the state is the call's Philox state)."""
     rng, state = draw_dropout_state(p, scores.device)
     probs, softmax = _backend.ext().attention_softmax_fwd(scores, key_padding_mask, causal, p, rng)
     return probs, softmax if p > 0 else softmax.new_empty((0,)), state
 
 
-@attention_softmax_op.register_fake
+@_attention_softmax_op.register_kernel("cpu")
+def _attention_softmax_cpu(scores, key_padding_mask, causal, p):
+    state = draw_keep_mask(scores.shape, p, scores.device)
+    y = _masked_softmax_ref(scores, key_padding_mask, causal).contiguous()
+    if p == 0:
+        return y.to(scores.dtype), scores.new_empty((0,)), state
+    return dropout_ref(y, p, True, state).to(scores.dtype), y.to(scores.dtype), state
+
+
+@_attention_softmax_op.register_fake
 def _(scores, key_padding_mask, causal, p):
     softmax = scores.new_empty(scores.shape if p > 0 else (0,))
-    return scores.new_empty(scores.shape), softmax, fake_dropout_state(scores)
+    return scores.new_empty(scores.shape), softmax, fake_dropout_state(scores, scores.shape, p)
 
 
 @torch.library.custom_op("lsmini::attention_softmax_backward", mutates_args=(), device_types="cuda")
-def attention_softmax_backward_op(grad_probs: Tensor, softmax: Tensor, state: Tensor, p: float) -> Tensor:
+def _attention_softmax_backward_op(grad_probs: Tensor, softmax: Tensor, state: Tensor, p: float) -> Tensor:
     """grad_scores (contiguous, like softmax) from grad_probs, the pre-dropout softmax and the forward's
     dropout state."""
     return _backend.ext().attention_softmax_bwd(grad_probs, softmax, p, state_rng(state, p), False)
 
 
-@attention_softmax_backward_op.register_fake
+@_attention_softmax_backward_op.register_kernel("cpu")
+def _attention_softmax_backward_cpu(grad_probs, softmax, state, p):
+    # The reference's gradient at log(softmax): a softmax is unchanged by a shift of its row, so
+    # softmax(log y) = y and the gradient there is the gradient at the scores. Masked keys are −inf in
+    # log y already, and a row with every key masked is all −inf, which the reference gives zeros.
+    keep = keep_mask_or_none(state, p)
+    (grad,) = reference_grads(lambda s: attention_softmax_ref(s, None, False, p, True, keep), [softmax.float().log()],
+                              grad_probs.float())
+    return grad.to(softmax.dtype).contiguous()
+
+
+@_attention_softmax_backward_op.register_fake
 def _(grad_probs, softmax, state, p):
     return softmax.new_empty(softmax.shape)
 
@@ -122,10 +136,11 @@ def _attention_softmax_setup_context(ctx, inputs, output):
 
 def _attention_softmax_backward(ctx, grad_probs, _grad_softmax, _grad_state):
     softmax, state = ctx.saved_tensors
-    return attention_softmax_backward_op(grad_probs, softmax, state, ctx.p), None, None, None
+    grad = torch.ops.lsmini.attention_softmax_backward.default(grad_probs, softmax, state, ctx.p)
+    return grad, None, None, None
 
 
-attention_softmax_op.register_autograd(_attention_softmax_backward, setup_context=_attention_softmax_setup_context)
+_attention_softmax_op.register_autograd(_attention_softmax_backward, setup_context=_attention_softmax_setup_context)
 
 
 def _check_args(scores, key_padding_mask, causal, dropout_p):
@@ -150,12 +165,14 @@ def attention_softmax(scores, key_padding_mask=None, causal=False, dropout_p=0.0
     dropout_p: attention-probability dropout, applied only when ``training`` and dropout_p > 0.
     Returns probabilities after dropout, same shape and dtype as scores. Rows with every key
     masked are zeros. k_len must be at most 16384.
+    Calls ``torch.ops.lsmini.attention_softmax`` for float32/float16/bfloat16 scores: the fused CUDA
+    kernel for CUDA tensors, ``attention_softmax_ref`` (with a keep-mask drawn from torch's CPU
+    generator) for CPU tensors; other dtypes and the forced reference run ``attention_softmax_ref``.
     """
     _check_args(scores, key_padding_mask, causal, dropout_p)
     p = float(dropout_p) if training else 0.0
-    if scores.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(scores, key_padding_mask):
-        if torch.compiler.is_compiling():
-            probs, _, _ = attention_softmax_op(scores, key_padding_mask, causal, p)
-            return probs
-        return AttentionSoftmaxFunction.apply(scores, key_padding_mask, causal, p)
-    return attention_softmax_ref(scores, key_padding_mask, causal, p, training)
+    if (_backend.force_reference() or scores.dtype not in limits.KERNEL_DTYPES
+            or not _backend.has_op_impl(scores.device)):
+        return attention_softmax_ref(scores, key_padding_mask, causal, p, training)
+    probs, _, _ = torch.ops.lsmini.attention_softmax.default(scores, key_padding_mask, causal, p)
+    return probs

@@ -1,5 +1,5 @@
 """Fused bias + activation + dropout, the step after the first FFN GEMM of a Transformer layer: the public
-op, its reference, its autograd Function and the forward/backward primitives of the fused layers.
+op, its reference, its registered operators and the forward/backward primitives of the fused layers.
 
     out = dropout(act(x + bias)),   act ∈ {"relu", "gelu" (exact, erf), "gelu_tanh"}
 
@@ -11,23 +11,23 @@ Dropout (training and p > 0): element e of x, with flat index i = row * hidden +
 CUDA generator, see ``_backend.philox_seed_offset``, so ``torch.manual_seed`` reproduces it) passes the
 threshold; kept values are scaled by 1 / (1 - p). The backward regenerates the mask from ``rng``. The
 kernels read ``rng`` at run time, so the op can be captured in a CUDA graph and every replay draws a
-fresh mask.
+fresh mask. On CPU the reference's bool keep-mask, drawn from torch's CPU generator, is what the
+backward gets instead.
 
 Backward: grad_x = act'(x + bias) · dropout backward of grad_out, recomputed from the saved input x
 (and bias), not from a saved activation; grad_bias = grad_x summed over all rows (fp32 accumulation,
 returned in bias's dtype).
 
-- ``bias_act_dropout(x, bias, activation, dropout_p, training)``: the op; the kernel for CUDA tensors,
-  ``bias_act_dropout_ref`` elsewhere.
-- ``bias_act_dropout_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
-- ``BiasActDropoutFunction``: autograd over the kernels.
+- ``bias_act_dropout(x, bias, activation, dropout_p, training)``: the op: argument checks, then
+  ``torch.ops.lsmini.bias_act_dropout``.
+- ``bias_act_dropout_ref``: pure PyTorch in fp32 math, the oracle and the operators' CPU implementation.
+- ``lsmini::bias_act_dropout`` / ``lsmini::bias_act_dropout_backward``: the op registered once (see
+  ``lsmini.ops.library``): the kernels on CUDA, the reference and its gradients by autograd on CPU, fake
+  implementations for tracing, autograd saving x, bias and the dropout state.
 - ``bias_act_dropout_fwd`` / ``bias_act_dropout_bwd``: the primitives a layer's hand-written backward is
   built on (forward returns its saved state, backward takes it; kernels or reference). The forward can
   replay an earlier call (same dropout mask) to recompute an output instead of keeping it; for relu,
   ``relu_output_saved`` lets the backward read the derivative off the forward's output instead.
-- ``lsmini::bias_act_dropout`` / ``lsmini::bias_act_dropout_backward`` (``bias_act_dropout_op``,
-  ``bias_act_dropout_backward_op``): the kernel path as custom operators, which ``bias_act_dropout``
-  calls while torch.compile traces it.
 """
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,8 @@ from torch import Tensor
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_bias, check_dropout_p, check_x
 from lsmini.ops.dropout import dropout_ref, keep_mask
-from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, optional_outputs, state_rng
+from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
+                                optional_outputs, state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -108,51 +109,45 @@ def bias_act_dropout_bwd(grad2d, bias, activation, saved, kernels, out=None):
     return grad_x if out is None else out.copy_(grad_x), grad_bias
 
 
-class BiasActDropoutFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, activation, p):
-        x2d = x.reshape(-1, x.shape[-1]).contiguous()
-        out, saved = bias_act_dropout_fwd(x2d, bias, activation, p, kernels=True)
-        ctx.save_for_backward(x2d, bias)
-        ctx.activation, ctx.p, ctx.rng = activation, p, saved["rng"]
-        return out.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x2d, bias = ctx.saved_tensors
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            # bias goes in even when frozen: act' needs x + bias.
-            grad_x, grad_bias = _backend.ext().bias_act_dropout_bwd(grad.reshape(x2d.shape), x2d, bias,
-                                                                     ctx.activation, ctx.p, ctx.rng)
-            grad_x = grad_x.view(grad.shape)
-            if not ctx.needs_input_grad[1]:
-                grad_bias = None
-        return grad_x, grad_bias, None, None
-
-
 @torch.library.custom_op("lsmini::bias_act_dropout", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
-def bias_act_dropout_op(x: Tensor, bias: Tensor | None, activation: str, p: float) -> tuple[Tensor, Tensor]:
-    """(out [rows, hidden] contiguous like x, dropout state) for x [rows, hidden]."""
+def _bias_act_dropout_op(x: Tensor, bias: Tensor | None, activation: str, p: float) -> tuple[Tensor, Tensor]:
+    """(out [rows, hidden] contiguous like x, dropout state) for x [rows, hidden]. This function is the CUDA
+    implementation (the kernel; the state is the call's Philox state)."""
     rng, state = draw_dropout_state(p, x.device)
     return _backend.ext().bias_act_dropout_fwd(x, bias, activation, p, rng), state
 
 
-@bias_act_dropout_op.register_fake
+@_bias_act_dropout_op.register_kernel("cpu")
+def _bias_act_dropout_cpu(x, bias, activation, p):
+    state = draw_keep_mask(x.shape, p, x.device)
+    out = bias_act_dropout_ref(x, bias, activation, p, True, keep_mask_or_none(state, p))
+    return out.contiguous(), state
+
+
+@_bias_act_dropout_op.register_fake
 def _(x, bias, activation, p):
-    return x.new_empty(x.shape), fake_dropout_state(x)
+    return x.new_empty(x.shape), fake_dropout_state(x, x.shape, p)
 
 
 @torch.library.custom_op("lsmini::bias_act_dropout_backward", mutates_args=(), device_types="cuda")
-def bias_act_dropout_backward_op(grad: Tensor, x: Tensor, bias: Tensor | None, state: Tensor, activation: str,
-                                 p: float) -> list[Tensor]:
+def _bias_act_dropout_backward_op(grad: Tensor, x: Tensor, bias: Tensor | None, state: Tensor, activation: str,
+                                  p: float) -> list[Tensor]:
     """[grad_x [rows, hidden] contiguous like x, grad_bias [hidden] in bias's dtype (only when bias is
-    given)]; act' recomputed from x + bias, the dropout mask regenerated from the forward's state."""
+    given)]; act' recomputed from x + bias, the forward's dropout mask applied again (the kernel
+    regenerates it from the Philox state)."""
     grad_x, grad_bias = _backend.ext().bias_act_dropout_bwd(grad, x, bias, activation, p, state_rng(state, p))
     return [grad_x] if grad_bias is None else [grad_x, grad_bias]
 
 
-@bias_act_dropout_backward_op.register_fake
+@_bias_act_dropout_backward_op.register_kernel("cpu")
+def _bias_act_dropout_backward_cpu(grad, x, bias, state, activation, p):
+    keep = keep_mask_or_none(state, p)
+    grad_x, grad_bias = reference_grads(lambda x, b: bias_act_dropout_ref(x, b, activation, p, True, keep), [x, bias],
+                                        grad)
+    return [grad_x.contiguous()] if grad_bias is None else [grad_x.contiguous(), grad_bias]
+
+
+@_bias_act_dropout_backward_op.register_fake
 def _(grad, x, bias, state, activation, p):
     return [grad.new_empty(grad.shape)] + ([] if bias is None else [bias.new_empty(bias.shape)])
 
@@ -166,12 +161,12 @@ def _bias_act_dropout_setup_context(ctx, inputs, output):
 def _bias_act_dropout_backward(ctx, grad, _grad_state):
     x, bias, state = ctx.saved_tensors
     # bias goes in even when frozen: act' needs x + bias.
-    grads = bias_act_dropout_backward_op(grad, x, bias, state, ctx.activation, ctx.p)
+    grads = torch.ops.lsmini.bias_act_dropout_backward.default(grad, x, bias, state, ctx.activation, ctx.p)
     grad_x, grad_bias = optional_outputs(grads, True, bias is not None)
     return grad_x, grad_bias if ctx.needs_input_grad[1] else None, None, None
 
 
-bias_act_dropout_op.register_autograd(_bias_act_dropout_backward, setup_context=_bias_act_dropout_setup_context)
+_bias_act_dropout_op.register_autograd(_bias_act_dropout_backward, setup_context=_bias_act_dropout_setup_context)
 
 
 def _check_args(x, bias, activation, dropout_p):
@@ -189,16 +184,15 @@ def _check_args(x, bias, activation, dropout_p):
 def bias_act_dropout(x, bias, activation="relu", dropout_p=0.0, training=True):
     """``dropout(act(x + bias))`` for x [..., hidden] and bias [hidden] or None.
 
-    activation: "relu", "gelu" (exact, erf-based) or "gelu_tanh" (tanh approximation). Runs the fused
-    CUDA kernel for CUDA tensors (float32/float16/bfloat16 x; bias in x's dtype or float32) and
-    ``bias_act_dropout_ref`` elsewhere. Dropout applies when ``training`` and ``dropout_p > 0``; the
-    output has x's dtype.
+    activation: "relu", "gelu" (exact, erf-based) or "gelu_tanh" (tanh approximation). Calls
+    ``torch.ops.lsmini.bias_act_dropout`` for float32/float16/bfloat16 x (bias in x's dtype or float32):
+    the fused CUDA kernel for CUDA tensors, ``bias_act_dropout_ref`` (with a keep-mask drawn from torch's
+    CPU generator) for CPU tensors; other dtypes and the forced reference run ``bias_act_dropout_ref``.
+    Dropout applies when ``training`` and ``dropout_p > 0``; the output has x's dtype.
     """
     _check_args(x, bias, activation, dropout_p)
     p = float(dropout_p) if training else 0.0
-    if x.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(x, bias):
-        if torch.compiler.is_compiling():
-            out, _ = bias_act_dropout_op(x.reshape(-1, x.shape[-1]).contiguous(), bias, activation, p)
-            return out.view(x.shape)
-        return BiasActDropoutFunction.apply(x, bias, activation, p)
-    return bias_act_dropout_ref(x, bias, activation, p, bool(training))
+    if _backend.force_reference() or x.dtype not in limits.KERNEL_DTYPES or not _backend.has_op_impl(x.device):
+        return bias_act_dropout_ref(x, bias, activation, p, bool(training))
+    out, _ = torch.ops.lsmini.bias_act_dropout.default(x.reshape(-1, x.shape[-1]).contiguous(), bias, activation, p)
+    return out.view(x.shape)

@@ -1,5 +1,5 @@
 """Fused bias + dropout + residual add, the step after each projection GEMM of a Transformer layer: the
-public op, its reference, its autograd Function and the forward/backward primitives of the fused layers.
+public op, its reference, its registered operators and the forward/backward primitives of the fused layers.
 
     out = residual + dropout(x + bias)
 
@@ -11,21 +11,22 @@ Dropout (training and p > 0): element e of x, with flat index i = row * hidden +
 CUDA generator, see ``_backend.philox_seed_offset``, so ``torch.manual_seed`` reproduces it) passes the
 threshold; kept values are scaled by 1 / (1 - p). The backward regenerates the mask from ``rng``;
 nothing per element is saved. The kernels read ``rng`` at run time, so the op can be captured in a
-CUDA graph and every replay draws a fresh mask.
+CUDA graph and every replay draws a fresh mask. On CPU the reference's bool keep-mask, drawn from
+torch's CPU generator, is what the backward gets instead.
 
 Backward: grad_x = dropout backward of grad_out; grad_bias = grad_x summed over all rows (fp32
 accumulation, returned in bias's dtype); grad_residual = grad_out (the same tensor).
 
-- ``bias_dropout_residual(x, bias, residual, dropout_p, training)``: the op; the kernel for CUDA tensors,
-  ``bias_dropout_residual_ref`` elsewhere.
-- ``bias_dropout_residual_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
-- ``BiasDropoutResidualFunction``: autograd over the kernels.
+- ``bias_dropout_residual(x, bias, residual, dropout_p, training)``: the op: argument checks, then
+  ``torch.ops.lsmini.bias_dropout_residual``.
+- ``bias_dropout_residual_ref``: pure PyTorch in fp32 math, the oracle and the operators' CPU
+  implementation.
+- ``lsmini::bias_dropout_residual`` / ``lsmini::bias_dropout_residual_backward``: the op registered once
+  (see ``lsmini.ops.library``): the kernels on CUDA, the reference and its gradients by autograd on CPU,
+  fake implementations for tracing, autograd saving only the dropout state.
 - ``bias_dropout_residual_fwd`` / ``bias_dropout_residual_bwd``: the primitives a layer's hand-written
   backward is built on (forward returns its saved state, backward takes it; kernels or reference), and
   ``bias_grad``: a bias gradient (fp32 column sums) on its own, from this op's backward kernel.
-- ``lsmini::bias_dropout_residual`` / ``lsmini::bias_dropout_residual_backward``
-  (``bias_dropout_residual_op``, ``bias_dropout_residual_backward_op``): the kernel path as custom
-  operators, which ``bias_dropout_residual`` calls while torch.compile traces it.
 """
 import torch
 from torch import Tensor
@@ -33,7 +34,9 @@ from torch import Tensor
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_bias, check_dropout_p, check_same_device, check_tensor, check_x
 from lsmini.ops.dropout import dropout_ref, keep_mask
-from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, optional_outputs, state_rng
+from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
+                                optional_outputs, state_rng)
+from lsmini.ops.reference_grads import reference_grads
 
 
 def bias_dropout_residual_ref(x, bias, residual, dropout_p=0.0, training=True, mask=None):
@@ -88,43 +91,29 @@ def bias_grad(grad2d, dtype, kernels):
     return grad2d.float().sum(0).to(dtype)
 
 
-class BiasDropoutResidualFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, residual, p):
-        hidden = x.shape[-1]
-        out, saved = bias_dropout_residual_fwd(x.reshape(-1, hidden), bias, residual.reshape(-1, hidden), p,
-                                               kernels=True)
-        ctx.p, ctx.rng = p, saved["rng"]
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return out.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_x = grad_bias = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            want_bias = ctx.needs_input_grad[1]
-            grad_x, grad_bias = _backend.ext().bias_dropout_residual_bwd(
-                grad.reshape(-1, grad.shape[-1]), ctx.p, ctx.rng, want_bias,
-                ctx.bias_dtype if want_bias else None)
-            grad_x = grad_x.view(grad.shape)
-        return grad_x, grad_bias, grad, None
-
-
 @torch.library.custom_op("lsmini::bias_dropout_residual", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
-def bias_dropout_residual_op(x: Tensor, bias: Tensor | None, residual: Tensor, p: float) -> tuple[Tensor, Tensor]:
-    """(out [rows, hidden] contiguous like x, dropout state) for x, residual [rows, hidden]."""
+def _bias_dropout_residual_op(x: Tensor, bias: Tensor | None, residual: Tensor, p: float) -> tuple[Tensor, Tensor]:
+    """(out [rows, hidden] contiguous like x, dropout state) for x, residual [rows, hidden]. This function
+    is the CUDA implementation (the kernel; the state is the call's Philox state)."""
     rng, state = draw_dropout_state(p, x.device)
     return _backend.ext().bias_dropout_residual_fwd(x, bias, residual, p, rng), state
 
 
-@bias_dropout_residual_op.register_fake
+@_bias_dropout_residual_op.register_kernel("cpu")
+def _bias_dropout_residual_cpu(x, bias, residual, p):
+    state = draw_keep_mask(x.shape, p, x.device)
+    out = bias_dropout_residual_ref(x, bias, residual, p, True, keep_mask_or_none(state, p))
+    return out.contiguous(), state
+
+
+@_bias_dropout_residual_op.register_fake
 def _(x, bias, residual, p):
-    return x.new_empty(x.shape), fake_dropout_state(x)
+    return x.new_empty(x.shape), fake_dropout_state(x, x.shape, p)
 
 
 @torch.library.custom_op("lsmini::bias_dropout_residual_backward", mutates_args=(), device_types="cuda")
-def bias_dropout_residual_backward_op(grad: Tensor, state: Tensor, p: float,
-                                      bias_dtype: torch.dtype | None) -> list[Tensor]:
+def _bias_dropout_residual_backward_op(grad: Tensor, state: Tensor, p: float,
+                                       bias_dtype: torch.dtype | None) -> list[Tensor]:
     """[grad_x (only when p > 0), grad_bias [hidden] in bias_dtype (only when bias_dtype is given)] from
     grad [rows, hidden]. With p == 0 grad_x is grad itself, which an operator may not return: the caller
     takes grad."""
@@ -133,7 +122,19 @@ def bias_dropout_residual_backward_op(grad: Tensor, state: Tensor, p: float,
     return ([grad_x] if p > 0 else []) + ([grad_bias] if grad_bias is not None else [])
 
 
-@bias_dropout_residual_backward_op.register_fake
+@_bias_dropout_residual_backward_op.register_kernel("cpu")
+def _bias_dropout_residual_backward_cpu(grad, state, p, bias_dtype):
+    # The op is linear in x and bias: its gradient is the same at every point, so zeros stand in for x,
+    # bias and the residual (a constant here).
+    zeros = grad.new_zeros(grad.shape)
+    bias = None if bias_dtype is None else grad.new_zeros(grad.shape[1:], dtype=bias_dtype)
+    keep = keep_mask_or_none(state, p)
+    grad_x, grad_bias = reference_grads(lambda x, b: bias_dropout_residual_ref(x, b, zeros, p, True, keep),
+                                        [zeros, bias], grad)
+    return ([grad_x.contiguous()] if p > 0 else []) + ([grad_bias] if grad_bias is not None else [])
+
+
+@_bias_dropout_residual_backward_op.register_fake
 def _(grad, state, p, bias_dtype):
     grads = [grad.new_empty(grad.shape)] if p > 0 else []
     if bias_dtype is not None:
@@ -154,14 +155,14 @@ def _bias_dropout_residual_backward(ctx, grad, _grad_state):
     grad_x = grad if want_x and ctx.p == 0 else None  # without dropout the gradient passes through
     grad_bias = None
     if (want_x and ctx.p > 0) or bias_dtype is not None:
-        grads = bias_dropout_residual_backward_op(grad, state, ctx.p, bias_dtype)
+        grads = torch.ops.lsmini.bias_dropout_residual_backward.default(grad, state, ctx.p, bias_dtype)
         dropped, grad_bias = optional_outputs(grads, ctx.p > 0, bias_dtype is not None)
         if want_x and ctx.p > 0:
             grad_x = dropped
     return grad_x, grad_bias, grad, None
 
 
-bias_dropout_residual_op.register_autograd(_bias_dropout_residual_backward,
+_bias_dropout_residual_op.register_autograd(_bias_dropout_residual_backward,
                                            setup_context=_bias_dropout_residual_setup_context)
 
 
@@ -181,16 +182,17 @@ def _check_args(x, bias, residual, dropout_p):
 def bias_dropout_residual(x, bias, residual, dropout_p=0.0, training=True):
     """``residual + dropout(x + bias)`` for x, residual [..., hidden] and bias [hidden] or None.
 
-    Runs the fused CUDA kernel for CUDA tensors (float32/float16/bfloat16 x; bias in x's dtype or
-    float32) and ``bias_dropout_residual_ref`` elsewhere. Dropout applies when ``training`` and
-    ``dropout_p > 0``; the output has x's dtype.
+    Calls ``torch.ops.lsmini.bias_dropout_residual`` for float32/float16/bfloat16 x (bias in x's dtype
+    or float32): the fused CUDA kernel for CUDA tensors, ``bias_dropout_residual_ref`` (with a keep-mask
+    drawn from torch's CPU generator) for CPU tensors; other dtypes and the forced reference run
+    ``bias_dropout_residual_ref``. Dropout applies when ``training`` and ``dropout_p > 0``; the output has
+    x's dtype.
     """
     _check_args(x, bias, residual, dropout_p)
     p = float(dropout_p) if training else 0.0
-    if x.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(x, bias, residual):
-        if torch.compiler.is_compiling():
-            hidden = x.shape[-1]
-            out, _ = bias_dropout_residual_op(x.reshape(-1, hidden), bias, residual.reshape(-1, hidden), p)
-            return out.view(x.shape)
-        return BiasDropoutResidualFunction.apply(x, bias, residual, p)
-    return bias_dropout_residual_ref(x, bias, residual, p, bool(training))
+    if _backend.force_reference() or x.dtype not in limits.KERNEL_DTYPES or not _backend.has_op_impl(x.device):
+        return bias_dropout_residual_ref(x, bias, residual, p, bool(training))
+    hidden = x.shape[-1]
+    out, _ = torch.ops.lsmini.bias_dropout_residual.default(x.reshape(-1, hidden), bias, residual.reshape(-1, hidden),
+                                                            p)
+    return out.view(x.shape)

@@ -1,5 +1,5 @@
 """Softmax cross-entropy with label smoothing over the last dimension of the logits: the public op, its
-reference and its autograd Function.
+reference and its registered operators.
 
 For logits x [..., V] (rows x_i, i < N = prod(...)) and class ids t [...] (int64), ε = label_smoothing:
 
@@ -24,18 +24,22 @@ online log-sum-exp and never writes log-probabilities; it saves only lse [N] (fp
 backward reads the logits once and writes (softmax − smoothed one-hot)·grad once — into the logits'
 own storage with ``inplace_backward=True``.
 
-While torch.compile traces the op, the kernels run through the custom operators
-``lsmini::cross_entropy`` / ``lsmini::cross_entropy_backward`` (per-row losses; the reduction is traced
-around them) instead of the autograd Function.
+The op is registered once (see ``lsmini.ops.library``): ``lsmini::cross_entropy`` gives the per-row
+losses (the reduction is plain PyTorch around it, which the compiler sees), ``lsmini::cross_entropy_backward``
+the logits' gradient and ``lsmini::cross_entropy_backward_`` the same written over the logits; the
+kernels on CUDA, ``cross_entropy_ref`` and its gradient by autograd on CPU, fake implementations for
+tracing, autograd saving the logits, the targets and lse. ``cross_entropy`` checks its arguments and
+calls it in eager and compiled code alike; other dtypes (float64) and the forced reference run
+``cross_entropy_ref`` directly.
 """
 import numbers
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_floating, check_same_device, check_tensor
+from lsmini.ops.reference_grads import reference_grads
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -53,6 +57,16 @@ def cross_entropy_ref(logits, target, label_smoothing=0.0, ignore_index=-100, re
     ``cross_entropy``: returns the loss in float32 (float64 for float64 logits), or ``(loss, nll)``
     with ``return_nll=True``. Targets outside [0, V) that are not ``ignore_index`` give a NaN row,
     as the kernel does (``cross_entropy`` rejects them first unless ``check_targets=False``)."""
+    loss, nll, _ = _cross_entropy_rows_ref(logits, target, label_smoothing, ignore_index)
+    count = (target.reshape(-1) != ignore_index).sum()
+    out = _reduce(loss, count, reduction, target.shape)
+    return (out, _reduce(nll.detach(), count, reduction, target.shape)) if return_nll else out
+
+
+def _cross_entropy_rows_ref(logits, target, label_smoothing, ignore_index):
+    """(loss, nll, lse) of each row of logits viewed as [N, V], in fp32 math (float64 for float64 logits):
+    0 in the rows whose target is ignore_index, NaN in those whose target is outside [0, V); lse the
+    rows' log-sum-exp."""
     vocab = logits.shape[-1]
     x = logits.reshape(-1, vocab)
     x = x if x.dtype == torch.float64 else x.float()
@@ -70,111 +84,101 @@ def cross_entropy_ref(logits, target, label_smoothing=0.0, ignore_index=-100, re
         loss = (1.0 - label_smoothing) * nll - label_smoothing * logp.mean(dim=-1)
     else:  # no smoothing term at all: with a −inf logit it would be inf, and 0·inf = NaN
         loss = nll
+    lse = x.amax(dim=-1) - logp.amax(dim=-1)  # at a row's largest logit, log p = x − lse
 
     zero = x.new_zeros(())
     nan = x.new_full((), float("nan"))
-    count = (~ignored).sum()
 
     def finish(rows):
-        rows = torch.where(bad, nan, torch.where(ignored, zero, rows))
-        return _reduce(rows, count, reduction, target.shape)
+        return torch.where(bad, nan, torch.where(ignored, zero, rows))
 
-    out = finish(loss)
-    return (out, finish(nll.detach())) if return_nll else out
-
-
-class CrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, label_smoothing, ignore_index, reduction, inplace_backward):
-        vocab = logits.shape[-1]
-        logits2d = logits.reshape(-1, vocab)
-        if not logits2d.is_contiguous():  # one copy, saved; in-place backward then writes into it
-            logits2d = logits2d.contiguous()
-        target1d = target.reshape(-1)
-        loss_rows, nll_rows, lse = _backend.ext().cross_entropy_fwd(logits2d, target1d, label_smoothing, ignore_index)
-        count = (target1d != ignore_index).sum() if reduction == "mean" else None  # on device: no sync
-        loss = _reduce(loss_rows, count, reduction, target.shape)
-        nll = _reduce(nll_rows, count, reduction, target.shape)
-        ctx.mark_non_differentiable(nll)
-        ctx.save_for_backward(logits2d, target1d, lse, count)
-        ctx.label_smoothing = label_smoothing
-        ctx.ignore_index = ignore_index
-        ctx.reduction = reduction
-        ctx.inplace_backward = inplace_backward
-        ctx.logits_shape = logits.shape
-        return loss, nll
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss, grad_nll):
-        logits2d, target1d, lse, count = ctx.saved_tensors
-        rows = logits2d.shape[0]
-        g = grad_loss.float()
-        if ctx.reduction == "none":
-            grad_rows = g.reshape(rows)
-        else:
-            if ctx.reduction == "mean":
-                g = g / count
-            grad_rows = g.expand(rows)
-        grad = _backend.ext().cross_entropy_bwd(grad_rows.contiguous(), logits2d, target1d, lse, ctx.label_smoothing,
-                                                ctx.ignore_index, ctx.inplace_backward)
-        return grad.view(ctx.logits_shape), None, None, None, None, None
+    return finish(loss), finish(nll), lse
 
 
 @torch.library.custom_op("lsmini::cross_entropy", mutates_args=(), device_types="cuda")
-def cross_entropy_op(logits: Tensor, target: Tensor, label_smoothing: float,
-                     ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss_rows, nll_rows, lse), each float32 [rows], for logits [rows, vocab] and target int64 [rows]."""
+def _cross_entropy_op(logits: Tensor, target: Tensor, label_smoothing: float, ignore_index: int,
+                      inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss_rows, nll_rows, lse), each float32 [rows], for logits [rows, vocab] and target int64 [rows].
+    inplace_backward: the backward writes the logits' gradient into the logits (the forward does not
+    read it). This function is the CUDA implementation (the kernel)."""
     loss_rows, nll_rows, lse = _backend.ext().cross_entropy_fwd(logits, target, label_smoothing, ignore_index)
     return loss_rows, nll_rows, lse
 
 
-@cross_entropy_op.register_fake
-def _(logits, target, label_smoothing, ignore_index):
+@_cross_entropy_op.register_kernel("cpu")
+def _cross_entropy_cpu(logits, target, label_smoothing, ignore_index, inplace_backward):
+    return _cross_entropy_rows_ref(logits, target, label_smoothing, ignore_index)
+
+
+@_cross_entropy_op.register_fake
+def _(logits, target, label_smoothing, ignore_index, inplace_backward):
     rows = logits.shape[0]
     return tuple(logits.new_empty((rows,), dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.custom_op("lsmini::cross_entropy_backward", mutates_args=(), device_types="cuda")
-def cross_entropy_backward_op(grad_rows: Tensor, logits: Tensor, target: Tensor, lse: Tensor, label_smoothing: float,
-                              ignore_index: int) -> Tensor:
-    """grad_logits [rows, vocab] (fresh, contiguous, logits' dtype) from the float32 gradient of loss_rows.
-    Always out of place: writing into the logits would mutate an input."""
+def _cross_entropy_backward_op(grad_rows: Tensor, logits: Tensor, target: Tensor, lse: Tensor, label_smoothing: float,
+                               ignore_index: int) -> Tensor:
+    """grad_logits [rows, vocab] (fresh, contiguous, logits' dtype) from the float32 gradient of loss_rows."""
     return _backend.ext().cross_entropy_bwd(grad_rows, logits, target, lse, label_smoothing, ignore_index, False)
 
 
-@cross_entropy_backward_op.register_fake
+@_cross_entropy_backward_op.register_kernel("cpu")
+def _cross_entropy_backward_cpu(grad_rows, logits, target, lse, label_smoothing, ignore_index):
+    return _cross_entropy_grad_ref(grad_rows, logits, target, label_smoothing, ignore_index)
+
+
+@_cross_entropy_backward_op.register_fake
 def _(grad_rows, logits, target, lse, label_smoothing, ignore_index):
     return logits.new_empty(logits.shape)
 
 
+@torch.library.custom_op("lsmini::cross_entropy_backward_", mutates_args=("logits",), device_types="cuda")
+def _cross_entropy_backward_inplace_op(grad_rows: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
+                                       label_smoothing: float, ignore_index: int) -> None:
+    """``cross_entropy_backward`` written over the logits themselves (contiguous), which saves one
+    [rows, vocab] buffer: the backward of ``inplace_backward=True``."""
+    _backend.ext().cross_entropy_bwd(grad_rows, logits, target, lse, label_smoothing, ignore_index, True)
+
+
+@_cross_entropy_backward_inplace_op.register_kernel("cpu")
+def _cross_entropy_backward_inplace_cpu(grad_rows, logits, target, lse, label_smoothing, ignore_index):
+    logits.copy_(_cross_entropy_grad_ref(grad_rows, logits, target, label_smoothing, ignore_index))
+
+
+@_cross_entropy_backward_inplace_op.register_fake
+def _(grad_rows, logits, target, lse, label_smoothing, ignore_index):
+    return None
+
+
+def _cross_entropy_grad_ref(grad_rows, logits, target, label_smoothing, ignore_index):
+    """The gradient of ``cross_entropy_ref``'s per-row losses with respect to logits [rows, vocab], by
+    autograd, in logits' dtype."""
+    (grad,) = reference_grads(lambda x: cross_entropy_ref(x, target, label_smoothing, ignore_index, "none"), [logits],
+                              grad_rows.float())
+    return grad.contiguous()
+
+
 def _cross_entropy_setup_context(ctx, inputs, output):
-    logits, target, label_smoothing, ignore_index = inputs
+    logits, target, label_smoothing, ignore_index, inplace_backward = inputs
     _, nll_rows, lse = output
     ctx.mark_non_differentiable(nll_rows, lse)
     ctx.save_for_backward(logits, target, lse)
-    ctx.label_smoothing, ctx.ignore_index = label_smoothing, ignore_index
+    ctx.label_smoothing, ctx.ignore_index, ctx.inplace_backward = label_smoothing, ignore_index, inplace_backward
 
 
 def _cross_entropy_backward(ctx, grad_loss_rows, _grad_nll_rows, _grad_lse):
     logits, target, lse = ctx.saved_tensors
-    grad = cross_entropy_backward_op(grad_loss_rows.float(), logits, target, lse, ctx.label_smoothing,
-                                     ctx.ignore_index)
-    return grad, None, None, None
+    if ctx.inplace_backward:
+        torch.ops.lsmini.cross_entropy_backward_.default(grad_loss_rows.float(), logits, target, lse,
+                                                         ctx.label_smoothing, ctx.ignore_index)
+        return logits.detach(), None, None, None, None
+    grad = torch.ops.lsmini.cross_entropy_backward.default(grad_loss_rows.float(), logits, target, lse,
+                                                           ctx.label_smoothing, ctx.ignore_index)
+    return grad, None, None, None, None
 
 
-cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup_context)
-
-
-def _cross_entropy_traced(logits, target, label_smoothing, ignore_index, reduction):
-    """(loss, nll) through the custom operators, for torch.compile; the reduction is traced, so the
-    compiler sees (and may fuse) it."""
-    vocab = logits.shape[-1]
-    target1d = target.reshape(-1)
-    loss_rows, nll_rows, _ = cross_entropy_op(logits.reshape(-1, vocab), target1d, label_smoothing, ignore_index)
-    count = (target1d != ignore_index).sum() if reduction == "mean" else None
-    return (_reduce(loss_rows, count, reduction, target.shape),
-            _reduce(nll_rows.detach(), count, reduction, target.shape))
+_cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup_context)
 
 
 def _check_args(logits, target, label_smoothing, ignore_index, reduction):
@@ -233,11 +237,11 @@ def cross_entropy(logits, target, label_smoothing=0.0, ignore_index=-100, reduct
         ignore_index: target value whose rows contribute nothing (loss 0, gradient 0).
         reduction: "mean" (over non-ignored rows), "sum" or "none" (loss with target's shape).
         return_nll: also return the plain negative log-likelihood, same reduction, detached.
-        inplace_backward: the CUDA backward writes the logits' gradient into the logits' own storage
+        inplace_backward: the backward writes the logits' gradient into the logits' own storage
             (saves one [N, V] buffer). Only when nothing else needs the logits after this loss (their
             producer's backward must not use them) and they are contiguous (otherwise the internal
             contiguous copy is overwritten instead); the graph cannot be backpropagated twice. Ignored
-            while torch.compile traces the op: the custom operator it runs then may not write into its input.
+            while torch.compile traces the op: a compiled graph may not write into a tensor it saved.
         check_targets: validate target values (one device→host sync). Set False on the training hot
             path once the data is known to be valid: an out-of-range target then gives a NaN loss row
             (and NaN gradient row) instead of an error — never an out-of-bounds read. Not checked while
@@ -250,11 +254,17 @@ def cross_entropy(logits, target, label_smoothing=0.0, ignore_index=-100, reduct
     _check_args(logits, target, label_smoothing, ignore_index, reduction)
     if check_targets:
         _check_target_values(target, logits.shape[-1], ignore_index)
-    if logits.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(logits, target):
-        if torch.compiler.is_compiling():
-            loss, nll = _cross_entropy_traced(logits, target, float(label_smoothing), int(ignore_index), reduction)
-            return (loss, nll) if return_nll else loss
-        loss, nll = CrossEntropyFunction.apply(logits, target, float(label_smoothing), int(ignore_index), reduction,
-                                               bool(inplace_backward))
-        return (loss, nll) if return_nll else loss
-    return cross_entropy_ref(logits, target, float(label_smoothing), int(ignore_index), reduction, return_nll)
+    label_smoothing, ignore_index = float(label_smoothing), int(ignore_index)
+    if (_backend.force_reference() or logits.dtype not in limits.KERNEL_DTYPES
+            or not _backend.has_op_impl(logits.device)):
+        return cross_entropy_ref(logits, target, label_smoothing, ignore_index, reduction, return_nll)
+    logits2d = logits.reshape(-1, logits.shape[-1])
+    inplace = bool(inplace_backward) and not torch.compiler.is_compiling()
+    if inplace and not logits2d.is_contiguous():  # one copy, saved; the backward writes into it
+        logits2d = logits2d.contiguous()
+    target1d = target.reshape(-1)
+    loss_rows, nll_rows, _ = torch.ops.lsmini.cross_entropy.default(logits2d, target1d, label_smoothing, ignore_index,
+                                                                     inplace)
+    count = (target1d != ignore_index).sum() if reduction == "mean" else None  # on the device: no sync
+    loss = _reduce(loss_rows, count, reduction, target.shape)
+    return (loss, _reduce(nll_rows, count, reduction, target.shape)) if return_nll else loss

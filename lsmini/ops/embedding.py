@@ -1,5 +1,5 @@
 """Token embedding with scale, positions and dropout in one pass: the public op, its reference, its
-autograd Function, the sinusoidal position table and the token-range check.
+registered operators, the sinusoidal position table and the token-range check.
 
     out[b, j] = dropout(scale · weight[tokens[b, j]] + pos_table[step + j])   for non-pad tokens
     out[b, j] = 0                                                              for tokens == padding_idx
@@ -15,15 +15,16 @@ gradient when it requires grad (rows step .. step+len-1; pad tokens contribute n
 Dropout element i is the flat index into the [batch, len, hidden] output; the CUDA backward
 regenerates the mask from the call's Philox state ``rng`` (``_backend.philox_seed_offset``), nothing
 per element is stored. The kernels read ``rng`` at run time, so the op can be captured in a CUDA graph
-and every replay draws a fresh mask.
+and every replay draws a fresh mask. On CPU the reference's bool keep-mask, drawn from torch's CPU
+generator, is what the backward gets instead.
 
-- ``embedding(tokens, weight, pos_table, ...)``: the op; the kernel for CUDA tensors, ``embedding_ref``
-  elsewhere.
-- ``embedding_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
-- ``EmbeddingFunction``: autograd over the kernels.
+- ``embedding(tokens, weight, pos_table, ...)``: the op: argument checks (the token range with one host
+  sync), then ``torch.ops.lsmini.embedding``.
+- ``embedding_ref``: pure PyTorch in fp32 math, the oracle and the operators' CPU implementation.
+- ``lsmini::embedding`` / ``lsmini::embedding_backward``: the op registered once (see
+  ``lsmini.ops.library``): the kernels on CUDA, the reference and its gradients by autograd on CPU, fake
+  implementations for tracing, autograd saving the tokens and the dropout state.
 - ``sinusoidal_positions``: the fixed positional table; ``check_token_range``: the id range check.
-- ``lsmini::embedding`` / ``lsmini::embedding_backward`` (``embedding_op``, ``embedding_backward_op``): the
-  kernel path as custom operators, which ``embedding`` calls while torch.compile traces it.
 """
 import math
 
@@ -33,7 +34,10 @@ from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_dropout_p, check_floating, check_same_device, check_tensor
-from lsmini.ops.library import RANDOM_TAGS, draw_dropout_state, fake_dropout_state, optional_outputs, state_rng
+from lsmini.ops.dropout import dropout_ref
+from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
+                                optional_outputs, state_rng)
+from lsmini.ops.reference_grads import reference_grads
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
 
@@ -66,9 +70,11 @@ def _normalize_padding_idx(padding_idx, vocab, fn="embedding"):
     return padding_idx + vocab if padding_idx < 0 else padding_idx
 
 
-def embedding_ref(tokens, weight, pos_table, scale=None, padding_idx=None, step=0, dropout_p=0.0, training=True):
+def embedding_ref(tokens, weight, pos_table, scale=None, padding_idx=None, step=0, dropout_p=0.0, training=True,
+                  mask=None):
     """Pure-PyTorch embedding in fp32 math (the oracle and the CPU path); returns weight's dtype.
-    Pass float64 tensors for a float64 oracle."""
+    Pass float64 tensors for a float64 oracle. ``mask`` (bool [batch, len, hidden], True = keep) replaces
+    the random dropout draw, so a caller can reproduce a given dropout pattern."""
     hidden = weight.shape[1]
     scale = math.sqrt(hidden) if scale is None else float(scale)
     pad = _normalize_padding_idx(padding_idx, weight.shape[0], "embedding_ref")
@@ -77,57 +83,71 @@ def embedding_ref(tokens, weight, pos_table, scale=None, padding_idx=None, step=
     x = F.embedding(tokens, weight.to(math_dtype)) * scale + pos_table[step:step + length].to(math_dtype)
     if pad >= 0:
         x = x.masked_fill(tokens.eq(pad).unsqueeze(-1), 0.0)
-    x = F.dropout(x, dropout_p, training)
-    return x.to(weight.dtype)
-
-
-class EmbeddingFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
-        rng = _backend.dropout_rng(dropout_p, weight.device)
-        out = _backend.ext().embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, rng)
-        ctx.save_for_backward(tokens)
-        ctx.args = (weight.shape[0], pos_table.shape[0], scale, padding_idx, step, dropout_p, rng)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (tokens,) = ctx.saved_tensors
-        vocab, max_positions, scale, padding_idx, step, dropout_p, rng = ctx.args
-        grad_weight, grad_pos = _backend.ext().embedding_bwd(
-            grad_out, tokens, vocab, max_positions, ctx.needs_input_grad[1], ctx.needs_input_grad[2], scale,
-            padding_idx, step, dropout_p, rng)
-        return None, grad_weight, grad_pos, None, None, None, None
+    return dropout_ref(x, dropout_p, training, mask).to(weight.dtype)
 
 
 @torch.library.custom_op("lsmini::embedding", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
-def embedding_op(tokens: Tensor, weight: Tensor, pos_table: Tensor, scale: float, padding_idx: int, step: int,
-                 dropout_p: float) -> tuple[Tensor, Tensor]:
-    """(out [batch, len, hidden] contiguous in weight's dtype, dropout state); padding_idx -1 = none."""
+def _embedding_op(tokens: Tensor, weight: Tensor, pos_table: Tensor, scale: float, padding_idx: int, step: int,
+                  dropout_p: float) -> tuple[Tensor, Tensor]:
+    """(out [batch, len, hidden] contiguous in weight's dtype, dropout state); padding_idx -1 = none;
+    pos_table in weight's dtype. This function is the CUDA implementation (the kernel; the state is the
+    call's Philox state)."""
     rng, state = draw_dropout_state(dropout_p, weight.device)
     out = _backend.ext().embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, rng)
     return out, state
 
 
-@embedding_op.register_fake
+@_embedding_op.register_kernel("cpu")
+def _embedding_cpu(tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
+    state = draw_keep_mask((tokens.shape[0], tokens.shape[1], weight.shape[1]), dropout_p, weight.device)
+    out = embedding_ref(tokens, weight, pos_table, scale, None if padding_idx < 0 else padding_idx, step, dropout_p,
+                        True, keep_mask_or_none(state, dropout_p))
+    return out.contiguous(), state
+
+
+@_embedding_op.register_fake
 def _(tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
     batch, length = tokens.shape
-    return weight.new_empty((batch, length, weight.shape[1])), fake_dropout_state(weight)
+    shape = (batch, length, weight.shape[1])
+    return weight.new_empty(shape), fake_dropout_state(weight, shape, dropout_p)
 
 
 @torch.library.custom_op("lsmini::embedding_backward", mutates_args=(), device_types="cuda")
-def embedding_backward_op(grad_out: Tensor, tokens: Tensor, state: Tensor, vocab: int, max_positions: int,
-                          need_weight_grad: bool, need_pos_grad: bool, scale: float, padding_idx: int, step: int,
-                          dropout_p: float) -> list[Tensor]:
+def _embedding_backward_op(grad_out: Tensor, tokens: Tensor, state: Tensor, vocab: int, max_positions: int,
+                           need_weight_grad: bool, need_pos_grad: bool, scale: float, padding_idx: int, step: int,
+                           dropout_p: float) -> list[Tensor]:
     """[grad_weight [vocab, hidden] (when need_weight_grad), grad_pos [max_positions, hidden] (when
-    need_pos_grad)], in grad_out's dtype; the dropout mask regenerated from the forward's state."""
+    need_pos_grad)], in grad_out's dtype; the forward's dropout mask applied again (the kernel regenerates
+    it from the Philox state)."""
     grad_weight, grad_pos = _backend.ext().embedding_bwd(grad_out, tokens, vocab, max_positions, need_weight_grad,
                                                          need_pos_grad, scale, padding_idx, step, dropout_p,
                                                          state_rng(state, dropout_p))
     return [g for g in (grad_weight, grad_pos) if g is not None]
 
 
-@embedding_backward_op.register_fake
+@_embedding_backward_op.register_kernel("cpu")
+def _embedding_backward_cpu(grad_out, tokens, state, vocab, max_positions, need_weight_grad, need_pos_grad, scale,
+                            padding_idx, step, dropout_p):
+    if not (need_weight_grad or need_pos_grad):
+        return []
+    # The op is linear in weight and pos_table: its gradient is the same at every point, so zeros stand in
+    # for them (and for the one whose gradient is not asked, a constant here).
+    hidden = grad_out.shape[2]
+    weight = grad_out.new_zeros((vocab, hidden))
+    pos_table = grad_out.new_zeros((max_positions, hidden))
+    pad = None if padding_idx < 0 else padding_idx
+    keep = keep_mask_or_none(state, dropout_p)
+
+    def reference(w, q):
+        return embedding_ref(tokens, weight if w is None else w, pos_table if q is None else q, scale, pad, step,
+                             dropout_p, True, keep)
+
+    grads = reference_grads(reference, [weight if need_weight_grad else None, pos_table if need_pos_grad else None],
+                            grad_out)
+    return [g for g in grads if g is not None]
+
+
+@_embedding_backward_op.register_fake
 def _(grad_out, tokens, state, vocab, max_positions, need_weight_grad, need_pos_grad, scale, padding_idx, step,
       dropout_p):
     hidden = grad_out.shape[2]
@@ -145,13 +165,13 @@ def _embedding_backward(ctx, grad_out, _grad_state):
     tokens, state = ctx.saved_tensors
     vocab, max_positions, scale, padding_idx, step, dropout_p = ctx.args
     need_weight, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    grads = embedding_backward_op(grad_out, tokens, state, vocab, max_positions, need_weight, need_pos, scale,
-                                  padding_idx, step, dropout_p)
+    grads = torch.ops.lsmini.embedding_backward.default(grad_out, tokens, state, vocab, max_positions, need_weight,
+                                                        need_pos, scale, padding_idx, step, dropout_p)
     grad_weight, grad_pos = optional_outputs(grads, need_weight, need_pos)
     return None, grad_weight, grad_pos, None, None, None, None
 
 
-embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
+_embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)
 
 
 def _check_args(tokens, weight, pos_table, step, dropout_p, learned_positions):
@@ -235,14 +255,11 @@ def embedding(tokens, weight, pos_table, scale=None, padding_idx=None, step=0, d
         pos_table = sinusoidal_positions(step + tokens.shape[1], hidden, weight.dtype, weight.device)
     if check_tokens:
         check_token_range(tokens, vocab)
-    if weight.dtype in limits.KERNEL_DTYPES and _backend.use_kernels(tokens, weight, pos_table):
-        if pos_table.dtype != weight.dtype:
-            # The kernel reads one dtype; cast only the rows in use (autograd carries a gradient back).
-            pos_table, step_k = pos_table[step:step + tokens.shape[1]].to(weight.dtype), 0
-        else:
-            step_k = step
-        if torch.compiler.is_compiling():
-            out, _ = embedding_op(tokens, weight, pos_table, scale, pad, step_k, p)
-            return out
-        return EmbeddingFunction.apply(tokens, weight, pos_table, scale, pad, step_k, p)
-    return embedding_ref(tokens, weight, pos_table, scale, pad if pad >= 0 else None, step, p, True)
+    if (_backend.force_reference() or weight.dtype not in limits.KERNEL_DTYPES
+            or not _backend.has_op_impl(weight.device)):
+        return embedding_ref(tokens, weight, pos_table, scale, pad if pad >= 0 else None, step, p, True)
+    if pos_table.dtype != weight.dtype:
+        # The kernel reads one dtype; cast only the rows in use (autograd carries a gradient back).
+        pos_table, step = pos_table[step:step + tokens.shape[1]].to(weight.dtype), 0
+    out, _ = torch.ops.lsmini.embedding.default(tokens, weight, pos_table, scale, pad, step, p)
+    return out

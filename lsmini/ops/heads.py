@@ -1,5 +1,5 @@
 """Head transforms on both sides of attention: the public ops ``split_heads`` and ``merge_heads``, their
-references and their autograd Functions.
+references and their registered operators.
 
 split_heads — bias add + split of a fused projection into per-head tensors:
 
@@ -11,8 +11,8 @@ split_heads — bias add + split of a fused projection into per-head tensors:
 It returns a tuple of ``parts`` tensors, each [batch, num_heads, len, head_dim] and contiguous, all views
 of ONE [parts, batch, num_heads, len, head_dim] buffer (QKV: parts = 3; the cross-attention K/V of a
 whole decoder stack: parts = 2·layers). Backward writes grad_x in one pass and grad_bias as fp32
-column sums over batch·len, in bias's dtype. Because the parts are views of one buffer made inside an
-autograd Function, modifying one in place while autograd records is an error: clone it first.
+column sums over batch·len, in bias's dtype. Because the parts are views of one buffer, unbound from it
+while autograd records, modifying one in place then is an error: clone it first.
 
 merge_heads — the inverse layout for the attention output:
 
@@ -22,16 +22,19 @@ merge_heads — the inverse layout for the attention output:
 The CUDA kernels take float32/float16/bfloat16 (bias float32 or x's dtype); without a bias both ops
 move the data bit-exactly.
 
-While torch.compile traces them, the ops run the kernels through the custom operators
-``lsmini::split_heads`` / ``lsmini::split_heads_backward`` and ``lsmini::merge_heads`` /
-``lsmini::merge_heads_backward`` instead of the autograd Functions.
+Each op is registered once (see ``lsmini.ops.library``): ``lsmini::split_heads`` /
+``lsmini::split_heads_backward`` (the operator returns the one [parts, ...] buffer, which ``split_heads``
+unbinds) and ``lsmini::merge_heads`` / ``lsmini::merge_heads_backward``: the kernels on CUDA, the
+references (and their gradients by autograd) on CPU, fake implementations for tracing, registered
+autograd. The public ops check their arguments and call them in eager and compiled code alike.
 """
 import torch
 from torch import Tensor
 
-from lsmini import _backend
+from lsmini import _backend, limits
 from lsmini.ops.checks import check_floating, check_last_dim_vector, check_same_device, check_tensor
 from lsmini.ops.library import optional_outputs
+from lsmini.ops.reference_grads import reference_grads
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -40,13 +43,18 @@ from lsmini.ops.library import optional_outputs
 def split_heads_ref(x, bias, num_heads, parts=3):
     """Pure-PyTorch split_heads (bias add in fp32 math, x's dtype out): a tuple of ``parts`` views of one
     contiguous [parts, batch, num_heads, len, head_dim] tensor."""
+    return _split_heads_buffer_ref(x, bias, num_heads, parts).unbind(0)
+
+
+def _split_heads_buffer_ref(x, bias, num_heads, parts):
+    """The one new contiguous [parts, batch, num_heads, len, head_dim] tensor of ``split_heads_ref``."""
     batch, length, width = x.shape
     head_dim = width // (parts * num_heads)
     y = x if bias is None else (x.float() + bias.float()).to(x.dtype)
     y = y.view(batch, length, parts, num_heads, head_dim).permute(2, 0, 3, 1, 4)
     # clone, not contiguous(): with parts = num_heads = 1 the permute is already contiguous and the
     # result would alias x, unlike the kernel's fresh buffer.
-    return y.clone(memory_format=torch.contiguous_format).unbind(0)
+    return y.clone(memory_format=torch.contiguous_format)
 
 
 def merge_heads_ref(x):
@@ -57,96 +65,46 @@ def merge_heads_ref(x):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Autograd Functions over the CUDA kernels
-# ----------------------------------------------------------------------------------------------------
-def _as_one_buffer(grads):
-    """The [parts, ...] tensor that the gradients are consecutive slices of, or None.
-
-    True when every grad is contiguous, of one shape/dtype/device and storage, and grad i starts
-    exactly i·numel elements after grad 0 — e.g. the unbind views of one buffer — so reading them
-    as one tensor reads exactly their elements and nothing else; no copy is needed."""
-    g0 = grads[0]
-    if any(g is None for g in grads) or g0.numel() == 0 or not g0.is_contiguous():
-        return None
-    n, step = g0.numel(), g0.numel() * g0.element_size()
-    storage = g0.untyped_storage().data_ptr()
-    for i, g in enumerate(grads):
-        if (g.shape != g0.shape or g.dtype != g0.dtype or g.device != g0.device or not g.is_contiguous()
-                or g.untyped_storage().data_ptr() != storage or g.data_ptr() != g0.data_ptr() + i * step):
-            return None
-    return g0.as_strided((len(grads),) + tuple(g0.shape), (n,) + tuple(g0.stride()), g0.storage_offset())
-
-
-def _stack_grads(grads, shape, dtype, device):
-    """grads of the parts (None = zero) as one contiguous [parts, *shape] tensor."""
-    one = _as_one_buffer(grads)
-    if one is not None:
-        return one
-    if all(g is not None for g in grads):
-        return torch.stack(grads)
-    out = torch.zeros((len(grads),) + tuple(shape), dtype=dtype, device=device)
-    for i, g in enumerate(grads):
-        if g is not None:
-            out[i].copy_(g)
-    return out
-
-
-class SplitHeadsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, num_heads, parts):
-        out = _backend.ext().split_heads_fwd(x, bias, num_heads, parts)
-        ctx.set_materialize_grads(False)  # unused parts arrive as None: no zero tensors to allocate
-        ctx.has_bias = bias is not None
-        ctx.bias_fp32 = bias is not None and bias.dtype == torch.float32
-        ctx.part_shape, ctx.part_dtype, ctx.part_device = out.shape[1:], out.dtype, out.device
-        return out.unbind(0)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if all(g is None for g in grads):
-            return None, None, None, None
-        g5 = _stack_grads(grads, ctx.part_shape, ctx.part_dtype, ctx.part_device)
-        want_bias = ctx.has_bias and ctx.needs_input_grad[1]
-        grad_x, grad_bias = _backend.ext().split_heads_bwd(g5, want_bias, ctx.bias_fp32)
-        return grad_x, grad_bias, None, None
-
-
-class MergeHeadsFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.num_heads = x.shape[1]
-        return _backend.ext().merge_heads_fwd(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _backend.ext().merge_heads_bwd(grad, ctx.num_heads)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Custom operators over the CUDA kernels (what torch.compile traces)
+# The registered operators: the kernels on CUDA, the references on CPU
 # ----------------------------------------------------------------------------------------------------
 @torch.library.custom_op("lsmini::split_heads", mutates_args=(), device_types="cuda")
-def split_heads_op(x: Tensor, bias: Tensor | None, num_heads: int, parts: int) -> Tensor:
+def _split_heads_op(x: Tensor, bias: Tensor | None, num_heads: int, parts: int) -> Tensor:
     """x [batch, len, parts·hidden] → one contiguous [parts, batch, num_heads, len, head_dim] tensor (the
-    public op unbinds it)."""
+    public op unbinds it). This function is the CUDA implementation (the kernel)."""
     return _backend.ext().split_heads_fwd(x, bias, num_heads, parts)
 
 
-@split_heads_op.register_fake
+@_split_heads_op.register_kernel("cpu")
+def _split_heads_cpu(x, bias, num_heads, parts):
+    return _split_heads_buffer_ref(x, bias, num_heads, parts)
+
+
+@_split_heads_op.register_fake
 def _(x, bias, num_heads, parts):
     batch, length, width = x.shape
     return x.new_empty((parts, batch, num_heads, length, width // (parts * num_heads)))
 
 
 @torch.library.custom_op("lsmini::split_heads_backward", mutates_args=(), device_types="cuda")
-def split_heads_backward_op(grad: Tensor, has_bias: bool, bias_fp32: bool) -> list[Tensor]:
+def _split_heads_backward_op(grad: Tensor, has_bias: bool, bias_fp32: bool) -> list[Tensor]:
     """grad [parts, batch, num_heads, len, head_dim] → [grad_x [batch, len, parts·hidden], grad_bias
     [parts·hidden] (only when has_bias; float32 when bias_fp32, else grad's dtype)]."""
     grad_x, grad_bias = _backend.ext().split_heads_bwd(grad, has_bias, bias_fp32)
     return [grad_x] if grad_bias is None else [grad_x, grad_bias]
 
 
-@split_heads_backward_op.register_fake
+@_split_heads_backward_op.register_kernel("cpu")
+def _split_heads_backward_cpu(grad, has_bias, bias_fp32):
+    # split_heads is linear in x and bias: its gradient is the same at every point, zeros included
+    parts, batch, num_heads, length, head_dim = grad.shape
+    width = parts * num_heads * head_dim
+    x = grad.new_zeros((batch, length, width))
+    bias = grad.new_zeros((width,), dtype=torch.float32 if bias_fp32 else grad.dtype) if has_bias else None
+    grad_x, grad_bias = reference_grads(lambda x, b: _split_heads_buffer_ref(x, b, num_heads, parts), [x, bias], grad)
+    return [grad_x.contiguous()] if grad_bias is None else [grad_x.contiguous(), grad_bias]
+
+
+@_split_heads_backward_op.register_fake
 def _(grad, has_bias, bias_fp32):
     parts, batch, num_heads, length, head_dim = grad.shape
     width = parts * num_heads * head_dim
@@ -164,32 +122,48 @@ def _split_heads_setup_context(ctx, inputs, output):
 
 def _split_heads_backward(ctx, grad):
     want_bias = ctx.has_bias and ctx.needs_input_grad[1]
-    grad_x, grad_bias = optional_outputs(split_heads_backward_op(grad, want_bias, ctx.bias_fp32), True, want_bias)
+    grads = torch.ops.lsmini.split_heads_backward.default(grad, want_bias, ctx.bias_fp32)
+    grad_x, grad_bias = optional_outputs(grads, True, want_bias)
     return grad_x, grad_bias, None, None
 
 
-split_heads_op.register_autograd(_split_heads_backward, setup_context=_split_heads_setup_context)
+_split_heads_op.register_autograd(_split_heads_backward, setup_context=_split_heads_setup_context)
 
 
 @torch.library.custom_op("lsmini::merge_heads", mutates_args=(), device_types="cuda")
-def merge_heads_op(x: Tensor) -> Tensor:
-    """x [batch, num_heads, len, head_dim] (any strides) → contiguous [batch, len, num_heads·head_dim]."""
+def _merge_heads_op(x: Tensor) -> Tensor:
+    """x [batch, num_heads, len, head_dim] (any strides) → contiguous [batch, len, num_heads·head_dim]. This
+    function is the CUDA implementation (the kernel)."""
     return _backend.ext().merge_heads_fwd(x)
 
 
-@merge_heads_op.register_fake
+@_merge_heads_op.register_kernel("cpu")
+def _merge_heads_cpu(x):
+    return merge_heads_ref(x)
+
+
+@_merge_heads_op.register_fake
 def _(x):
     batch, num_heads, length, head_dim = x.shape
     return x.new_empty((batch, length, num_heads * head_dim))
 
 
 @torch.library.custom_op("lsmini::merge_heads_backward", mutates_args=(), device_types="cuda")
-def merge_heads_backward_op(grad: Tensor, num_heads: int) -> Tensor:
+def _merge_heads_backward_op(grad: Tensor, num_heads: int) -> Tensor:
     """grad [batch, len, num_heads·head_dim] → contiguous [batch, num_heads, len, head_dim]."""
     return _backend.ext().merge_heads_bwd(grad, num_heads)
 
 
-@merge_heads_backward_op.register_fake
+@_merge_heads_backward_op.register_kernel("cpu")
+def _merge_heads_backward_cpu(grad, num_heads):
+    # merge_heads is linear: its gradient is the same at every point, zeros included
+    batch, length, width = grad.shape
+    (grad_x,) = reference_grads(merge_heads_ref, [grad.new_zeros((batch, num_heads, length, width // num_heads))],
+                                grad)
+    return grad_x.contiguous()
+
+
+@_merge_heads_backward_op.register_fake
 def _(grad, num_heads):
     batch, length, width = grad.shape
     return grad.new_empty((batch, num_heads, length, width // num_heads))
@@ -200,10 +174,10 @@ def _merge_heads_setup_context(ctx, inputs, output):
 
 
 def _merge_heads_backward(ctx, grad):
-    return merge_heads_backward_op(grad, ctx.num_heads)
+    return torch.ops.lsmini.merge_heads_backward.default(grad, ctx.num_heads)
 
 
-merge_heads_op.register_autograd(_merge_heads_backward, setup_context=_merge_heads_setup_context)
+_merge_heads_op.register_autograd(_merge_heads_backward, setup_context=_merge_heads_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -242,30 +216,28 @@ def split_heads(x, bias, num_heads, parts=3):
 
     x [batch, len, parts·hidden] (columns: part, then head, then head_dim), bias [parts·hidden] or None
     → a tuple of ``parts`` tensors [batch, num_heads, len, head_dim], views of one contiguous
-    [parts, batch, num_heads, len, head_dim] buffer. Runs the CUDA kernel for CUDA tensors
-    (float32/float16/bfloat16; bias float32 or x's dtype) and ``split_heads_ref`` elsewhere.
+    [parts, batch, num_heads, len, head_dim] buffer. Calls ``torch.ops.lsmini.split_heads`` for
+    float32/float16/bfloat16 x (bias float32 or x's dtype): the CUDA kernel for CUDA tensors,
+    ``split_heads_ref`` for CPU tensors; other dtypes and the forced reference run ``split_heads_ref``.
     """
     _check_split_args(x, bias, num_heads, parts)
-    if _backend.use_kernels(x, bias):
-        if torch.compiler.is_compiling():
-            return split_heads_op(x, bias, num_heads, parts).unbind(0)
-        return SplitHeadsFunction.apply(x, bias, num_heads, parts)
-    return split_heads_ref(x, bias, num_heads, parts)
+    if _backend.force_reference() or x.dtype not in limits.KERNEL_DTYPES or not _backend.has_op_impl(x.device):
+        return split_heads_ref(x, bias, num_heads, parts)
+    return torch.ops.lsmini.split_heads.default(x, bias, num_heads, parts).unbind(0)
 
 
 def merge_heads(x):
     """[batch, num_heads, len, head_dim] → a new contiguous [batch, len, num_heads·head_dim] tensor.
 
-    Any strides are accepted (the kernel path makes x contiguous first). Runs the CUDA kernel for CUDA
-    tensors (float32/float16/bfloat16) and ``merge_heads_ref`` elsewhere.
+    Any strides are accepted (the kernel makes x contiguous first). Calls ``torch.ops.lsmini.merge_heads``
+    for float32/float16/bfloat16 x: the CUDA kernel for CUDA tensors, ``merge_heads_ref`` for CPU tensors;
+    other dtypes and the forced reference run ``merge_heads_ref``.
     """
     op = "merge_heads"
     check_tensor(op, "x", x)
     check_floating(op, "x", x)
     if x.dim() != 4:
         raise ValueError(f"{op}: x must be 4-D [batch, num_heads, len, head_dim], got shape {tuple(x.shape)}")
-    if _backend.use_kernels(x):
-        if torch.compiler.is_compiling():
-            return merge_heads_op(x)
-        return MergeHeadsFunction.apply(x)
-    return merge_heads_ref(x)
+    if _backend.force_reference() or x.dtype not in limits.KERNEL_DTYPES or not _backend.has_op_impl(x.device):
+        return merge_heads_ref(x)
+    return torch.ops.lsmini.merge_heads.default(x)

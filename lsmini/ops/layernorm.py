@@ -1,4 +1,4 @@
-"""LayerNorm over the last dimension: the public op, its reference, its autograd Function and the
+"""LayerNorm over the last dimension: the public op, its reference, its registered operators and the
 forward/backward primitives of the fused layers.
 
     y = (x − mean) · rstd · weight + bias,   rstd = 1 / sqrt(var + eps)   (biased variance)
@@ -7,19 +7,19 @@ Shapes: x [..., hidden]; weight, bias [hidden] or None; y like x. The kernel com
 fp32/fp16/bf16 inputs, with weight/bias in fp32 or in x's dtype, and saves per-row mean and rstd
 (fp32) for backward.
 
-- ``layer_norm(x, weight, bias, eps)``: the op; the kernel for CUDA tensors, ``layer_norm_ref`` elsewhere.
-- ``layer_norm_ref``: pure PyTorch in fp32 math, the oracle and the CPU path.
-- ``LayerNormFunction``: autograd over the kernels.
+- ``layer_norm(x, weight, bias, eps)``: the op: argument checks, then ``torch.ops.lsmini.layer_norm``.
+- ``layer_norm_ref``: pure PyTorch in fp32 math, the oracle and the operators' CPU implementation.
+- ``lsmini::layer_norm`` / ``lsmini::layer_norm_backward``: the op registered once (see
+  ``lsmini.ops.library``): the kernels on CUDA, ``layer_norm_ref`` and its gradients by autograd on CPU,
+  fake implementations for tracing, autograd saving x, the parameters and the row statistics.
 - ``layer_norm_fwd`` / ``layer_norm_bwd``: the primitives a layer's hand-written backward is built on:
   a forward that returns its saved state and a backward that takes it, on the kernels or on the
   reference, with optional output buffers and a fused gradient add (the residual path).
-- ``lsmini::layer_norm`` / ``lsmini::layer_norm_backward`` (``layer_norm_op``, ``layer_norm_backward_op``):
-  the kernel path as custom operators, which ``layer_norm`` calls while torch.compile traces it.
 """
 import torch
 from torch import Tensor
 
-from lsmini import _backend
+from lsmini import _backend, limits
 from lsmini.ops.checks import check_last_dim_vector, check_param_dtype, check_same_device, check_tensor, check_x
 from lsmini.ops.library import optional_outputs
 from lsmini.ops.reference_grads import reference_grads
@@ -69,62 +69,66 @@ def layer_norm_bwd(grad_y, weight, bias, eps, saved, kernels, add=None, out=None
     return grad_x if out is None else out.copy_(grad_x), grad_weight, grad_bias
 
 
-class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        y, saved = layer_norm_fwd(x.reshape(-1, x.shape[-1]), weight, bias, eps, kernels=True)
-        ctx.save_for_backward(saved["x"], weight, bias, saved["mean"], saved["rstd"])
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2d, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = _backend.ext().layernorm_bwd(dy.reshape(x2d.shape), x2d, weight, bias, mean, rstd)
-        return dx.view(dy.shape), dw, db, None
-
-
 @torch.library.custom_op("lsmini::layer_norm", mutates_args=(), device_types="cuda")
-def layer_norm_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """LayerNorm of x [rows, hidden] → (y like x, contiguous; mean, rstd: float32 [rows])."""
+def _layer_norm_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """LayerNorm of x [rows, hidden] → (y like x, contiguous; mean, rstd: float32 [rows]). This function
+    is the CUDA implementation (the kernel), ``_layer_norm_cpu`` the CPU one."""
     y, mean, rstd = _backend.ext().layernorm_fwd(x, weight, bias, eps)
     return y, mean, rstd
 
 
-@layer_norm_op.register_fake
+@_layer_norm_op.register_kernel("cpu")
+def _layer_norm_cpu(x, weight, bias, eps):
+    """y by ``layer_norm_ref``; mean and rstd as the kernel's (the CPU backward does not read them)."""
+    xf = x.float()
+    mean = xf.mean(dim=-1)
+    rstd = torch.rsqrt(xf.var(dim=-1, unbiased=False) + eps)
+    return layer_norm_ref(x, weight, bias, eps).contiguous(), mean, rstd
+
+
+@_layer_norm_op.register_fake
 def _(x, weight, bias, eps):
     rows = x.shape[0]
     return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32)
 
 
 @torch.library.custom_op("lsmini::layer_norm_backward", mutates_args=(), device_types="cuda")
-def layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
-                           rstd: Tensor) -> list[Tensor]:
+def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
+                            rstd: Tensor, eps: float) -> list[Tensor]:
     """[dx, dweight (when weight is given), dbias (when bias is given)]: dx like x, contiguous; the
-    parameter gradients [hidden] in the parameters' dtype."""
+    parameter gradients [hidden] in the parameters' dtype. The kernel (this function) reads mean and rstd,
+    which hold eps; the CPU implementation differentiates ``layer_norm_ref`` at x with eps."""
     dx, dweight, dbias = _backend.ext().layernorm_bwd(dy, x, weight, bias, mean, rstd)
     return [g for g in (dx, dweight, dbias) if g is not None]
 
 
-@layer_norm_backward_op.register_fake
-def _(dy, x, weight, bias, mean, rstd):
+@_layer_norm_backward_op.register_kernel("cpu")
+def _layer_norm_backward_cpu(dy, x, weight, bias, mean, rstd, eps):
+    dx, dweight, dbias = reference_grads(lambda x, w, b: layer_norm_ref(x, w, b, eps), [x, weight, bias], dy)
+    return [g for g in (dx.contiguous(), dweight, dbias) if g is not None]
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, x, weight, bias, mean, rstd, eps):
     return [x.new_empty(x.shape)] + [p.new_empty(p.shape) for p in (weight, bias) if p is not None]
 
 
 def _layer_norm_setup_context(ctx, inputs, output):
-    x, weight, bias, _ = inputs
+    x, weight, bias, eps = inputs
     _, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.eps = eps
 
 
 def _layer_norm_backward(ctx, dy, _grad_mean, _grad_rstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    grads = layer_norm_backward_op(dy, x, weight, bias, mean, rstd)
+    grads = torch.ops.lsmini.layer_norm_backward.default(dy, x, weight, bias, mean, rstd, ctx.eps)
     dx, dweight, dbias = optional_outputs(grads, True, weight is not None, bias is not None)
     return dx, dweight, dbias, None
 
 
-layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
+_layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
 
 
 def _check_args(x, weight, bias):
@@ -144,14 +148,13 @@ def _check_args(x, weight, bias):
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """LayerNorm over the last dim of x [..., hidden] with optional weight/bias [hidden].
 
-    Runs the fused CUDA kernel for CUDA tensors (float32/float16/bfloat16 x) and ``layer_norm_ref``
-    elsewhere. On both, weight and bias must be float32 or x's dtype, and the same dtype when both are
-    given (TypeError otherwise).
+    Calls ``torch.ops.lsmini.layer_norm`` for float32/float16/bfloat16 x: the fused CUDA kernel for CUDA
+    tensors, ``layer_norm_ref`` for CPU tensors. Other dtypes (float64) and the forced reference run
+    ``layer_norm_ref`` directly. On every path, weight and bias must be float32 or x's dtype, and the same
+    dtype when both are given (TypeError otherwise).
     """
     _check_args(x, weight, bias)
-    if _backend.use_kernels(x, weight, bias):
-        if torch.compiler.is_compiling():
-            y, _, _ = layer_norm_op(x.reshape(-1, x.shape[-1]), weight, bias, float(eps))
-            return y.view(x.shape)
-        return LayerNormFunction.apply(x, weight, bias, float(eps))
-    return layer_norm_ref(x, weight, bias, eps)
+    if _backend.force_reference() or x.dtype not in limits.KERNEL_DTYPES or not _backend.has_op_impl(x.device):
+        return layer_norm_ref(x, weight, bias, eps)
+    y, _, _ = torch.ops.lsmini.layer_norm.default(x.reshape(-1, x.shape[-1]), weight, bias, float(eps))
+    return y.view(x.shape)

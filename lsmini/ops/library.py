@@ -1,30 +1,36 @@
-"""What the ops' PyTorch custom operators (``torch.ops.lsmini.<op>``) share.
+"""What the ops' PyTorch operators (``torch.ops.lsmini.<op>``) share.
 
-torch.compile cannot trace into the extension's pybind functions, so each op's kernel path is also a
-pair of custom operators: ``lsmini::<op>`` (forward) and ``lsmini::<op>_backward``, each calling the same
-``_backend.ext()`` bindings as the op's autograd Function, with a fake implementation that gives the
-exact shapes, dtypes and strides of what the bindings return, and ``register_autograd`` on the forward
-one. The public ops call them while torch.compile traces (``torch.compiler.is_compiling()``) and keep
-their autograd Functions in eager mode, which cost less host time per call.
+Each op is registered once as a custom operator ``lsmini::<op>`` (and ``lsmini::<op>_backward`` where its
+backward is an operator of its own), which eager and compiled code alike call:
+- the CUDA implementation calls the extension's bindings (``_backend.ext()``);
+- the CPU implementation computes the same outputs from the op's pure-PyTorch reference ``<op>_ref``, and
+  a backward operator's from the reference's gradients by autograd (``reference_grads``);
+- a fake implementation gives the exact shapes, dtypes and strides of the outputs, for tracing;
+- ``register_autograd`` on the forward operator saves only what the backward needs.
 
 A custom operator is a pure function of its inputs, which shapes them:
 - Outputs are fresh tensors, never an input nor another output (torch refuses aliases): where a binding
   would hand back an input, or one tensor twice, the operator returns something else or nothing there,
-  as its docstring says; options that write in place are not offered.
+  as its docstring says. The one operator that writes into an input, ``lsmini::cross_entropy_backward_``
+  (the in-place backward ``cross_entropy`` offers), declares it (``mutates_args``) and returns nothing.
 - An operator cannot return None: outputs that exist only for some inputs (a bias gradient when there
   is a bias) come back as a ``list[Tensor]`` holding just the present ones, in a documented order
   (``optional_outputs`` reads them back).
-- Dropout: a forward that draws a Philox state returns it as a tensor (``draw_dropout_state``); its
-  backward takes that tensor and hands the kernels ``state_rng(state, p)``, which makes them read the
-  state on the device, so they regenerate the forward's mask — inside a CUDA-graph replay too. Such
-  forwards carry ``RANDOM_TAGS``, so the compiler neither merges two calls nor recomputes one in the
-  backward (which would draw a new mask).
+- Dropout: a forward that draws a dropout mask returns what its backward needs to apply that mask again,
+  the dropout state. On CUDA it is the call's Philox state as an int64 tensor [1, 2]
+  (``draw_dropout_state``); the backward hands the kernels ``state_rng(state, p)``, which makes them read
+  the state on the device, so they regenerate the forward's mask — inside a CUDA-graph replay too. On
+  CPU it is the reference's bool keep-mask, drawn from torch's CPU generator (``draw_keep_mask``; empty
+  when p == 0). ``fake_dropout_state`` gives either by the tensors' device. Such forwards carry
+  ``RANDOM_TAGS``, so the compiler neither merges two calls nor recomputes one in the backward (which
+  would draw a new mask).
 """
 import torch
 
 from lsmini import _backend
+from lsmini.ops.dropout import keep_mask
 
-# Tags of a forward operator that draws a dropout state.
+# Tags of a forward operator that draws a dropout mask.
 RANDOM_TAGS = (torch.Tag.nondeterministic_seeded,)
 
 
@@ -36,9 +42,24 @@ def draw_dropout_state(p, device):
     return rng, _backend.dropout_state([rng], device)
 
 
-def fake_dropout_state(like):
-    """What ``draw_dropout_state``'s state looks like, on like's device."""
-    return like.new_empty((1, 2), dtype=torch.int64)
+def draw_keep_mask(shape, p, device):
+    """The CPU implementations' dropout state: a fresh bool keep-mask of ``shape`` (True = kept, see
+    ``dropout.keep_mask``) when p > 0, else an empty bool tensor (nothing drawn)."""
+    mask = keep_mask(shape, p, device)
+    return torch.empty(0, dtype=torch.bool, device=device) if mask is None else mask
+
+
+def keep_mask_or_none(state, p):
+    """The reference's keep-mask from a CPU dropout state (None when p == 0: no dropout to apply)."""
+    return state if p > 0 else None
+
+
+def fake_dropout_state(like, shape, p):
+    """What a forward's dropout state looks like, on like's device: ``draw_dropout_state``'s int64 [1, 2]
+    on CUDA, ``draw_keep_mask(shape, p)``'s bool tensor elsewhere."""
+    if like.device.type == "cuda":
+        return like.new_empty((1, 2), dtype=torch.int64)
+    return like.new_empty(shape if p > 0 else (0,), dtype=torch.bool)
 
 
 def state_rng(state, p):

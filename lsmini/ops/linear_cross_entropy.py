@@ -21,19 +21,21 @@ sums by the incoming gradient (÷ the row count for "mean") and rounds them to t
 no GEMM runs there. The cost is the float32 sums, alive in place of the logits: [N, H] + [V, H] floats.
 Without a gradient (``torch.no_grad``, inputs that do not require grad) only the loss is computed.
 
-In eager mode the chunks run in an autograd Function; while torch.compile traces the op, in the custom
-operator ``lsmini::linear_cross_entropy`` (registered autograd, a fake implementation for tracing).
-Elsewhere (CPU tensors, float64, the reference path forced) the op is ``linear_cross_entropy_ref``: the
-projection, then ``cross_entropy_ref``.
+The op is registered once (see ``lsmini.ops.library``) as ``lsmini::linear_cross_entropy``, which returns
+the two sums and the two float32 gradients: the chunks above on CUDA; on CPU ``linear_cross_entropy_ref``
+(the projection, then ``cross_entropy_ref``) summed, and its gradients by autograd; a fake implementation
+for tracing; autograd saving the gradients, whose backward is the scaling above (no operator of its own).
+``linear_cross_entropy`` checks its arguments and calls it in eager and compiled code alike; float64 and
+the forced reference run ``linear_cross_entropy_ref`` directly.
 """
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_floating, check_same_device, check_tensor
 from lsmini.ops.cross_entropy import _check_smoothing_and_ignore_index, _check_target_values, cross_entropy_ref
+from lsmini.ops.reference_grads import reference_grads
 
 REDUCTIONS = ("mean", "sum")
 GRAD_SCALE = 2.0 ** 15  # |softmax − target distribution| <= 1, so the scaled gradient stays below 65504
@@ -93,34 +95,28 @@ def _scaled(grad_sum, grad_loss, dtype):
     return grad_sum.mul(grad_loss.float()).to(dtype)
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    """Eager mode: the chunks in the forward; the backward scales their gradients."""
-
-    @staticmethod
-    def forward(ctx, x, weight, target, label_smoothing, ignore_index, chunk_tokens):
-        loss_sum, nll_sum, grad_x, grad_weight = _chunks(x, weight, target, label_smoothing, ignore_index,
-                                                         chunk_tokens, True)
-        ctx.mark_non_differentiable(nll_sum)
-        ctx.save_for_backward(grad_x, grad_weight)
-        ctx.dtypes = (x.dtype, weight.dtype)
-        return loss_sum, nll_sum
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss, _grad_nll):
-        grad_x, grad_weight = ctx.saved_tensors
-        return (_scaled(grad_x, grad_loss, ctx.dtypes[0]), _scaled(grad_weight, grad_loss, ctx.dtypes[1]),
-                None, None, None, None)
-
-
 @torch.library.custom_op("lsmini::linear_cross_entropy", mutates_args=(), device_types="cuda")
-def linear_cross_entropy_op(x: Tensor, weight: Tensor, target: Tensor, label_smoothing: float, ignore_index: int,
-                            chunk_tokens: int, with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``_chunks`` as a custom operator, for torch.compile: (loss_sum, nll_sum, grad_x, grad_weight)."""
+def _linear_cross_entropy_op(x: Tensor, weight: Tensor, target: Tensor, label_smoothing: float, ignore_index: int,
+                             chunk_tokens: int, with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss_sum, nll_sum, grad_x, grad_weight), float32, for x [rows, H], weight [V, H], target int64
+    [rows]: the sums over rows of the loss and of the plain NLL, and with ``with_grad`` the gradients of
+    loss_sum with respect to x and weight ([rows, H], [V, H]); without, two empty tensors. This function
+    is the CUDA implementation (``_chunks``)."""
     return _chunks(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with_grad)
 
 
-@linear_cross_entropy_op.register_fake
+@_linear_cross_entropy_op.register_kernel("cpu")
+def _linear_cross_entropy_cpu(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with_grad):
+    loss_sum, nll_sum = linear_cross_entropy_ref(x, weight, target, label_smoothing, ignore_index, "sum", True)
+    if not with_grad:
+        return loss_sum, nll_sum, x.new_empty((0,), dtype=torch.float32), x.new_empty((0,), dtype=torch.float32)
+    grad_x, grad_weight = reference_grads(
+        lambda x, w: linear_cross_entropy_ref(x, w, target, label_smoothing, ignore_index, "sum"), [x, weight],
+        loss_sum.new_ones(()))
+    return loss_sum, nll_sum, grad_x.float().contiguous(), grad_weight.float().contiguous()
+
+
+@_linear_cross_entropy_op.register_fake
 def _(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with_grad):
     shapes = ((), (), x.shape, weight.shape) if with_grad else ((), (), (0,), (0,))
     return tuple(x.new_empty(shape, dtype=torch.float32) for shape in shapes)
@@ -144,7 +140,7 @@ def _backward(ctx, grad_loss, _grad_nll, _grad_grad_x, _grad_grad_weight):
             None, None, None, None, None)
 
 
-linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_args(x, weight, target, label_smoothing, ignore_index, reduction, chunk_tokens):
@@ -206,20 +202,16 @@ def linear_cross_entropy(x, weight, target, label_smoothing=0.0, ignore_index=-1
         raise TypeError(f"linear_cross_entropy: weight must be in x's dtype {x.dtype}, got {weight.dtype}")
     if check_targets:
         _check_target_values(target, weight.shape[0], ignore_index, op="linear_cross_entropy")
-    if x.dtype not in limits.KERNEL_DTYPES or not _backend.use_kernels(x, weight, target):
+    if _backend.force_reference() or x.dtype not in limits.KERNEL_DTYPES or not _backend.has_op_impl(x.device):
         return linear_cross_entropy_ref(x, weight, target, float(label_smoothing), int(ignore_index), reduction,
                                         return_nll)
     x2d = x.reshape(-1, x.shape[-1]).contiguous()
     target1d = target.reshape(-1).contiguous()
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], x.dtype)
-    args = (x2d, weight.contiguous(), target1d, float(label_smoothing), int(ignore_index), chunk)
     with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if torch.compiler.is_compiling():
-        loss, nll, _, _ = linear_cross_entropy_op(*args, with_grad)
-    elif with_grad:
-        loss, nll = LinearCrossEntropyFunction.apply(*args)
-    else:
-        loss, nll, _, _ = _chunks(*args, False)
+    loss, nll, _, _ = torch.ops.lsmini.linear_cross_entropy.default(x2d, weight.contiguous(), target1d,
+                                                                     float(label_smoothing), int(ignore_index), chunk,
+                                                                     with_grad)
     if reduction == "mean":  # NaN when every row is ignored, as cross_entropy; the clamp keeps the gradient 0
         count = (target1d != ignore_index).sum()  # on the device: no sync
         nan = loss.new_full((), float("nan"))

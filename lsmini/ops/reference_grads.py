@@ -1,11 +1,30 @@
 """The backward of a reference, by autograd.
 
-A primitive's reference backward (``<op>_bwd`` with ``kernels=False``) does not save the reference's
-autograd graph in forward: it runs the reference again on the saved inputs and differentiates that.
-Forward then keeps only what the kernel path keeps (plus the reference dropout mask), so one hand-written
-layer backward serves both paths.
+Two kinds of callers differentiate a reference instead of saving its autograd graph in forward:
+- a primitive's reference backward (``<op>_bwd`` with ``kernels=False``) runs the reference again on the
+  saved inputs, so forward keeps only what the kernel path keeps (plus the reference dropout mask) and
+  one hand-written layer backward serves both paths;
+- the CPU implementation of a backward operator (``lsmini::<op>_backward``), which gets the forward's
+  inputs (or, for a linear op, only their shapes) and its dropout mask.
 """
+import contextlib
+
 import torch
+
+_DispatchKey = torch._C.DispatchKey
+_AUTOGRAD_KEYS = (_DispatchKey.AutogradFunctionality, _DispatchKey.AutogradOther, _DispatchKey.AutogradNestedTensor)
+
+
+def _autograd_dispatch():
+    """A context in which autograd records again where the dispatcher has turned it off: inside an
+    operator's implementation (a custom operator's kernel runs below autograd), where
+    ``torch.autograd.grad`` would otherwise find no graph. A no-op elsewhere."""
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    if not excluded.has(_DispatchKey.AutogradFunctionality):
+        return contextlib.nullcontext()
+    for key in _AUTOGRAD_KEYS:
+        excluded = excluded.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
 
 
 def reference_grads(reference, inputs, grad_out):
@@ -16,6 +35,6 @@ def reference_grads(reference, inputs, grad_out):
     """
     leaves = [None if t is None else t.detach().requires_grad_(True) for t in inputs]
     live = [t for t in leaves if t is not None]
-    with torch.enable_grad():
+    with _autograd_dispatch(), torch.enable_grad():
         grads = iter(torch.autograd.grad(reference(*leaves), live, grad_out))
     return [None if t is None else next(grads) for t in leaves]
