@@ -10,9 +10,9 @@ boolean attn_mask; `causal` passes is_causal=True. Every SDPA backend (flash, me
 accepts the row is timed, and the fastest fwd+bwd is the baseline (`sdpa_best`, which one in `backend`).
 Times are device milliseconds (benchmarks/common.time_ms); TFLOP/s counts the nominal GEMM work (causal:
 half), 4·b·h·L²·d forward and 2.5 times that backward. Where the Hopper kernels run (sm_90a build on a compute
-capability 9.0 device), `lsmini_sm80_ms` is the same row on the sm_80 kernels (`sm90_kernels(False)`). Past
+capability 9.0 device), `lsmini_sm80_ms` is the same row on the sm_80 kernels (`lsmini._debug.sm90_attention(False)`). Past
 16·d keys, where by default the backward draws the dropout mask again, `lsmini_kept_ms` is the row with the
-mask's bits kept at every length (`lsmini.ops.dropout_bits("always")`), and `kept_speedup` its ratio to SDPA.
+mask's bits kept at every length (`lsmini.config.attention_dropout_bits = "always"`), and `kept_speedup` its ratio to SDPA.
 """
 import argparse
 import os
@@ -28,7 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 from kernels.attention import fwd_bwd, inputs  # noqa: E402
-from lsmini.ops.attention import attention, dropout_bits, keeps_bits, sm90_kernels, sm90_kernels_available  # noqa: E402
+import lsmini  # noqa: E402
+from lsmini._debug import sm90_attention  # noqa: E402
+from lsmini.ops.attention import attention, keeps_bits, sm90_kernels_available  # noqa: E402
 
 _HIDDEN = 1024
 _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -57,10 +59,10 @@ def row(dtype, d, mask, length, tokens, dropout, iters):
          "lsmini_fwd_ms": common.time_ms(ours, warmup=3, iters=iters),
          "lsmini_ms": common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)}
     if sm90_kernels_available():
-        with sm90_kernels(False):
+        with sm90_attention(False):
             r["lsmini_sm80_ms"] = common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)
     if dropout > 0 and not keeps_bits(dropout, length, d):
-        with dropout_bits("always"):
+        with lsmini.config.override(attention_dropout_bits="always"):
             r["lsmini_kept_ms"] = common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)
     best = None
     for name, backend in _BACKENDS.items():

@@ -6,14 +6,15 @@ it in the generated ``lsmini/_build_info.py``, which ``backend().reason`` report
 once as a PyTorch operator (``torch.ops.lsmini.<op>``) whose CUDA implementation calls the extension's
 kernels and whose CPU implementation is the op's pure-PyTorch reference; ``has_op_impl`` says whether the
 operators have an implementation for a device. Without the extension, CUDA tensors run the references
-directly. ``LSMINI_FORCE_REFERENCE=1`` makes every op call its reference directly, even when the kernels
-are there (``force_reference``); it is read at every call, so tests and debugging sessions can flip it.
+directly. ``lsmini.config.reference`` makes every op call its reference directly, even when the kernels
+are there (``force_reference``).
 """
 import importlib.util
-import os
 import warnings
 
 import torch
+
+from lsmini.config import config
 
 try:  # what setup.py decided at install time, and why (generated; absent in a checkout never installed)
     from lsmini import _build_info
@@ -57,15 +58,15 @@ class Backend(str):
 
 
 def force_reference():
-    """True when ``LSMINI_FORCE_REFERENCE`` asks every op to call its pure-PyTorch reference directly (to
+    """True when ``lsmini.config.reference`` asks every op to call its pure-PyTorch reference directly (to
     compare against it, or to debug) instead of its registered operator or kernels."""
-    return os.environ.get("LSMINI_FORCE_REFERENCE", "0") not in ("", "0")
+    return config.reference
 
 
 def backend():
     """Report the active backend and why: ``lsmini.backend() == "cuda"``, ``lsmini.backend().reason``."""
     if force_reference():
-        return Backend("reference", "LSMINI_FORCE_REFERENCE is set")
+        return Backend("reference", "lsmini.config.reference is set")
     if _C is None:
         return Backend("reference", f"the CUDA extension lsmini._C is {_IMPORT_ERROR}; {BUILD_HINT}")
     if not torch.cuda.is_available():

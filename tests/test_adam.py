@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 import lsmini
+from lsmini._debug import adam_bulk
 from lsmini.optim import FusedAdam, LossScaler, ParameterWorkspace
 from util import assert_close_fp32
 
@@ -651,11 +652,8 @@ def update_path(request):
     ext = lsmini._backend.ext()
     if request.param == "bulk" and not ext.adam_bulk_available():
         pytest.skip("the bulk-copy update needs a compute capability 9.0 or later device")
-    previous = ext.set_adam_bulk(request.param == "bulk")
-    try:
+    with adam_bulk(request.param == "bulk"):
         yield request.param
-    finally:
-        ext.set_adam_bulk(previous)
 
 
 def _to_fp32_twins(params):
@@ -730,8 +728,8 @@ def test_cuda_kernel_matches_reference_path(dtype, monkeypatch):
     """Same gradients through the kernel and through the PyTorch reference path on the GPU."""
     sizes = [1, 7, 1023, 4097, 33, 64]
     runs = []
-    for force in ("0", "1"):
-        monkeypatch.setenv("LSMINI_FORCE_REFERENCE", force)
+    for force in (False, True):
+        monkeypatch.setattr(lsmini.config, "reference", force)
         ours = _params(sizes, dtype, "cuda")
         opt = FusedAdam(_cuda_groups(ours, 3), max_grad_norm=2.0)
         for step in range(4):
@@ -969,14 +967,11 @@ def test_cuda_bulk_and_register_updates_are_bit_identical(dtype):
     v0 = torch.rand(n, generator=gen).to("cuda") * 0.01
     results = []
     for bulk in (True, False):
-        previous = ext.set_adam_bulk(bulk)
-        try:
+        with adam_bulk(bulk):
             param, m, v = p0.clone(), m0.clone(), v0.clone()
             master = p0.float() if dtype in LOWP else None
             steps = _adam_step_raw(param, g0, master, m, v, segs, scale=torch.full((), 4.0, device="cuda"))
             steps = _adam_step_raw(param, g0, master, m, v, segs, steps=steps.flip(0).contiguous())
-        finally:
-            ext.set_adam_bulk(previous)
         results.append({"param": param, "exp_avg": m, "exp_avg_sq": v, "master": master, "steps": steps})
     bulk, registers = results
     for name, a in bulk.items():

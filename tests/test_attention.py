@@ -7,9 +7,10 @@ import torch.nn.functional as F
 
 import lsmini
 from lsmini import _backend
+from lsmini._debug import sm90_attention
 from lsmini.limits import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS
-from lsmini.ops.attention import (attention, attention_ref, dropout_bits, fused_attention_supported, keep_buffer,
-                                  keep_numel, keeps_bits, sm90_kernels, sm90_kernels_available)
+from lsmini.ops.attention import (attention, attention_ref, fused_attention_supported, keep_buffer, keep_numel,
+                                  keeps_bits, sm90_kernels_available)
 from lsmini.ops.attention_softmax import attention_softmax
 from lsmini.ops.dropout import keep_mask
 from util import (LsminiOps, attention_masks, assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule, max_err,
@@ -334,7 +335,7 @@ def family(request):
     capability 9.0 device; elsewhere, and for 16 and 32, the same kernels as "sm80") and the sm_80 ones."""
     if request.param == "sm90" and not sm90_kernels_available():
         pytest.skip("the Hopper attention kernels need an sm_90a build and a compute capability 9.0 device")
-    with sm90_kernels(request.param == "sm90"):
+    with sm90_attention(request.param == "sm90"):
         yield request.param
 
 
@@ -516,7 +517,7 @@ def test_sm90_kernels_match_sm80(lq, lk, kind, d, dtype):
         keep = None
         if keeps_bits(P, lk, d):
             keep = torch.full((keep_numel(b, h, lq, lk),), -1, dtype=torch.int32, device="cuda")
-        with sm90_kernels(hopper):
+        with sm90_attention(hopper):
             out, lse = ext.attention_fwd(q, k, v, kpm, causal, P, scale, RNG, keep)
             grads = ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, scale, RNG, keep=keep)
         results[hopper] = (out, lse, grads, keep)
@@ -537,25 +538,19 @@ def test_keep_buffer_policy():
     assert keep_numel(2, 3, 100, 1024) == 2 * 3 * 8 * 16 * 32  # 2 query blocks of 4 row groups, 16 key tiles
     assert keep_buffer(q, k, 0.0) is None
     assert keep_buffer(q, torch.empty(2, 3, 1025, 64), 0.1) is None
-    with pytest.raises(ValueError, match=r"policy must be one of \('auto', 'always', 'never'\), got 'on'"):
-        with dropout_bits("on"):
-            pass
 
 
-@pytest.mark.cuda
 def test_dropout_bits_policy():
     # "always" keeps the bits past 16·head_dim keys, "never" keeps none, and each block restores the policy
-    # it found; keeps_bits answers as the extension (and so the one-call layers) decides
+    # it found
     q, short, long = torch.empty(2, 3, 100, 64), torch.empty(2, 3, 1024, 64), torch.empty(2, 3, 1025, 64)
-    with dropout_bits("always"):
+    with lsmini.config.override(attention_dropout_bits="always"):
         assert keep_buffer(q, long, 0.1).shape == (keep_numel(2, 3, 100, 1025),)
         assert keep_buffer(q, long, 0.0) is None
-        with dropout_bits("never"):
+        with lsmini.config.override(attention_dropout_bits="never"):
             assert keep_buffer(q, short, 0.1) is None and not keeps_bits(0.1, 1, 64)
         assert keeps_bits(0.1, 1 << 20, 64)
     assert keep_buffer(q, short, 0.1) is not None and keep_buffer(q, long, 0.1) is None
-    with pytest.raises(RuntimeError, match="policy must be 0 \\(auto\\), 1 \\(always\\) or 2 \\(never\\), got 3"):
-        _backend.ext().set_attention_keep_bits(3)
     assert keeps_bits(0.1, 1024, 64) and not keeps_bits(0.1, 1025, 64)
 
 
@@ -570,7 +565,7 @@ def test_dropout_bits_always_matches_drawn(lq, lk, d, kind, dtype, family):
     kpm, causal, _ = attention_masks(2, lq, lk, kind, gen, "cuda")
     results = []
     for policy in ("never", "always"):
-        with dropout_bits(policy):
+        with lsmini.config.override(attention_dropout_bits=policy):
             torch.manual_seed(5)
             out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal, P), q, k, v, dout)
         results.append((out, *grads))
@@ -768,13 +763,13 @@ def test_unsupported_cases_on_cuda_run_the_reference():
 
 
 @pytest.mark.cuda
-def test_force_reference_env(monkeypatch):
+def test_config_reference(monkeypatch):
     q, k, v, _, _ = _inputs(2, 2, 8, 9, 64, torch.float16, "cuda")
     q.requires_grad_(True)
     with LsminiOps() as ops:
         attention(q, k, v)
     assert ops.names == ["attention"]
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         y = attention(q, k, v, causal=True)
     assert ops.names == [] and y.grad_fn is not None

@@ -179,7 +179,7 @@ def test_float64_and_forced_reference_call_the_reference_directly(monkeypatch):
         y = attention_softmax(scores, kpm, causal=True)
     assert ops.names == [] and y.dtype == torch.float64
     torch.testing.assert_close(y, attention_softmax_ref(scores, kpm, causal=True))
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         y = attention_softmax(scores.float(), kpm, causal=True)
     assert ops.names == []
@@ -489,12 +489,12 @@ def test_float64_on_cuda_runs_the_reference():
 
 
 @pytest.mark.cuda
-def test_force_reference_env(monkeypatch):
+def test_config_reference(monkeypatch):
     x = torch.randn(2, 2, 3, 5, device="cuda", requires_grad=True)
     with LsminiOps() as ops:
         attention_softmax(x)
     assert ops.names == ["attention_softmax"]
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         y = attention_softmax(x, causal=True)
     assert ops.names == [] and y.grad_fn is not None

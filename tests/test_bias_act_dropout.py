@@ -134,7 +134,7 @@ def test_op_on_cpu_eval_p0_and_forced_reference(monkeypatch):
     with LsminiOps() as ops:
         bias_act_dropout(x.double(), bias.double(), "gelu")
     assert ops.names == []
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         assert torch.equal(bias_act_dropout(x, bias, "gelu"), bias_act_dropout_ref(x, bias, "gelu"))
     assert ops.names == []

@@ -140,7 +140,7 @@ def test_op_on_cpu_eval_p0_and_forced_reference(monkeypatch):
     with LsminiOps() as ops:
         bias_dropout_residual(x.double(), bias.double(), residual.double())
     assert ops.names == []
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         assert torch.equal(bias_dropout_residual(x, bias, residual), plain)
     assert ops.names == []

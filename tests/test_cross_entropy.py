@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import lsmini
 from lsmini import _backend
 from lsmini.ops import cross_entropy, cross_entropy_ref
 from util import LOWP, LsminiOps, assert_close_fp32, check
@@ -204,7 +205,7 @@ def test_float64_and_forced_reference_call_the_reference_directly(monkeypatch):
     assert ops.names == [] and loss.dtype == torch.float64
     rl, rn = cross_entropy_ref(x.double(), t, 0.1, return_nll=True)
     assert torch.equal(loss, rl) and torch.equal(nll, rn)
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         loss, nll = cross_entropy(x, t, 0.1, return_nll=True)
     assert ops.names == []

@@ -182,7 +182,7 @@ def test_float64_and_forced_reference_call_the_reference_directly(monkeypatch):
         out = embedding(tokens, weight, pos, padding_idx=1)
     assert ops.names == [] and out.dtype == torch.float64
     torch.testing.assert_close(out, embedding_ref(tokens, weight, pos, padding_idx=1))
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         out = embedding(tokens, weight.float(), pos.float(), padding_idx=1)
     assert ops.names == []
@@ -634,9 +634,9 @@ def test_dropout_p1_gives_zeros():
 
 
 @pytest.mark.cuda
-def test_force_reference_env(monkeypatch):
+def test_config_reference(monkeypatch):
     tokens, weight, pos, _ = _inputs(2, 8, 32, 10, torch.float32, "cuda")
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     w = weight.clone().requires_grad_(True)
     with LsminiOps() as ops:
         y = embedding(tokens, w, pos)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import lsmini
 from lsmini.layers import TransformerEmbedding
 from util import assert_close_fp32, assert_dropout_keep_stats, assert_lowp_rule
 
@@ -128,7 +129,7 @@ def test_cuda_kernel_vs_reference(dtype, monkeypatch):
     emb_lp.load_state_dict(emb32.state_dict())
     y = emb_lp(tokens)
     y.backward(g.to(dtype))
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     emb_ref = TransformerEmbedding(1000, 256, padding_idx=0, max_seq_len=256, dropout=0.0).cuda().to(dtype)
     emb_ref.load_state_dict(emb32.state_dict())
     y_ref = emb_ref(tokens)

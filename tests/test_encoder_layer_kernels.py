@@ -7,6 +7,7 @@ import torch
 from layer_testing import (_one_thread, _poison_freed_memory, no_tf32,  # noqa: F401  (fixtures)
                            assert_close_scaled, compare_encoder_with_torch, encoder_layer, padding_mask, param_grads,
                            perturb_, plain_attention, run, torch_encoder_layer)
+import lsmini
 from lsmini.layers import TransformerConfig, TransformerEncoderLayer
 from util import assert_lowp_rule
 
@@ -92,7 +93,7 @@ def test_cuda_autocast_2x_torch_rule(pre, dtype, no_tf32):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_kernels_match_reference_path(monkeypatch, dtype, no_tf32):
     """The kernel path against the reference layer: the same float16/bfloat16 layer through the kernels and
-    through the reference (LSMINI_FORCE_REFERENCE), both against the reference in float32, by the 2x rule
+    through the reference (lsmini.config.reference), both against the reference in float32, by the 2x rule
     (the reference in the low precision is the 'plain PyTorch' side)."""
     m = encoder_layer("cuda", pre=True, h=64, heads=4, ffn=128)
     x = torch.randn(3, 20, 64, device="cuda").to(dtype).float()
@@ -107,7 +108,7 @@ def test_cuda_kernels_match_reference_path(monkeypatch, dtype, no_tf32):
     oracle = step(m, False)  # float32: the reference layer
     low = m.to(dtype)
     kernels = step(low, True)
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     reference = step(low, True)
     names = ["output", "grad x"] + [f"grad {n}" for n, _ in m.named_parameters()]
     for k, o, r, name in zip(kernels, oracle, reference, names):

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import lsmini
 from example_testing import EXAMPLES, builtin_pairs, run, write_corpus, write_lines
 import builtin_data  # noqa: E402  (after example_testing, which puts examples/ on sys.path)
 import train_lm  # noqa: E402
@@ -83,12 +84,12 @@ def test_translation_without_sacrebleu_reports_loss_only(corpus, tmp_path, monke
 
 def test_translation_bf16_and_reference_flags(corpus, tmp_path):
     """bf16 parameters (fp32 master weights in FusedAdam) train on CPU too; --reference only holds for the run."""
-    before = os.environ.get("LSMINI_FORCE_REFERENCE")
+    before = lsmini.config.reference
     m = run(train_translation.main, data_args(corpus, test=False) + SMALL + [
         "--save-dir", str(tmp_path), "--max-steps", "2", "--beam", "1", "--bf16", "--reference"])
     assert m["precision"] == "bf16" and m["steps"] == 2
     assert math.isfinite(m["valid_loss"]) and math.isfinite(m["train_loss"])
-    assert os.environ.get("LSMINI_FORCE_REFERENCE") == before
+    assert lsmini.config.reference == before
     ckpt = torch.load(os.path.join(str(tmp_path), "checkpoint_last.pt"), map_location="cpu", weights_only=True)
     assert all(t.dtype == torch.bfloat16 for t in ckpt["trainer"]["model"].values() if t.is_floating_point())
 

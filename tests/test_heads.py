@@ -294,7 +294,7 @@ def test_float64_and_forced_reference_call_the_references_directly(monkeypatch):
         merged = merge_heads(outs[0])
     assert ops.names == []
     assert torch.equal(merged, x[..., :4])
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         outs = split_heads(x.float(), None, 2, 3)
         merge_heads(outs[0])

@@ -111,7 +111,7 @@ def test_float64_and_forced_reference_call_the_reference_directly(monkeypatch):
         y = layer_norm(x, w, b)
     assert ops.names == [] and y.dtype == torch.float64
     torch.testing.assert_close(y, layer_norm_ref(x, w, b))
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     x = x.float().requires_grad_()
     with LsminiOps() as ops:
         y = layer_norm(x, w.float(), b.float())
@@ -202,9 +202,9 @@ def test_layer_module_with_mixed_parameter_dtypes_raises():
 def test_backend_reports_reason(monkeypatch):
     b = lsmini.backend()
     assert b in ("cuda", "reference") and b.reason
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     b = lsmini.backend()
-    assert b == "reference" and "LSMINI_FORCE_REFERENCE" in b.reason
+    assert b == "reference" and "lsmini.config.reference" in b.reason
 
 
 # ---------------------------------------------------------------------------------------- CUDA ---
@@ -396,12 +396,12 @@ def test_kernel_bad_input_errors():
 
 
 @pytest.mark.cuda
-def test_force_reference_env(monkeypatch):
+def test_config_reference(monkeypatch):
     x, w, b, _ = _inputs(8, 64, torch.float32, "cuda")
     with LsminiOps() as ops:
         layer_norm(x, w, b)
     assert ops.names == ["layer_norm"]
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     assert lsmini.backend() == "reference"
     with LsminiOps() as ops:
         y = layer_norm(x.requires_grad_(), w, b)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import lsmini
 from lsmini.layers import LinearCrossEntropyLoss
 from lsmini.models import Transformer, TransformerLM
 from lsmini.layers import TransformerConfig
@@ -93,7 +94,7 @@ def test_op_on_cpu_without_grad_computes_the_loss_alone(monkeypatch):
     assert ops.names == ["linear_cross_entropy"] * 2
     assert gx.numel() == 0 and gw.numel() == 0 and not loss.requires_grad
     assert torch.equal(loss_sum / (t != -100).sum(), loss)
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         forced = linear_cross_entropy(x, w, t, 0.1)
     assert ops.names == [] and torch.equal(forced.detach(), loss)

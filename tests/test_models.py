@@ -4,6 +4,7 @@ CUDA: kernels vs the reference path end to end, fp16/bf16 parameters, no new all
 import pytest
 import torch
 
+import lsmini
 from lsmini.layers import CrossEntropyLoss, TransformerConfig
 from lsmini.models import Transformer, TransformerLM
 from layer_testing import DEVICES, _one_thread, _poison_freed_memory  # noqa: F401  (fixtures)
@@ -126,7 +127,7 @@ def test_cuda_kernels_match_reference_path_end_to_end(pre, monkeypatch):
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     lk, gk = step()
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     lr, gr = step()
     torch.testing.assert_close(lk, lr, atol=1e-4, rtol=1e-4)
     for n in gk:

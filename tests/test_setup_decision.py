@@ -235,7 +235,7 @@ def test_backend_reason_repeats_the_install_decision(monkeypatch):
     if _backend.ext_or_none() is None and _backend._build_info is not None:  # this install, without _C
         import lsmini
 
-        monkeypatch.delenv("LSMINI_FORCE_REFERENCE", raising=False)
+        monkeypatch.setattr(lsmini.config, "reference", False)
         assert _backend._build_info.REASON in lsmini.backend().reason
 
 

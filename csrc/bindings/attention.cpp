@@ -254,18 +254,6 @@ void register_attention(pybind11::module_& m) {
   m.def("attention_sm90_available", &attention_sm90_available,
         "Whether this build holds the Hopper attention kernels (wgmma, head dims 64 and 128) and the current "
         "device (compute capability 9.0) runs them");
-  m.def("set_attention_keep_bits",
-        [](int policy) {
-          LSMINI_CHECK(policy >= int(KeepBits::Auto) && policy <= int(KeepBits::Never),
-                       "set_attention_keep_bits: policy must be 0 (auto), 1 (always) or 2 (never), got ", policy);
-          return int(set_attention_keep_bits(KeepBits(policy)));
-        },
-        "Set when fused attention keeps its dropout bits for the backward: 0 auto, 1 always, 2 never; returns "
-        "the previous policy",
-        pybind11::arg("policy"));
-  m.def("attention_keeps_bits", &attention_keeps_bits,
-        "Whether a fused attention call with this dropout, key length and head dim keeps its dropout bits",
-        pybind11::arg("p"), pybind11::arg("k_len"), pybind11::arg("head_dim"));
   m.def("set_attention_sm90", &set_attention_sm90,
         "Let fused attention use the Hopper kernels where available (True, the default) or not; returns the "
         "previous setting",

@@ -46,7 +46,6 @@
  */
 #include "attention.cuh"
 
-#include <atomic>
 
 namespace lsmini {
 namespace {
@@ -128,20 +127,7 @@ cudaError_t fwd(const AttentionArgs<T>& a, cudaStream_t stream) {
   return launch(attention_fwd_kernel<T, D, false>, blocks, bytes, a, stream);
 }
 
-std::atomic<int> g_keep_bits{int(KeepBits::Auto)};
-
 }  // namespace
-
-KeepBits set_attention_keep_bits(KeepBits policy) { return KeepBits(g_keep_bits.exchange(int(policy))); }
-
-bool attention_keeps_bits(double dropout_p, int64_t k_len, int64_t head_dim) {
-  if (dropout_p <= 0) return false;
-  switch (KeepBits(g_keep_bits.load(std::memory_order_relaxed))) {
-    case KeepBits::Always: return true;
-    case KeepBits::Never: return false;
-    default: return k_len <= 16 * head_dim;
-  }
-}
 
 template <typename T>
 cudaError_t launch_attention_fwd(const AttentionArgs<T>& a, cudaStream_t stream) {

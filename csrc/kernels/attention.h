@@ -56,17 +56,6 @@ constexpr int64_t attention_keep_numel(int64_t batch, int64_t heads, int64_t q_l
   return batch * heads * ((q_len + 63) / 64 * 4) * ((k_len + 63) / 64) * 32;
 }
 
-// Whether a call with dropout stores its forward's keep bits for the backward to read (attention_keep_numel
-// words) instead of the backward drawing them again, which is 1.03-1.13x faster fwd+bwd on an H200 at the cost
-// of one bit a score. Auto (the default): where the bits take no more memory than q, k_len <= 16·head_dim (one
-// bit a score against two bytes an element of q), the usual training lengths. Always / Never: at every length /
-// at none.
-// A process-wide policy, read when a call allocates its buffers (the op, the one-call layers); the setter
-// returns the previous one.
-enum class KeepBits : int { Auto = 0, Always = 1, Never = 2 };
-KeepBits set_attention_keep_bits(KeepBits policy);
-bool attention_keeps_bits(double dropout_p, int64_t k_len, int64_t head_dim);
-
 // The Hopper kernels (attention_sm90*.cu: wgmma, head dims 64 and 128): whether this build holds them
 // (sm_90a code, LSMINI_SM90A) and the current device, compute capability 9.0, can run them. Where they can
 // they run, unless switched off: set_attention_sm90(false) makes every call take the sm_80 kernels (for

@@ -176,28 +176,28 @@ def rank_seed(seed, rank):
 
 class RunSettings:
     """Process-wide settings of one run, undone on exit (so main() can be called in-process, e.g. by tests):
-    LSMINI_FORCE_REFERENCE=1 with --reference, and flushing denormal floats to zero on the CPU: tiny
+    lsmini.config.reference with --reference, and flushing denormal floats to zero on the CPU: tiny
     gradients and Adam moments decay into denormals, which x86 CPUs process ~10x slower, so CPU training
     steps would stall at random; flushing them changes nothing that matters for training."""
 
     def __init__(self, force_reference):
         self.force_reference = force_reference
-        self.saved_env = None
+        self.saved_reference = None
 
     def __enter__(self):
+        import lsmini
+
+        self.saved_reference = lsmini.config.reference
         if self.force_reference:
-            self.saved_env = os.environ.get("LSMINI_FORCE_REFERENCE")
-            os.environ["LSMINI_FORCE_REFERENCE"] = "1"
+            lsmini.config.reference = True
         torch.set_flush_denormal(True)
         return self
 
     def __exit__(self, *exc):
+        import lsmini
+
         torch.set_flush_denormal(False)
-        if self.force_reference:
-            if self.saved_env is None:
-                os.environ.pop("LSMINI_FORCE_REFERENCE", None)
-            else:
-                os.environ["LSMINI_FORCE_REFERENCE"] = self.saved_env
+        lsmini.config.reference = self.saved_reference
 
 
 def describe_backend(device):

@@ -1,7 +1,7 @@
 """The reference layer: a whole layer's forward as plain differentiable PyTorch, built from the ops'
 references (``lsmini.ops.<op>_ref``); autograd derives its backward. It is the one other implementation of
 a layer beside the kernel path (csrc/layers/layer.cpp): it runs where the kernels do not (CPU, float32,
-head dims the fused attention lacks, ``LSMINI_FORCE_REFERENCE``), it is what incremental decoding runs
+head dims the fused attention lacks, ``lsmini.config.reference``), it is what incremental decoding runs
 (with a KV cache), torch.compile traces it like any PyTorch code, and the tests compare the kernel path
 against it.
 

@@ -4,7 +4,7 @@ extension's kernel and whose CPU implementation is the op's pure-PyTorch referen
 operator's: the reference's gradients by autograd). The public ``lsmini.ops.<op>(...)`` checks its
 arguments and calls that operator, in eager and compiled code alike, for the dtypes and sizes the kernel
 takes; other inputs (float64, a head_dim without a kernel, tensors on another device), CUDA tensors
-without the built extension, and a forced reference (``LSMINI_FORCE_REFERENCE``, read at every call) run
+without the built extension, and a forced reference (``lsmini.config.reference``, read at every call) run
 ``<op>_ref`` directly.
 
 ``lsmini/ops/<op>.py`` holds everything of one op: the public function, the reference, the registered
@@ -18,12 +18,13 @@ autograd). Kernel dtypes and size limits come from ``lsmini.limits``.
 Every op works under ``torch.compile(fullgraph=True)``: the compiler sees the operators through their fake
 implementations and registered autograd, and the same operators run as in eager mode. The host-syncing
 value checks (embedding's token range, cross_entropy's targets) are skipped while compiling, and which
-path runs (``LSMINI_FORCE_REFERENCE`` included) is decided when the function is compiled.
+path runs (``lsmini.config.reference`` included) is decided when the function is compiled (a change of it
+recompiles).
 """
 from lsmini.ops.layernorm import layer_norm, layer_norm_ref
 from lsmini.ops.heads import merge_heads, merge_heads_ref, split_heads, split_heads_ref
 from lsmini.ops.attention_softmax import attention_softmax, attention_softmax_ref
-from lsmini.ops.attention import attention, attention_ref, dropout_bits, fused_attention_supported
+from lsmini.ops.attention import attention, attention_ref, fused_attention_supported
 from lsmini.ops.cross_entropy import cross_entropy, cross_entropy_ref
 from lsmini.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from lsmini.ops.embedding import embedding, embedding_ref, sinusoidal_positions

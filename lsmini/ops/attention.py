@@ -20,8 +20,8 @@ k_len] probabilities draws Philox at flat index ((b·heads + h)·q_len + i)·k_l
 ``rng`` (``_backend.dropout_rng``) — and kept probabilities are scaled by 1/(1 − p). So, with the same
 rng, the fused op equals ``attention_softmax(scale·q@kᵀ, ...) @ v``. The kernel saves out and the row
 log-sum-exp (fp32 [b, h, q_len]); backward regenerates the mask from rng, except where the bits cost no
-more memory than q itself (``keep_buffer``: k_len ≤ 16·d, the usual training lengths; ``dropout_bits``
-changes where): there the forward also stores the mask it drew, one bit per score, and backward reads it
+more memory than q itself (``keep_buffer``: k_len ≤ 16·d, the usual training lengths;
+``lsmini.config.attention_dropout_bits`` changes where): there the forward also stores the mask it drew, one bit per score, and backward reads it
 instead, which spares the backward's two kernels a Philox draw each; the bits are the same either way.
 
 The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) with head_dim d in
@@ -29,7 +29,7 @@ The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) wit
 (float32, float64, other d) runs ``attention_ref``. Backward is deterministic (no atomics). On Hopper
 (compute capability 9.0, an sm_90a build) head dims 64 and 128 run kernels built on warpgroup MMAs
 (``sm90_kernels_available``); the same math, masks and dropout bits as the sm_80 kernels, which
-``sm90_kernels(False)`` selects instead.
+``lsmini._debug.sm90_attention(False)`` selects instead.
 
 - ``attention(q, k, v, key_padding_mask, causal, dropout_p, training, scale)``: the op: argument checks,
   then ``torch.ops.lsmini.attention`` where ``fused_attention_supported``, ``attention_ref`` elsewhere.
@@ -42,7 +42,6 @@ The CUDA kernel covers ``lsmini.limits.ATTENTION_DTYPES`` (float16/bfloat16) wit
   forward that returns the merged-heads output and its saved state, a backward that writes the
   gradients into given views (e.g. of one projection-gradient buffer); fused kernel or reference.
 """
-import contextlib
 import math
 
 import torch
@@ -50,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lsmini import _backend, limits
+from lsmini.config import config
 from lsmini.ops.attention_softmax import attention_mask_ref, attention_softmax_ref
 from lsmini.ops.checks import (check_causal_and_dropout, check_floating, check_key_padding_mask, check_same_device,
                                check_tensor)
@@ -72,66 +72,21 @@ def sm90_kernels_available():
     return ext is not None and torch.cuda.is_available() and ext.attention_sm90_available()
 
 
-@contextlib.contextmanager
-def sm90_kernels(enabled):
-    """Within the block, fused attention uses the Hopper kernels where available (True, the default outside
-    any block) or the sm_80 kernels everywhere (False): for comparing the two. A process-wide switch, read
-    when a call launches (a CUDA graph keeps the kernels it captured)."""
-    ext = _backend.ext_or_none()
-    if ext is None:  # no extension: every call runs the reference
-        yield
-        return
-    previous = ext.set_attention_sm90(bool(enabled))
-    try:
-        yield
-    finally:
-        ext.set_attention_sm90(previous)
-
-
 def keep_numel(batch, heads, q_len, k_len):
     """int32 words of the kernels' dropout keep-bit buffer (csrc/kernels/attention.h): one per lane of each
     16-query × 64-key tile, the queries in whole blocks of 64."""
     return batch * heads * ((q_len + 63) // 64 * 4) * ((k_len + 63) // 64) * 32
 
 
-_KEEP_BITS_POLICIES = ("auto", "always", "never")  # csrc/kernels/attention.h's KeepBits, in its order
-
-
 def keeps_bits(p, k_len, head_dim):
-    """Whether the fused forward stores its dropout keep bits for the backward to read, under the policy of
-    ``dropout_bits`` (by default: with dropout, where the bits take no more memory than q, k_len ≤
-    16·head_dim); else the backward draws them again. The extension decides (csrc/layers/layer.cpp asks the
-    same); without it, as the default policy."""
-    ext = _backend.ext_or_none()
-    if ext is not None:
-        return ext.attention_keeps_bits(p, k_len, head_dim)
-    return p > 0 and k_len <= 16 * head_dim
-
-
-@contextlib.contextmanager
-def dropout_bits(policy):
-    """Within the block, fused attention with dropout keeps its forward's dropout bits for the backward:
-    "auto" (the default outside any block) where they take no more memory than q (k_len ≤ 16·head_dim, one
-    bit a score against two bytes an element of q), "always" at every length, "never" at none.
-
-    Kept bits make fwd+bwd 1.03–1.13× faster on an H200 (the backward reads the mask instead of drawing Philox
-    again, with the same bits, so results are bit-identical) and cost batch·heads·q_len·k_len/8 bytes per
-    attention call until its backward: at 2048 keys and head dim 64 that is twice q, at 8192 eight times.
-    "always" is for long sequences where that memory is there; "never" saves it at short ones. A process-wide
-    setting for this op, read when a call's forward runs (its backward reads whatever that forward kept); a CUDA
-    graph keeps what it captured, so set it before capturing. The layers (lsmini::layer) do not read it: they
-    keep the bits by the "auto" rule."""
-    if policy not in _KEEP_BITS_POLICIES:
-        raise ValueError(f"dropout_bits: policy must be one of {_KEEP_BITS_POLICIES}, got {policy!r}")
-    ext = _backend.ext_or_none()
-    if ext is None:  # no extension: every call runs the reference, which keeps a bool mask anyway
-        yield
-        return
-    previous = ext.set_attention_keep_bits(_KEEP_BITS_POLICIES.index(policy))
-    try:
-        yield
-    finally:
-        ext.set_attention_keep_bits(previous)
+    """Whether the fused forward stores its dropout keep bits for the backward to read, under
+    ``lsmini.config.attention_dropout_bits`` ("auto": with dropout, where the bits take no more memory than
+    q, k_len ≤ 16·head_dim — one bit a score against two bytes an element of q); else the backward draws
+    them again. The layers' C++ plan keeps them by the same "auto" rule."""
+    if p <= 0:
+        return False
+    policy = config.attention_dropout_bits
+    return policy == "always" or (policy == "auto" and k_len <= 16 * head_dim)
 
 
 def keep_buffer(q, k, p):

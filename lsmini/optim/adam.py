@@ -26,7 +26,7 @@ non-finite gradient skips the whole step on the device: parameters, moments and 
 are. ``found_inf`` / ``last_step_skipped`` report it.
 
 Reference path. On CPU, without the compiled extension, with float64 parameters, or when
-``LSMINI_FORCE_REFERENCE=1``, the same step runs as PyTorch ops on the flat buffers (device-side as
+``lsmini.config.reference``, the same step runs as PyTorch ops on the flat buffers (device-side as
 well: no synchronisation).
 """
 import math
