@@ -2,7 +2,7 @@
 each eager and under torch.compile.
 
     python benchmarks/bench_convert.py [--variants torch,lsmini,...] [--iters 30] [--warmup 10] [--quick]
-                                       [--norm-first] [--dtype bf16|fp16] [--no-fullgraph] [--repeats N]
+                                       [--model transformer|encoder] [--norm-first] [--dtype bf16|fp16] [--no-fullgraph] [--repeats N]
                                        [--padding-masks per-model|bool|float] [--no-isolate] [--csv PATH]
     python benchmarks/bench_convert.py --device cpu --quick --layers 1 --d-model 32 --heads 4 --ffn 64 \\
                                        --vocab 50 --batch 4 --src-len 8 --tgt-len 8 --variants torch,lsmini
@@ -15,6 +15,10 @@ a GradScaler). A batch is 128 rows of 64 source and 64 target tokens, the end of
 of the row at most), with src/tgt/memory key padding masks and the causal target mask
 nn.Transformer.generate_square_subsequent_mask(L) passed with tgt_is_causal=True. One training step:
 zero_grad(set_to_none=True), forward, loss, backward, optimizer step.
+
+--model encoder: the same script around nn.TransformerEncoder alone (6 layers, the same widths; a final
+LayerNorm when pre-LN), a masked-token model: 15% of each row's tokens replaced by a mask id, the loss over
+them (the target tokens of the columns below), one src_key_padding_mask.
 
 Padding masks (--padding-masks). Most scripts pass bool masks. PyTorch then warns that they and the float causal
 mask differ in type, and under torch.compile that warning breaks the graph inside nn.Transformer's loop over
@@ -96,7 +100,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import lsmini  # noqa: E402
 
-PAD, BOS = 0, 2
+PAD, MASK, BOS = 0, 1, 2
+MASK_FRACTION = 0.15  # --model encoder: the share of tokens hidden for the model to predict
 FIRST_TOKEN = 4  # ids below are special (pad, unk, bos, eos)
 SEED = 1234
 DATA_SEED = 7
@@ -155,10 +160,33 @@ class Seq2Seq(nn.Module):
         return self.out(y)
 
 
+class MaskedLM(nn.Module):
+    """--model encoder: the embedding as in Seq2Seq, nn.TransformerEncoder alone, an nn.Linear to the vocabulary
+    (a BERT-style masked-token model)."""
+
+    def __init__(self, vocab, d_model, heads, layers, ffn, dropout, norm_first, max_len):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model, padding_idx=PAD)
+        nn.init.normal_(self.embed.weight, std=d_model ** -0.5)
+        with torch.no_grad():
+            self.embed.weight[PAD].zero_()
+        self.register_buffer("positions", sinusoidal_positions(max_len, d_model), persistent=False)
+        self.scale = math.sqrt(d_model)
+        self.dropout = nn.Dropout(dropout)
+        layer = nn.TransformerEncoderLayer(d_model, heads, ffn, dropout, batch_first=True, norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(d_model) if norm_first else None)
+        self.out = nn.Linear(d_model, vocab)
+
+    def forward(self, src, src_padding):
+        x = self.dropout(self.embed(src) * self.scale + self.positions[:src.shape[1]])
+        return self.out(self.encoder(x, src_key_padding_mask=src_padding))
+
+
 def build_model(args):
     torch.manual_seed(SEED)  # on the CPU, so every variant starts from the same weights
-    return Seq2Seq(args.vocab, args.d_model, args.heads, args.layers, args.ffn, 0.1, args.norm_first,
-                   max(args.src_len, args.tgt_len))
+    cls = Seq2Seq if args.model == "transformer" else MaskedLM
+    return cls(args.vocab, args.d_model, args.heads, args.layers, args.ffn, 0.1, args.norm_first,
+               max(args.src_len, args.tgt_len))
 
 
 # ---- data -------------------------------------------------------------------------------------------------
@@ -180,23 +208,36 @@ def mask_type(args, variant):
 
 
 def make_batches(args, device, masks):
-    """N_BATCHES batches of (src, tgt_in, tgt_out, (src_padding, tgt_padding, tgt_mask)) on device, with
-    padding masks of type masks ("bool" or "float"); the same tokens whatever the masks."""
+    """N_BATCHES batches of (inputs, targets) on device: the model's forward arguments, with padding masks of
+    type masks ("bool" or "float"), and the target tokens (PAD where the loss reads nothing); the same tokens
+    whatever the masks.
+    transformer: inputs (src, tgt_in, src_padding, tgt_padding, tgt_mask), targets tgt_out.
+    encoder: inputs (src with MASK_FRACTION of its tokens replaced by MASK, src_padding), targets the replaced
+    tokens."""
     g = torch.Generator().manual_seed(DATA_SEED)
     weights = 1.0 / (torch.arange(args.vocab - FIRST_TOKEN, dtype=torch.float64) + 10.0)
     tgt_mask = nn.Transformer.generate_square_subsequent_mask(args.tgt_len, device=device)
+
+    def as_masks(*paddings):
+        if masks == "float":  # additive, of the causal mask's type: 0 to keep, -inf at padding
+            paddings = [torch.zeros(m.shape).masked_fill(m, -math.inf) for m in paddings]
+        return [m.to(device) for m in paddings]
+
     batches = []
     for _ in range(N_BATCHES):
         src, src_padding = padded_rows(g, weights, args.batch, args.src_len)
+        if args.model == "encoder":
+            hidden = (torch.rand(src.shape, generator=g) < MASK_FRACTION) & ~src_padding
+            hidden[:, 0] = True  # at least one token a row, so that tiny smoke runs have a loss too
+            targets = src.masked_fill(~hidden, PAD)
+            batches.append(((src.masked_fill(hidden, MASK).to(device), *as_masks(src_padding)), targets.to(device)))
+            continue
         tgt_out, tgt_padding = padded_rows(g, weights, args.batch, args.tgt_len)
         # Teacher forcing: the decoder reads BOS and the target shifted right; position t predicts tgt_out[t],
         # so the input's padding starts where the target's does.
         tgt_in = torch.cat([torch.full((args.batch, 1), BOS), tgt_out[:, :-1]], 1).masked_fill(tgt_padding, PAD)
-        if masks == "float":  # additive, of the causal mask's type: 0 to keep, -inf at padding
-            src_padding, tgt_padding = (torch.zeros(m.shape).masked_fill(m, -math.inf)
-                                        for m in (src_padding, tgt_padding))
-        batches.append((src.to(device), tgt_in.to(device), tgt_out.to(device),
-                        (src_padding.to(device), tgt_padding.to(device), tgt_mask)))
+        batches.append(((src.to(device), tgt_in.to(device), *as_masks(src_padding, tgt_padding), tgt_mask),
+                        tgt_out.to(device)))
     return batches
 
 
@@ -242,12 +283,12 @@ def synchronize(device):
 
 
 def loss_function(model, device, dtype):
-    """The script's loss_fn(src, tgt_in, tgt_out, masks): under autocast in dtype, the model's forward and the
+    """The script's loss_fn(inputs, targets): under autocast in dtype, the model's forward and the
     label-smoothed loss over the non-pad targets."""
-    def loss_fn(src, tgt_in, tgt_out, masks):
+    def loss_fn(inputs, targets):
         with torch.autocast(device.type, dtype=dtype):
-            logits = model(src, tgt_in, *masks)
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1), ignore_index=PAD,
+            logits = model(*inputs)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=PAD,
                                    label_smoothing=0.1)
 
     return loss_fn
@@ -272,11 +313,11 @@ def run_variant(variant, args, device, row):
     scaler = torch.amp.GradScaler(device.type) if args.dtype == "fp16" else None
     graphs = mode == "reduce-overhead"
 
-    def step(src, tgt_in, tgt_out, masks):
+    def step(inputs, targets):
         if graphs:  # a new iteration: the graphs may overwrite the previous step's outputs
             torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(src, tgt_in, tgt_out, masks)
+        loss = loss_fn(inputs, targets)
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -314,7 +355,7 @@ def run_variant(variant, args, device, row):
     row["compile_steps"] = [b - a for a, b in zip(marks, marks[1:])]
 
     # Counted before the timed loop: reading a count off the device inside it would stop the host running ahead.
-    batch_tokens = [int((b[2] != PAD).sum()) for b in batches]
+    batch_tokens = [int((b[1] != PAD).sum()) for b in batches]
     timed = [i % len(batches) for i in range(warmup, warmup + args.iters)]
     timer, losses = Timer(device), []
     for b in timed:
@@ -417,10 +458,15 @@ def header_line(args, device):
                "cuda": torch.version.cuda, "date": datetime.date.today().isoformat()}
     layout = "pre-LN" if args.norm_first else "post-LN"
     masks = "float (torch) / bool (lsmini)" if args.padding_masks == "per-model" else args.padding_masks
-    return (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']} — nn.Transformer "
-            f"{args.layers}+{args.layers}, d_model {args.d_model}, {args.heads} heads, FFN {args.ffn}, vocab "
-            f"{args.vocab}, {layout}, batch {args.batch} × {args.src_len}/{args.tgt_len} tokens, {masks} padding "
-            f"masks, {args.dtype}, "
+    if args.model == "transformer":
+        model = f"nn.Transformer {args.layers}+{args.layers}"
+        tokens = f"batch {args.batch} × {args.src_len}/{args.tgt_len} tokens"
+    else:
+        model = f"nn.TransformerEncoder {args.layers} (masked tokens)"
+        tokens = f"batch {args.batch} × {args.src_len} tokens"
+    return (f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']} — {model}, d_model "
+            f"{args.d_model}, {args.heads} heads, FFN {args.ffn}, vocab {args.vocab}, {layout}, {tokens}, {masks} "
+            f"padding masks, {args.dtype}, "
             f"{args.warmup} warm-up + {args.iters} timed steps, {'cached' if args.compile_cache else 'cold'} "
             f"compiles, lsmini compiled with fullgraph={args.fullgraph}, lsmini backend {lsmini.backend()}")
 
@@ -443,7 +489,9 @@ def parse_args(argv=None):
                          "whole), bool (True at padding, as most scripts pass them: torch.compile then runs "
                          "torch's transformer eagerly) or float (0 / -inf, the causal mask's type; lsmini reads "
                          "float masks by value, eagerly only)")
-    ap.add_argument("--norm-first", action="store_true", help="pre-LN layers (nn.Transformer norm_first=True)")
+    ap.add_argument("--model", default="transformer", choices=["transformer", "encoder"],
+                    help="nn.Transformer (translation), or nn.TransformerEncoder alone (a masked-token model)")
+    ap.add_argument("--norm-first", action="store_true", help="pre-LN layers (norm_first=True)")
     ap.add_argument("--layers", type=int, default=6, help="encoder layers, and as many decoder layers")
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)

@@ -87,3 +87,17 @@ def test_mask_types_carry_the_same_padding():
         for mb, mf in zip(b[3][:2], f[3][:2]):
             assert mb.dtype == torch.bool and mf.dtype == torch.float32
             assert torch.equal(mb, mf == float("-inf")) and bool(((mf == 0) | mb).all())
+
+
+def test_encoder_model_rows(capsys):
+    """--model encoder: nn.TransformerEncoder alone, every layer converted, both variants training on the
+    hidden tokens from the same first loss (same weights; the padding masks differ in type only)."""
+    rows = bench_convert.main(TINY + ["--variants", "torch,lsmini", "--model", "encoder", "--no-isolate"])
+    by = {r["variant"]: r for r in rows}
+    for r in rows:
+        check_trained(r)
+    assert by["lsmini"]["replaced"] == 1 and by["lsmini"]["kept"] == 0
+    assert "nn.TransformerEncoder 1 (masked tokens)" in capsys.readouterr().out
+    with_bool = bench_convert.main(TINY + ["--variants", "torch", "--model", "encoder", "--padding-masks", "bool",
+                                           "--no-isolate"])[0]
+    assert with_bool["loss_first"] == pytest.approx(by["torch"]["loss_first"], rel=1e-5)
