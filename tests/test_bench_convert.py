@@ -82,9 +82,9 @@ def test_mask_types_carry_the_same_padding():
     args = bench_convert.parse_args(TINY)
     bools = bench_convert.make_batches(args, torch.device("cpu"), "bool")
     floats = bench_convert.make_batches(args, torch.device("cpu"), "float")
-    for b, f in zip(bools, floats):
-        assert torch.equal(b[0], f[0]) and torch.equal(b[2], f[2])
-        for mb, mf in zip(b[3][:2], f[3][:2]):
+    for (b, tb), (f, tf) in zip(bools, floats):  # ((src, tgt_in, src_padding, tgt_padding, tgt_mask), tgt_out)
+        assert torch.equal(b[0], f[0]) and torch.equal(b[1], f[1]) and torch.equal(tb, tf)
+        for mb, mf in zip(b[2:4], f[2:4]):
             assert mb.dtype == torch.bool and mf.dtype == torch.float32
             assert torch.equal(mb, mf == float("-inf")) and bool(((mf == 0) | mb).all())
 

@@ -270,9 +270,12 @@ def test_backward_recomputes_from_saved_input():
     x.requires_grad_()
     bias.requires_grad_()
     out = bias_act_dropout(x, bias, "gelu", 0.1)
-    saved = out.grad_fn.saved_tensors
-    assert len(saved) == 2
+    node = out.grad_fn.next_functions[0][0]  # under the view to x's shape: the operator's autograd node
+    assert "bias_act_dropout" in node.name()
+    saved = node.saved_tensors  # x and bias themselves (no activation-sized tensor), and the dropout state
+    assert len(saved) == 3
     assert saved[0].data_ptr() == x.data_ptr() and saved[1].data_ptr() == bias.data_ptr()
+    assert saved[2].dtype == torch.int64 and saved[2].shape == (1, 2)
 
 
 @pytest.mark.cuda

@@ -175,12 +175,13 @@ def test_exploding_loss_stops_the_run(corpus, tmp_path, monkeypatch):
 def test_loss_far_above_a_uniform_guess_stops_the_run(tmp_path, capsys):
     """--lr 50 without clipping is garbage from its first window on, so its lowest loss is garbage too and
     the relative check never fires: the absolute line (2 ln V + 4 nats, 15.4 at V = 300) stops it after
-    3 windows, with what to try. A run too short for that prints its perplexity in exponent form."""
+    3 windows, with what to try. A run too short for that prints its perplexity in exponent form. On the CPU in
+    fp32, so that the loss stays finite and large (in fp16 it turns NaN, which the NaN check reports)."""
     lines = [s for s, _ in builtin_data.generate_pairs(300, 204)]
     common = ["--train", write_lines(tmp_path / "train.txt", lines[:270]),
               "--valid", write_lines(tmp_path / "valid.txt", lines[270:]), "--vocab-size", "300", "--block-size",
               "32", "--max-tokens", "256", "--no-progress", "--num-samples", "0", "--lr", "50", "--clip-norm", "0",
-              "--warmup", "1"]
+              "--warmup", "1", "--device", "cpu"]  # fp32: in fp16 on a GPU the loss turns NaN first
     d = str(tmp_path / "stopped")
     with pytest.raises(TrainingDiverged, match=r"training diverged at step 6: the training loss \(\d+\.\d+ nats/token\) "
                                                r"has been above 15\.4 for 3 log windows in a row, far worse than a "
