@@ -1,7 +1,8 @@
-"""Where the host time of a converted model's training step goes: bench_convert.py's nn.Transformer after
-lsmini.convert, eager and under torch.compile (default mode), in one process.
+"""Where the host time of a converted model's training step goes: bench_convert.py's nn.Transformer (or, with
+--model encoder, its nn.TransformerEncoder model) after lsmini.convert, eager and under torch.compile (default
+mode), in one process.
 
-    python benchmarks/profile_convert.py [--out DIR] [--steps 20] [--modes eager default torch]
+    python benchmarks/profile_convert.py [--out DIR] [--steps 20] [--modes eager default torch] [--model encoder]
 
 Modes: eager and default (the converted model, uncompiled and under torch.compile's default mode), torch (the
 unconverted model under the default mode, with the float padding masks with which it compiles whole).
@@ -33,9 +34,10 @@ def main():
     ap.add_argument("--out", default=".", help="directory for the .pstats files")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--modes", nargs="+", default=["eager", "default"], choices=["eager", "default", "torch"])
+    ap.add_argument("--model", default="transformer", choices=["transformer", "encoder"])
     cli = ap.parse_args()
     os.makedirs(cli.out, exist_ok=True)
-    args = bench_convert.parse_args(["--quick"])
+    args = bench_convert.parse_args(["--quick", "--model", cli.model])
     device = torch.device("cuda")
     for mode in cli.modes:
         batches = bench_convert.make_batches(args, device, "float" if mode == "torch" else "bool")
