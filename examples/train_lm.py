@@ -205,7 +205,7 @@ class LanguageModelTask(run.Task):
 
     def tokenize(self, args, lines, paths, log, train):
         """A vocabulary learnt from the training text; ids {split: the token stream of token_stream()}."""
-        sp, spm_path = tokenizer.train_or_load(args, lines["train"], log, train)
+        sp, spm_path = tokenizer.train_or_load(args, [("--train", paths["train"], lines["train"])], log, train)
         cache_dir = os.path.join(args.save_dir, "cache")
         streams = {split: token_stream(encode_cached(sp, spm_path, lines[split], paths[split], cache_dir))
                    for split in lines}

@@ -13,7 +13,6 @@ checkpoint_last.pt, hypotheses.<split>.txt and metrics.json.
 """
 import argparse
 import dataclasses
-import itertools
 import math
 import os
 import sys
@@ -451,7 +450,9 @@ class TranslationTask(run.Task):
         """One joint vocabulary, learnt from both sides of the training data; ids {split: (src, tgt)}."""
         if args.resume:
             log(f"tokenizer: {os.path.join(args.save_dir, tokenizer.SPM_NAME)} (from the checkpoint's run)")
-        sp, spm_path = tokenizer.train_or_load(args, itertools.chain(*lines["train"]), log, train)
+        sources = [(f"--train-{side}", path, side_lines)
+                   for side, path, side_lines in zip(("src", "tgt"), paths["train"], lines["train"])]
+        sp, spm_path = tokenizer.train_or_load(args, sources, log, train)
         cache_dir = os.path.join(args.save_dir, "cache")
         ids = {split: tuple(encode_cached(sp, spm_path, ls, p, cache_dir) for ls, p in zip(lines[split], paths[split]))
                for split in lines}

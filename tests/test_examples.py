@@ -350,6 +350,52 @@ def test_lm_bad_data_is_rejected_before_training(kind, tmp_path):
     assert not (save_dir / "spm.model").exists()
 
 
+def test_text_of_one_huge_line_is_refused_naming_the_file(tmp_path, capsys):
+    """sentencepiece skips lines longer than its limit (4192 bytes) when it learns the vocabulary: a file that is
+    all such lines gets a message naming it and what to do instead of sentencepiece's `!sentences_.empty()`; a
+    file with some of them, a note."""
+    sentences = [s for s, _ in builtin_data.generate_pairs(600, 206)]
+    huge = " ".join(sentences)
+    train = write_lines(tmp_path / "train.txt", [huge])
+    valid = write_lines(tmp_path / "valid.txt", sentences[:20])
+    common = ["--valid", valid, "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
+              "--no-progress", "--num-samples", "0"]
+    with pytest.raises(DataError) as e:
+        run(train_lm.main, ["--train", train, "--save-dir", str(tmp_path / "one"), *common])
+    assert str(e.value) == (
+        f"--train: {train} has no line short enough to learn the tokenizer from: sentencepiece skips lines longer "
+        f"than 4192 bytes, and every line here is (line 1: {len(huge.encode()):,} bytes). Split the text into lines, "
+        "e.g. one sentence or paragraph per line")
+    mixed = write_lines(tmp_path / "mixed.txt", sentences[:300] + [huge] * 2)
+    capsys.readouterr()
+    assert run(train_lm.main, ["--train", mixed, "--save-dir", str(tmp_path / "mixed"), *common])["steps"] == 1
+    assert (f"note: --train {mixed}: 2 of 302 lines are longer than 4192 bytes; the tokenizer learns its vocabulary "
+            "without them") in capsys.readouterr().out.splitlines()
+
+
+def test_vocabulary_smaller_than_the_characters_says_how_large_it_must_be(tmp_path):
+    """Text of thousands of distinct characters with --vocab-size 300: a message naming the file and the least
+    --vocab-size that holds its characters (not sentencepiece's advice of a --character_coverage flag the
+    examples do not have); that size then trains."""
+    g = torch.Generator().manual_seed(7)
+    lines = ["".join(chr(0x4E00 + c) for c in torch.randint(0, 1500, (30,), generator=g).tolist()) for _ in range(300)]
+    train = write_lines(tmp_path / "train.txt", lines[:280])
+    valid = write_lines(tmp_path / "valid.txt", lines[280:])
+    common = ["--train", train, "--valid", valid, "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
+              "--no-progress", "--num-samples", "0"]
+    with pytest.raises(DataError) as e:
+        run(train_lm.main, common + ["--vocab-size", "300", "--save-dir", str(tmp_path / "small")])
+    m = re.fullmatch(rf"--vocab-size 300 is too small for the training text \(--train {re.escape(train)}\): the "
+                     r"vocabulary holds a piece for each character that makes up 99.95% of the text, ([\d,]+) "
+                     r"characters here, plus 4 special pieces. Raise --vocab-size to at least (\d+) \(more, so "
+                     r"that it also learns pieces of several characters\)", str(e.value))
+    assert m, str(e.value)
+    chars, needed = (int(x.replace(",", "")) for x in m.groups())
+    assert needed == chars + 4 and 1000 < chars <= len(set("".join(lines[:280])))
+    m = run(train_lm.main, common + ["--vocab-size", str(needed), "--save-dir", str(tmp_path / "enough")])
+    assert m["steps"] == 1
+
+
 def test_partial_data_flags_are_a_usage_error(corpus, capsys):
     with pytest.raises(SystemExit):
         train_translation.TASK.parse_args(["--train-src", corpus["train"][0], "--train-tgt", corpus["train"][1]])

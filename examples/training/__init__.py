@@ -9,6 +9,7 @@
                  the save directory of one run (--overwrite, stale *.tmp files, the tokenizer check)
     trainer      the Trainer: optimizer, learning-rate schedule, the training loop, validation, early stopping
                  (--patience, --max-time), the divergence check, checkpoint_best.pt and --keep-last
+    interrupt    SIGINT/SIGTERM while training: stop after the step, save it, exit 130/143 (every rank at one step)
     trainlog     train_log.jsonl (one JSON record per log window and per validation) and its plot
     run          Task (what an example adds: its data, model, loss, decoding) and the one main() driving it
 

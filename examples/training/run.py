@@ -30,7 +30,7 @@ from .checkpoints import (AVERAGE_NAME, BEST_NAME, CHECKPOINT_NAME, SaveError, a
 from .data import DataError
 from .runtime import RunSettings, describe_backend, place_model, start_distributed
 from .tokenizer import SPM_NAME, load_sentencepiece, unknown_pieces_note
-from .trainer import TrainingDiverged, make_criteria, safe_exp, start_trainer, train_and_validate
+from .trainer import TrainingDiverged, TrainingInterrupted, make_criteria, safe_exp, start_trainer, train_and_validate
 from .trainlog import plot_log
 
 
@@ -379,7 +379,9 @@ _REFUSED_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.
 def run_main(main):
     """Script entry: DataError and KeyboardInterrupt become a one-line message and a non-zero exit, and so
     does a file the machine refuses to write (SaveError, or an OSError for a full disk or a read-only or
-    forbidden path: exit status 1). In a torchrun job any error ends the process at once with a non-zero
+    forbidden path: exit status 1). A run stopped by SIGINT or SIGTERM after saving its step
+    (TrainingInterrupted) prints where the checkpoint is and exits with 128 + the signal's number: 130 for
+    SIGINT, 143 for SIGTERM. In a torchrun job any error ends the process at once with a non-zero
     status (torchrun then stops the other ranks): leaving the process group cleanly could block on peers
     that wait in a collective."""
     line_buffered_output()
@@ -389,6 +391,10 @@ def run_main(main):
         _exit(f"error: {e}", 2)
     except TrainingDiverged as e:
         _exit(f"error: {e}", 3)
+    except TrainingInterrupted as e:
+        # no message on ranks > 0: rank 0 says where the checkpoint is. In a torchrun job every rank ends
+        # after rank 0 has written it and said so: torchrun stops the remaining processes as soon as one ends
+        _exit(e.message, e.exit_status, together=True)
     except SaveError as e:
         _exit(f"error: {e}", 1)
     except KeyboardInterrupt:
@@ -424,7 +430,9 @@ def _in_process_group():
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _exit(message, code):
+def _exit(message, code, together=False):
+    """Print `message` (prefixed with the rank in a torchrun job) and exit with `code`; in a job at once,
+    after every rank got here when `together`."""
     job = _in_process_group()
     if message is not None:
         print((f"rank {torch.distributed.get_rank()}: " if job else "") + message, file=sys.stderr)
@@ -432,4 +440,6 @@ def _exit(message, code):
         sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
+    if together:
+        torch.distributed.barrier()
     os._exit(code)

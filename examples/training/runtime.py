@@ -92,8 +92,11 @@ DIST_TIMEOUT = datetime.timedelta(minutes=60)
 class Distributed:
     """This process's place in a torchrun job. A plain run is rank 0 of 1, where every method is trivial."""
 
-    def __init__(self, rank=0, world=1, local_rank=0):
+    def __init__(self, rank=0, world=1, local_rank=0, stop_group=None):
         self.rank, self.world, self.local_rank = rank, world, local_rank
+        # the process group of the ranks' per-step agreement to stop on a signal (interrupt.StopSignals): a
+        # gloo group, so the flag stays in host memory; None: the default group (gloo already, on CPU)
+        self.stop_group = stop_group
 
     @property
     def active(self):
@@ -143,6 +146,8 @@ class Distributed:
         """End of a successful run: wait for rank 0's last files, then leave the process group."""
         if self.active and torch.distributed.is_initialized():
             torch.distributed.barrier()
+            # no reference may outlive the groups: a live gloo group takes its threads into interpreter shutdown
+            self.stop_group = None
             torch.distributed.destroy_process_group()
 
 
@@ -162,11 +167,15 @@ def start_distributed(args, single_process_mode=None):
         raise DataError(f"WORLD_SIZE is {world} but {e.args[0]} is not set: start multi-process runs with torchrun") \
             from None
     device, dtype = setup_device(args, local_rank=local_rank)
+    stop_group = None
     if device.type == "cuda":
         torch.distributed.init_process_group("nccl", timeout=DIST_TIMEOUT, device_id=device)
+        # a host-side group for the per-step stop flag: over NCCL it would be a device tensor read back
+        # each step, a wait for the device that the training loop otherwise never has
+        stop_group = torch.distributed.new_group(backend="gloo", timeout=DIST_TIMEOUT)
     else:
         torch.distributed.init_process_group("gloo", timeout=DIST_TIMEOUT)
-    return Distributed(rank, world, local_rank), device, dtype
+    return Distributed(rank, world, local_rank, stop_group), device, dtype
 
 
 def rank_seed(seed, rank):

@@ -6,6 +6,7 @@ log lines, periodic validation and checkpoints, the best checkpoint and --keep-l
 of processes), and the loss criteria it minimises and validates with."""
 import math
 import os
+import signal
 import sys
 import time
 
@@ -16,6 +17,7 @@ from .batching import epoch_order
 from .checkpoints import (BEST_NAME, CheckpointWriter, check_same_model, copy_checkpoint, keep_periodic, rng_state,
                           set_rng_state)
 from .data import DataError
+from .interrupt import StopSignals, exit_status
 from .runtime import Distributed, rank_seed
 from .tokenizer import PAD
 from .trainlog import TrainLog
@@ -72,6 +74,9 @@ class Trainer:
         self.train_log = TrainLog(None, 0.0, enabled=False)  # train_and_validate sets the run's log
         self.time_budget_start = None  # --max-time counts from here (the start of the training loop)
         self.stopped_by = None  # why the training loop of this run ended
+        # the log window a signal stopped the run in ({"nll", "tokens", "steps", "seconds"}; None when it
+        # stopped at a window's end): a resumed run goes on summing it, so its log lines are the straight run's
+        self.window = None
 
     @property
     def batches_per_step(self):
@@ -87,7 +92,7 @@ class Trainer:
                  "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                  "train_loss": self.train_loss, "valid_loss": self.valid_loss, "valid_bleu": self.valid_bleu,
                  "best": self.best, "bad_validations": self.bad_validations, "loss_min": self.loss_min,
-                 "exploding": self.exploding, "absurd": self.absurd, "rng": rng}
+                 "exploding": self.exploding, "absurd": self.absurd, "window": self.window, "rng": rng}
         if self.dist.active:
             state["rng_per_rank"] = self.dist.gather(rng)
         return state
@@ -106,6 +111,7 @@ class Trainer:
         self.valid_bleu, self.best = state.get("valid_bleu"), state.get("best")
         self.bad_validations, self.loss_min = state.get("bad_validations", 0), state.get("loss_min")
         self.exploding, self.absurd = state.get("exploding", 0), state.get("absurd", 0)
+        self.window = state.get("window")
         if self.best is not None and self.best.get("metric") != self.args.best_metric:
             self.best, self.bad_validations = None, 0  # another --best-metric: start its record afresh
         per_rank = state.get("rng_per_rank")
@@ -195,11 +201,15 @@ class Trainer:
         return num_batches // per_step
 
     # -- loop --
-    def train(self, batches, loss_fn, validate, save, log):
+    def train(self, batches, loss_fn, validate, save, log, signals=None):
         """Train until --max-steps, --epochs, --patience or --max-time; validate (and save) every --eval-every
         steps (default: at the end of each epoch) and at the end. `validate(model) -> (mean NLL per token,
-        BLEU or None)`; `save(improved)` writes the checkpoints (improved: the best validation so far).
-        Raises TrainingDiverged (before saving anything of the diverged state) when the loss diverges."""
+        BLEU or None)`; `save(improved, validated=True)` writes the checkpoints (improved: the best validation
+        so far; validated False: checkpoint_last.pt alone, of a step that was not validated).
+        Raises TrainingDiverged (before saving anything of the diverged state) when the loss diverges, and
+        TrainingInterrupted when `signals` (interrupt.StopSignals) received a signal: after the step it arrived
+        in, with that step's state saved (validated first when the step is due for validation, as the last one
+        is). One arriving during the last validation is left to the caller (the run has ended as it would have)."""
         from lsmini.train import TrainStep
 
         a, model, device, dist = self.args, self.model, self.device, self.dist
@@ -222,6 +232,12 @@ class Trainer:
         window_tokens, window_steps = 0, 0
         window_start = time.perf_counter()
         self.time_budget_start = window_start
+        if self.window is not None:  # resumed inside the log window a signal stopped the run in
+            if dist.is_main:  # the sum over all ranks: once
+                loss_sum.fill_(self.window["nll"])
+            window_tokens, window_steps = self.window["tokens"], self.window["steps"]
+            window_start -= self.window["seconds"]
+            self.window = None
         if self.batch_in_epoch + per_step > n:  # resumed under a larger world x update-freq: the epoch is done
             self.epoch += 1
             self.batch_in_epoch = 0
@@ -286,6 +302,18 @@ class Trainer:
                 (a.eval_every is None and epoch_done)
             if evaluate or self.step % a.log_every == 0:
                 flush(step_epoch)
+            signum = signals.received_by_any() if signals is not None else None
+            if signum is not None and not evaluate:  # save this step as it is, unvalidated, and stop
+                if window_steps:
+                    self.window = {"nll": dist.sum_(loss_sum).item(), "tokens": window_tokens, "steps": window_steps,
+                                   "seconds": time.perf_counter() - window_start}
+                watch = self.watch_note()
+                if not watch:  # as at a validation: a state that may be diverging replaces no good checkpoint
+                    save(False, validated=False)
+                    self.saved_step = self.step
+                bar.close()
+                train_step.reset()
+                raise TrainingInterrupted(signum, self.step, watch)
             if evaluate:
                 self.valid_loss, self.valid_bleu = validate(model)
                 self.check_divergence(self.valid_loss, "validation loss")
@@ -309,6 +337,12 @@ class Trainer:
                 if stop is None:
                     stop = self.stop_reason()  # --patience is decided by this validation
                 window_start = time.perf_counter()
+                # a signal in a step due for validation stops the run once that validation is done and saved:
+                # the resumed run's validations, best checkpoint and --patience are then the straight run's
+                if signum is not None:
+                    bar.close()
+                    train_step.reset()
+                    raise TrainingInterrupted(signum, self.step, watch)
         bar.close()
         self.stopped_by = stop
         if not stop.startswith(("--max-steps", "--epochs")):
@@ -332,6 +366,17 @@ class Trainer:
 
 class TrainingDiverged(RuntimeError):
     """The loss became non-finite or exploded; the run stops without saving the diverged state."""
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM (`signum`) stopped the run after `step`; `watch`: why that step's state was not
+    saved (the divergence watch), else None. `message`: the line to print (None: print nothing, ranks > 0);
+    `exit_status`: 128 + the signal's number."""
+
+    def __init__(self, signum, step, watch=None, message=None):
+        super().__init__(message or f"{signal.Signals(signum).name} after step {step}")
+        self.signum, self.step, self.watch, self.message = signum, step, watch, message
+        self.exit_status = exit_status(signum)
 
 
 # A training loss above EXPLODE_FACTOR x its lowest window value for EXPLODE_WINDOWS log windows in a row
@@ -397,6 +442,17 @@ def start_trainer(args, model, model_config, ckpt, ckpt_path, device, dtype, log
     return trainer
 
 
+def interrupted_message(e, ckpt_path, saved_step, resumed):
+    """The line a run stopped by a signal (TrainingInterrupted `e`) ends with: where its state is."""
+    head = f"interrupted by {signal.Signals(e.signum).name} after step {e.step}: "
+    if e.watch is None:
+        return head + f"checkpoint written to {ckpt_path} (step {e.step}); continue with the same command and --resume"
+    kept = (f"{ckpt_path} (step {saved_step}) keeps the last good state" if saved_step is not None
+            else "no checkpoint of this run was written" + (f"; {ckpt_path} is the resumed one, unchanged"
+                                                              if resumed else ""))
+    return head + f"no checkpoint of this step was written ({e.watch}); {kept}"
+
+
 def make_criteria(label_smoothing):
     """(training criterion, summed plain-NLL criterion for validation), both on lsmini's fused loss and
     summed over the tokens (the training loop divides by the step's token count)."""
@@ -446,7 +502,7 @@ def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path,
 
     writer = CheckpointWriter()
 
-    def save(improved):
+    def save(improved, validated=True):
         state = trainer.state_dict()  # on every rank: it gathers the ranks' RNG states
         if not dist.is_main:
             return
@@ -455,18 +511,30 @@ def train_and_validate(trainer, args, model, model_config, tokenizer, ckpt_path,
         def copies():  # on the writer's thread, once checkpoint_last.pt is complete
             if improved:
                 copy_checkpoint(ckpt_path, os.path.join(save_dir, BEST_NAME))
-            if args.keep_last:
+            if args.keep_last:  # the checkpoints of validations (--average-last averages them)
                 copy_checkpoint(ckpt_path, os.path.join(save_dir, f"checkpoint_{step}.pt"))
                 keep_periodic(save_dir, args.keep_last)
 
         writer.save(ckpt_path, {**(record or {}), "model_config": model_config, "trainer": state, "args": vars(args),
-                                "tokenizer": tokenizer}, copies)
+                                "tokenizer": tokenizer}, copies if validated else None)
 
     try:
         try:
-            trainer.train(train_batches, loss_fn, validate, save, log)
+            # SIGINT/SIGTERM while training: stop after the step, save it, exit (interrupt.py)
+            announce = None if not dist.is_main else "" if args.no_progress else "\n"
+            with StopSignals(dist, announce) as signals:
+                trainer.train(train_batches, loss_fn, validate, save, log, signals)
+                # one that came in the last validation: the run ended as it would have, its last step saved
+                signum = signals.received_by_any()
+                if signum is not None:
+                    raise TrainingInterrupted(signum, trainer.step, None if trainer.saved_step == trainer.step else
+                                              trainer.watch_note())
         finally:
             writer.wait()  # every checkpoint on disk before anything reads it, or the run ends
+    except TrainingInterrupted as e:
+        raise TrainingInterrupted(e.signum, e.step, e.watch,
+                                  interrupted_message(e, ckpt_path, trainer.saved_step, args.resume)
+                                  if dist.is_main else None) from None
     except TrainingDiverged as e:
         kept = (f"{ckpt_path} (step {trainer.saved_step}) keeps the last good state" if trainer.saved_step is not None
                 else "no checkpoint of this run was written" + (f"; {ckpt_path} is the resumed one, unchanged"

@@ -1,6 +1,7 @@
 """The training log of a run: <save-dir>/train_log.jsonl, one JSON object per line, written by rank 0 as
 the run goes (so a killed run keeps its log up to its last line), and at the end a plot of it,
-<save-dir>/train_log.png, when matplotlib is installed (`pip install lsmini[plot]`).
+<save-dir>/train_log.png, when matplotlib is installed (`pip install matplotlib`, or lsmini's plot extra:
+`pip install --no-build-isolation -e ".[plot]"` in the lsmini clone).
 
 Two kinds of records, both with "step", "epoch" (the epoch the step belongs to, counted from 1), "lr" and
 "wall_s" (seconds since the run started):
@@ -51,7 +52,8 @@ def read_log(path):
 
 def plot_log(save_dir, log):
     """Draw train/valid loss, the learning rate and (when computed) BLEU over the steps into
-    <save_dir>/train_log.png. Without matplotlib, say in one line how to get the plot; returns the path or None."""
+    <save_dir>/train_log.png and say where in one line; without matplotlib, say in one line how to get the
+    plot. Returns the path or None."""
     path = os.path.join(save_dir, TRAIN_LOG_NAME)
     if not os.path.isfile(path):
         return None
@@ -61,7 +63,7 @@ def plot_log(save_dir, log):
         import matplotlib.pyplot as plt
     except ImportError:
         log(f"plot: the training log is in {path}; for a plot of it (train_log.png) install matplotlib "
-            "(pip install matplotlib, or lsmini[plot])")
+            "(pip install matplotlib)")
         return None
     records = read_log(path)
     train = [r for r in records if r.get("kind") == "train" and r.get("train_loss") is not None]
@@ -85,4 +87,5 @@ def plot_log(save_dir, log):
     fig.savefig(out + ".tmp.png", dpi=100)
     plt.close(fig)
     os.replace(out + ".tmp.png", out)
+    log(f"plot: the training log drawn in {out}")
     return out
