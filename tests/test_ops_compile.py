@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import lsmini.ops
-from lsmini.ops import (attention, attention_softmax, bias_act_dropout, bias_dropout_residual, cross_entropy,
-                        embedding, layer_norm, merge_heads, split_heads)
+from lsmini.ops import (add_rms_norm, attention, attention_softmax, bias_act_dropout, bias_dropout_residual,
+                        cross_entropy, embedding, layer_norm, merge_heads, rms_norm, split_heads)
 from util import assert_close_fp32, assert_dropout_keep_stats
 
 OPS = torch.ops.lsmini
@@ -182,6 +182,8 @@ BAD_CALLS = {
     "bias_dropout_residual": (lambda x: bias_dropout_residual(x, None, x.t()), ValueError,
                               "residual must have x's shape"),
     "bias_act_dropout": (lambda x: bias_act_dropout(x, None, "tanh"), ValueError, "unknown activation 'tanh'"),
+    "rms_norm": (lambda x: rms_norm(x, torch.ones(7)), ValueError, "rms_norm: weight must have shape (8,)"),
+    "add_rms_norm": (lambda x: add_rms_norm(x, x.t()), ValueError, "add_rms_norm: residual must have x's shape"),
 }
 
 
@@ -299,12 +301,23 @@ def _bias_act_dropout_samples(rand, device, dtype, p, rows, hidden, **_):
             (OPS.bias_act_dropout_backward, (rand(rows, hidden), x, None, state, "gelu_tanh", p))]
 
 
+def _rms_norm_samples(rand, device, dtype, p, rows, hidden, **_):
+    x, res, w = rand(rows, hidden), rand(rows, hidden), rand(hidden, dt=torch.float32)
+    _, rstd = OPS.rms_norm(x, w, 1e-6)
+    s, _, s_rstd = OPS.add_rms_norm(x, res, None, 1e-5)
+    return [(OPS.rms_norm, (x, w, 1e-6)), (OPS.rms_norm, (x, None, 1e-5)),
+            (OPS.add_rms_norm, (x, res, w, 1e-6)), (OPS.add_rms_norm, (x, res, None, 1e-5)),
+            (OPS.rms_norm_backward, (rand(rows, hidden), x, w, rstd, None, 1e-6)),
+            (OPS.rms_norm_backward, (rand(rows, hidden), s, None, s_rstd, rand(rows, hidden), 1e-5))]
+
+
 # op family -> its samples
 SAMPLES = {"layer_norm": _layer_norm_samples, "heads": _heads_samples,
            "attention_softmax": _attention_softmax_samples, "attention": _attention_samples,
            "cross_entropy": _cross_entropy_samples, "linear_cross_entropy": _linear_cross_entropy_samples,
            "embedding": _embedding_samples,
-           "bias_dropout_residual": _bias_dropout_residual_samples, "bias_act_dropout": _bias_act_dropout_samples}
+           "bias_dropout_residual": _bias_dropout_residual_samples, "bias_act_dropout": _bias_act_dropout_samples,
+           "rms_norm": _rms_norm_samples}
 
 
 def op_samples(device, dtype, p, sizes):

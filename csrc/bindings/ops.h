@@ -28,6 +28,16 @@ std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const
                                                      const at::Tensor& rstd, const std::optional<at::Tensor>& add,
                                                      const std::optional<at::Tensor>& out);
 
+// rms_norm.cpp: (s or None, y, rstd); with residual, s = x + residual is normalized instead of x.
+std::tuple<std::optional<at::Tensor>, at::Tensor, at::Tensor> rms_norm_fwd(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
+    const std::optional<at::Tensor>& residual = std::nullopt);
+// (dx, dweight or None) from the normalized input x (s of the residual form); with add, dx + add.
+std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& weight,
+                                                              const at::Tensor& rstd,
+                                                              const std::optional<at::Tensor>& add = std::nullopt);
+
 // attention.cpp: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32).
 // keep: int32 [attention_keep_numel] that receives the dropout keep bits for attention_bwd to read.
 // out / lse: where the output and lse go when given (out of q's shape, rows 16-byte aligned).

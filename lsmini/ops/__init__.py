@@ -21,6 +21,7 @@ value checks (embedding's token range, cross_entropy's targets) are skipped whil
 path runs (``LSMINI_FORCE_REFERENCE`` included) is decided when the function is compiled.
 """
 from lsmini.ops.layernorm import layer_norm, layer_norm_ref
+from lsmini.ops.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from lsmini.ops.heads import merge_heads, merge_heads_ref, split_heads, split_heads_ref
 from lsmini.ops.attention_softmax import attention_softmax, attention_softmax_ref
 from lsmini.ops.attention import attention, attention_ref, dropout_bits, fused_attention_supported
