@@ -71,4 +71,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(
     const at::Tensor& grad_out, const at::Tensor& x, const std::optional<at::Tensor>& bias, int act, double p,
     const PhiloxTuple& rng, const std::optional<at::Tensor>& grad_x, bool from_output);
 
+// glu.cpp: dropout(act(gate)·up), act a GluAct id; up None: gate is [rows, 2·cols] = [gate | up].
+at::Tensor glu_fwd(const at::Tensor& gate, const std::optional<at::Tensor>& up, int act, double p,
+                   const PhiloxTuple& rng);
+// (grad_gate, grad_up or None); up None: grad_gate is the gradient of the fused gate.
+std::tuple<at::Tensor, std::optional<at::Tensor>> glu_bwd(const at::Tensor& grad_out, const at::Tensor& gate,
+                                                         const std::optional<at::Tensor>& up, int act, double p,
+                                                         const PhiloxTuple& rng);
+
 }  // namespace lsmini

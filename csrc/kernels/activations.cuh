@@ -13,8 +13,11 @@
  * - Φ comes from a short erfc approximation (normal_cdf) rather than erff, for speed.
  * - tanh is built from expm1f (tanh_precise): fast-math would turn tanhf into tanh.approx (≈ 2^-11
  *   relative error), too coarse to match PyTorch's fp32 gelu_tanh.
- * - σ takes __expf (ex2.approx of v·log2 e: relative error ≈ 2^-22 + |v|·2^-24), then one reciprocal;
- *   silu' is PyTorch's own formula (silu_backward), so both round alike. e^{−v} overflows to inf below
+ * - silu is v / (1 + e^{−v}) with an IEEE division (__fdiv_rn, which fast-math leaves alone), PyTorch's
+ *   formula and rounding: only e^{−v} differs, from __expf (ex2.approx of −v·log2 e: relative error
+ *   ≈ 2^-22 + |v|·2^-24, which matters only where e^{−v} is not small next to 1, i.e. where |silu| < 0.3).
+ *   fast-math's approximate division (≤ 2 ulp) would make silu's error near |v| ≈ 16 about twice PyTorch's.
+ *   silu' is PyTorch's silu_backward formula with σ = __frcp_rn(1 + e^{−v}). e^{−v} overflows to inf below
  *   v ≈ −88, giving σ = 0 and a = −0 (PyTorch: the same limit); NaN propagates.
  */
 #pragma once
@@ -98,14 +101,13 @@ __device__ __forceinline__ float gelu_tanh_grad(float v) {
 }
 
 // ---- silu ----
-__device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }
-
-__device__ __forceinline__ float silu(float v) { return v * sigmoid(v); }
+__device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + __expf(-v)); }
 
 __device__ __forceinline__ float silu_and_grad(float v, float* grad) {
-  const float s = sigmoid(v);
+  const float d = 1.f + __expf(-v);
+  const float s = __frcp_rn(d);  // σ(v)
   *grad = s * fmaf(v, 1.f - s, 1.f);
-  return v * s;
+  return __fdiv_rn(v, d);
 }
 
 }  // namespace

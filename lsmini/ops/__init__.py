@@ -30,3 +30,4 @@ from lsmini.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_e
 from lsmini.ops.embedding import embedding, embedding_ref, sinusoidal_positions
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
 from lsmini.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
+from lsmini.ops.glu import geglu, glu_ref, swiglu
