@@ -49,6 +49,20 @@ def copy_bandwidth_gbs(nbytes=2 << 30):
     return 2 * nbytes / ms / 1e6
 
 
+def compiled_or_none(fn, label):
+    """torch.compile(fn) of a no-argument fn, compiled now by one call (outside any timed region), or None where
+    compiling fails, with the reason printed under `label`: a row's compiled column is optional. Dynamo is
+    reset first, so a benchmark that compiles one graph per shape stays clear of the recompile limit."""
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn)
+        compiled()
+        return compiled
+    except Exception as e:  # noqa: BLE001 - the compiled column is optional
+        print(f"# {label}: torch.compile baseline skipped: {type(e).__name__}: {e}")
+        return None
+
+
 def require_cuda_kernels(script):
     """Exit with the reason unless a CUDA device is there and lsmini runs its kernels on it."""
     if not torch.cuda.is_available():

@@ -16,6 +16,7 @@ ATTENTION_DTYPES = (torch.float16, torch.bfloat16)  # the fused attention kernel
 
 PYTHON_LIMITS = {
     "layernorm_max_hidden": 32768,  # a row in registers: 32 fp32 values per thread × 1024 threads
+    "rms_norm_max_hidden": 32768,  # the same: a row in registers
     "attention_softmax_max_keys": 16384,  # a row of keys in registers: 32 values per thread × 512 threads
     "attention_head_dims": [16, 32, 64, 128],  # the head_dims with a fused attention kernel instantiation
     "adam_max_groups": 16,  # the groups' hyperparameters travel by value, as a kernel argument
@@ -30,6 +31,7 @@ def _read_limits():
 
 _LIMITS = _read_limits()
 LAYERNORM_MAX_HIDDEN = _LIMITS["layernorm_max_hidden"]
+RMS_NORM_MAX_HIDDEN = _LIMITS["rms_norm_max_hidden"]
 ATTENTION_SOFTMAX_MAX_KEYS = _LIMITS["attention_softmax_max_keys"]
 ATTENTION_HEAD_DIMS = tuple(_LIMITS["attention_head_dims"])
 ADAM_MAX_GROUPS = _LIMITS["adam_max_groups"]

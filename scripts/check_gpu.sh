@@ -56,9 +56,9 @@ if [ "$multi" -ne 0 ]; then echo "note: $multi multi-GPU test groups skipped ($(
 if [ "$skipped" -ne 0 ]; then echo "FAIL: $skipped test groups were skipped on a GPU machine"; fail=1; fi
 
 if [ "$SANITIZE" -eq 1 ]; then
-  OP_TESTS=(tests/test_layernorm.py tests/test_embedding.py tests/test_attention_softmax.py tests/test_attention.py
-            tests/test_bias_dropout_residual.py tests/test_bias_act_dropout.py tests/test_heads.py
-            tests/test_cross_entropy.py tests/test_adam.py tests/test_dropout_graph.py)
+  OP_TESTS=(tests/test_layernorm.py tests/test_rms_norm.py tests/test_embedding.py tests/test_attention_softmax.py
+            tests/test_attention.py tests/test_bias_dropout_residual.py tests/test_bias_act_dropout.py tests/test_glu.py
+            tests/test_heads.py tests/test_cross_entropy.py tests/test_adam.py tests/test_dropout_graph.py)
   [ -n "${SANITIZE_FILES:-}" ] && read -r -a OP_TESTS <<< "$SANITIZE_FILES"
   # The tools run side by side: each is bound by its own instrumentation on the host far more than by the
   # GPU, so three at once take about as long as the slowest alone.

@@ -15,6 +15,7 @@ from lsmini.optim import FusedAdam, adam
 
 LIMIT_CONSTANTS = {
     "layernorm_max_hidden": "LAYERNORM_MAX_HIDDEN",
+    "rms_norm_max_hidden": "RMS_NORM_MAX_HIDDEN",
     "attention_softmax_max_keys": "ATTENTION_SOFTMAX_MAX_KEYS",
     "attention_head_dims": "ATTENTION_HEAD_DIMS",
     "adam_max_groups": "ADAM_MAX_GROUPS",

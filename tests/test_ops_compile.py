@@ -2,12 +2,14 @@
 
 Every public op calls its registered operator ``torch.ops.lsmini.<op>`` (CPU: the reference; CUDA: the
 kernels) in eager and compiled code alike.
-- CPU (CI): one function chaining all nine ops, compiled with aot_eager and with inductor, against eager;
-  dropout statistics under compile; bad input still names the problem; ``torch.library.opcheck`` of every
-  operator (schema, fake implementation, autograd registration, eager against AOT-compiled with dynamic
-  shapes, which reseeds torch before each call, so dropout draws the same masks).
-- CUDA: opcheck of every operator, the compiled chain against eager bit for bit, and a CUDA-graph
-  (reduce-overhead) function whose replays draw fresh masks that their backward reuses.
+- CPU (CI): one function chaining the nine ops of the original Transformer and one chaining the ops of a
+  Llama-style block (rms_norm, add_rms_norm, swiglu, geglu), each compiled with aot_eager and with inductor,
+  against eager; dropout statistics under compile; bad input still names the problem;
+  ``torch.library.opcheck`` of every operator (schema, fake implementation, autograd registration, eager
+  against AOT-compiled with dynamic shapes, which reseeds torch before each call, so dropout draws the same
+  masks).
+- CUDA: opcheck of every operator, the compiled chains against eager bit for bit, and CUDA-graph
+  (reduce-overhead) functions whose replays draw fresh masks that their backward reuses.
 """
 import importlib
 import pkgutil
@@ -15,10 +17,11 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lsmini.ops
-from lsmini.ops import (attention, attention_softmax, bias_act_dropout, bias_dropout_residual, cross_entropy,
-                        embedding, layer_norm, merge_heads, split_heads)
+from lsmini.ops import (add_rms_norm, attention, attention_softmax, bias_act_dropout, bias_dropout_residual,
+                        cross_entropy, embedding, geglu, layer_norm, merge_heads, rms_norm, split_heads, swiglu)
 from util import assert_close_fp32, assert_dropout_keep_stats
 
 OPS = torch.ops.lsmini
@@ -136,6 +139,86 @@ def test_chain_compiles_whole_and_matches_eager(backend, dtype, p):
         assert_close_fp32(grads[name].float(), eager_grads[name].float(), atol=tol, rtol=tol, name=f"grad {name}")
 
 
+# ---- one function that chains the ops of a Llama-style block ---------------------------------------------
+# As in ``chain``: each dropout op's input depends on the previous one's output (one order of draws), and each
+# intermediate is used once (gradients are not sums of several uses).
+def llama_chain(x, res, norm_w, up, res2, final_w, p):
+    s, y = add_rms_norm(x, res, norm_w)
+    h = swiglu(y, s, p)
+    g = geglu(torch.cat([h, up], -1), None, p)  # the fused form: [gate | up] in one tensor
+    s2, z = add_rms_norm(g, res2, None, 1e-5)
+    out = rms_norm(z, final_w)
+    return {"swiglu": h, "geglu": g, "add_rms_norm": s2, "rms_norm": out}
+
+
+def llama_inputs(device, dtype, seed=0):
+    """({name: input of ``llama_chain``}, the gradients of its two outputs that are not used again)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0, dt=dtype):
+        return (scale * torch.randn(*shape, generator=g)).to(device, dt)
+
+    inputs = {"x": rand(B, L, HIDDEN), "res": rand(B, L, HIDDEN), "norm_w": 1 + rand(HIDDEN, scale=0.2, dt=torch.float32),
+              "up": rand(B, L, HIDDEN), "res2": rand(B, L, HIDDEN), "final_w": 1 + rand(HIDDEN, scale=0.2)}
+    return inputs, (rand(B, L, HIDDEN), rand(B, L, HIDDEN))
+
+
+def run_llama_chain(fn, inputs, grads, p):
+    """fn's outputs (detached) and the gradients of every input, from one backward with grads on the two outputs
+    that are not used again (add_rms_norm's s and rms_norm's y)."""
+    leaves = {n: t.detach().clone().requires_grad_(True) for n, t in inputs.items()}
+    out = fn(*leaves.values(), p)
+    torch.autograd.backward([out["add_rms_norm"], out["rms_norm"]], list(grads))
+    return {n: t.detach() for n, t in out.items()}, {n: t.grad for n, t in leaves.items()}
+
+
+def test_llama_chain_traces_to_one_graph_of_the_registered_operators():
+    called = set()
+
+    def backend(gm, example_inputs):
+        called.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    inputs, _ = llama_inputs("cpu", torch.bfloat16)
+    torch.compile(llama_chain, fullgraph=True, backend=backend)(*inputs.values(), 0.25)
+    assert {name.split(".")[1] for name in called if name.startswith("lsmini.")} == {"add_rms_norm", "glu", "rms_norm"}
+    assert not any(word in name for name in called if not name.startswith("lsmini.")
+                   for word in ("silu", "gelu", "rsqrt", "dropout"))
+
+
+@pytest.mark.parametrize("backend, dtype, p", [("aot_eager", torch.float32, 0.0), ("inductor", torch.float32, 0.0),
+                                               ("aot_eager", torch.bfloat16, 0.25),
+                                               ("inductor", torch.bfloat16, 0.25)])
+def test_llama_chain_compiles_whole_and_matches_eager(backend, dtype, p):
+    """Compiled, the Llama-style chain runs the operators the eager one runs, with the same draws: the operators'
+    outputs bit for bit, the gradients to a tolerance (the compiler composes the concatenation's backward)."""
+    inputs, grads = llama_inputs("cpu", dtype)
+    torch.manual_seed(0)
+    eager_out, eager_grads = run_llama_chain(llama_chain, inputs, grads, p)
+    torch.manual_seed(0)
+    out, out_grads = run_llama_chain(torch.compile(llama_chain, fullgraph=True, backend=backend), inputs, grads, p)
+    assert_all_equal(out, eager_out, "output")
+    for name in eager_grads:
+        assert_close_fp32(out_grads[name].float(), eager_grads[name].float(), atol=1e-6, rtol=1e-6,
+                          name=f"grad {name}")
+
+
+def test_glu_dropout_under_compile_keeps_one_minus_p_and_its_gradient_uses_the_same_mask():
+    p, n = 0.3, 64
+    gate = torch.full((n, n), 20.0, requires_grad=True)  # silu(20)·up, gelu(20)·up: up, in float32
+    up = torch.ones(n, n, requires_grad=True)
+    compiled = torch.compile(lambda g, u: (swiglu(g, u, p), geglu(torch.cat([g, u], -1), None, p)), fullgraph=True,
+                             backend="aot_eager")
+    outs = compiled(gate, up)
+    for name, out in zip(("swiglu", "geglu"), outs):
+        kept = out != 0
+        torch.testing.assert_close(out[kept], torch.full_like(out[kept], 20 / (1 - p)))
+        assert_dropout_keep_stats(kept, p, name=name)
+    assert not torch.equal(outs[0] != 0, outs[1] != 0), "two calls, two masks"
+    outs[0].sum().backward()
+    assert torch.equal(up.grad != 0, outs[0] != 0)
+
+
 def dropout_ops(x, ones, zeros, tokens, p):
     """Each dropout op on inputs whose kept values are all the same number, so its output shows its mask."""
     hidden = x.shape[-1]
@@ -182,6 +265,10 @@ BAD_CALLS = {
     "bias_dropout_residual": (lambda x: bias_dropout_residual(x, None, x.t()), ValueError,
                               "residual must have x's shape"),
     "bias_act_dropout": (lambda x: bias_act_dropout(x, None, "tanh"), ValueError, "unknown activation 'tanh'"),
+    "rms_norm": (lambda x: rms_norm(x, torch.ones(7)), ValueError, "rms_norm: weight must have shape (8,)"),
+    "add_rms_norm": (lambda x: add_rms_norm(x, x.t()), ValueError, "add_rms_norm: residual must have x's shape"),
+    "swiglu": (lambda x: swiglu(x[:, :7]), ValueError, "swiglu: without up, gate holds [gate | up]"),
+    "geglu": (lambda x: geglu(x, x[:2]), ValueError, "geglu: up must have gate's shape (3, 8), got (2, 8)"),
 }
 
 
@@ -299,12 +386,32 @@ def _bias_act_dropout_samples(rand, device, dtype, p, rows, hidden, **_):
             (OPS.bias_act_dropout_backward, (rand(rows, hidden), x, None, state, "gelu_tanh", p))]
 
 
+def _rms_norm_samples(rand, device, dtype, p, rows, hidden, **_):
+    x, res, w = rand(rows, hidden), rand(rows, hidden), rand(hidden, dt=torch.float32)
+    _, rstd = OPS.rms_norm(x, w, 1e-6)
+    s, _, s_rstd = OPS.add_rms_norm(x, res, None, 1e-5)
+    return [(OPS.rms_norm, (x, w, 1e-6)), (OPS.rms_norm, (x, None, 1e-5)),
+            (OPS.add_rms_norm, (x, res, w, 1e-6)), (OPS.add_rms_norm, (x, res, None, 1e-5)),
+            (OPS.rms_norm_backward, (rand(rows, hidden), x, w, rstd, None, 1e-6)),
+            (OPS.rms_norm_backward, (rand(rows, hidden), s, None, s_rstd, rand(rows, hidden), 1e-5))]
+
+
+def _glu_samples(rand, device, dtype, p, rows, hidden, **_):
+    gate, up, gate_up = rand(rows, hidden), rand(rows, hidden), rand(rows, 2 * hidden)
+    _, state = OPS.glu(gate, up, "silu", p)
+    _, fused_state = OPS.glu(gate_up, None, "gelu", p)
+    return [(OPS.glu, (gate, up, "silu", p)), (OPS.glu, (gate_up, None, "gelu_tanh", p)),
+            (OPS.glu_backward, (rand(rows, hidden), gate, up, state, "silu", p)),
+            (OPS.glu_backward, (rand(rows, hidden), gate_up, None, fused_state, "gelu", p))]
+
+
 # op family -> its samples
 SAMPLES = {"layer_norm": _layer_norm_samples, "heads": _heads_samples,
            "attention_softmax": _attention_softmax_samples, "attention": _attention_samples,
            "cross_entropy": _cross_entropy_samples, "linear_cross_entropy": _linear_cross_entropy_samples,
            "embedding": _embedding_samples,
-           "bias_dropout_residual": _bias_dropout_residual_samples, "bias_act_dropout": _bias_act_dropout_samples}
+           "bias_dropout_residual": _bias_dropout_residual_samples, "bias_act_dropout": _bias_act_dropout_samples,
+           "rms_norm": _rms_norm_samples, "glu": _glu_samples}
 
 
 def op_samples(device, dtype, p, sizes):
@@ -421,3 +528,58 @@ def test_reduce_overhead_replays_draw_fresh_masks_and_backward_reuses_them():
         outs.append((a, h))
     for (a0, h0), (a1, h1) in zip(outs, outs[1:]):
         assert not torch.equal(a0, a1) and not torch.equal(h0, h1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_compiled_llama_chain_matches_eager(dtype, p):
+    """The compiled Llama-style chain runs the kernels the eager one runs, with the same draws: the same bits,
+    outputs and gradients."""
+    inputs, grads = llama_inputs("cuda", dtype)
+    torch.manual_seed(0)
+    eager_out, eager_grads = run_llama_chain(llama_chain, inputs, grads, p)
+    torch.manual_seed(0)
+    out, out_grads = run_llama_chain(torch.compile(llama_chain, fullgraph=True), inputs, grads, p)
+    assert_all_equal(out, eager_out, "output")
+    assert_all_equal(out_grads, eager_grads, "gradient of")
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_glu_replays_draw_fresh_masks_and_backward_reuses_them():
+    """Under CUDA graphs every replay of swiglu (separate and fused) draws a new mask, and each backward regenerates
+    its own forward's: with gate, up > 0, grad_up = dout/(1 − p)·silu(gate) exactly where the output was kept,
+    0 elsewhere; rms_norm and add_rms_norm run in the same graphs."""
+    p = 0.3
+    scale = 1 / (1 - p)
+
+    def fn(gate, up, gate_up, x, res, w):
+        s, y = add_rms_norm(x, res, w)
+        return swiglu(gate, up, p), swiglu(gate_up, None, p), rms_norm(s, w) + y
+
+    compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    gate = (torch.rand(64, 128, generator=g) + 0.5).cuda().half()
+    up = (torch.rand(64, 128, generator=g) + 0.5).cuda().half()
+    gate_up = torch.cat([gate, up], -1)
+    x, res = torch.randn(64, 96, generator=g).cuda().half(), torch.randn(64, 96, generator=g).cuda().half()
+    w = torch.randn(96, generator=g).cuda()
+    dh = torch.randn(64, 128, generator=g).cuda().half()
+    outs = []
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        leaves = [t.detach().clone().requires_grad_(True) for t in (gate, up, gate_up, x, res, w)]
+        h, hf, z = compiled(*leaves)
+        torch.autograd.backward([h, hf, z], [dh, dh, torch.ones_like(z)])
+        h, hf = h.detach().clone(), hf.detach().clone()
+        grad_up, grad_fused = leaves[1].grad, leaves[2].grad
+        for out, grad in ((h, grad_up), (hf, grad_fused[:, 128:])):
+            kept = out != 0
+            assert 0.6 < kept.float().mean().item() < 0.8
+            want = torch.where(kept, (dh.float() * scale * F.silu(gate.float())).half(), 0.0)
+            torch.testing.assert_close(grad, want, atol=1e-3, rtol=1e-3)
+            assert torch.equal(grad != 0, kept & (dh != 0))
+        assert torch.isfinite(leaves[3].grad).all() and torch.isfinite(leaves[5].grad).all()
+        outs.append((h, hf))
+    for (a0, b0), (a1, b1) in zip(outs, outs[1:]):
+        assert not torch.equal(a0, a1) and not torch.equal(b0, b1)

@@ -11,6 +11,7 @@
 #include "cross_entropy.h"
 #include "layernorm.h"
 #include "ops.h"
+#include "rms_norm.h"
 
 #include <mutex>
 
@@ -49,6 +50,7 @@ static pybind11::dict limits() {
   for (const int head_dim : kAttentionHeadDims) head_dims.append(head_dim);
   pybind11::dict table;
   table["layernorm_max_hidden"] = kLayerNormMaxHidden;
+  table["rms_norm_max_hidden"] = kRmsNormMaxHidden;
   table["attention_softmax_max_keys"] = kAttentionSoftmaxMaxKeys;
   table["attention_head_dims"] = head_dims;
   table["adam_max_groups"] = kAdamMaxGroups;
@@ -65,7 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "current one); the pointers are 0 unless a CUDA graph is being captured",
         pybind11::arg("device_index") = -1);
   m.def("limits", &lsmini::limits,
-        "the kernels' size limits: {layernorm_max_hidden, attention_softmax_max_keys, attention_head_dims, "
-        "adam_max_groups, cross_entropy_max_vocab}, a fresh dict on each call");
+        "the kernels' size limits: {layernorm_max_hidden, rms_norm_max_hidden, attention_softmax_max_keys, "
+        "attention_head_dims, adam_max_groups, cross_entropy_max_vocab}, a fresh dict on each call");
   for (auto r : lsmini::registrars()) r(m);
 }

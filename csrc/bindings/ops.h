@@ -28,6 +28,16 @@ std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const
                                                      const at::Tensor& rstd, const std::optional<at::Tensor>& add,
                                                      const std::optional<at::Tensor>& out);
 
+// rms_norm.cpp: (s or None, y, rstd); with residual, s = x + residual is normalized instead of x.
+std::tuple<std::optional<at::Tensor>, at::Tensor, at::Tensor> rms_norm_fwd(
+    const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
+    const std::optional<at::Tensor>& residual = std::nullopt);
+// (dx, dweight or None) from the normalized input x (s of the residual form); with add, dx + add.
+std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& weight,
+                                                              const at::Tensor& rstd,
+                                                              const std::optional<at::Tensor>& add = std::nullopt);
+
 // attention.cpp: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32).
 // keep: int32 [attention_keep_numel] that receives the dropout keep bits for attention_bwd to read.
 // out / lse: where the output and lse go when given (out of q's shape, rows 16-byte aligned).
@@ -60,5 +70,13 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(
     const at::Tensor& grad_out, const at::Tensor& x, const std::optional<at::Tensor>& bias, int act, double p,
     const PhiloxTuple& rng, const std::optional<at::Tensor>& grad_x, bool from_output);
+
+// glu.cpp: dropout(act(gate)·up), act a GluAct id; up None: gate is [rows, 2·cols] = [gate | up].
+at::Tensor glu_fwd(const at::Tensor& gate, const std::optional<at::Tensor>& up, int act, double p,
+                   const PhiloxTuple& rng);
+// (grad_gate, grad_up or None); up None: grad_gate is the gradient of the fused gate.
+std::tuple<at::Tensor, std::optional<at::Tensor>> glu_bwd(const at::Tensor& grad_out, const at::Tensor& gate,
+                                                         const std::optional<at::Tensor>& up, int act, double p,
+                                                         const PhiloxTuple& rng);
 
 }  // namespace lsmini

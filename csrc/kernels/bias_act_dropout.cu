@@ -29,10 +29,8 @@
  * grad_x in registers during its single pass, folds the block's rows in shared memory into one row of
  * fp32 partials [slabs, hidden], and a second small kernel sums the partials per column (no atomics).
  *
- * Numerics: gelu's Φ comes from a short erfc approximation (see normal_cdf) rather than erff, for
- * speed; it is as accurate as PyTorch's fp32 gelu. Under --use_fast_math tanhf would become
- * tanh.approx (≈ 2^-11 relative error), too coarse to match PyTorch's fp32 gelu_tanh, so tanh is
- * built from expm1f (see tanh_precise).
+ * Numerics: gelu and gelu_tanh come from activations.cuh (a short erfc approximation for Φ, tanh
+ * built from expm1f), as accurate as PyTorch's fp32 activations under --use_fast_math.
  *
  * Napkin math (H200, fp16, 65536 × 4096 = 2^28 elements): forward moves 1 GiB, backward 1.5 GiB;
  * Philox (≈ 12 instructions per element) plus gelu (≈ 15) come close to the ≈ 30 per element that
@@ -46,6 +44,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "activations.cuh"
 #include "column_partials.cuh"
 #include "common.cuh"
 
@@ -63,49 +62,15 @@ constexpr int kBwdMaxBlocksPerSm = 2048 / kBwdThreads;
 // ---------------------------------------------------------------------------------------------
 // Activations and their derivatives (fp32).
 // ---------------------------------------------------------------------------------------------
-constexpr float kSqrt1_2 = 0.70710678118654752f;      // 1/√2
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1/√(2π)
-constexpr float kSqrt2_Pi = 0.79788456080286536f;     // √(2/π)
-constexpr float kGeluTanhCubic = 0.044715f;
-
-// Φ(v), the standard normal CDF, via erfc(z) ≈ t·(a1 + t·(a2 + t·(a3 + t·(a4 + t·a5))))·e^{−z²},
-// t = 1/(1 + p·z), z = |v|/√2 (Abramowitz & Stegun 7.1.26, |error| ≤ 1.5e-7). Why not erff: libdevice's
-// erff costs ≈ 30 instructions per element here, which with Philox makes the fused kernel compute-
-// bound on an H200; this costs ≈ 12 plus two MUFU ops, and its error (≤ 5e-7 on gelu over [−12, 12],
-// checked against float64) is below PyTorch's own fp32 gelu error. The same e^{−v²/2} is the normal
-// density's numerator, so the backward gets φ(v) for one multiply. NaN propagates; ±inf give 1 / 0.
-__device__ __forceinline__ float normal_cdf(float v, float* gauss) {
-  // Constants folded so each step is one FMA/MUL: p/√2 (z = |v|/√2), the a_k halved (Φ = ½·erfc),
-  // −½·log2(e) (e^{−v²/2} as one ex2).
-  constexpr float p_s = 0.3275911f * kSqrt1_2;
-  constexpr float a1 = 0.5f * 0.254829592f, a2 = 0.5f * -0.284496736f, a3 = 0.5f * 1.421413741f,
-                  a4 = 0.5f * -1.453152027f, a5 = 0.5f * 1.061405429f;
-  constexpr float kNegHalfLog2e = -0.72134752044448170f;
-  const float t = 1.f / fmaf(p_s, fabsf(v), 1.f);
-  const float q = fmaf(fmaf(fmaf(fmaf(a5, t, a4), t, a3), t, a2), t, a1) * t;
-  *gauss = exp2f(v * v * kNegHalfLog2e);
-  const float half_erfc = q * *gauss;
-  return v >= 0.f ? 1.f - half_erfc : half_erfc;
-}
-
-__device__ __forceinline__ float tanh_precise(float u) {
-  // tanh(u) = e / (e + 2) with e = expm1(2|u|): expm1f keeps its full accuracy under fast-math (it
-  // has no intrinsic), so tanh stays accurate to a few ulp also near 0, where 1 − 2/(e^{2u} + 1)
-  // cancels. |u| is capped at 10 (tanh = 1 in fp32 well before) so e stays finite.
-  const float e = expm1f(2.f * fminf(fabsf(u), 10.f));
-  return copysignf(e / (e + 2.f), u);
-}
-
+// relu here; gelu and gelu_tanh from activations.cuh.
 template <int ACT>
 __device__ __forceinline__ float act_fwd(float v) {
   if (ACT == int(BiasAct::Relu)) {
     return v <= 0.f ? 0.f : v;  // NaN propagates, like torch.relu
   } else if (ACT == int(BiasAct::Gelu)) {
-    float gauss;
-    return v * normal_cdf(v, &gauss);
+    return gelu(v);
   } else {
-    const float u = kSqrt2_Pi * fmaf(kGeluTanhCubic * v, v * v, v);
-    return 0.5f * v * (1.f + tanh_precise(u));
+    return gelu_tanh(v);
   }
 }
 
@@ -114,15 +79,9 @@ __device__ __forceinline__ float act_grad(float v) {
   if (ACT == int(BiasAct::Relu)) {
     return v <= 0.f ? 0.f : 1.f;  // torch: threshold_backward(grad, relu(v), 0), so NaN passes grad
   } else if (ACT == int(BiasAct::Gelu)) {
-    float gauss;
-    const float cdf = normal_cdf(v, &gauss);
-    return fmaf(v * kInvSqrt2Pi, gauss, cdf);  // Φ(v) + v·φ(v)
+    return gelu_grad(v);
   } else {
-    const float v2 = v * v;
-    const float u = kSqrt2_Pi * fmaf(kGeluTanhCubic * v, v2, v);
-    const float t = tanh_precise(u);
-    const float du = kSqrt2_Pi * fmaf(3.f * kGeluTanhCubic, v2, 1.f);
-    return 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du;
+    return gelu_tanh_grad(v);
   }
 }
 

@@ -160,6 +160,22 @@ __device__ __forceinline__ float2 group_sum2(float2 v, float2* smem) {
   return t;
 }
 
+// group_sum2 for one float: the sum over the threads of row threadIdx.y, smem one float per warp of the
+// block (≤ 32), the same contract (every thread calls it; the result reaches every thread of the row).
+__device__ __forceinline__ float group_sum(float v, float* smem) {
+  v = warp_sum(v);
+  if (blockDim.x <= 32) return v;
+  const int warps_per_row = blockDim.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float* row_smem = smem + threadIdx.y * warps_per_row;
+  __syncthreads();
+  if (lane == 0) row_smem[warp] = v;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < warps_per_row; ++w) t += row_smem[w];
+  return t;
+}
+
 // Block-wide sum / max over all threads of a 1-D block; smem holds ≥ 32 floats. The result is
 // returned to every thread; smem may be reused after the call returns only behind a __syncthreads.
 __device__ __forceinline__ float block_sum(float v, float* smem) {

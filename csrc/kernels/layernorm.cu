@@ -24,8 +24,9 @@
  * pointers that are not 16-byte aligned.
  *
  * Files: this one holds the forward; layernorm_bwd.cu the backward; layernorm.cuh what both use (the
- * row-group configuration, the dispatch over VPT, the type list). Two translation units halve the
- * compile time of the many VPT instantiations and let them build in parallel.
+ * block sizes, the vector-path test, the type list); row_groups.cuh the row-group configuration and the
+ * dispatch over VPT, which RMSNorm shares. Two translation units halve the compile time of the many VPT
+ * instantiations and let them build in parallel.
  */
 #include "layernorm.cuh"
 
@@ -122,7 +123,7 @@ layernorm_fwd_kernel_40_registers(const T* __restrict__ x, const W* __restrict__
 template <typename T, typename W, int VEC>
 cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, float* rstd, int64_t rows,
                          int hidden, float eps, cudaStream_t stream) {
-  const LnConfig cfg = ln_config(hidden, VEC, kFwdMaxThreads, 32);
+  const RowGroups cfg = row_groups(hidden, VEC, kFwdMaxThreads, 32);
   const dim3 block(cfg.G, cfg.R);
   const int64_t grid = (rows + cfg.R - 1) / cfg.R;
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {

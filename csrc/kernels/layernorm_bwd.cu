@@ -214,7 +214,7 @@ template <typename T, typename W, int VEC>
 cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* mean, const float* rstd, const T* add,
                          T* dx, float* part_g, float* part_b, int64_t rows, int hidden, int64_t max_parts,
                          int64_t* parts_used, cudaStream_t stream) {
-  const LnConfig cfg = ln_config(hidden, VEC, kBwdMaxThreads, 16);
+  const RowGroups cfg = row_groups(hidden, VEC, kBwdMaxThreads, 16);
   const dim3 block(cfg.G, cfg.R);
   const size_t fold_bytes = (part_g && cfg.R > 1) ? size_t(2) * cfg.R * hidden * sizeof(float) : 0;
   return with_vpt<1, (VEC == 1 ? 64 : 64 / VEC)>(cfg.vpt, [&](auto vpt) {

@@ -22,6 +22,7 @@ path runs (``lsmini.config.reference`` included) is decided when the function is
 recompiles).
 """
 from lsmini.ops.layernorm import layer_norm, layer_norm_ref
+from lsmini.ops.rms_norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
 from lsmini.ops.heads import merge_heads, merge_heads_ref, split_heads, split_heads_ref
 from lsmini.ops.attention_softmax import attention_softmax, attention_softmax_ref
 from lsmini.ops.attention import attention, attention_ref, fused_attention_supported
@@ -30,3 +31,4 @@ from lsmini.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_e
 from lsmini.ops.embedding import embedding, embedding_ref, sinusoidal_positions
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
 from lsmini.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
+from lsmini.ops.glu import geglu, glu_ref, swiglu

@@ -1,0 +1,39 @@
+// rms_norm.cuh — what RMSNorm's forward (rms_norm.cu) and backward (rms_norm_bwd.cu) share: the block
+// sizes of their row groups (row_groups.cuh), the vector-path test and the instantiated types.
+// rms_norm.cu's opening comment describes the kernels.
+#pragma once
+
+#include "common.cuh"
+#include "rms_norm.h"
+#include "row_groups.cuh"
+
+#include <initializer_list>
+
+namespace lsmini {
+namespace {
+
+constexpr int kRmsFwdMaxThreads = 1024;
+constexpr int kRmsBwdMaxThreads = 512;  // backward holds x, dy and the dweight sums per thread: cap G for registers
+
+// The 16-byte path: hidden a multiple of the vector width, every row pointer 16-byte aligned (null ones
+// ignored), the weight aligned to its own vector of VEC elements.
+template <typename T, typename W>
+inline bool rms_norm_vectorizable(int hidden, const W* weight, std::initializer_list<const void*> rows) {
+  constexpr int V = Vec16<T>::value;
+  if (hidden % V != 0 || (weight && !is_aligned(weight, V * sizeof(W)))) return false;
+  for (const void* p : rows) {
+    if (p && !is_aligned(p, 16)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+}  // namespace lsmini
+
+// The (element, weight) type pairs both directions are instantiated for.
+#define LSMINI_FOR_RMS_NORM_TYPES(X) \
+  X(float, float)                    \
+  X(__half, __half)                  \
+  X(__half, float)                   \
+  X(__nv_bfloat16, __nv_bfloat16)    \
+  X(__nv_bfloat16, float)

@@ -1,0 +1,188 @@
+/*
+ * rms_norm_bwd.cu — RMSNorm backward: dx (with an optional gradient added) and the fp32 partials of dw
+ * per block, then column_partials.cuh's sum_column_partials to sum them. The math, layout and work split
+ * are described at the top of rms_norm.cu.
+ */
+#include "rms_norm.cuh"
+
+#include "column_partials.cuh"
+
+namespace lsmini {
+namespace {
+
+// partials: [gridDim.x, hidden] fp32, or null when dw is not wanted.
+template <typename T, typename W, int VEC, int VPT>
+__global__ void __launch_bounds__(kRmsBwdMaxThreads)
+rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
+                    const float* __restrict__ rstd, const T* __restrict__ add, T* __restrict__ dx,
+                    float* __restrict__ partials, int64_t rows, int hidden) {
+  __shared__ float smem[32];
+  extern __shared__ float fold[];  // [R][hidden] when R > 1 and partials are wanted
+  const int nvec = hidden / VEC;
+  const float inv_h = 1.f / hidden;
+  // The scalar path's long rows (more than 16 elements a thread: hidden > 8192 not a multiple of the vector
+  // width, or unaligned pointers, a rare fallback) keep their loops rolled: fully unrolled, their arrays
+  // spill anyway, and those instantiations dominate this file's compile time.
+  constexpr int kUnroll = (VEC == 1 && VPT > 16) ? 1 : VPT;
+  // Short rows load the next row before this row's reduction, so that the loads overlap it; long rows keep
+  // enough bytes in flight on their own and would run out of registers.
+  constexpr bool kPrefetch = VPT * VEC <= 16;
+
+  float acc[VPT][VEC];  // Σ dy·x̂ over the rows this thread visits, per owned column
+#pragma unroll kUnroll
+  for (int k = 0; k < VPT; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[k][j] = 0.f;
+
+  Pack<T, VEC> xv[VPT], dv[VPT];
+  float r = 0.f;
+  auto load_row = [&](int64_t row, Pack<T, VEC>(&xs)[VPT], Pack<T, VEC>(&ds)[VPT], float& rs) {
+    if (row >= rows) return;
+    rs = rstd[row];
+#pragma unroll kUnroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = threadIdx.x + k * blockDim.x;
+      if (c < nvec) {
+        xs[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + row * hidden + c * VEC);
+        ds[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + row * hidden + c * VEC);
+      }
+    }
+  };
+
+  // The loop bound is uniform over the block (group_sum has barriers); rows past the end idle.
+  const int64_t stride = int64_t(gridDim.x) * blockDim.y;
+  if constexpr (kPrefetch) load_row(int64_t(blockIdx.x) * blockDim.y + threadIdx.y, xv, dv, r);
+  for (int64_t base = int64_t(blockIdx.x) * blockDim.y; base < rows; base += stride) {
+    const int64_t row = base + threadIdx.y;
+    const bool valid = row < rows;
+    Pack<T, VEC> xn[VPT], dn[VPT];
+    float rn = 0.f;
+    if constexpr (kPrefetch) {
+      load_row(row + stride, xn, dn, rn);
+    } else {
+      load_row(row, xv, dv, r);
+    }
+
+    float s = 0.f;  // Σ g·x̂ over the thread's elements
+#pragma unroll kUnroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = threadIdx.x + k * blockDim.x;
+      if (valid && c < nvec) {
+        float xf[VEC], df[VEC], w[VEC];
+        unpack(xv[k], xf);
+        unpack(dv[k], df);
+        load_or<W, VEC>(weight, c, 1.f, w);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float xh = xf[j] * r;
+          s += df[j] * w[j] * xh;
+          acc[k][j] += df[j] * xh;
+        }
+      }
+    }
+    s = group_sum(s, smem);
+    if (valid) {
+      // dx = r·g − x̂·(r·mean(g·x̂)) + add
+      const float c_b = -r * s * inv_h;
+      const T* addr = add ? add + row * hidden : nullptr;
+      T* dxr = dx + row * hidden;
+#pragma unroll kUnroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c < nvec) {
+          float xf[VEC], df[VEC], w[VEC], out[VEC];
+          unpack(xv[k], xf);
+          unpack(dv[k], df);
+          load_or<W, VEC>(weight, c, 1.f, w);
+          load_or<T, VEC>(addr, c, 0.f, out);
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) out[j] += fmaf(r, df[j] * w[j], xf[j] * r * c_b);
+          store_pack<T, VEC>(dxr + c * VEC, out);
+        }
+      }
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        xv[k] = xn[k];
+        dv[k] = dn[k];
+      }
+      r = rn;
+    }
+  }
+
+  if (partials == nullptr) return;
+  allow_dependent_launch();  // what is left is the partial row: the column sums may be scheduled
+  // The thread's sums go straight into the block's partial row when the block holds one row, else into
+  // shared memory, to be folded over its R rows in the order y = 0, 1, … (deterministic for a given grid).
+  const int R = blockDim.y;
+  float* prow = partials + int64_t(blockIdx.x) * hidden;
+  float* dst = R == 1 ? prow : fold + threadIdx.y * hidden;
+#pragma unroll kUnroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = threadIdx.x + k * blockDim.x;
+    if (c < nvec)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) dst[c * VEC + j] = acc[k][j];
+  }
+  if (R == 1) return;
+  __syncthreads();
+  for (int col = threadIdx.y * blockDim.x + threadIdx.x; col < hidden; col += blockDim.x * R) {
+    float t = 0.f;
+    for (int y = 0; y < R; ++y) t += fold[y * hidden + col];
+    prow[col] = t;
+  }
+}
+
+template <typename T, typename W, int VEC>
+cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* rstd, const T* add, T* dx,
+                         float* partials, int64_t rows, int hidden, int64_t max_parts, int64_t* parts_used,
+                         cudaStream_t stream) {
+  const RowGroups cfg = row_groups(hidden, VEC, kRmsBwdMaxThreads, 16);
+  const dim3 block(cfg.G, cfg.R);
+  const size_t fold_bytes = (partials && cfg.R > 1) ? size_t(cfg.R) * hidden * sizeof(float) : 0;
+  return with_vpt<1, (VEC == 1 ? 64 : 64 / VEC)>(cfg.vpt, [&](auto vpt) {
+    auto kernel = rms_norm_bwd_kernel<T, W, VEC, decltype(vpt)::value>;
+    // One resident wave of blocks, each walking its rows grid-stride; no more blocks than partial rows or rows.
+    int64_t grid = int64_t(sm_count()) * resident_blocks_per_sm(kernel, cfg.G * cfg.R, fold_bytes);
+    if (partials) grid = std::min(grid, max_parts);
+    grid = std::min(grid, (rows + cfg.R - 1) / cfg.R);
+    *parts_used = grid;
+    kernel<<<unsigned(grid), block, fold_bytes, stream>>>(dy, x, w, rstd, add, dx, partials, rows, hidden);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace
+
+int64_t rms_norm_bwd_partial_rows(int64_t rows) {
+  const int64_t cap = int64_t(8) * sm_count();  // ≥ resident blocks: G·R ≥ 256 threads, ≤ 2048 per SM
+  return rows < cap ? rows : cap;
+}
+
+template <typename T, typename W>
+cudaError_t launch_rms_norm_bwd(const T* dy, const T* x, const W* weight, const float* rstd, const T* add, T* dx,
+                                W* dweight, float* partials, int64_t rows, int hidden, cudaStream_t stream) {
+  if (hidden <= 0 || hidden > kRmsNormMaxHidden) return cudaErrorInvalidValue;
+  if (dweight && (!weight || (rows > 0 && !partials))) return cudaErrorInvalidValue;
+  if (!dweight) partials = nullptr;
+  int64_t parts = 0;  // rows == 0: no partial rows, and the column sums write zeros
+  if (rows > 0) {
+    const int64_t max_parts = rms_norm_bwd_partial_rows(rows);
+    const cudaError_t err =
+        rms_norm_vectorizable<T, W>(hidden, weight, {dy, x, add, dx})
+            ? bwd_dispatch<T, W, Vec16<T>::value>(dy, x, weight, rstd, add, dx, partials, rows, hidden, max_parts,
+                                                  &parts, stream)
+            : bwd_dispatch<T, W, 1>(dy, x, weight, rstd, add, dx, partials, rows, hidden, max_parts, &parts, stream);
+    if (err != cudaSuccess) return err;
+  }
+  if (!dweight) return cudaSuccess;
+  return sum_column_partials<W>(partials, parts, hidden, dweight, stream);
+}
+
+#define LSMINI_INSTANTIATE_RMS_NORM_BWD(T, W)                                                                   \
+  template cudaError_t launch_rms_norm_bwd<T, W>(const T*, const T*, const W*, const float*, const T*, T*, W*, \
+                                                 float*, int64_t, int, cudaStream_t);
+LSMINI_FOR_RMS_NORM_TYPES(LSMINI_INSTANTIATE_RMS_NORM_BWD)
+
+}  // namespace lsmini
