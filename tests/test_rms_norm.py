@@ -237,7 +237,7 @@ def test_float64_large_hidden_and_forced_reference_call_the_reference_directly(m
     with LsminiOps() as ops:
         rms_norm(x, w)
     assert ops.names == ["rms_norm"]
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     x = x.requires_grad_()
     with LsminiOps() as ops:
         y = rms_norm(x, w)
@@ -512,13 +512,13 @@ def test_hidden_past_the_kernel_limit_runs_the_reference():
 
 
 @pytest.mark.cuda
-def test_force_reference_env(monkeypatch):
+def test_config_reference(monkeypatch):
     x, r, w, _, _ = _inputs((8, 64), torch.float32, "cuda")
     with LsminiOps() as ops:
         rms_norm(x, w)
         add_rms_norm(x, r, w)
     assert ops.names == ["rms_norm", "add_rms_norm"]
-    monkeypatch.setenv("LSMINI_FORCE_REFERENCE", "1")
+    monkeypatch.setattr(lsmini.config, "reference", True)
     with LsminiOps() as ops:
         y = rms_norm(x.requires_grad_(), w)
     assert ops.names == [] and y.grad_fn is not None
