@@ -203,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& mask_in, bool causal, double p,
     double scale, const PhiloxTuple& rng, const std::optional<at::Tensor>& dq_in,
     const std::optional<at::Tensor>& dk_in, const std::optional<at::Tensor>& dv_in,
-    const std::optional<at::Tensor>& keep) {
+    const std::optional<at::Tensor>& keep, const BackwardRoom& room) {
   const char* op = "attention_bwd";
   const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
   check_operand(out_in, q_in, op, "out");
@@ -216,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
                    dout = readable(dout_in), lse = lse_in.contiguous(), mask = contiguous_mask(mask_in);
   at::Tensor dq = grad_output(dq_in, q, op, "dq"), dk = grad_output(dk_in, k, op, "dk"),
              dv = grad_output(dv_in, v, op, "dv");
-  at::Tensor delta = at::empty({s.b, s.h, s.lq}, lse.options());
+  at::Tensor delta = float_temp(room.workspace, s.b * s.h, s.lq, lse, op);
   dispatch_half(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     using K = typename KernelType<scalar_t>::type;
@@ -245,7 +245,15 @@ void register_attention(pybind11::module_& m) {
         pybind11::arg("causal"), pybind11::arg("p"), pybind11::arg("scale"), pybind11::arg("rng"),
         pybind11::arg("keep") = pybind11::none(), pybind11::arg("out") = pybind11::none(),
         pybind11::arg("lse") = pybind11::none());
-  m.def("attention_bwd", &attention_bwd, "Fused attention backward: (dq, dk, dv), into dq/dk/dv when given",
+  m.def("attention_bwd",
+        [](const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+           const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask, bool causal, double p,
+           double scale, const PhiloxTuple& rng, const std::optional<at::Tensor>& dq,
+           const std::optional<at::Tensor>& dk, const std::optional<at::Tensor>& dv,
+           const std::optional<at::Tensor>& keep) {
+          return attention_bwd(dout, q, k, v, out, lse, key_padding_mask, causal, p, scale, rng, dq, dk, dv, keep);
+        },
+        "Fused attention backward: (dq, dk, dv), into dq/dk/dv when given",
         pybind11::arg("dout"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("out"),
         pybind11::arg("lse"), pybind11::arg("key_padding_mask"), pybind11::arg("causal"), pybind11::arg("p"),
         pybind11::arg("scale"), pybind11::arg("rng"), pybind11::arg("dq") = pybind11::none(),

@@ -99,7 +99,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
                                                                        int act_id, double p,
                                                                        const PhiloxTuple& rng,
                                                                        const std::optional<at::Tensor>& grad_x_in,
-                                                                       bool from_output) {
+                                                                       bool from_output, const BackwardRoom& room) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
   check_rows_hidden(grad_out, op, "grad_out");
@@ -122,8 +122,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
   std::optional<at::Tensor> grad_bias;
   at::Tensor partials;
   if (bc.defined()) {
-    grad_bias = at::empty({hidden}, bc.options());
-    partials = at::empty({bias_act_dropout_bwd_partial_slabs(rows, hidden), hidden}, g.options().dtype(at::kFloat));
+    grad_bias = vector_output(room.grad_bias, hidden, bc.scalar_type(), g, op, "grad_bias");
+    partials = float_temp(room.workspace, bias_act_dropout_bwd_partial_slabs(rows, hidden), hidden, g, op);
   }
   cudaError_t err = cudaSuccess;
   dispatch_float(g.scalar_type(), op, [&](auto tag) {

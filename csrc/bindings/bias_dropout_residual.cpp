@@ -64,7 +64,7 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
 
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
     const at::Tensor& grad_out, double p, const PhiloxTuple& rng, bool has_bias,
-    std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& grad_x_in) {
+    std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& grad_x_in, const BackwardRoom& room) {
   const char* op = kBwdName;
   check_cuda(grad_out, op, "grad_out");
   check_rows_hidden(grad_out, op, "grad_out");
@@ -97,9 +97,8 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
   std::optional<at::Tensor> grad_bias;
   at::Tensor partials;
   if (has_bias) {
-    grad_bias = at::empty({hidden}, g.options().dtype(bdt));
-    partials = at::empty({bias_dropout_residual_bwd_partial_slabs(rows, hidden), hidden},
-                         g.options().dtype(at::kFloat));
+    grad_bias = vector_output(room.grad_bias, hidden, bdt, g, op, "grad_bias");
+    partials = float_temp(room.workspace, bias_dropout_residual_bwd_partial_slabs(rows, hidden), hidden, g, op);
   }
   cudaError_t err = cudaSuccess;
   dispatch_float(g.scalar_type(), op, [&](auto tag) {
@@ -128,7 +127,11 @@ static void register_bias_dropout_residual(pybind11::module_& m) {
         "out = residual + dropout(x + bias); x, residual [rows, hidden], bias [hidden] (x's dtype or float32) "
         "or None; into out when given",
         py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("p"), py::arg("rng"), py::arg("out") = py::none());
-  m.def("bias_dropout_residual_bwd", &bias_dropout_residual_bwd,
+  m.def("bias_dropout_residual_bwd",
+        [](const at::Tensor& grad_out, double p, const PhiloxTuple& rng, bool has_bias,
+           std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& grad_x) {
+          return bias_dropout_residual_bwd(grad_out, p, rng, has_bias, bias_dtype, grad_x);
+        },
         "(grad_x, grad_bias or None) of bias_dropout_residual; grad_bias in bias_dtype (default grad_out's dtype); "
         "with p > 0 grad_x is written into grad_x when given (else fresh), with p == 0 it is grad_out itself",
         py::arg("grad_out"), py::arg("p"), py::arg("rng"), py::arg("has_bias"), py::arg("bias_dtype") = py::none(),

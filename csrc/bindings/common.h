@@ -130,6 +130,28 @@ inline void check_overlap(const at::Tensor& written, const at::Tensor& read, boo
                same_ok ? " (it may be that tensor itself, in place, or separate memory)" : "");
 }
 
+// ---- room a caller gives a backward for its small outputs and temporaries (ops.h, BackwardRoom) ----
+// A float32 [rows, cols] temporary at the start of `workspace` when given (contiguous float32 on like's
+// device, large enough), else a fresh tensor.
+inline at::Tensor float_temp(const std::optional<at::Tensor>& workspace, int64_t rows, int64_t cols,
+                             const at::Tensor& like, const char* op) {
+  if (!workspace) return at::empty({rows, cols}, like.options().dtype(at::kFloat));
+  const at::Tensor& w = *workspace;
+  check_like(w, like, at::kFloat, w.sizes(), op, "workspace", "x");
+  LSMINI_CHECK(w.is_contiguous() && w.numel() >= rows * cols, op, ": workspace must be contiguous with at least ",
+               rows * cols, " elements, got ", w.numel());
+  return w.as_strided({rows, cols}, {cols, 1});
+}
+
+// A [n] output in dtype on like's device: `given` (checked: contiguous, that dtype and shape) or fresh.
+inline at::Tensor vector_output(const std::optional<at::Tensor>& given, int64_t n, at::ScalarType dtype,
+                                const at::Tensor& like, const char* op, const char* name) {
+  if (!given) return at::empty({n}, like.options().dtype(dtype));
+  check_like(*given, like, dtype, {n}, op, name, "x");
+  LSMINI_CHECK(given->is_contiguous(), op, ": ", name, " must be contiguous, got strides ", given->strides());
+  return *given;
+}
+
 // ---- launch errors ----
 inline void check_launch(cudaError_t err, const char* op) {
   LSMINI_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));

@@ -102,7 +102,7 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
                                                      const c10::optional<at::Tensor>& bias,
                                                      const at::Tensor& mean, const at::Tensor& rstd,
                                                      const c10::optional<at::Tensor>& add_in,
-                                                     const c10::optional<at::Tensor>& out) {
+                                                     const c10::optional<at::Tensor>& out, const BackwardRoom& room) {
   const char* op = "layernorm_bwd";
   check_x(x_in, op, "x");
   check_like(dy_in, x_in, x_in.scalar_type(), x_in.sizes(), op, "dy", "x");
@@ -137,11 +137,10 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
   }
   const void* add_ptr = add.defined() ? add.data_ptr() : nullptr;
   c10::optional<at::Tensor> dweight, dbias;
-  if (weight) dweight = at::empty({hidden}, popt);
-  if (bias) dbias = at::empty({hidden}, popt);
+  if (weight) dweight = vector_output(room.grad_weight, hidden, pt, x, op, "grad_weight");
+  if (bias) dbias = vector_output(room.grad_bias, hidden, pt, x, op, "grad_bias");
   at::Tensor partials;
-  if (dweight || dbias)
-    partials = at::empty({2 * layernorm_bwd_partial_rows(rows), hidden}, x.options().dtype(at::kFloat));
+  if (dweight || dbias) partials = float_temp(room.workspace, 2 * layernorm_bwd_partial_rows(rows), hidden, x, op);
   float* part_ptr = partials.defined() ? partials.data_ptr<float>() : nullptr;
 
   dispatch_float(x.scalar_type(), op, [&](auto tag) {
@@ -174,7 +173,12 @@ void register_layernorm(pybind11::module_& m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"),
         pybind11::arg("out") = pybind11::none(), pybind11::arg("mean_out") = pybind11::none(),
         pybind11::arg("rstd_out") = pybind11::none());
-  m.def("layernorm_bwd", &layernorm_bwd,
+  m.def("layernorm_bwd",
+        [](const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+           const c10::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+           const c10::optional<at::Tensor>& add, const c10::optional<at::Tensor>& out) {
+          return layernorm_bwd(dy, x, weight, bias, mean, rstd, add, out);
+        },
         "LayerNorm backward: (dx, dweight, dbias); with add, dx = input gradient + add; dx into out when given "
         "(out may be add)",
         pybind11::arg("dy"), pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"),

@@ -10,6 +10,14 @@
 
 namespace lsmini {
 
+// Room a caller (the layer runtime, from its one scratch buffer) gives a backward binding: its parameter
+// gradients go into grad_weight / grad_bias (vectors of the dtype the binding computes them in), its float32
+// temporaries (column partial sums, the attention's row terms) to the start of workspace. Whatever is not
+// given is allocated, as for the Python entry points.
+struct BackwardRoom {
+  std::optional<at::Tensor> grad_weight, grad_bias, workspace;
+};
+
 // module.cpp: the Philox state of one dropout call from torch's CUDA generator of that device (-1: current).
 PhiloxTuple philox_seed_offset(c10::DeviceIndex device_index = -1);
 // philox_state.cpp: rngs → out, an int64 CUDA tensor [len(rngs), 2] of resolved (seed, offset).
@@ -26,7 +34,8 @@ std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const
                                                      const std::optional<at::Tensor>& weight,
                                                      const std::optional<at::Tensor>& bias, const at::Tensor& mean,
                                                      const at::Tensor& rstd, const std::optional<at::Tensor>& add,
-                                                     const std::optional<at::Tensor>& out);
+                                                     const std::optional<at::Tensor>& out,
+                                                     const BackwardRoom& room = {});
 
 // rms_norm.cpp: (s or None, y, rstd); with residual, s = x + residual is normalized instead of x.
 std::tuple<std::optional<at::Tensor>, at::Tensor, at::Tensor> rms_norm_fwd(
@@ -52,7 +61,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask, bool causal, double p, double scale,
     const PhiloxTuple& rng, const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-    const std::optional<at::Tensor>& dv, const std::optional<at::Tensor>& keep = std::nullopt);
+    const std::optional<at::Tensor>& dv, const std::optional<at::Tensor>& keep = std::nullopt,
+    const BackwardRoom& room = {});
 
 // bias_dropout_residual.cpp: residual + dropout(x + bias); into out when given.
 at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
@@ -61,7 +71,7 @@ at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at
 // (grad_x, grad_bias or None); with p == 0 grad_x is grad_out itself.
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
     const at::Tensor& grad_out, double p, const PhiloxTuple& rng, bool has_bias,
-    std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& grad_x);
+    std::optional<at::ScalarType> bias_dtype, const std::optional<at::Tensor>& grad_x, const BackwardRoom& room = {});
 
 // bias_act_dropout.cpp: dropout(act(x + bias)), act a BiasAct id; into out when given.
 at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias, int act, double p,
@@ -69,7 +79,7 @@ at::Tensor bias_act_dropout_fwd(const at::Tensor& x, const std::optional<at::Ten
 // (grad_x, grad_bias or None); from_output: relu read off the forward's output passed as x.
 std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(
     const at::Tensor& grad_out, const at::Tensor& x, const std::optional<at::Tensor>& bias, int act, double p,
-    const PhiloxTuple& rng, const std::optional<at::Tensor>& grad_x, bool from_output);
+    const PhiloxTuple& rng, const std::optional<at::Tensor>& grad_x, bool from_output, const BackwardRoom& room = {});
 
 // glu.cpp: dropout(act(gate)·up), act a GluAct id; up None: gate is [rows, 2·cols] = [gate | up].
 at::Tensor glu_fwd(const at::Tensor& gate, const std::optional<at::Tensor>& up, int act, double p,

@@ -47,6 +47,9 @@
 
 #include "attention.h"
 #include "bias_act_dropout.h"
+#include "bias_dropout_residual.h"
+#include "cast_segments.h"
+#include "layernorm.h"
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -224,10 +227,12 @@ struct Plan {
   at::ScalarType other_dtype;                   // the dtype of the kGradOther tensor
 };
 
-// Whether the call casts parameter i (position `position` in its block) to dtype: the GEMM weights always
-// (when not in dtype), the vectors only when neither float32 nor dtype (the kernels read float32 or dtype).
-bool needs_cast(int64_t position, at::ScalarType p, at::ScalarType dtype) {
-  return p != dtype && (position == 0 || position == 2 || p != at::kFloat);
+// Whether the call casts parameter i (position `position` in a block of `kind`) to dtype: the GEMM weights
+// and an attention block's input bias (added in its GEMM's epilogue) always, when not in dtype; the other
+// vectors only when neither float32 nor dtype (the kernels read float32 or dtype).
+bool needs_cast(Kind kind, int64_t position, at::ScalarType p, at::ScalarType dtype) {
+  const bool gemm = position == 0 || position == 2 || (position == 1 && kind != Kind::Ffn);
+  return p != dtype && (gemm || p != at::kFloat);
 }
 
 template <typename Int>
@@ -338,7 +343,9 @@ Plan<Int> make_plan(const Options& o, const Int& batch, const Int& q_len, const 
   plan.cast_at = align_up<Int>(end + int64_t(2 * o.kinds.size() * 16), kCastAlign);
   Int cast_numel = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!needs_cast(int64_t(i) % kParamsPerBlock, params[i].scalar_type(), dtype)) continue;
+    if (!needs_cast(o.kinds[i / kParamsPerBlock], int64_t(i) % kParamsPerBlock, params[i].scalar_type(), dtype)) {
+      continue;
+    }
     plan.cast_positions.push_back(int64_t(i));
     plan.cast_at_elements.push_back(cast_numel);
     cast_numel = cast_numel + align_up<Int>(numel(params[i]), kAlign);
@@ -370,6 +377,20 @@ int64_t scratch_numel(const Options& o, int64_t tokens) {
   for (const Kind kind : o.kinds) {
     const int64_t th = tokens * o.hidden;
     n = std::max(n, kind == Kind::Ffn ? tokens * o.ffn : align(th) + (kind == Kind::Self ? 3 : 1) * th);
+  }
+  return n;
+}
+
+// Float32 elements of the backward's workspace: the largest temporary one of its kernel calls takes (the
+// column partial sums of a bias or norm gradient, the attention backward's row terms).
+int64_t workspace_numel(const Options& o, int64_t batch, int64_t q_len) {
+  const int64_t t = batch * q_len;
+  int64_t n = std::max({2 * layernorm_bwd_partial_rows(t) * o.hidden,
+                        bias_dropout_residual_bwd_partial_slabs(t, o.hidden) * o.hidden, batch * o.heads * q_len});
+  for (const Kind kind : o.kinds) {
+    const int64_t bias_in = kind == Kind::Ffn ? o.ffn : kind == Kind::Self ? 3 * o.hidden : o.hidden;
+    n = std::max(n, kind == Kind::Ffn ? bias_act_dropout_bwd_partial_slabs(t, bias_in) * bias_in
+                                      : bias_dropout_residual_bwd_partial_slabs(t, bias_in) * bias_in);
   }
   return n;
 }
@@ -478,13 +499,13 @@ at::Tensor split(const at::Tensor& merged, const Shape& s, const Options& o) {
   return head_view(merged, s.batch, s.q_len, 0, o);
 }
 
-// x·weightᵀ + bias in one GEMM (the bias in its epilogue), into out when given.
+// x·weightᵀ + bias in one GEMM (the bias, in x's dtype, in its epilogue), into out when given.
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const OptTensor& out) {
   if (out) {
     at::Tensor dst = *out;
-    return at::addmm_out(dst, bias.to(x.scalar_type()), x, transposed(weight));
+    return at::addmm_out(dst, bias, x, transposed(weight));
   }
-  return at::addmm(bias.to(x.scalar_type()), x, transposed(weight));
+  return at::addmm(bias, x, transposed(weight));
 }
 
 // x·weightᵀ, into out when given.
@@ -519,20 +540,18 @@ at::Tensor weight_grad(const at::Tensor& a, const at::Tensor& b, at::ScalarType 
   return at::mm(a, b).to(dtype);
 }
 
-at::Tensor bias_grad(const at::Tensor& grad2d, at::ScalarType dtype) {
-  return *std::get<1>(bias_dropout_residual_bwd(grad2d, 0.0, kNoRng, true, dtype, std::nullopt));
-}
-
 PhiloxTuple draw(double p) { return p > 0 ? philox_seed_offset() : kNoRng; }
 
-// One block's parameters, BLOCK_PARAMS order.
+// One block's parameters, BLOCK_PARAMS order (GEMM weights and attention input biases cast to x's dtype),
+// and the dtype of its input bias as the module holds it (its gradient's).
 struct Params {
   const at::Tensor &weight_in, &bias_in, &weight_out, &bias_out, &norm_weight, &norm_bias;
+  at::ScalarType bias_in_dtype;
 };
 
-Params block_params(const Tensors& params, size_t block) {
+Params block_params(const Tensors& params, size_t block, at::ScalarType bias_in_dtype) {
   const at::Tensor* p = params.data() + block * kParamsPerBlock;
-  return {p[0], p[1], p[2], p[3], p[4], p[5]};
+  return {p[0], p[1], p[2], p[3], p[4], p[5], bias_in_dtype};
 }
 
 // What the attention blocks read besides their parameters ([b, heads, ls, d] encoder K/V).
@@ -561,8 +580,10 @@ class Destinations {
   size_t base_;
 };
 
+// An attention core: x [tokens, hidden] → its output (into `out` when given: where the block's output goes).
 at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, const Options& o, const Shape& s,
-                              const Inputs& in, at::Tensor* slots, PhiloxTuple& rng, const Destinations& dest) {
+                              const Inputs& in, at::Tensor* slots, PhiloxTuple& rng, const Destinations& dest,
+                              const OptTensor& out_core) {
   const bool self = kind == Kind::Self;
   const at::ScalarType dtype = x.scalar_type();
   at::Tensor projection =
@@ -592,11 +613,12 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
   }
   if (mask) slots[kMask] = *mask;
   if (bits) slots[kBits] = *bits;
-  return at::mm(context, transposed(p.weight_out));
+  return matmul_t(context, p.weight_out, out_core);
 }
 
+// The FFN core, as attention_core_fwd.
 at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, const Shape& s, at::Tensor* slots,
-                   PhiloxTuple& rng, const Destinations& dest) {
+                   PhiloxTuple& rng, const Destinations& dest, const OptTensor& out_core) {
   const bool relu = o.act == int(BiasAct::Relu);
   const at::ScalarType dtype = x.scalar_type();
   at::Tensor pre_activation = matmul_t(x, p.weight_in, dest.at(kProjection, {s.tokens, o.ffn}, dtype));
@@ -610,26 +632,28 @@ at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, const
     slots[kProjection] = pre_activation;
     if (!o.recompute) slots[kHidden] = hidden;
   }
-  return at::mm(hidden, transposed(p.weight_out));
+  return matmul_t(hidden, p.weight_out, out_core);
 }
 
 // residual [tokens, hidden] → the block's output (into `output` when given: where the next block saves it);
-// fills the block's slots and its two Philox states.
+// fills the block's slots and its two Philox states. The core's output GEMM writes where the residual sum
+// goes, and the bias, dropout and residual add happen there in place: no buffer for the core's output.
 at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, const Options& o, const Shape& s,
                      const Inputs& in, at::Tensor* slots, PhiloxTuple* rngs, const Destinations& dest,
                      const OptTensor& output) {
-  auto core = [&](const at::Tensor& x) {
-    return kind == Kind::Ffn ? ffn_fwd(x, p, o, s, slots, rngs[0], dest)
-                             : attention_core_fwd(kind, x, p, o, s, in, slots, rngs[0], dest);
+  auto core = [&](const at::Tensor& x, const OptTensor& out_core) {
+    return kind == Kind::Ffn ? ffn_fwd(x, p, o, s, slots, rngs[0], dest, out_core)
+                             : attention_core_fwd(kind, x, p, o, s, in, slots, rngs[0], dest, out_core);
   };
   const at::ScalarType dtype = residual.scalar_type();
   const OptTensor mean = dest.at(kMean, {s.tokens}, at::kFloat), rstd = dest.at(kRstd, {s.tokens}, at::kFloat);
   if (o.pre_ln) {
     const OptTensor normed = dest.at(kCoreInput, {s.tokens, o.hidden}, dtype);
     const Tensors norm = layernorm_fwd(residual, p.norm_weight, p.norm_bias, o.eps, normed, mean, rstd);
-    const at::Tensor out_core = core(norm[0]);
+    const at::Tensor out = output ? *output : at::empty({s.tokens, o.hidden}, residual.options());
+    const at::Tensor out_core = core(norm[0], out);
     rngs[1] = draw(o.dropout);
-    at::Tensor out = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1], output);
+    bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1], out);
     slots[kNormX] = residual;
     slots[kMean] = norm[1];
     slots[kRstd] = norm[2];
@@ -639,10 +663,10 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
     }
     return out;
   }
-  const at::Tensor out_core = core(residual);
+  const OptTensor sum = dest.at(kNormX, {s.tokens, o.hidden}, dtype);
+  const at::Tensor out_core = core(residual, sum);
   rngs[1] = draw(o.dropout);
-  at::Tensor summed = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1],
-                                                dest.at(kNormX, {s.tokens, o.hidden}, dtype));
+  at::Tensor summed = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1], sum);
   Tensors norm = layernorm_fwd(summed, p.norm_weight, p.norm_bias, o.eps, output, mean, rstd);
   slots[kNormX] = summed;
   slots[kMean] = norm[1];
@@ -670,7 +694,8 @@ std::tuple<at::Tensor, std::vector<PhiloxTuple>> layer_fwd_impl(const Options& o
             ? Destinations(state, plan, (i + 1) * kSlots).at(o.pre_ln ? kNormX : kCoreInput, {s.tokens, o.hidden},
                                                              x.scalar_type())
             : std::nullopt;
-    residual = block_fwd(o.kinds[i], residual, block_params(params, i), o, s, in, saved.data() + i * kSlots,
+    residual = block_fwd(o.kinds[i], residual, block_params(params, i, params[i * kParamsPerBlock + 1].scalar_type()),
+                         o, s, in, saved.data() + i * kSlots,
                          rngs.data() + i * 2, Destinations(state, plan, i * kSlots), output);
   }
   // every tensor backward rebuilds from the plan is where the plan puts it (else backward would read garbage)
@@ -698,16 +723,37 @@ struct Slots {
   }
 };
 
+// Where one block's backward puts things: regions of the scratch for its temporaries (the file's comment),
+// the float32 workspace that its kernels' small temporaries share (column partial sums, the attention's row
+// terms: the kernels run one after the other), and its six parameter gradients' destinations.
+struct Room {
+  const at::Tensor& scratch;
+  const at::Tensor& workspace;
+  const GradDest* dest;
+  // The destination of the vector gradient at `position` when a kernel computing it in `dtype` can write it
+  // there itself: a write, not an add, of that dtype. Else none (the gradient is made and moved at the end).
+  OptTensor vector(int position, at::ScalarType dtype) const {
+    const GradDest& d = dest[position];
+    return d.tensor && !d.add && d.tensor->scalar_type() == dtype ? d.tensor : std::nullopt;
+  }
+  BackwardRoom vectors(OptTensor weight, OptTensor bias) const { return {std::move(weight), std::move(bias), workspace}; }
+};
+
+at::Tensor bias_grad(const at::Tensor& grad2d, at::ScalarType dtype, const BackwardRoom& room) {
+  return *std::get<1>(bias_dropout_residual_bwd(grad2d, 0.0, kNoRng, true, dtype, std::nullopt, room));
+}
+
 // Backward of an attention core: (d input, d weight_in, d bias_in, d weight_out). kv_grads: a cross block's
 // dK/dV destinations. input_of(out): the core's input (recomputed into out, or saved).
 template <typename InputOf>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     Kind kind, const at::Tensor& grad_core, const Params& p, const Slots& sv, const PhiloxTuple& rng,
-    const Options& o, const Shape& s, const at::Tensor& scratch, const InputOf& input_of,
-    const std::pair<OptTensor, OptTensor>& kv_grads, const GradDest* dest) {
+    const Options& o, const Shape& s, const Room& room, const InputOf& input_of,
+    const std::pair<OptTensor, OptTensor>& kv_grads) {
   const bool self = kind == Kind::Self;
   const int64_t t = s.tokens, parts = self ? 3 : 1;
-  at::Tensor grad_weight_out = weight_grad(transposed(grad_core), sv[kContext], s.weight_dtype, dest[2]);
+  const at::Tensor& scratch = room.scratch;
+  at::Tensor grad_weight_out = weight_grad(transposed(grad_core), sv[kContext], s.weight_dtype, room.dest[2]);
   at::Tensor grad_context = region(scratch, 0, t, o.hidden);
   at::mm_out(grad_context, grad_core, p.weight_out);
   at::Tensor grad_projection = region(scratch, align(t * o.hidden), t, parts * o.hidden);
@@ -715,19 +761,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
   const at::Tensor& projection = sv[kProjection];
   auto given = [&](int slot) { return sv[slot].defined() ? OptTensor(sv[slot]) : std::nullopt; };
   const OptTensor mask = given(kMask), bits = given(kBits);
+  const BackwardRoom workspace = room.vectors(std::nullopt, std::nullopt);
   if (self) {
     attention_bwd(split(grad_context, s, o), heads(projection, 0), heads(projection, 1), heads(projection, 2),
                   split(sv[kContext], s, o), sv[kLse], mask, o.causal, o.attn_dropout, o.scale, rng,
-                  heads(grad_projection, 0), heads(grad_projection, 1), heads(grad_projection, 2), bits);
+                  heads(grad_projection, 0), heads(grad_projection, 1), heads(grad_projection, 2), bits, workspace);
   } else {
     attention_bwd(split(grad_context, s, o), heads(projection, 0), sv[kKeys], sv[kValues], split(sv[kContext], s, o),
                   sv[kLse], mask, false, o.attn_dropout, o.scale, rng, heads(grad_projection, 0), kv_grads.first,
-                  kv_grads.second, bits);
+                  kv_grads.second, bits, workspace);
   }
-  at::Tensor grad_bias_in = bias_grad(grad_projection, p.bias_in.scalar_type());
+  // the bias gradient in its parameter's dtype where the column-sum kernel writes that (float32), else in x's
+  const at::ScalarType bias_dtype = p.bias_in_dtype == at::kFloat ? at::kFloat : grad_core.scalar_type();
+  at::Tensor grad_bias_in =
+      bias_grad(grad_projection, bias_dtype, room.vectors(std::nullopt, room.vector(1, bias_dtype)));
   // d(context) is dead once the attention backward has read it: the recomputed input may go there
-  at::Tensor grad_weight_in =
-      weight_grad(transposed(grad_projection), input_of(region(scratch, 0, t, o.hidden)), s.weight_dtype, dest[0]);
+  at::Tensor grad_weight_in = weight_grad(transposed(grad_projection), input_of(region(scratch, 0, t, o.hidden)),
+                                          s.weight_dtype, room.dest[0]);
   at::Tensor grad_input = region(scratch, 0, t, o.hidden);  // so is a recomputed input, once that GEMM read it
   at::mm_out(grad_input, grad_projection, p.weight_in);
   return {grad_input, grad_weight_in, grad_bias_in, grad_weight_out};
@@ -737,24 +787,27 @@ template <typename InputOf>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Tensor& grad_core, const Params& p,
                                                                    const Slots& sv, const PhiloxTuple& rng,
                                                                    const Options& o, const Shape& s,
-                                                                   const at::Tensor& scratch,
-                                                                   const InputOf& input_of, const GradDest* dest) {
+                                                                   const Room& room, const InputOf& input_of) {
   // The scratch holds the activation (recomputed, unless kept), then its gradient, then (in place) the gradient
   // of the first GEMM's output. The [t, H] temporaries are fresh: that keeps the scratch at t·F, and they are
   // freed before the attention blocks' backward, where a layer's memory peaks.
-  at::Tensor act_region = region(scratch, 0, s.tokens, o.ffn);
+  at::Tensor act_region = region(room.scratch, 0, s.tokens, o.ffn);
   const bool relu = o.act == int(BiasAct::Relu);
   at::Tensor hidden = sv[kHidden];
   if (!hidden.defined()) {  // recompute the activation from its saved input, same dropout mask
     hidden = bias_act_dropout_fwd(sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region);
   }
-  at::Tensor grad_weight_out = weight_grad(transposed(grad_core), hidden, s.weight_dtype, dest[2]);
+  at::Tensor grad_weight_out = weight_grad(transposed(grad_core), hidden, s.weight_dtype, room.dest[2]);
   hidden.reset();
   at::mm_out(act_region, grad_core, p.weight_out);
+  const BackwardRoom bias_room = room.vectors(std::nullopt, room.vector(1, p.bias_in.scalar_type()));
   auto [grad_hidden, grad_bias_in] =
-      relu ? bias_act_dropout_bwd(act_region, sv[kHidden], p.bias_in, o.act, o.act_dropout, kNoRng, act_region, true)
-           : bias_act_dropout_bwd(act_region, sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region, false);
-  at::Tensor grad_weight_in = weight_grad(transposed(grad_hidden), input_of(std::nullopt), s.weight_dtype, dest[0]);
+      relu ? bias_act_dropout_bwd(act_region, sv[kHidden], p.bias_in, o.act, o.act_dropout, kNoRng, act_region, true,
+                                  bias_room)
+           : bias_act_dropout_bwd(act_region, sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region, false,
+                                  bias_room);
+  at::Tensor grad_weight_in =
+      weight_grad(transposed(grad_hidden), input_of(std::nullopt), s.weight_dtype, room.dest[0]);
   return {at::mm(grad_hidden, p.weight_in), grad_weight_in, *grad_bias_in, grad_weight_out};
 }
 
@@ -763,18 +816,21 @@ struct Gradients {  // of one block: its input and its six parameters
 };
 
 // grad: the gradient of the block output; grad_is_ours: it is this backward's own tensor, which may become
-// the result (else it is not modified). dest: where its six parameter gradients go.
+// the result (else it is not modified). room.dest: where its six parameter gradients go.
 Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Slots& sv, const PhiloxTuple* rngs,
-                    const Options& o, const Shape& s, const at::Tensor& scratch, bool grad_is_ours,
-                    const std::pair<OptTensor, OptTensor>& kv_grads, const GradDest* dest) {
+                    const Options& o, const Shape& s, const Room& room, bool grad_is_ours,
+                    const std::pair<OptTensor, OptTensor>& kv_grads) {
   // An attention core's output gradient goes into its projection-gradient region, not written before it is dead.
   const OptTensor grad_core_out =
-      kind == Kind::Ffn ? std::nullopt : OptTensor(region(scratch, align(s.tokens * o.hidden), s.tokens, o.hidden));
+      kind == Kind::Ffn ? std::nullopt
+                        : OptTensor(region(room.scratch, align(s.tokens * o.hidden), s.tokens, o.hidden));
   auto core = [&](const at::Tensor& grad_core, auto input_of) {
-    return kind == Kind::Ffn
-               ? ffn_bwd(grad_core, p, sv, rngs[0], o, s, scratch, input_of, dest)
-               : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, scratch, input_of, kv_grads, dest);
+    return kind == Kind::Ffn ? ffn_bwd(grad_core, p, sv, rngs[0], o, s, room, input_of)
+                             : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, room, input_of, kv_grads);
   };
+  const at::ScalarType bias_out_dtype = p.bias_out.scalar_type(), norm_dtype = p.norm_weight.scalar_type();
+  const BackwardRoom bias_out_room = room.vectors(std::nullopt, room.vector(3, bias_out_dtype));
+  const BackwardRoom norm_room = room.vectors(room.vector(4, norm_dtype), room.vector(5, norm_dtype));
   Gradients g;
   if (o.pre_ln) {
     // the core's input: saved, or norm(block input) recomputed when the core needs it
@@ -783,26 +839,26 @@ Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Sl
       return layernorm_fwd(sv[kInput], p.norm_weight, p.norm_bias, o.eps, out)[0];
     };
     auto [grad_core, grad_bias_out] =
-        bias_dropout_residual_bwd(grad, o.dropout, rngs[1], true, p.bias_out.scalar_type(), grad_core_out);
+        bias_dropout_residual_bwd(grad, o.dropout, rngs[1], true, bias_out_dtype, grad_core_out, bias_out_room);
     g.bias_out = *grad_bias_out;
     at::Tensor grad_x;
     std::tie(grad_x, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, input_of);
     // the residual path: grad added to the norm's input gradient in the same kernel, into grad when it is ours
     auto norm = layernorm_bwd(grad_x, sv[kNormX], p.norm_weight, p.norm_bias, sv[kMean], sv[kRstd], grad,
-                              grad_is_ours ? OptTensor(grad) : std::nullopt);
+                              grad_is_ours ? OptTensor(grad) : std::nullopt, norm_room);
     g.input = *norm[0];
     g.norm_weight = *norm[1];
     g.norm_bias = *norm[2];
     return g;
   }
   auto norm = layernorm_bwd(grad, sv[kNormX], p.norm_weight, p.norm_bias, sv[kMean], sv[kRstd], std::nullopt,
-                            std::nullopt);
+                            std::nullopt, norm_room);
   g.input = *norm[0];
   g.norm_weight = *norm[1];
   g.norm_bias = *norm[2];
   // without dropout grad_core IS g.input; the core has finished reading it before the add below
   auto [grad_core, grad_bias_out] =
-      bias_dropout_residual_bwd(g.input, o.dropout, rngs[1], true, p.bias_out.scalar_type(), grad_core_out);
+      bias_dropout_residual_bwd(g.input, o.dropout, rngs[1], true, bias_out_dtype, grad_core_out, bias_out_room);
   g.bias_out = *grad_bias_out;
   at::Tensor grad_x;
   auto saved_input = [&](const OptTensor&) { return sv[kCoreInput]; };
@@ -815,8 +871,9 @@ Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Sl
 std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tensor& grad_in,
                                                const std::vector<OptTensor>& saved,
                                                const std::vector<PhiloxTuple>& rngs, const Tensors& params,
-                                               const at::Tensor& scratch, const OptTensor& grad_encoder_k,
-                                               const OptTensor& grad_encoder_v, at::ScalarType weight_dtype,
+                                               const at::Tensor& scratch, const at::Tensor& workspace,
+                                               const OptTensor& grad_encoder_k, const OptTensor& grad_encoder_v,
+                                               at::ScalarType weight_dtype,
                                                const std::vector<at::ScalarType>& param_dtypes,
                                                const std::vector<GradDest>& dest) {
   const size_t blocks = o.kinds.size();
@@ -828,8 +885,9 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
     const std::pair<OptTensor, OptTensor> kv_grads = o.kinds[i] == Kind::Cross
                                                          ? std::make_pair(grad_encoder_k, grad_encoder_v)
                                                          : std::make_pair(OptTensor(), OptTensor());
-    Gradients r = block_bwd(o.kinds[i], g, block_params(params, i), Slots{saved.data() + i * kSlots},
-                            rngs.data() + i * 2, o, s, scratch, ours, kv_grads, dest.data() + i * kParamsPerBlock);
+    const Room room{scratch, workspace, dest.data() + i * kParamsPerBlock};
+    Gradients r = block_bwd(o.kinds[i], g, block_params(params, i, param_dtypes[i * kParamsPerBlock + 1]),
+                            Slots{saved.data() + i * kSlots}, rngs.data() + i * 2, o, s, room, ours, kv_grads);
     g = r.input;
     at::Tensor* out = param_grads.data() + i * kParamsPerBlock;
     out[0] = r.weight_in;
@@ -839,12 +897,17 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
     out[4] = r.norm_weight;
     out[5] = r.norm_bias;
   }
-  // The vectors' gradients: into their destinations in one multi-tensor add and one copy (the GEMM weights'
-  // went there already), else returned in their parameters' dtypes.
+  // The vectors' gradients the kernels did not write into their destinations themselves: there in one
+  // multi-tensor add and one copy (the GEMM weights' went there already), else returned in their parameters'
+  // dtypes.
   Tensors add_to, added, copy_to, copied;
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor& pg = param_grads[i];
     if (!pg.defined()) continue;
+    if (dest[i].tensor && pg.is_same(*dest[i].tensor)) {  // written in place
+      pg = at::Tensor();
+      continue;
+    }
     if (pg.scalar_type() != param_dtypes[i]) pg = pg.to(param_dtypes[i]);
     if (dest[i].tensor) {
       (dest[i].add ? add_to : copy_to).push_back(*dest[i].tensor);
@@ -858,8 +921,36 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
 }
 
 // ---- the operators ---------------------------------------------------------------------------------------
-// params with the GEMM weights the plan casts replaced by their copies in the state's tail (written there when
-// `cast`: forward; backward reads them).
+// Converts the contiguous sources of one dtype into their copies in one launch per kCastSegments.
+void cast_copies(const Tensors& copies, const Tensors& sources, at::ScalarType source_dtype) {
+  CastSegments segments{};
+  auto flush = [&] {
+    if (segments.count == 0) return;
+    cudaError_t err = cudaErrorInvalidValue;
+    const cudaStream_t stream = current_stream();
+    dispatch_float(source_dtype, "lsmini::layer", [&](auto src_tag) {
+      using S = typename KernelType<decltype(src_tag)>::type;
+      if (copies[0].scalar_type() == at::kHalf) {
+        if constexpr (!std::is_same_v<S, __half>) err = launch_cast_segments<S, __half>(segments, stream);
+      } else if constexpr (!std::is_same_v<S, __nv_bfloat16>) {
+        err = launch_cast_segments<S, __nv_bfloat16>(segments, stream);
+      }
+    });
+    check_launch(err, "lsmini::layer");
+    segments.count = 0;
+  };
+  for (size_t j = 0; j < copies.size(); ++j) {
+    if (sources[j].scalar_type() != source_dtype) continue;
+    segments.src[segments.count] = sources[j].data_ptr();
+    segments.dst[segments.count] = copies[j].data_ptr();
+    segments.numel[segments.count] = sources[j].numel();
+    if (++segments.count == kCastSegments) flush();
+  }
+  flush();
+}
+
+// params with the GEMM weights (and attention input biases) the plan casts replaced by their copies in the
+// state's tail, written there when `cast` (forward; backward reads them): one launch per source dtype.
 Tensors cast_weights(at::TensorList params, const at::Tensor& state, const Plan<int64_t>& plan,
                      at::ScalarType dtype, bool cast) {
   Tensors weights(params.begin(), params.end());
@@ -870,10 +961,17 @@ Tensors cast_weights(at::TensorList params, const at::Tensor& state, const Plan<
     const at::Tensor& p = params[plan.cast_positions[j]];
     at::Tensor copy = carve(state, plan.cast_at + plan.cast_at_elements[j] * item, dtype, p.sizes(), "lsmini::layer");
     weights[plan.cast_positions[j]] = copy;
-    copies.push_back(std::move(copy));
-    sources.push_back(p);
+    const bool kernel = p.is_contiguous() && (p.scalar_type() == at::kFloat || p.scalar_type() == at::kHalf ||
+                                              p.scalar_type() == at::kBFloat16);
+    if (cast && !kernel) copy.copy_(p);  // a strided view or another dtype: rare, converted on its own
+    if (cast && kernel) {
+      copies.push_back(std::move(copy));
+      sources.push_back(p);
+    }
   }
-  if (cast) at::_foreach_copy_(copies, sources);
+  for (const at::ScalarType source_dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    cast_copies(copies, sources, source_dtype);
+  }
   return weights;
 }
 
@@ -1022,7 +1120,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   for (int64_t r = 0; r < rows; ++r) {
     rngs.push_back({0, 0, reinterpret_cast<int64_t>(words + 16 * r), reinterpret_cast<int64_t>(words + 16 * r + 8)});
   }
-  const at::Tensor scratch = at::empty({scratch_numel(o, x.size(0) * x.size(1))}, grad.options());
+  // the scratch and the workspace in one buffer
+  const int64_t scratch_n = scratch_numel(o, x.size(0) * x.size(1));
+  const int64_t workspace_at = align_up<int64_t>(scratch_n * int64_t(grad.element_size()), kCastAlign);
+  const int64_t workspace_n = workspace_numel(o, x.size(0), x.size(1));
+  const at::Tensor buffer = at::empty({workspace_at + workspace_n * 4}, grad.options().dtype(at::kByte));
+  const at::Tensor scratch = carve(buffer, 0, grad.scalar_type(), {scratch_n}, op);
+  const at::Tensor workspace = carve(buffer, workspace_at, at::kFloat, {workspace_n}, op);
   const Tensors weights = cast_weights(params, state, *plan, x.scalar_type(), false);
   // the alignment gaps between gradients are never written: zeroed, the whole tensor is defined; widths that
   // are multiples of 64, as in every real model, leave no gaps and no extra kernel
@@ -1054,8 +1158,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   const Tensors kv_dest = kv_into.empty() ? kv : Tensors(kv_into.begin(), kv_into.end());
   const OptTensor grad_k = kv_dest.empty() ? OptTensor() : heads_of(kv_dest[0], o);
   const OptTensor grad_v = kv_dest.empty() ? OptTensor() : heads_of(kv_dest[1], o);
-  auto [grad_x, param_grads] = layer_bwd_impl(o, grad.contiguous(), saved, rngs, weights, scratch, grad_k, grad_v,
-                                              params[0].scalar_type(), dtypes, dest);
+  auto [grad_x, param_grads] = layer_bwd_impl(o, grad.contiguous(), saved, rngs, weights, scratch, workspace, grad_k,
+                                              grad_v, params[0].scalar_type(), dtypes, dest);
   if (kv.empty()) kv = {at::empty({0}, x.options()), at::empty({0}, x.options())};
   return {grad_x, grads[kGradMain], grads[kGradOther], kv[0], kv[1]};
 }
