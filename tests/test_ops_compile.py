@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 import lsmini.ops
 from lsmini.ops import (add_rms_norm, attention, attention_softmax, bias_act_dropout, bias_dropout_residual,
-                        cross_entropy, embedding, geglu, layer_norm, merge_heads, rms_norm, split_heads, swiglu)
+                        cross_entropy, embedding, geglu, layer_norm, merge_heads, rms_norm, rotary, split_heads,
+                        swiglu)
 from util import assert_close_fp32, assert_dropout_keep_stats
 
 OPS = torch.ops.lsmini
@@ -269,6 +270,8 @@ BAD_CALLS = {
     "add_rms_norm": (lambda x: add_rms_norm(x, x.t()), ValueError, "add_rms_norm: residual must have x's shape"),
     "swiglu": (lambda x: swiglu(x[:, :7]), ValueError, "swiglu: without up, gate holds [gate | up]"),
     "geglu": (lambda x: geglu(x, x[:2]), ValueError, "geglu: up must have gate's shape (3, 8), got (2, 8)"),
+    "rotary": (lambda x: rotary(x[None, None], x[None, None], x[:, :5], x[:, :5]), ValueError,
+               "rotary: rot_dim (the last dimension of cos and sin) must be even, got 5"),
 }
 
 
@@ -405,13 +408,24 @@ def _glu_samples(rand, device, dtype, p, rows, hidden, **_):
             (OPS.glu_backward, (rand(rows, hidden), gate_up, None, fused_state, "gelu", p))]
 
 
+def _rotary_samples(rand, device, dtype, p, batch, heads, q_len, head_dim, **_):
+    q, k = rand(batch, heads, q_len, head_dim), rand(batch, 1, q_len, head_dim)
+    q_bshd = rand(batch, q_len, heads, head_dim).transpose(1, 2)  # [batch, seq, heads, head_dim] memory
+    cos, sin = rand(1, q_len, head_dim, dt=torch.float32), rand(1, q_len, head_dim, dt=torch.float32)
+    half_cos, half_sin = rand(batch, q_len, head_dim // 2), rand(batch, q_len, head_dim // 2)
+    return [(OPS.rotary, (q, k, cos, sin, False)), (OPS.rotary, (q_bshd, k, half_cos, half_sin, True)),
+            (OPS.rotary_backward, (rand(batch, heads, q_len, head_dim), rand(batch, 1, q_len, head_dim), cos, sin,
+                                   False)),
+            (OPS.rotary_backward, (q_bshd, k, half_cos, half_sin, True))]
+
+
 # op family -> its samples
 SAMPLES = {"layer_norm": _layer_norm_samples, "heads": _heads_samples,
            "attention_softmax": _attention_softmax_samples, "attention": _attention_samples,
            "cross_entropy": _cross_entropy_samples, "linear_cross_entropy": _linear_cross_entropy_samples,
            "embedding": _embedding_samples,
            "bias_dropout_residual": _bias_dropout_residual_samples, "bias_act_dropout": _bias_act_dropout_samples,
-           "rms_norm": _rms_norm_samples, "glu": _glu_samples}
+           "rms_norm": _rms_norm_samples, "glu": _glu_samples, "rotary": _rotary_samples}
 
 
 def op_samples(device, dtype, p, sizes):

@@ -47,6 +47,17 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_bwd(const at::Tensor&
                                                               const at::Tensor& rstd,
                                                               const std::optional<at::Tensor>& add = std::nullopt);
 
+// rotary.cpp: (q, k) rotated by cos, sin [batch or 1, seq, rot_dim]; into q_out / k_out when given (each may be
+// its input: in place). rotary_bwd: the gradients of q and k from those of the outputs, the same way.
+std::tuple<at::Tensor, at::Tensor> rotary_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                              const at::Tensor& sin, bool interleaved,
+                                              const std::optional<at::Tensor>& q_out = std::nullopt,
+                                              const std::optional<at::Tensor>& k_out = std::nullopt);
+std::tuple<at::Tensor, at::Tensor> rotary_bwd(const at::Tensor& grad_q, const at::Tensor& grad_k,
+                                              const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                                              const std::optional<at::Tensor>& q_out = std::nullopt,
+                                              const std::optional<at::Tensor>& k_out = std::nullopt);
+
 // attention.cpp: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32).
 // keep: int32 [attention_keep_numel] that receives the dropout keep bits for attention_bwd to read.
 // out / lse: where the output and lse go when given (out of q's shape, rows 16-byte aligned).

@@ -32,3 +32,4 @@ from lsmini.ops.embedding import embedding, embedding_ref, sinusoidal_positions
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual, bias_dropout_residual_ref
 from lsmini.ops.bias_act_dropout import bias_act_dropout, bias_act_dropout_ref
 from lsmini.ops.glu import geglu, glu_ref, swiglu
+from lsmini.ops.rotary import rotary, rotary_cos_sin, rotary_ref
