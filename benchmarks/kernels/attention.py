@@ -55,4 +55,5 @@ def bench(ctx):
         for name, what, wrap in rows:
             ctx.row(name, dtype, shape, wrap(ours), wrap(sdpa), note=what + "torch = eager SDPA")
             ctx.row(name, dtype, shape, wrap(ours), wrap(unfused),
-                    note=what + "vs unfused: matmul + attention_softmax + matmul")
+                    note=what + "vs unfused: matmul + attention_softmax + matmul",
+                    baseline="lsmini unfused", baseline_kind="lsmini")
