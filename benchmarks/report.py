@@ -267,7 +267,10 @@ def headline_table(rows, headlines=HEADLINES):
         x, base = ratio(rows, r)
         unit = "ms/step" if benchmark in ("training", "convert") else "ms"
         ours = f"{fmt(r['ms'])} {unit}" if number(r.get("ms")) else f"{fmt(r['pct_copy'])}% of copy bandwidth"
-        theirs = f"{fmt(base['ms'])} {unit} ({base['variant']})" if base is not None else "—"
+        if base is not None:
+            theirs = f"{fmt(base['ms'])} {unit} ({base['variant']})"
+        else:
+            theirs = "ratio recorded without times" if x is not None else "—"
         body.append([what, ours, theirs, f"**{x:.2f}×**" if x is not None else "", gpu, r["date"]])
     return table(["", "lsmini", "strongest PyTorch variant, same run", "lsmini vs PyTorch", "GPU", "date"], body)
 
