@@ -13,7 +13,7 @@ examples/builtin_data.py --train-pairs N) is written under --work once. Then:
               whole command's (Python start, tokenizer, training, validation, checkpoints, test-set beam
               search and BLEU).
     tuned     the same command plus each --tuned flag string (default: a grid over --lr, --warmup and
-              --epochs around the issue's hand-tuned run), --parallel at a time on the same GPU: their BLEU
+              --epochs around a hand-tuned run), --parallel at a time on the same GPU: their BLEU
               is what the flags give, their wall times are not comparable with the defaults' run.
 
 Every run gets its own --save-dir and --no-progress; its log goes beside it. The table gives, per run: steps,
