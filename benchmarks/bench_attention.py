@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py [--lengths 128 ... 8192] [--head-dims 64 128] [--dtypes fp16 bf16]
                                          [--masks causal padding] [--tokens 16384] [--dropout 0.1] [--csv PATH]
+                                         [--results DIR | --no-results]
 
 Each row: batch = tokens / length sequences (the same work per row up to the length's quadratic term),
 hidden 1024 (16 heads of 64, or 8 of 128), dropout 0.1 as in training (--dropout 0 shows what the draws
@@ -13,6 +14,8 @@ half), 4·b·h·L²·d forward and 2.5 times that backward. Where the Hopper ker
 capability 9.0 device), `lsmini_sm80_ms` is the same row on the sm_80 kernels (`lsmini._debug.sm90_attention(False)`). Past
 16·d keys, where by default the backward draws the dropout mask again, `lsmini_kept_ms` is the row with the
 mask's bits kept at every length (`lsmini.config.attention_dropout_bits = "always"`), and `kept_speedup` its ratio to SDPA.
+Every row is appended to benchmarks/results/attention.csv as one line per variant (lsmini, lsmini sm_80,
+lsmini bits=always, sdpa with its backend), from which benchmarks/report.py writes RESULTS.md.
 """
 import argparse
 import os
@@ -90,6 +93,7 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--csv", help="also write the rows to this CSV file")
+    common.add_results_arguments(ap)
     args = ap.parse_args()
     common.require_cuda_kernels("bench_attention.py")
     env = common.environment()
@@ -105,8 +109,25 @@ def main():
                     rows.append(row(dtypes[dtype], d, mask, length, args.tokens, args.dropout, args.iters))
                     print(common.markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
                     torch.cuda.empty_cache()
+    common.append_results(args.results, "attention", env, [x for r in rows for x in results_rows(r, args.dropout)])
     if args.csv:
         common.write_csv(args.csv, rows, COLUMNS)
+
+
+def results_rows(r, dropout):
+    """One benchmark row as results rows, one per variant timed."""
+    b, h, length = r["batch×heads×len"].split("×")
+    config = f"{r['dtype']} d{r['d']} {r['mask']} len{length} b{b}xh{h} p={dropout}"
+    out = [{"variant": "lsmini", "kind": "lsmini", "ms": r["lsmini_ms"], "fwd_ms": r["lsmini_fwd_ms"],
+            "tflops": r["lsmini_TFLOP/s"]}]
+    if "lsmini_sm80_ms" in r:
+        out.append({"variant": "lsmini sm_80", "kind": "lsmini", "ms": r["lsmini_sm80_ms"]})
+    if "lsmini_kept_ms" in r:
+        out.append({"variant": "lsmini bits=always", "kind": "lsmini", "ms": r["lsmini_kept_ms"]})
+    if "sdpa_best_ms" in r:
+        out.append({"variant": "sdpa", "kind": "pytorch", "ms": r["sdpa_best_ms"], "fwd_ms": r["sdpa_fwd_ms"],
+                    "tflops": r["sdpa_TFLOP/s"], "note": f"{r['backend']} backend"})
+    return [{"benchmark": "attention", "config": config, **x} for x in out]
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ each eager and under torch.compile.
     python benchmarks/bench_convert.py [--variants torch,lsmini,...] [--iters 30] [--warmup 10] [--quick]
                                        [--model transformer|encoder] [--norm-first] [--dtype bf16|fp16] [--no-fullgraph] [--repeats N]
                                        [--padding-masks per-model|bool|float] [--no-isolate] [--csv PATH]
+                                       [--results DIR | --no-results]
     python benchmarks/bench_convert.py --device cpu --quick --layers 1 --d-model 32 --heads 4 --ffn 64 \\
                                        --vocab 50 --batch 4 --src-len 8 --tgt-len 8 --variants torch,lsmini
 
@@ -73,6 +74,10 @@ Reported per variant:
                   same compile mode (lsmini / torch, lsmini+compile / torch+compile, ...); mem_vs_torch:
                   peak_mb over the eager torch variant's.
 The data are Zipf-distributed random tokens: the loss falls as the model learns the token frequencies.
+
+On CUDA every variant's row is appended to benchmarks/results/convert.csv (config: the model and its settings;
+figures: compile_s, ms per step, target tokens/s, peak MB, losses, graphs, captured; an error as the note),
+from which benchmarks/report.py writes RESULTS.md. CPU runs are smoke runs and record nothing.
 """
 import argparse
 import cProfile
@@ -501,6 +506,7 @@ def parse_args(argv=None):
     ap.add_argument("--src-len", type=int, default=64)
     ap.add_argument("--tgt-len", type=int, default=64)
     ap.add_argument("--csv", metavar="PATH", help="also write the rows to this CSV file")
+    common.add_results_arguments(ap)
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
                     help="run each variant in a fresh Python process (default), so that none inherits compiled "
                          "code, caches or warmed-up compiler state from the one before; --no-isolate runs all "
@@ -632,7 +638,34 @@ def main(argv=None):
         print(f"\n{n}")
     if args.csv:
         common.write_csv(args.csv, rows, COLUMNS)
+    if device.type == "cuda":
+        common.append_results(args.results, "convert", common.environment(), results_rows(args, rows))
     return rows
+
+
+def results_config(args):
+    """The model and settings of a run, as the config of its results rows."""
+    layout = "pre-LN" if args.norm_first else "post-LN"
+    if args.model == "transformer":
+        model, tokens = f"nn.Transformer {args.layers}+{args.layers}", f"b{args.batch} {args.src_len}/{args.tgt_len}"
+    else:
+        model, tokens = f"nn.TransformerEncoder {args.layers}", f"b{args.batch} {args.src_len}"
+    extra = ("" if args.fullgraph else " no-fullgraph") + (" cached-compiles" if args.compile_cache else "")
+    return (f"{model} d{args.d_model} h{args.heads} ffn{args.ffn} vocab{args.vocab} {layout} {args.dtype} {tokens} "
+            f"masks={args.padding_masks}{extra}")
+
+
+def results_rows(args, rows):
+    config = results_config(args)
+    out = []
+    for r in rows:
+        out.append({"benchmark": "convert", "config": config, "variant": r["variant"],
+                    "kind": "lsmini" if split_variant(r["variant"])[0] else "pytorch",
+                    "ms": r.get("ms_step"), "compile_s": r.get("compile_s"), "tgt_tokens_s": r.get("tgt_tokens_s"),
+                    "peak_mb": r.get("peak_mb"), "loss_first": r.get("loss_first"), "loss_final": r.get("loss_final"),
+                    "graphs": r.get("graphs"), "captured": r.get("captured"), "masks": r.get("masks"),
+                    "note": r.get("error")})
+    return out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_defaults.py [--pairs 30000,300000] [--arch small] [--parallel 3]
                                         [--tuned "FLAGS" ...] [--work DIR] [--json PATH] [--skip-defaults]
+                                        [--results DIR | --no-results]
 
 For each size N in --pairs, the built-in en→zl corpus with N training pairs (valid and test: 500 pairs each;
 examples/builtin_data.py --train-pairs N) is written under --work once. Then:
@@ -12,13 +13,14 @@ examples/builtin_data.py --train-pairs N) is written under --work once. Then:
               whole command's (Python start, tokenizer, training, validation, checkpoints, test-set beam
               search and BLEU).
     tuned     the same command plus each --tuned flag string (default: a grid over --lr, --warmup and
-              --epochs around the issue's hand-tuned run), --parallel at a time on the same GPU: their BLEU
+              --epochs around a hand-tuned run), --parallel at a time on the same GPU: their BLEU
               is what the flags give, their wall times are not comparable with the defaults' run.
 
 Every run gets its own --save-dir and --no-progress; its log goes beside it. The table gives, per run: steps,
 the warmup and peak lr it used (from its log), test BLEU (sacreBLEU, beam 4), valid loss, the whole command's
 wall seconds and the run's average target tokens/s (metrics.json); and per size, the defaults' BLEU minus the
-best tuned BLEU.
+best tuned BLEU. Every run is also appended to benchmarks/results/defaults.csv (config: the --arch and corpus
+size; variant: "defaults" or the tuned flags), from which benchmarks/report.py writes RESULTS.md.
 """
 import argparse
 import concurrent.futures
@@ -34,6 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import builtin_data  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import common  # noqa: E402
 
 # around the hand-tuned run a user needed before the defaults adapted (--warmup 800 --lr 1e-3, 20 epochs)
 DEFAULT_TUNED = [f"--lr {lr} --warmup {w} --epochs {e}" for e in (10, 20) for lr in ("5e-4", "1e-3", "2e-3")
@@ -91,6 +96,7 @@ def main():
     ap.add_argument("--skip-defaults", action="store_true", help="only the tuned runs")
     ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench_defaults"))
     ap.add_argument("--json", default=None, help="write all rows here")
+    common.add_results_arguments(ap)
     a = ap.parse_args()
     tuned = a.tuned if a.tuned is not None else DEFAULT_TUNED
     rows = []
@@ -123,6 +129,14 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+    import torch
+
+    env = common.environment(gpu=None if torch.cuda.is_available() else "CPU")
+    common.append_results(a.results, "defaults", env, [
+        {"benchmark": "defaults", "config": f"--arch {a.arch}, built-in task, {r['pairs']} pairs",
+         "variant": r["flags"] if r["run"] != "defaults" and r["flags"] else r["run"], "kind": "lsmini",
+         "steps": r.get("steps"), "warmup": r.get("warmup"), "lr": r.get("lr"), "bleu": r.get("bleu"), "valid_loss": r.get("valid_loss"),
+         "command_s": r["command_s"], "tokens_s": r.get("tokens_per_s"), "note": r.get("error")} for r in rows])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Host time of eager op calls: what a training step pays per lsmini op before any kernel runs.
 
-    python benchmarks/bench_host.py [--calls N]
+    python benchmarks/bench_host.py [--calls N] [--results DIR | --no-results]
 
 Each dropout op is called with dropout 0.1 and with dropout 0 on tiny inputs, without autograd; the wall time
 per call is the host's where the device time (timed too, with dropout) is shorter. The difference
@@ -18,6 +18,10 @@ whole eager call through the module under autocast, forward and backward (input 
 ``LayerFunction``; for the standalone decoder layer its own cross-attention K/V GEMM too; the input requires
 grad, the gradients accumulate into .grad), synchronised after each: host and device time together, the
 host's where it is the longer, as on this tiny input.
+
+Every figure is also appended to benchmarks/results/host.csv (config: the op or call and its input; variant:
+with or without dropout; figures: us, and device_us for the ops), from which benchmarks/report.py writes
+RESULTS.md.
 """
 import argparse
 import os
@@ -49,6 +53,7 @@ def host_us(fn, calls):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=5000)
+    common.add_results_arguments(ap)
     args = ap.parse_args()
     common.require_cuda_kernels("bench_host.py")
     env = common.environment()
@@ -62,24 +67,32 @@ def main():
     tokens = torch.randint(4, 100, (2, 8), device=dev)
     weight = torch.randn(100, 64, device=dev, dtype=half)
     positions = sinusoidal_positions(8, 64).to(dev, half)
-    ops = {
-        "bias_dropout_residual": lambda p: bias_dropout_residual(x, bias, x, p),
-        "bias_act_dropout": lambda p: bias_act_dropout(x, bias, "gelu", p),
-        "attention_softmax": lambda p: attention_softmax(scores, None, True, p),
-        "attention": lambda p: attention(q, q, q, None, True, p),
-        "embedding": lambda p: embedding(tokens, weight, positions, dropout_p=p, check_tokens=False),
+    ops = {  # op: (call, its input in the results' config)
+        "bias_dropout_residual": (lambda p: bias_dropout_residual(x, bias, x, p), "16x64 fp16"),
+        "bias_act_dropout": (lambda p: bias_act_dropout(x, bias, "gelu", p), "gelu 16x64 fp16"),
+        "attention_softmax": (lambda p: attention_softmax(scores, None, True, p), "1x2x16x16 causal fp16"),
+        "attention": (lambda p: attention(q, q, q, None, True, p), "1x2x16x64 causal fp16"),
+        "embedding": (lambda p: embedding(tokens, weight, positions, dropout_p=p, check_tokens=False),
+                      "2x8 hidden 64 fp16"),
     }
     rows = [{"op": "dropout_rng", "p 0.1 µs": host_us(lambda: _backend.dropout_rng(P, dev), args.calls)}]
-    for name, call in ops.items():
+    results = [{"config": "dropout_rng", "variant": "lsmini", "us": rows[0]["p 0.1 µs"]}]
+    for name, (call, shape) in ops.items():
         with_p, without = host_us(lambda: call(P), args.calls), host_us(lambda: call(0.0), args.calls)
         device = common.time_ms(lambda: call(P), warmup=5, iters=20) * 1e3
         rows.append({"op": name, "p 0.1 µs": with_p, "p 0 µs": without, "dropout's share": 1 - without / with_p,
                      "device µs (p 0.1)": device})
+        results += [{"config": f"{name} {shape}", "variant": f"dropout {P}", "us": with_p, "device_us": device},
+                    {"config": f"{name} {shape}", "variant": "dropout 0", "us": without}]
     shown = [{k: (f"{v:.1%}" if k == "dropout's share" else f"{v:.2f}") if isinstance(v, float) else v
               for k, v in r.items()} for r in rows]
     print(common.markdown_table(shown, ["op", "p 0.1 µs", "p 0 µs", "dropout's share", "device µs (p 0.1)"]))
     print()
-    print(common.markdown_table(layer_rows(dev, args.calls // 10), ["call", "layer", "µs"]))
+    layers = layer_rows(dev, args.calls // 10)
+    print(common.markdown_table([{**r, "µs": f"{r['µs']:.1f}"} for r in layers], ["call", "layer", "µs"]))
+    results += [{"config": f"{r['call']} {r['layer']}", "variant": "lsmini", "us": r["µs"]} for r in layers]
+    common.append_results(args.results, "host", env,
+                          [{"benchmark": "host", "kind": "lsmini", **r} for r in results])
 
 
 def layer_rows(dev, calls):
@@ -116,7 +129,7 @@ def layer_rows(dev, calls):
         rows += [{"call": "lsmini::layer", "layer": name, "µs": forward},
                  {"call": "lsmini::layer_backward", "layer": name, "µs": backward},
                  {"call": "module forward + backward, synchronised", "layer": name, "µs": host_us(whole, calls)}]
-    return [{k: f"{v:.1f}" if isinstance(v, float) else v for k, v in r.items()} for r in rows]
+    return rows
 
 
 if __name__ == "__main__":

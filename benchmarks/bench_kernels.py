@@ -1,12 +1,13 @@
 """Kernel benchmarks: every fused op beside its plain PyTorch equivalent, in the same run.
 
-    python benchmarks/bench_kernels.py [--quick] [--only PREFIX] [--out DIR]
+    python benchmarks/bench_kernels.py [--quick] [--only PREFIX] [--out DIR] [--results DIR | --no-results]
 
 Each op family has a module in benchmarks/kernels/ with a function `bench(ctx)` that calls
 `ctx.row(...)` once per (op, dtype, shape). Memory-bound rows report GB/s (bytes each input read once
 plus each output written once, over the lsmini time) and the percentage of the device-to-device copy
-bandwidth measured at the start of this run. Results: a table on stdout, kernels.csv and kernels.md
-in --out (default benchmarks/).
+bandwidth measured at the start of this run. Results: a table on stdout; rows appended to
+benchmarks/results/kernels.csv (one row per variant: lsmini, torch, torch+compile where timed), from which
+benchmarks/report.py writes RESULTS.md; with --out, this run's table as kernels.csv and kernels.md in DIR.
 """
 import argparse
 import importlib
@@ -31,14 +32,17 @@ class Context:
         self.quick = quick
         self.only = only
         self.rows = []
+        self.results = []  # one row per (config, variant), for benchmarks/results/kernels.csv
         self.copy_gbs = common.copy_bandwidth_gbs()
 
     def wanted(self, name):
         return not self.only or any(name.startswith(p) for p in self.only)
 
-    def row(self, name, dtype, shape, lsmini_fn, torch_fn, nbytes=None, compiled_fn=None, compiled_ms=None, note=""):
+    def row(self, name, dtype, shape, lsmini_fn, torch_fn, nbytes=None, compiled_fn=None, compiled_ms=None, note="",
+            variant="lsmini", baseline="torch", baseline_kind="pytorch"):
         """Time lsmini_fn beside torch_fn (and compiled_fn if given, or take compiled_ms measured elsewhere);
-        nbytes = bytes the op must move."""
+        nbytes = bytes the op must move. variant names lsmini_fn's row in the results, baseline torch_fn's
+        (baseline_kind "lsmini" where the comparison is another lsmini path, not PyTorch)."""
         if not self.wanted(name):
             return
         iters = 10 if self.quick else 50
@@ -54,14 +58,29 @@ class Context:
             r["GB/s"] = nbytes / ms / 1e6
             r["%copy"] = 100.0 * r["GB/s"] / self.copy_gbs
         self.rows.append(r)
+        self._record(r, variant, baseline, baseline_kind, c_ms)
         print(common.markdown_table([r], COLUMNS).splitlines()[-1], flush=True)
+
+    def _record(self, r, variant, baseline, baseline_kind, c_ms):
+        config = f"{r['row']} {r['dtype']} {r['shape']}"
+        seen = {(x["config"], x["variant"]) for x in self.results}
+        timed = [(variant, "lsmini", r["lsmini_ms"], r.get("GB/s"), r.get("%copy")),
+                 (baseline, baseline_kind, r["torch_ms"], None, None)]
+        if c_ms is not None:
+            timed.append(("torch+compile", "pytorch", c_ms, None, None))
+        for v, kind, ms, gbs, pct in timed:
+            if (config, v) in seen:  # the same lsmini call timed again beside another baseline
+                continue
+            self.results.append({"benchmark": "kernels", "config": config, "variant": v, "kind": kind, "ms": ms,
+                                 "gbs": gbs, "pct_copy": pct, "copy_gbs": self.copy_gbs, "note": r["note"]})
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (for scripts/check_gpu.sh)")
     ap.add_argument("--only", nargs="*", default=[], help="row-name prefixes to run")
-    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--out", help="also write this run's table to DIR/kernels.csv and DIR/kernels.md")
+    common.add_results_arguments(ap)
     args = ap.parse_args()
     common.require_cuda_kernels("bench_kernels.py")
     env = common.environment()
@@ -72,12 +91,14 @@ def main():
     for m in pkgutil.iter_modules(kernels.__path__):
         importlib.import_module(f"kernels.{m.name}").bench(ctx)
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    common.write_csv(os.path.join(args.out, "kernels.csv"), ctx.rows, COLUMNS)
-    with open(os.path.join(args.out, "kernels.md"), "w") as f:
-        f.write(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}; "
-                f"copy bandwidth {ctx.copy_gbs:.0f} GB/s\n\n")
-        f.write(common.markdown_table(ctx.rows, COLUMNS) + "\n")
+    common.append_results(args.results, "kernels", env, ctx.results)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        common.write_csv(os.path.join(args.out, "kernels.csv"), ctx.rows, COLUMNS)
+        with open(os.path.join(args.out, "kernels.md"), "w") as f:
+            f.write(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}; "
+                    f"copy bandwidth {ctx.copy_gbs:.0f} GB/s\n\n")
+            f.write(common.markdown_table(ctx.rows, COLUMNS) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_training.py [--configs base big ...] [--variants lsmini eager compiled]
                                         [--steps 30] [--check] [--profile] [--memory] [--out DIR]
+                                        [--results DIR | --no-results]
     python benchmarks/bench_training.py --nproc 2 --configs base big     # data-parallel scaling
 
 Configs (tokens counted on source + target):
@@ -39,11 +40,14 @@ and timed steps — (parameters, gradients, optimizer state and activations). --
 --profile adds, per variant, where the time of a step goes: GEMMs, attention, lsmini's fused kernels,
 other kernels, the optimizer, and the idle gaps between kernels. --memory adds, per variant, what is
 allocated at the peak of the warm-up steps (where graphs record and the peak is reached), summed by the
-line of lsmini, this script or torch that allocated it. Results go to stdout and to training.md / training.csv in --out.
+line of lsmini, this script or torch that allocated it. Results go to stdout, and each (config, variant)'s
+ms/step, tokens/s and peak MB are appended to benchmarks/results/training.csv (benchmarks/report.py makes
+RESULTS.md from it); --out DIR also writes this run's tables to DIR/training.md and DIR/training.csv.
 
 --nproc N times each lsmini variant on one GPU and data-parallel on N GPUs (torchrun, NCCL,
 lsmini.distributed.GradientReducer; every GPU takes the config's batch; with +graph the bucket all-reduces
-are part of the recorded step) and reports the throughput ratio (training_multi_gpu.md).
+are part of the recorded step) and reports the throughput ratio (benchmark `training_multi_gpu` in
+benchmarks/results/training.csv: the N-GPU rows carry the GPU as "N × name" and the scaling over one GPU).
 """
 import argparse
 import json
@@ -593,10 +597,15 @@ def main_multi_gpu(args):
                              "tokens_s": r["tokens_s"], "peak_mb": r["peak_mb"],
                              "scaling": r["tokens_s"] / one["tokens_s"]})
             print(common.markdown_table(rows[-2:], MULTI_COLUMNS), flush=True)
-    text = common.markdown_table(rows, MULTI_COLUMNS)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "training_multi_gpu.md"), "w") as f:
-        f.write(f"{header}\n\n{text}\n")
+    common.append_results(args.results, "training", env, [
+        {"benchmark": "training_multi_gpu", "config": r["config"], "variant": r["variant"], "kind": "lsmini",
+         "gpu": env["gpu"] if r["gpus"] == 1 else f"{r['gpus']} × {env['gpu']}", "ms": r["ms_step"],
+         "tokens_s": r["tokens_s"], "peak_mb": r["peak_mb"], "scaling": r["scaling"] if r["gpus"] > 1 else None}
+        for r in rows])
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "training_multi_gpu.md"), "w") as f:
+            f.write(f"{header}\n\n{common.markdown_table(rows, MULTI_COLUMNS)}\n")
 
 
 def main():
@@ -613,7 +622,8 @@ def main():
     ap.add_argument("--nproc", type=int, default=1,
                     help="data-parallel on this many GPUs (torchrun + lsmini.distributed.GradientReducer), "
                          "reported beside one GPU; lsmini variants only")
-    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--out", metavar="DIR", help="also write this run's tables to DIR")
+    common.add_results_arguments(ap)
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "VARIANT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -641,18 +651,24 @@ def main():
                 if not args.check:
                     print(f"# {config}/{variant}: {r['ms_step']:.2f} ms/step, {r['tokens_s']:,.0f} tokens/s, "
                           f"peak {r['peak_mb']:.0f} MB (warm-up {r['warmup_s']:.0f} s)", flush=True)
-    os.makedirs(args.out, exist_ok=True)
     if args.check:
         text = check_report(results)
         name = "training_check.md"
     else:
         rows = speed_rows(results)
         text = common.markdown_table(rows, COLUMNS) + "\n\n" + profile_report(results) + memory_report(results)
-        common.write_csv(os.path.join(args.out, "training.csv"), rows, COLUMNS)
+        common.append_results(args.results, "training", env, [
+            {"benchmark": "training", "config": r["config"], "variant": r["variant"],
+             "kind": "lsmini" if r["variant"].startswith("lsmini") else "pytorch", "ms": r["ms_step"],
+             "tokens_s": r["tokens_s"], "peak_mb": r["peak_mb"]} for r in rows])
         name = "training.md"
     print(text)
-    with open(os.path.join(args.out, name), "w") as f:
-        f.write(f"{header}\n\n{text}\n")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        if not args.check:
+            common.write_csv(os.path.join(args.out, "training.csv"), rows, COLUMNS)
+        with open(os.path.join(args.out, name), "w") as f:
+            f.write(f"{header}\n\n{text}\n")
 
 
 if __name__ == "__main__":

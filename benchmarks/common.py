@@ -1,8 +1,12 @@
 """Timing helpers shared by the benchmarks: CUDA-event medians after warm-up, the device-to-device
-copy bandwidth ceiling, and result tables (markdown + CSV) stamped with GPU, versions and date."""
+copy bandwidth ceiling, result tables (markdown + CSV), and the results record: every benchmark appends
+its rows to a CSV under benchmarks/results/, each stamped with GPU, torch, CUDA, commit and date, from
+which benchmarks/report.py writes benchmarks/RESULTS.md."""
 import csv
 import datetime
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -73,13 +77,102 @@ def require_cuda_kernels(script):
         sys.exit(f"lsmini backend is {lsmini.backend()!r}: {lsmini.backend().reason}")
 
 
-def environment():
+def environment(gpu=None):
+    """Where and what a run measures: GPU name (`gpu` overrides it, e.g. for a CPU run or N GPUs), torch and
+    CUDA versions, the date, the commit of this tree, and `run`, the id every row of one invocation shares."""
+    now = datetime.datetime.now(datetime.timezone.utc)
     return {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": gpu if gpu is not None else torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": datetime.date.today().isoformat(),
+        "cuda": torch.version.cuda or "none",
+        "date": now.date().isoformat(),
+        "commit": commit(),
+        "run": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+
+
+# ---- the results record ---------------------------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+# Every results CSV starts with these columns; the benchmark's figures follow. `kind` says whose code a row
+# times: "lsmini", or "pytorch" for the baselines that report.py compares lsmini against.
+STAMP = ["date", "gpu", "torch", "cuda", "commit", "run"]
+KEY = ["benchmark", "config", "variant", "kind"]
+KINDS = ("lsmini", "pytorch")
+
+
+def commit():
+    """The commit of this tree (12 hex digits, "+dirty" when tracked files outside benchmarks/results differ
+    from it); $LSMINI_COMMIT when set (a tree without git metadata); "unknown" when neither tells."""
+    if os.environ.get("LSMINI_COMMIT"):
+        return os.environ["LSMINI_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", ":(exclude)benchmarks/results"],
+                               cwd=ROOT, capture_output=True, timeout=30).returncode != 0
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def add_results_arguments(ap):
+    """--results DIR / --no-results on a benchmark's command line."""
+    ap.add_argument("--results", metavar="DIR", default=os.environ.get("LSMINI_RESULTS_DIR") or RESULTS_DIR,
+                    help="append this run's rows to the CSV files in DIR (default: $LSMINI_RESULTS_DIR, else "
+                         "benchmarks/results; benchmarks/report.py makes RESULTS.md from them)")
+    ap.add_argument("--no-results", dest="results", action="store_const", const=None,
+                    help="record nothing (a trial run)")
+
+
+def _cell(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return format(v, ".6g")
+    return str(v)
+
+
+def append_results(directory, name, env, rows):
+    """Append `rows` to <directory>/<name>.csv, each stamped with `env` (see environment()). A row is a dict
+    holding benchmark, config, variant and kind, then its figures (numbers or short strings). Columns the file
+    does not have yet are added at its end (the file is rewritten with the wider header); a row leaves the
+    columns it does not fill empty. Returns the file's path, or None when `directory` is None."""
+    if directory is None or not rows:
+        return None
+    for r in rows:
+        missing = [k for k in KEY if not r.get(k)]
+        if missing:
+            raise ValueError(f"a results row needs {KEY}; {missing} missing in {r}")
+        if r["kind"] not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {r['kind']!r}")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.csv")
+    old_rows, columns = [], STAMP + KEY
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            columns = list(reader.fieldnames or columns)
+            old_rows = list(reader)
+    new_columns = [k for r in rows for k in r if k not in columns and k not in STAMP]
+    new_columns = list(dict.fromkeys(new_columns))
+    stamped = [{**{k: env[k] for k in STAMP}, **r} for r in rows]
+    if new_columns or not os.path.exists(path):
+        columns += new_columns
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns)
+            w.writeheader()
+            for r in old_rows + stamped:
+                w.writerow({k: _cell(r.get(k)) for k in columns})
+    else:
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns)
+            for r in stamped:
+                w.writerow({k: _cell(r.get(k)) for k in columns})
+    print(f"# {len(rows)} rows appended to {os.path.relpath(path)}", flush=True)
+    return path
 
 
 def write_csv(path, rows, columns):

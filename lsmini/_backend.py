@@ -147,7 +147,7 @@ def dropout_rng(p, device):
     """``rng`` for one fused dropout call with probability p on a CUDA device: drawn from that device's
     generator (``philox_seed_offset``) when p > 0, else ``NO_RNG`` without drawing. The extension selects
     the device itself: ``with torch.cuda.device(...)`` would cost 3–4 µs of Python per call, more than the
-    draw (benchmarks/RESULTS.md, the graph-safe dropout state's host cost)."""
+    draw itself (``benchmarks/bench_host.py`` times ``dropout_rng``)."""
     return philox_seed_offset(device) if p > 0 else NO_RNG
 
 

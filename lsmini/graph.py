@@ -130,8 +130,8 @@ class CUDAGraphStep:
         with torch.cuda.graph(graph, pool=self.pool):
             self._static_output = self.fn(*self._static_inputs)
         # The first replay of a fresh capture can read the generator's seed/offset words before their refill
-        # lands (torch 2.11, its own dropout too), unless the device is idle first (RESULTS.md, "the first
-        # replay after a capture").
+        # lands (torch 2.11, its own dropout too), unless the device is idle first
+        # (tests/test_graph.py::test_first_replay_draws_from_the_generator_state).
         torch.cuda.synchronize()
         self.graph = graph
         self._replay()

@@ -9,7 +9,8 @@
 # this tree, so that both see the same machine and clocks; each run imports its own tree's lsmini. The
 # arguments after `--` go to every run (default: --quick). Prints, per row, lsmini's time in every run of
 # each tree, torch's (as a check that the machine did not move) and the base/new ratio of the medians.
-# Logs and each run's kernels.csv go to $LOG_DIR/ab (LOG_DIR defaults to $OUT when set, else ./gpu-logs).
+# Logs and each run's kernels.csv go to $LOG_DIR/ab (LOG_DIR defaults to $OUT when set, else ./gpu-logs); the
+# runs' results rows too ($LOG_DIR/ab/results), not benchmarks/results: an A/B is not a result of this tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=$(cd "${1:?usage: scripts/ab_kernels.sh BASE_TREE [-- BENCH_KERNELS_ARGS...]}" && pwd)
@@ -19,7 +20,7 @@ args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--quick)
 [ -f "$base/setup.py" ] && [ -d "$base/csrc" ] || { echo "$base is not a tree of the project" >&2; exit 2; }
 log=${LOG_DIR:-${OUT:-gpu-logs}}/ab
 mkdir -p "$log"
-export MAX_JOBS=${MAX_JOBS:-16} LSMINI_CUDA_ARCHS=${AB_ARCH:-90a}
+export MAX_JOBS=${MAX_JOBS:-16} LSMINI_CUDA_ARCHS=${AB_ARCH:-90a} LSMINI_RESULTS_DIR=$log/results
 runs=${AB_RUNS:-2}
 
 echo "== build, both trees (LSMINI_CUDA_ARCHS=$LSMINI_CUDA_ARCHS)"

@@ -118,7 +118,7 @@ def _capture(step):
     with torch.cuda.graph(graph):
         static = step()
     # torch 2.11: without this the first replay now and then reads the generator's words before their refill
-    # (torch's own dropout too; benchmarks/RESULTS.md, "the first replay after a capture")
+    # (torch's own dropout too; test_graph.py::test_first_replay_draws_from_the_generator_state)
     torch.cuda.synchronize()
     return graph, static
 

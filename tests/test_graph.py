@@ -103,8 +103,10 @@ def test_graph_dropout_fresh_each_replay():
 @pytest.mark.cuda
 def test_first_replay_draws_from_the_generator_state():
     """The first replay of each fresh recording draws the masks that an eager call from the same generator
-    state draws. (With torch 2.11 it read stale seed/offset words now and then, unless the device was idle
-    between the recording and that replay: benchmarks/RESULTS.md, "the first replay after a capture".)"""
+    state draws. With torch 2.11 it reads stale seed/offset words now and then (every differing first replay
+    equals an eager step from the previous recording's seed: that recording's words can be the same memory),
+    unless the device is idle between the recording and that replay. CUDAGraphStep synchronises there;
+    without that synchronisation this test fails now and then."""
     g = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(64, 1024, generator=g).cuda() for _ in range(2))
     bias = torch.zeros(1024, device="cuda")

@@ -60,9 +60,11 @@ def bench(ctx):
     nbytes = 30 * n
     note = ("lsmini: fp16 params + fp32 master/m/v, unscale + overflow check (30 B/param); "
             "torch: fp32 params, AdamW(fused=True).step() (28 B/param)")
-    ctx.row("adam", torch.float16, shape_str, lambda: opt.step(scale=scale), fused.step, nbytes=nbytes, note=note)
+    ctx.row("adam", torch.float16, shape_str, lambda: opt.step(scale=scale), fused.step, nbytes=nbytes, note=note,
+            baseline="torch AdamW fused")
     ctx.row("adam_foreach", torch.float16, shape_str, lambda: opt.step(scale=scale), foreach.step, nbytes=nbytes,
-            note="as adam; torch: fp32 params, AdamW(foreach=True).step()")
+            note="as adam; torch: fp32 params, AdamW(foreach=True).step()", baseline="torch AdamW foreach")
     ctx.row("adam_amp", torch.float16, shape_str, ours_amp, torch_amp, nbytes=nbytes,
-            note="LossScaler.step+update vs GradScaler.step+update around AdamW(fused=True)")
+            note="LossScaler.step+update vs GradScaler.step+update around AdamW(fused=True)",
+            baseline="torch GradScaler + AdamW fused")
     del ours, opt, theirs, fused, foreach

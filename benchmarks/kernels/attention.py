@@ -53,6 +53,7 @@ def bench(ctx):
         rows = (("attention_fwd", "", lambda fn: fn),
                 ("attention_bwd", "fwd+bwd; ", lambda fn: fwd_bwd(fn, q, k, v, grad)))
         for name, what, wrap in rows:
-            ctx.row(name, dtype, shape, wrap(ours), wrap(sdpa), note=what + "torch = eager SDPA")
+            ctx.row(name, dtype, shape, wrap(ours), wrap(sdpa), note=what + "torch = eager SDPA", baseline="torch sdpa")
             ctx.row(name, dtype, shape, wrap(ours), wrap(unfused),
-                    note=what + "vs unfused: matmul + attention_softmax + matmul")
+                    note=what + "vs unfused: matmul + attention_softmax + matmul",
+                    baseline="lsmini unfused", baseline_kind="lsmini")

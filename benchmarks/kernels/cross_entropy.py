@@ -65,7 +65,7 @@ def bench(ctx):
                 torch.autograd.grad(loss, scratch)
 
             ctx.row("cross_entropy_fwd_bwd", dtype, shape, lsmini_fwd_bwd_inplace, torch_fwd_bwd, nbytes=3 * elems,
-                    note="inplace_backward=True")
+                    note="inplace_backward=True", variant="lsmini inplace_backward")
             del scratch
 
             with torch.no_grad():

@@ -48,7 +48,7 @@ def bench(ctx):
 
             ctx.row("linear_cross_entropy_fwd_bwd", dtype, shape, unfused_fwd_bwd, torch_fwd_bwd,
                     note=f"lsmini: F.linear + cross_entropy (logits materialised); +{_peak_mb(unfused_fwd_bwd):.0f} MB "
-                         f"(torch +{_peak_mb(torch_fwd_bwd):.0f} MB)")
+                         f"(torch +{_peak_mb(torch_fwd_bwd):.0f} MB)", variant="lsmini unfused")
             for chunk in chunk_sweep:
                 def fused_fwd_bwd(chunk=chunk):
                     loss = linear_cross_entropy(x, w, target, EPS, check_targets=False, chunk_tokens=chunk)
@@ -57,5 +57,6 @@ def bench(ctx):
                 rows = chunk or default_chunk_tokens(vocab, dtype)
                 ctx.row("linear_cross_entropy_fwd_bwd", dtype, shape, fused_fwd_bwd, torch_fwd_bwd,
                         note=f"chunk_tokens {rows}{' (default)' if chunk is None else ''}; "
-                             f"+{_peak_mb(fused_fwd_bwd):.0f} MB")
+                             f"+{_peak_mb(fused_fwd_bwd):.0f} MB",
+                        variant="lsmini" if chunk is None else f"lsmini chunk_tokens={chunk}")
             del x, w, target

@@ -1,7 +1,7 @@
 """rms_norm_fwd / _bwd and add_rms_norm_fwd / _bwd beside PyTorch in the same run: eager
 ``F.rms_norm(x, (hidden,), weight, eps)`` (and ``s = x + residual`` before it for the residual form) and
-torch.compile of the same expression (outside --quick). 32768 rows, hidden 512-4096 (the issue's target
-sizes), the weight in the activations' dtype, as a Llama-style model in bf16 holds it.
+torch.compile of the same expression (outside --quick). 32768 rows, hidden 512-4096 (the widths of
+Llama-style models), the weight in the activations' dtype, as a Llama-style model in bf16 holds it.
 
 Bytes (the minimum each op must move; the weight and its gradient, [hidden], and the per-row rstd are left out):
   rms_norm fwd:      read x, write y                                      2 · rows · hidden · s

@@ -1,8 +1,7 @@
 /*
  * layernorm_fwd_shapes.cu — LayerNorm forward (fp16 rows, fp16 γ/β) in three kernel shapes beside lsmini's
- * launch_layernorm_fwd, in one process, as % of a device-to-device cudaMemcpy (benchmarks/RESULTS.md,
- * "LayerNorm forward, two shapes measured beside the kernel"). Not part of the build: a measurement to
- * steer the forward's next change.
+ * launch_layernorm_fwd, in one process, as % of a device-to-device cudaMemcpy. Not part of the build: a
+ * measurement to steer the forward's changes (docs/performance-notes.md says what such measurements decided).
  *
  *   nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a \
  *        -Icsrc/kernels benchmarks/probes/layernorm_fwd_shapes.cu csrc/kernels/layernorm.cu -o /tmp/ln_shapes
