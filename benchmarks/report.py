@@ -64,7 +64,7 @@ HEADLINES = [
      "Training step, Transformer-base (6+6 layers, hidden 512), one CUDA graph"),
     ("training", "base-long", "lsmini+graph", "NVIDIA H200", "Training step, Transformer-base on 256-token pairs"),
     ("training", "lm", "lsmini+graph", "NVIDIA H200", "Training step, 12-layer decoder-only model, 512 tokens"),
-    ("convert", "nn.Transformer 6+6 d512 h8 ffn2048 vocab8000 post-LN bf16 b128 64/64 masks=per-model",
+    ("convert", "nn.Transformer 6+6 d512 h8 ffn2048 vocab8000 post-LN bf16 b128 64/64 masks=per-model cached-compiles",
      "lsmini+compile-graphs", "NVIDIA H200",
      "An nn.Transformer script with `lsmini.convert`, `torch.compile(mode=\"reduce-overhead\")`"),
     ("kernels", "attention_bwd float16 64x8x128x64 pad p=0.1", "lsmini", "NVIDIA H200",
