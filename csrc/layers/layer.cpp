@@ -27,16 +27,17 @@
 // backward recomputes the FFN activation (same mask) and, pre-norm, the norm output. recompute = false
 // saves those instead. With relu the FFN keeps its activation (relu' and the mask are read off it).
 //
-// Backward temporaries are regions of one scratch tensor, laid out per core (regions overlap only where one
-// is dead before the other is written, in stream order):
+// Backward temporaries are regions of one scratch buffer, laid out per core (regions overlap only where one
+// is dead before the other is written, in stream order), followed by a float32 workspace that the kernels'
+// small temporaries share one call after another (column partial sums, the attention's row terms):
 //     self:   [0, TH) d(context), then the recomputed core input, then d(core input);
 //             [TH', TH' + 3TH) d(core output), then d(QKV)   (TH' = TH aligned to kAlign)
 //     cross:  [0, TH) as above; [TH', TH' + TH) d(core output), then d(Q). dK/dV go to their destinations.
 //     ffn:    [0, TF) the recomputed activation, then its gradient, then (in place) d(first GEMM output).
 //
-// Gradients: every parameter gradient comes back in one tensor per dtype (views handed to autograd), except
-// that a caller may name, per parameter, an existing .grad to add it into (GEMM weights with beta = 1, vectors in one
-// multi-tensor add); lsmini.layers.runtime does so only where autograd would have accumulated into that
+// Gradients: every parameter gradient comes back in one tensor per dtype (views handed to autograd; the GEMMs and
+// the column-sum kernels write theirs in place there), except that a caller may name, per parameter, an
+// existing .grad to add it into (GEMM weights with beta = 1, vectors in one multi-tensor add); lsmini.layers.runtime does so only where autograd would have accumulated into that
 // .grad in this very backward (layer_grad_into below decides). A cross block's dK/dV go into caller-given
 // [b, ls, H] tensors when named (the decoder stack's stacked gradient), else into fresh ones.
 //
