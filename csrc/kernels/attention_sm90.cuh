@@ -3,8 +3,8 @@
 // and the 128-byte-swizzled tile layout those descriptors describe.
 //
 // Why: mma.sync needs every B fragment in registers (one ldmatrix per two MMAs of a 16-row warp tile), so
-// the tiled sm_80 kernels are bound by shared-memory loads and issue slots at about half of cuDNN's speed
-// (benchmarks/RESULTS.md). wgmma multiplies a 64-row warpgroup tile straight out of shared memory,
+// the tiled sm_80 kernels are bound by shared-memory loads and issue slots at about half of cuDNN's speed.
+// wgmma multiplies a 64-row warpgroup tile straight out of shared memory,
 // asynchronously: the same kernels, with their masks, dropout bits and pipeline unchanged, issue a
 // handful of instructions per tile product instead of dozens.
 //

@@ -45,7 +45,7 @@ constexpr int kBwdThreads = 512;
 // The backward's partials buffer is sized for at most this many resident blocks per SM.
 constexpr int kBwdMaxBlocksPerSm = 2048 / kBwdThreads;
 // Three blocks an SM (≤ 40 registers, no spills since Philox has 7 rounds): the backward is latency-bound, and
-// the fp16 dropout body at 42-44 registers fitted only two (RESULTS.md).
+// the fp16 dropout body at 42-44 registers fitted only two.
 constexpr int kBwdMinBlocksPerSm = 3;
 
 // ---------------------------------------------------------------------------------------------

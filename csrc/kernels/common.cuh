@@ -204,8 +204,8 @@ __device__ __forceinline__ float block_max(float v, float* smem) {
 // Philox4x32-7 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"): the 4×32 Philox bijection
 // with 7 rounds. The paper finds Philox4x32 passes TestU01's BigCrush from 7 rounds on (10 is its default, for
 // margin), and PyTorch's flash-attention dropout draws with 7. Each round costs about five issue slots a call,
-// and the draws are what bound the dropout kernels (RESULTS.md: 6 of bias_act_dropout's 31 instructions an
-// element, 320 of the attention forward's issue slots a tile at 10 rounds), so the three rounds past the
+// and the draws are a large share of the dropout kernels' instructions (about a fifth of bias_act_dropout's per
+// element, and a large part of the attention forward's issue slots per tile at 10 rounds), so the three rounds past the
 // statistical bar are not spent.
 //
 // Dropout convention shared by every op: one Philox call yields 128 random bits, split into eight
@@ -235,8 +235,8 @@ __device__ __forceinline__ PhiloxSeedOffset resolve_philox(const PhiloxArgs& rng
 
 // body(philox) with resolve_philox's pair, its code compiled twice: in the eager form's copy the seed and the
 // offset stay kernel parameters, which the compiler knows to be uniform (Philox's key schedule, for one); only
-// the captured form's copy reads them from device memory. Worth the second copy where the kernel is issue-bound:
-// bias_act_dropout's backward runs 1.13× (fp16) and 1.06-1.07× (bf16) as fast with it (RESULTS.md, 2026-11-25).
+// the captured form's copy reads them from device memory. Worth the second copy where the kernel is issue-bound,
+// as bias_act_dropout's backward is.
 template <bool DROPOUT, typename F>
 __device__ __forceinline__ void with_philox(const PhiloxArgs& rng, F&& body) {
   if (DROPOUT && rng.seed_ptr != nullptr) {
@@ -292,7 +292,7 @@ __device__ __forceinline__ bool dropout_keep(uint64_t seed, uint64_t offset, uin
 // fallback: a never-taken slow path here costs the fast callers registers (and spills).
 // Each element compares its own 16-bit draw right where it selects. Packing the eight compares of a
 // Philox call into a keep word and testing its bits again cost the elementwise kernels as many
-// instructions as the Philox call itself (Nsight Compute, RESULTS.md).
+// instructions as the Philox call itself.
 template <int N>
 __device__ __forceinline__ void dropout_apply(float (&v)[N], uint64_t seed, uint64_t offset, uint64_t first,
                                               uint32_t threshold, float scale) {

@@ -89,7 +89,7 @@ inline Shape2D row_shape(int64_t nvec, int64_t per_thread = 1) {
 
 // Vectors each forward thread walks along its row. A thread's fixed work (the token id and its checks, the
 // position in the sequence, the Philox key schedule) costs about as many instructions as one vector's
-// dropout, scale and conversions; at one vector a thread it made the kernel issue-bound (RESULTS.md).
+// dropout, scale and conversions; at one vector a thread it makes the kernel issue-bound.
 constexpr int64_t kFwdVecsPerThread = 4;
 
 }  // namespace

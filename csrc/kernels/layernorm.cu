@@ -103,9 +103,9 @@ layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, cons
 }
 
 // 16-bit rows of 16 elements a thread: at most 40 registers, so that six blocks of 256 threads fit an SM instead of
-// four or five at the 42-52 the compiler picks on its own. At hidden 512 that is 1.06x with fp32 weights (77 -> 81%
-// of copy) and 1.01-1.02x with 16-bit ones (RESULTS.md, 2026-11-25, night). At 32 elements a thread the same cap
-// spills 300-370 bytes and runs at 0.4x, so there, and everywhere else, the kernel above runs.
+// four or five at the 42-52 the compiler picks on its own; that helps most at hidden 512 with fp32 weights. At 32
+// elements a thread the same cap spills hundreds of bytes and runs at less than half the speed, so there, and
+// everywhere else, the kernel above runs.
 // __maxnreg__ exists from CUDA 12.4 on; older toolkits build this kernel at the registers the compiler picks.
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
 #define LSMINI_FWD_40_REGISTERS __maxnreg__(40)

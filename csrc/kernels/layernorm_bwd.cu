@@ -32,10 +32,10 @@ layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W*
   // The loop bound is uniform over the block (group_sum2 has barriers); rows past the end idle.
   // Rows of ≤ 16 elements a thread load the next row's x/dy before this row's reduction, so that the loads
   // overlap it; long rows already keep enough bytes in flight and would run out of registers.
-  // The kernel is bound by instruction issue (RESULTS.md). Where registers allow (16-bit vectors of short
+  // The kernel is bound by instruction issue. Where registers allow (16-bit vectors of short
   // rows), γ stays in fp32 registers over all the rows, and x̂ of the sums' pass is kept for dx: no reload
   // and unpack of γ a row, no second x̂. g = γ·dy costs one unpack and one multiply, so it is formed again
-  // (keeping it as well would spill). 1.10-1.22x at hidden 512-1024, 1.03-1.09x at 4096 (RESULTS.md, 2026-11-25).
+  // (keeping it as well would spill). The gain is largest at hidden 512-1024.
   constexpr bool kPrefetch = VPT * VEC <= 16;
   constexpr bool kKeep = kPrefetch && VEC == 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.y;
