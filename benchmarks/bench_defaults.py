@@ -1,30 +1,39 @@
-"""The translation example's defaults against hand-tuned runs, on the built-in task at two corpus sizes.
+"""The examples' defaults against tuned runs, on the built-in corpora and on real text passed by path.
 
-    python benchmarks/bench_defaults.py [--pairs 30000,300000] [--arch small] [--parallel 3]
-                                        [--tuned "FLAGS" ...] [--work DIR] [--json PATH] [--skip-defaults]
-                                        [--results DIR | --no-results]
+    python benchmarks/bench_defaults.py [--pairs 30000,300000] [--arch small]
+                                        [--files NAME TRAIN_SRC TRAIN_TGT VALID_SRC VALID_TGT TEST_SRC TEST_TGT]
+                                        [--lm-text NAME FILE] [--lm-arch small]
+                                        [--tuned "FLAGS" ...] [--lm-tuned "FLAGS" ...] [--parallel 3]
+                                        [--skip-defaults] [--work DIR] [--json PATH] [--results DIR | --no-results]
 
-For each size N in --pairs, the built-in en→zl corpus with N training pairs (valid and test: 500 pairs each;
-examples/builtin_data.py --train-pairs N) is written under --work once. Then:
+Corpora (each one a table):
+    --pairs N,..     the built-in en→zl translation task with N training pairs (valid and test: 500 pairs each;
+                     examples/builtin_data.py --train-pairs N), written under --work once; "" for none.
+    --files NAME ..  a real translation corpus, six line-parallel files (repeatable).
+    --lm-text NAME FILE
+                     a real text for the language model (repeatable): its last 10% of lines is the validation
+                     text (the usual split of tinyshakespeare), both written under --work.
 
-    defaults  python examples/train_translation.py --train-src .. --train-tgt .. --valid-src .. --valid-tgt ..
-              --test-src .. --test-tgt .. --arch ARCH
-              the data files and --arch only, as a new user runs it; run alone, so that its wall time is the
-              whole command's (Python start, tokenizer, training, validation, checkpoints, test-set beam
-              search and BLEU).
-    tuned     the same command plus each --tuned flag string (default: a grid over --lr, --warmup and
-              --epochs around a hand-tuned run), --parallel at a time on the same GPU: their BLEU
-              is what the flags give, their wall times are not comparable with the defaults' run.
+On each corpus:
+    defaults  the example with the data files and --arch only, as a new user runs it; run alone, so that its
+              wall time is the whole command's (Python start, tokenizer, training, validation, checkpoints and,
+              for translation, the test set's beam search and BLEU).
+    tuned     the same command plus each flag string of the grid (--tuned / --lm-tuned; default: the grids
+              below), --parallel at a time on the same GPU: their quality is what the flags give, their wall
+              times are not comparable with the defaults' run.
 
-Every run gets its own --save-dir and --no-progress; its log goes beside it. The table gives, per run: steps,
-the warmup and peak lr it used (from its log), test BLEU (sacreBLEU, beam 4), valid loss, the whole command's
-wall seconds and the run's average target tokens/s (metrics.json); and per size, the defaults' BLEU minus the
-best tuned BLEU. Every run is also appended to benchmarks/results/defaults.csv (config: the --arch and corpus
-size; variant: "defaults" or the tuned flags), from which benchmarks/report.py writes RESULTS.md.
+Every run gets its own --save-dir and --no-progress; its log goes beside it. Each table gives, per run: steps,
+the warmup and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4; LM:
+validation perplexity), valid loss, the whole command's wall seconds and the run's average tokens/s
+(metrics.json); then the defaults' quality against the best tuned run's. Every run is also appended to
+benchmarks/results/defaults.csv (config: the example, --arch and corpus; variant: "defaults" or the flags), from
+which benchmarks/report.py writes RESULTS.md.
 """
 import argparse
 import concurrent.futures
+import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -40,12 +49,29 @@ import builtin_data  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import common  # noqa: E402
 
-# around the hand-tuned run a user needed before the defaults adapted (--warmup 800 --lr 1e-3, 20 epochs)
-DEFAULT_TUNED = [f"--lr {lr} --warmup {w} --epochs {e}" for e in (10, 20) for lr in ("5e-4", "1e-3", "2e-3")
-                 for w in (400, 800)]
+
+def grid(**axes):
+    """Flag strings of the product of the axes' values: grid(lr=("1e-3", "2e-3")) → ["--lr 1e-3", "--lr 2e-3"]."""
+    names = list(axes)
+    return [" ".join(f"--{n.replace('_', '-')} {v}" for n, v in zip(names, values))
+            for values in itertools.product(*(axes[n] for n in names))]
 
 
-def corpus(work, pairs):
+# learning rate, warmup and run length, then dropout and label smoothing around a run tuned by hand on a real
+# caption corpus (--lr 1e-3 --warmup 800 --epochs 20)
+TRANSLATION_TUNED = grid(lr=("5e-4", "1e-3", "2e-3"), warmup=(400, 800), epochs=(10, 20)) + [
+    "--lr 1e-3 --warmup 800 --epochs 20 --dropout 0.1",
+    "--lr 1e-3 --warmup 800 --epochs 20 --dropout 0.2",
+    "--lr 1e-3 --warmup 800 --epochs 20 --label-smoothing 0.2",
+]
+LM_TUNED = grid(lr=("5e-4", "1e-3", "2e-3"), warmup=(200, 500), epochs=(10, 20)) + [
+    "--lr 1e-3 --warmup 200 --epochs 20 --dropout 0.2",
+    "--lr 1e-3 --warmup 200 --epochs 20 --dropout 0.3",
+    "--lr 1e-3 --warmup 200 --epochs 20 --vocab-size 4000",
+]
+
+
+def builtin_corpus(work, pairs):
     """{split: (src, tgt)} of the built-in corpus with `pairs` training pairs, written once under `work`."""
     d = os.path.join(work, f"data_{pairs}")
     done = os.path.join(d, "done")
@@ -55,12 +81,43 @@ def corpus(work, pairs):
     return {s: (os.path.join(d, f"{s}.en"), os.path.join(d, f"{s}.zl")) for s in ("train", "valid", "test")}
 
 
-def run_one(name, paths, arch, extra, save_dir):
-    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_translation.py"), "--arch", arch,
-           "--save-dir", save_dir, "--overwrite", "--no-progress"]
+def split_text(work, name, path, valid_fraction=0.1):
+    """(train, valid) files under `work`: the text's lines, the last `valid_fraction` of them the validation."""
+    d = os.path.join(work, f"lm_{name}")
+    os.makedirs(d, exist_ok=True)
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    if len(lines) < 10:
+        raise SystemExit(f"bench_defaults: {path} has {len(lines)} lines; the LM split needs at least 10")
+    cut = len(lines) - max(1, int(len(lines) * valid_fraction))
+    out = (os.path.join(d, "train.txt"), os.path.join(d, "valid.txt"))
+    for p, part in zip(out, (lines[:cut], lines[cut:])):
+        with open(p, "w", encoding="utf-8") as f:
+            f.writelines(part)
+    return out
+
+
+class Corpus:
+    """One table: an example, its data flags and the label of its rows."""
+
+    def __init__(self, example, label, data_flags):
+        self.example, self.label, self.data_flags = example, label, data_flags
+
+    @property
+    def is_lm(self):
+        return self.example == "train_lm.py"
+
+
+def translation_corpus(label, paths):
+    flags = []
     for split, (src, tgt) in paths.items():
-        cmd += [f"--{split}-src", src, f"--{split}-tgt", tgt]
-    cmd += shlex.split(extra)
+        flags += [f"--{split}-src", src, f"--{split}-tgt", tgt]
+    return Corpus("train_translation.py", label, flags)
+
+
+def run_one(corpus, name, arch, extra, save_dir):
+    cmd = [sys.executable, os.path.join(ROOT, "examples", corpus.example), "--arch", arch, "--save-dir", save_dir,
+           "--overwrite", "--no-progress", *corpus.data_flags, *shlex.split(extra)]
     os.makedirs(save_dir, exist_ok=True)
     t0 = time.perf_counter()
     with open(save_dir + ".log", "w") as log:
@@ -74,58 +131,95 @@ def run_one(name, paths, arch, extra, save_dir):
     if rc == 0:
         with open(os.path.join(save_dir, "metrics.json")) as f:
             metrics = json.load(f)
-        row.update(steps=metrics["steps"], bleu=metrics["bleu"], valid_loss=round(metrics["valid_loss"], 3),
+        row.update(steps=metrics["steps"], valid_loss=round(metrics["valid_loss"], 3),
                    tokens_per_s=round(metrics["tokens_per_s"] or 0))
+        if corpus.is_lm:
+            row["ppl"] = round(math.exp(metrics["valid_loss"]), 2)
+        else:
+            row["bleu"] = metrics["bleu"]
     else:
         row["error"] = text.strip().splitlines()[-1] if text.strip() else f"exit {rc}"
     print(json.dumps(row), flush=True)
     return row
 
 
-def _bleu(row):
-    return f"{row['bleu']:.2f}" if row.get("bleu") is not None else row.get("error", "")
+def quality(corpus, row):
+    """(name, value, better-is-higher) of a run's quality figure, value None when it failed."""
+    if corpus.is_lm:
+        return "ppl", row.get("ppl"), False
+    return "BLEU", row.get("bleu"), True
+
+
+def table(corpus, arch, rows, has_defaults):
+    what = "perplexity" if corpus.is_lm else "BLEU"
+    print(f"\n{corpus.example} --arch {arch}, {corpus.label}", flush=True)
+    print(f"| run | flags | steps | warmup | lr | {what} | valid loss | command s | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        _, q, _ = quality(corpus, r)
+        cell = f"{q:.2f}" if q is not None else r.get("error", "")
+        print(f"| {r['run']} | {r['flags'] or '(none)'} | {r.get('steps', '')} | {r.get('warmup', '')} | "
+              f"{r.get('lr', '')} | {cell} | {r.get('valid_loss', '')} | {r['command_s']} | "
+              f"{r.get('tokens_per_s', '')} |")
+    scored = [r for r in rows if r["run"] != "defaults" and quality(corpus, r)[1] is not None]
+    name, _, higher = quality(corpus, rows[0])
+    best = (max if higher else min)(scored, key=lambda r: quality(corpus, r)[1], default=None)
+    d = rows[0] if has_defaults else None
+    if best is not None and d is not None and quality(corpus, d)[1] is not None:
+        dq, bq = quality(corpus, d)[1], quality(corpus, best)[1]
+        rel = f" ({(dq / bq - 1) * 100:+.1f}%)" if corpus.is_lm else ""
+        print(f"defaults {name} {dq:.2f} vs best tuned {bq:.2f} ({best['flags']}): {dq - bq:+.2f}{rel}; "
+              f"defaults' whole command {d['command_s']} s", flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pairs", default="30000,300000", help="training-corpus sizes, comma-separated")
-    ap.add_argument("--arch", default="small")
+    ap.add_argument("--pairs", default="30000,300000", help="built-in corpus sizes, comma-separated (\"\": none)")
+    ap.add_argument("--arch", default="small", help="the translation runs' --arch (default small)")
+    ap.add_argument("--files", nargs=7, action="append", default=[],
+                    metavar=("NAME", "TRAIN_SRC", "TRAIN_TGT", "VALID_SRC", "VALID_TGT", "TEST_SRC", "TEST_TGT"),
+                    help="a real translation corpus (repeatable)")
+    ap.add_argument("--lm-text", nargs=2, action="append", default=[], metavar=("NAME", "FILE"),
+                    help="a real text for the language model, last 10%% of its lines as validation (repeatable)")
+    ap.add_argument("--lm-arch", default="small", help="the LM runs' --arch (default small)")
     ap.add_argument("--tuned", action="append", default=None, metavar="FLAGS",
-                    help="flags of one hand-tuned run (repeat; default: a grid over --lr, --warmup, --epochs)")
+                    help="flags of one tuned translation run (repeat; default: TRANSLATION_TUNED)")
+    ap.add_argument("--lm-tuned", action="append", default=None, metavar="FLAGS",
+                    help="flags of one tuned LM run (repeat; default: LM_TUNED)")
     ap.add_argument("--parallel", type=int, default=3, help="tuned runs at a time (default 3)")
     ap.add_argument("--skip-defaults", action="store_true", help="only the tuned runs")
     ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench_defaults"))
     ap.add_argument("--json", default=None, help="write all rows here")
     common.add_results_arguments(ap)
     a = ap.parse_args()
-    tuned = a.tuned if a.tuned is not None else DEFAULT_TUNED
+
+    corpora = [(translation_corpus(f"built-in task, {p} pairs", builtin_corpus(a.work, p)), a.arch)
+               for p in (int(p) for p in a.pairs.split(",") if p.strip())]
+    for name, *paths in a.files:
+        pairs = dict(zip(("train", "valid", "test"), zip(paths[0::2], paths[1::2])))
+        corpora.append((translation_corpus(name, pairs), a.arch))
+    for name, path in a.lm_text:
+        train, valid = split_text(a.work, name, path)
+        corpora.append((Corpus("train_lm.py", name, ["--train", train, "--valid", valid]), a.lm_arch))
+
     rows = []
-    for pairs in (int(p) for p in a.pairs.split(",")):
-        paths = corpus(a.work, pairs)
-        base = os.path.join(a.work, f"{a.arch}_{pairs}")
-        size_rows = []
+    for corpus, arch in corpora:
+        tuned = (a.lm_tuned if a.lm_tuned is not None else LM_TUNED) if corpus.is_lm else \
+            (a.tuned if a.tuned is not None else TRANSLATION_TUNED)
+        base = os.path.join(a.work, re.sub(r"[^\w.-]+", "_", f"{corpus.example[:-3]}_{arch}_{corpus.label}"))
+        corpus_rows = []
         if not a.skip_defaults:
-            size_rows.append(run_one("defaults", paths, a.arch, "", base + "_defaults"))
+            corpus_rows.append(run_one(corpus, "defaults", arch, "", base + "_defaults"))
         with concurrent.futures.ThreadPoolExecutor(max(1, a.parallel)) as pool:
-            futures = [pool.submit(run_one, f"tuned{i}", paths, a.arch, flags, f"{base}_tuned{i}")
+            futures = [pool.submit(run_one, corpus, f"tuned{i}", arch, flags, f"{base}_tuned{i}")
                        for i, flags in enumerate(tuned)]
-            size_rows += [f.result() for f in futures]
-        for r in size_rows:
-            r["pairs"] = pairs
-        rows += size_rows
-        scored = [r for r in size_rows if r["run"] != "defaults" and r.get("bleu") is not None]
-        best = max(scored, key=lambda r: r["bleu"], default=None)
-        print(f"\n{a.arch}, {pairs} pairs", flush=True)
-        print("| run | flags | steps | warmup | lr | BLEU | valid loss | command s | tokens/s |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for r in size_rows:
-            print(f"| {r['run']} | {r['flags'] or '(none)'} | {r.get('steps', '')} | {r.get('warmup', '')} | "
-                  f"{r.get('lr', '')} | {_bleu(r)} | {r.get('valid_loss', '')} | "
-                  f"{r['command_s']} | {r.get('tokens_per_s', '')} |")
-        d = size_rows[0] if not a.skip_defaults else None
-        if best is not None and d is not None and d.get("bleu") is not None:
-            print(f"defaults BLEU {d['bleu']:.2f} vs best tuned {best['bleu']:.2f} ({best['flags']}): "
-                  f"{d['bleu'] - best['bleu']:+.2f}; defaults' whole command {d['command_s']} s", flush=True)
+            corpus_rows += [f.result() for f in futures]
+        table(corpus, arch, corpus_rows, not a.skip_defaults)
+        for r in corpus_rows:
+            r["config"] = f"{corpus.example} --arch {arch}, {corpus.label}"
+            if r["run"] != "defaults":
+                r["note"] = r.get("error") or f"run {a.parallel} at a time on the GPU: command_s not comparable"
+        rows += corpus_rows
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -133,10 +227,11 @@ def main():
 
     env = common.environment(gpu=None if torch.cuda.is_available() else "CPU")
     common.append_results(a.results, "defaults", env, [
-        {"benchmark": "defaults", "config": f"--arch {a.arch}, built-in task, {r['pairs']} pairs",
+        {"benchmark": "defaults", "config": r["config"],
          "variant": r["flags"] if r["run"] != "defaults" and r["flags"] else r["run"], "kind": "lsmini",
-         "steps": r.get("steps"), "warmup": r.get("warmup"), "lr": r.get("lr"), "bleu": r.get("bleu"), "valid_loss": r.get("valid_loss"),
-         "command_s": r["command_s"], "tokens_s": r.get("tokens_per_s"), "note": r.get("error")} for r in rows])
+         "steps": r.get("steps"), "warmup": r.get("warmup"), "lr": r.get("lr"), "bleu": r.get("bleu"),
+         "ppl": r.get("ppl"), "valid_loss": r.get("valid_loss"), "command_s": r["command_s"],
+         "tokens_s": r.get("tokens_per_s"), "note": r.get("note", r.get("error"))} for r in rows])
 
 
 if __name__ == "__main__":

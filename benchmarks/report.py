@@ -44,15 +44,17 @@ SECTIONS = {  # benchmark: (title, script, what a row is)
                 "device-to-device copy bandwidth measured in the same run"),
     "host": ("Host time per call", "bench_host.py",
              "µs of host time per eager call on tiny inputs (best of 5 repeats), and the call's device time"),
-    "defaults": ("The translation example's defaults against hand-tuned flags", "bench_defaults.py",
-                 "`--arch small` on the built-in task sized by its generator: test BLEU (sacreBLEU, beam 4) and the "
-                 "whole command's wall time"),
+    "defaults": ("The examples' defaults against tuned flags", "bench_defaults.py",
+                 "the example with only the data flags and --arch (defaults) beside a grid of tuned flags, on the "
+                 "built-in corpora and on real text: test BLEU (sacreBLEU, beam 4) or validation perplexity, and "
+                 "the whole command's wall time"),
 }
 LABELS = {"ms": "ms", "tokens_s": "tokens/s", "peak_mb": "peak MB", "scaling": "× 1 GPU", "gbs": "GB/s",
           "pct_copy": "% of copy", "copy_gbs": "copy GB/s", "fwd_ms": "fwd ms", "tflops": "TFLOP/s",
           "compile_s": "compile s", "tgt_tokens_s": "target tokens/s", "loss_first": "first loss",
           "loss_final": "final loss", "us": "µs", "device_us": "device µs", "valid_loss": "valid loss",
-          "command_s": "command s", "duration_s": "duration s", "bleu": "BLEU"}
+          "command_s": "command s", "duration_s": "duration s", "bleu": "BLEU",
+          "ppl": "perplexity"}
 MS_LABELS = {"training": "ms/step", "training_multi_gpu": "ms/step", "convert": "ms/step", "attention": "fwd+bwd ms"}
 HIDDEN = set(STAMP) | set(KEY) | {"note", "vs_pytorch"}
 
