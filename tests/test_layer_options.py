@@ -496,3 +496,29 @@ def test_compiled_lm_matches_eager_cpu():
     torch.testing.assert_close(out_c, out, atol=1e-5, rtol=1e-5)
     for n, p in lm.named_parameters():
         torch.testing.assert_close(p.grad, eager[n], atol=1e-5, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+# ---- torch.nn interop ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [TransformerEncoderLayer, TransformerDecoderLayer])
+def test_to_torch_and_back_with_rms_norm_and_no_bias(cls):
+    """torch.nn's layers built with bias=False and nn.RMSNorm norms are what these options are in torch."""
+    torch.manual_seed(0)
+    m = perturb_(cls(config(norm="rmsnorm", bias=False, pre_layer_norm=False)))
+    t = m.to_torch()
+    assert isinstance(t.norm1, torch.nn.RMSNorm) and t.linear1.bias is None and t.self_attn.in_proj_bias is None
+    x, enc = randn(2, 5, 32), randn(2, 4, 32, seed=3)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    if cls is TransformerEncoderLayer:
+        torch.testing.assert_close(m(x), t(x), atol=2e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(m(x, enc), t(x, enc, tgt_mask=causal, tgt_is_causal=True), atol=2e-5, rtol=1e-4)
+    back = cls.from_torch(t)
+    assert back.config == m.config
+    for (n, p), (_, q) in zip(m.named_parameters(), back.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("name", ["swiglu", "gqa_4_2", "rotary", "qk_norm"])
+def test_to_torch_refuses_options_torch_lacks(name):
+    with pytest.raises(ValueError, match="to_torch: torch.nn.TransformerEncoderLayer has no equivalent of"):
+        encoder_layer(**OPTIONS[name]).to_torch()

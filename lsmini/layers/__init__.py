@@ -1,8 +1,9 @@
 """nn.Modules built from lsmini's fused ops and its layer runtime.
 
-The public modules (one file each): ``layernorm.LayerNorm`` and ``layernorm.RMSNorm``, ``embedding.TransformerEmbedding``,
-``encoder.TransformerEncoder(Layer)``, ``decoder.TransformerDecoder(Layer)``, ``criterion.CrossEntropyLoss``,
-``criterion.LinearCrossEntropyLoss`` and ``config.TransformerConfig``, the options of an encoder/decoder layer.
+The public modules (one file each): ``layernorm.LayerNorm`` and ``layernorm.RMSNorm``,
+``embedding.TransformerEmbedding``, ``encoder.TransformerEncoder(Layer)``, ``decoder.TransformerDecoder(Layer)``,
+``criterion.CrossEntropyLoss``, ``criterion.LinearCrossEntropyLoss`` and ``config.TransformerConfig``, the options
+of an encoder/decoder layer.
 
 How an encoder/decoder layer runs, a file each:
     spec.py         what a layer call is: its blocks, their parameters (BLOCK_PARAMS) and its LayerOptions
@@ -23,5 +24,5 @@ from lsmini.layers.encoder import TransformerEncoder, TransformerEncoderLayer
 from lsmini.layers.decoder import TransformerDecoder, TransformerDecoderLayer
 from lsmini.layers.criterion import CrossEntropyLoss, LinearCrossEntropyLoss
 
-__all__ = ["LayerNorm", "RMSNorm", "TransformerConfig", "TransformerEmbedding", "TransformerEncoderLayer", "TransformerEncoder",
-           "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss", "LinearCrossEntropyLoss"]
+__all__ = ["LayerNorm", "RMSNorm", "TransformerConfig", "TransformerEmbedding", "TransformerEncoderLayer",
+           "TransformerEncoder", "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss", "LinearCrossEntropyLoss"]

@@ -134,17 +134,17 @@ class TransformerDecoderLayer(TransformerLayerBase):
         if not isinstance(layer, nn.TransformerDecoderLayer):
             raise TypeError(f"from_torch: expected torch.nn.TransformerDecoderLayer, got {type(layer).__name__}")
         sa, mha = layer.self_attn, layer.multihead_attn
-        check_torch_attention(sa, "self_attn")
-        check_torch_attention(mha, "multihead_attn")
+        check_torch_attention(layer, "self_attn")
+        check_torch_attention(layer, "multihead_attn")
         check_torch_linear_norm(layer, ("norm1", "norm2", "norm3"))
         config = config_from_torch(layer, max_batch_tokens, max_seq_len)
         new = cls(config, device=sa.in_proj_weight.device, dtype=sa.in_proj_weight.dtype)
         h = config.hidden_size
         src = dict(layer.named_parameters())
-        src["multihead_attn.q_proj_weight"] = mha.in_proj_weight[:h]
-        src["multihead_attn.q_proj_bias"] = mha.in_proj_bias[:h]
-        src["multihead_attn.kv_proj_weight"] = mha.in_proj_weight[h:]
-        src["multihead_attn.kv_proj_bias"] = mha.in_proj_bias[h:]
+        for kind in ("weight", "bias"):
+            p = getattr(mha, f"in_proj_{kind}")
+            if p is not None:
+                src[f"multihead_attn.q_proj_{kind}"], src[f"multihead_attn.kv_proj_{kind}"] = p[:h], p[h:]
         copy_params(new, src)
         return new.train(layer.training)
 
@@ -162,7 +162,8 @@ class TransformerDecoderLayer(TransformerLayerBase):
         src = dict(self.named_parameters())
         with torch.no_grad():
             src["multihead_attn.in_proj_weight"] = torch.cat([ca.q_proj_weight, kv_weight])
-            src["multihead_attn.in_proj_bias"] = torch.cat([ca.q_proj_bias, kv_bias])
+            if kv_bias is not None:
+                src["multihead_attn.in_proj_bias"] = torch.cat([ca.q_proj_bias, kv_bias])
         copy_params(t, src)
         return t.train(self.training)
 

@@ -86,7 +86,7 @@ class TransformerEncoderLayer(TransformerLayerBase):
         if not isinstance(layer, nn.TransformerEncoderLayer):
             raise TypeError(f"from_torch: expected torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
         sa = layer.self_attn
-        check_torch_attention(sa, "self_attn")
+        check_torch_attention(layer, "self_attn")
         check_torch_linear_norm(layer, ("norm1", "norm2"))
         config = config_from_torch(layer, max_batch_tokens, max_seq_len)
         new = cls(config, device=sa.in_proj_weight.device, dtype=sa.in_proj_weight.dtype)

@@ -48,7 +48,8 @@ def _norm(o, x, weight, bias):
 
 
 def _repeat_kv(t, groups):
-    """[b, kv_heads, l, d] → [b, kv_heads·groups, l, d]: K/V head j serves query heads j·groups … (j+1)·groups − 1."""
+    """[b, kv_heads, l, d] → [b, kv_heads·groups, l, d]: K/V head j serves query heads j·groups …
+    (j+1)·groups − 1."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 

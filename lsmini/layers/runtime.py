@@ -14,9 +14,9 @@ graph's backward returns every gradient: autograd's accumulation is part of what
 
 Cross-attention of a decoder stack: the encoder output is the same input to every layer's K/V projection, so
 one GEMM ([b·ls, H] × [H, L·2W], W = kv_heads·head_dim) gives them all, and each layer takes its K and V as
-[b, ls, W] column blocks of that one output. In eager code ``CrossKVFunction`` makes that GEMM and hands its backward one stacked
-gradient that the layers' backward filled in place (``KVGradSlots``: each layer's operator writes its dK/dV
-into its columns). Compiled and reference code make the same GEMM as plain PyTorch.
+[b, ls, W] column blocks of that one output. In eager code ``CrossKVFunction`` makes that GEMM and hands its
+backward one stacked gradient that the layers' backward filled in place (``KVGradSlots``: each layer's operator
+writes its dK/dV into its columns). Compiled and reference code make the same GEMM as plain PyTorch.
 """
 import warnings
 
