@@ -522,3 +522,20 @@ def test_to_torch_and_back_with_rms_norm_and_no_bias(cls):
 def test_to_torch_refuses_options_torch_lacks(name):
     with pytest.raises(ValueError, match="to_torch: torch.nn.TransformerEncoderLayer has no equivalent of"):
         encoder_layer(**OPTIONS[name]).to_torch()
+
+
+def test_encoder_decoder_model_with_llama_options():
+    """lsmini.models.Transformer with the options: no position embeddings, and step-by-step decoding equals
+    the full forward."""
+    from lsmini.models import Transformer
+    torch.manual_seed(0)
+    model = perturb_(Transformer(40, 40, config(**OPTIONS["llama_qk_norm"]), 2, 2)).eval()
+    assert not model.src_embed.pos_table.any()
+    src = torch.randint(1, 40, (2, 6), generator=torch.Generator().manual_seed(1))
+    src[1, -2:] = 0
+    tgt = torch.randint(1, 40, (2, 5), generator=torch.Generator().manual_seed(2))
+    full = model(src, tgt)
+    enc, mask = model.encode(src)
+    cache = {}
+    steps = [model.decode(tgt[:, j:j + 1], enc, mask, cache) for j in range(5)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-5, rtol=1e-4)
