@@ -74,7 +74,8 @@ def _tables(cfg, positions):
 def _rope(t, cos, sin):
     r = cos.shape[-1]
     rot = t[..., :r]
-    return torch.cat((rot * cos.to(t.device) + _rotate_half(rot) * sin.to(t.device), t[..., r:]), dim=-1)
+    cos, sin = cos.to(t.device, t.dtype), sin.to(t.device, t.dtype)  # in t's dtype: plain PyTorch in bf16 stays bf16
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, t[..., r:]), dim=-1)
 
 
 def _repeat_kv(t, groups):
