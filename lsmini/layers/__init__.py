@@ -25,4 +25,5 @@ from lsmini.layers.decoder import TransformerDecoder, TransformerDecoderLayer
 from lsmini.layers.criterion import CrossEntropyLoss, LinearCrossEntropyLoss
 
 __all__ = ["LayerNorm", "RMSNorm", "TransformerConfig", "TransformerEmbedding", "TransformerEncoderLayer",
-           "TransformerEncoder", "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss", "LinearCrossEntropyLoss"]
+           "TransformerEncoder", "TransformerDecoderLayer", "TransformerDecoder", "CrossEntropyLoss",
+           "LinearCrossEntropyLoss"]

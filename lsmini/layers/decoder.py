@@ -72,8 +72,10 @@ class TransformerDecoderLayer(TransformerLayerBase):
 
     Parameter names follow torch.nn.TransformerDecoderLayer (self_attn, multihead_attn, linear1/2,
     norm1/2/3), except that the cross-attention's fused in_proj is split into
-    ``multihead_attn.q_proj_weight`` [H, H] and ``multihead_attn.kv_proj_weight`` [2H, H] (absent when
-    the layer belongs to a TransformerDecoder). ``from_torch`` / ``to_torch`` convert.
+    ``multihead_attn.q_proj_weight`` [H, H] and ``multihead_attn.kv_proj_weight`` [2W, H], W =
+    kv_heads·head_dim (absent when the layer belongs to a TransformerDecoder). ``from_torch`` / ``to_torch``
+    convert. The config's options shape the parameters as TransformerEncoderLayer says; the cross-attention
+    has grouped K/V heads too, but no rotary and no QK-norm.
     Dtypes and the ``recompute`` attribute as TransformerEncoderLayer.
     """
 
@@ -173,8 +175,9 @@ class TransformerDecoderLayer(TransformerLayerBase):
 
 class TransformerDecoder(TransformerStackBase):
     """``num_layers`` TransformerDecoderLayers sharing one cross-attention K/V projection parameter
-    (``cross_attn_kv_weight`` [num_layers·2·hidden, hidden], ``cross_attn_kv_bias``), plus a final
-    LayerNorm when pre_layer_norm.
+    (``cross_attn_kv_weight`` [num_layers·2·W, hidden], W = kv_heads·head_dim, ``cross_attn_kv_bias``), plus a
+    final norm when pre_layer_norm. With rotary positions the stack makes the tables of the call's positions
+    (offset by cache["step"]) once for all its layers.
 
     forward(y [batch, tgt_len, hidden], encoder_out [batch, src_len, hidden], encoder_padding_mask
     [batch, src_len] bool (True = pad) or None, cache=None, padding_mask=None) → [batch, tgt_len, hidden].
