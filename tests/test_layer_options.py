@@ -373,6 +373,31 @@ def test_kernel_unsupported_names_each_option():
     assert "qk_norm" in reason(qk_norm=True)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["rmsnorm", "swiglu", "geglu", "no_bias", "gqa_4_2", "rotary", "qk_norm", "llama"])
+def test_cuda_calls_the_kernels_lack_warn_and_run_the_reference(name):
+    """On CUDA a call with an option kernel_unsupported names warns with that reason and runs the reference
+    layer (no lsmini::layer operator); one without such an option runs the operators, silently."""
+    from util import LsminiOps
+    layer = encoder_layer(hidden_size=64, **OPTIONS[name]).to("cuda", torch.float16)  # head_dim 16: fused attention
+    x = randn(2, 5, 64).to("cuda", torch.float16)
+    reason = kernel_unsupported(layer.options(False), layer.layer_params())
+    with warnings.catch_warnings(record=True) as caught, LsminiOps() as ops:
+        warnings.simplefilter("always")
+        layer(x)
+    said = [str(w.message) for w in caught if "lsmini layer" in str(w.message)]
+    if reason is None:
+        assert not said and "layer" in ops.names
+    else:
+        assert said and reason in said[0] and "layer" not in ops.names
+
+
+def test_no_warning_off_cuda():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        encoder_layer(**OPTIONS["llama"])(randn(2, 5, 32))
+
+
 def test_options_of_the_config():
     layer = TransformerDecoderLayer(config(**OPTIONS["llama_qk_norm"], rotary_dim=6))
     o = layer.options(True)
