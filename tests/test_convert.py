@@ -290,6 +290,16 @@ def test_rms_norm_and_no_bias_transformer_matches_torch(norm_first, rms_norm, bi
     real = ~tgt_pad
     inputs = (src, tgt, src_pad, tgt_pad, None)
     assert_same_run(run_model(model, inputs, grad, real), run_model(torch_model, inputs, grad, real), tol=2e-5)
+    # checkpoints across conversion both ways
+    other, _ = converted_copy(seq2seq(dtype, seed=9, rms_norm=rms_norm, norm_first=norm_first, bias=bias,
+                                      batch_first=False))
+    other.load_state_dict(torch_model.state_dict())
+    fresh = seq2seq(dtype, seed=9, rms_norm=rms_norm, norm_first=norm_first, bias=bias, batch_first=False)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want = torch_model(*inputs)[real]
+        torch.testing.assert_close(other(*inputs)[real], want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(fresh(*inputs)[real], want, atol=0, rtol=0)
     # and back: the same modules and function again
     lsmini.unconvert(model)
     assert not any(type(m).__module__.startswith("lsmini") for m in model.modules())
