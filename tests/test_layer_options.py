@@ -565,3 +565,46 @@ def test_encoder_decoder_model_with_llama_options():
     cache = {}
     steps = [model.decode(tgt[:, j:j + 1], enc, mask, cache) for j in range(5)]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-5, rtol=1e-4)
+
+
+def test_lm_matches_hugging_face_llama():
+    """TransformerLM with the Llama options computes what transformers' LlamaForCausalLM does (its weights
+    copied: Q/K/V rows stacked, [gate | up] stacked, the embedding divided by lsmini's sqrt(hidden) scale),
+    forward and every gradient, in float64."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hc = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+                                  attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+                                  max_position_embeddings=64)
+    hc._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(hc).double()
+    lm = TransformerLM(50, config(**OPTIONS["llama"], ffn_size=48), 2, padding_idx=None, tie_output=False,
+                       dtype=torch.float64)
+    pairs = [(lm.embed.weight, [hf.model.embed_tokens.weight], 1 / math.sqrt(32)),
+             (lm.decoder.norm.weight, [hf.model.norm.weight], 1.0),
+             (lm.output_projection.weight, [hf.lm_head.weight], 1.0)]
+    for ours, theirs in zip(lm.decoder.layers, hf.model.layers):
+        a, m = theirs.self_attn, theirs.mlp
+        pairs += [(ours.self_attn.in_proj_weight, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 1.0),
+                  (ours.self_attn.out_proj.weight, [a.o_proj.weight], 1.0),
+                  (ours.linear1.weight, [m.gate_proj.weight, m.up_proj.weight], 1.0),
+                  (ours.linear2.weight, [m.down_proj.weight], 1.0),
+                  (ours.norm1.weight, [theirs.input_layernorm.weight], 1.0),
+                  (ours.norm2.weight, [theirs.post_attention_layernorm.weight], 1.0)]
+    assert len(pairs) == len(list(lm.parameters()))
+    assert sum(len(theirs) for _, theirs, _ in pairs) == len(list(hf.parameters()))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        for ours, theirs, scale in pairs:
+            ours.copy_(torch.cat(theirs) * scale)
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    g = randn(2, 9, 50, seed=2).double()
+    out = lm(tokens)
+    out.backward(g)
+    out_hf = hf(tokens).logits
+    out_hf.backward(g)
+    assert_close_scaled(out.detach(), out_hf.detach(), TOL, "logits")
+    for ours, theirs, scale in pairs:
+        assert_close_scaled(ours.grad, torch.cat([t.grad for t in theirs]) / scale, TOL, f"grad of {theirs[0].shape}")
