@@ -2,9 +2,10 @@
 rotary_dim, qk_norm, activation="swiglu"/"geglu"): encoder and decoder layers, their stacks and TransformerLM
 against a plain-PyTorch Llama-style block written here from torch ops (F.linear, a hand-written RMSNorm, Hugging
 Face's rotate_half rotary, repeat_kv, an explicit softmax, silu(gate)·up), in float64, forward and every
-gradient; incremental decoding against the full causal forward; bad input; the parameters and state_dict; which
-options the kernel path names as unsupported. CUDA: the same layers in bfloat16, eager and compiled, within 2x
-of plain PyTorch's own bfloat16 error."""
+gradient, and TransformerLM against Hugging Face's LlamaForCausalLM; incremental decoding against the full causal
+forward; bad input; the parameters and state_dict; which options the kernel path names as unsupported; torch.nn
+interop. CUDA: the same layers in bfloat16, eager and compiled, within 2x of plain PyTorch's own bfloat16 error,
+and the warning of calls the kernels do not cover."""
 import copy
 import math
 import warnings

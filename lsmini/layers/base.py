@@ -1,6 +1,6 @@
 """What the encoder and decoder share: a base for their layers (config check, self-attention and FFN
-parameters, LayerNorms, the input checks, the options of a call, ``recompute``, extra_repr, reorder_cache)
-and a base for their stacks (layer count, final LayerNorm, reorder_cache)."""
+parameters, norms, the input checks, the rotary tables, the options of a call, ``recompute``, extra_repr,
+reorder_cache) and a base for their stacks (layer count, final norm, reorder_cache)."""
 import dataclasses
 
 import torch
