@@ -2,6 +2,7 @@
 
     python examples/train_lm.py                                   # the built-in corpus, a tiny model
     python examples/train_lm.py --train train.txt --valid valid.txt --arch small
+    python examples/train_lm.py --arch llama-tiny                 # a Llama-style model (RMSNorm, RoPE, SwiGLU, GQA)
     python examples/train_lm.py --generate "The old king"         # sample from the model in --save-dir
     torchrun --standalone --nproc_per_node=2 examples/train_lm.py  # data-parallel on 2 GPUs
 
@@ -25,7 +26,10 @@ from training.tokenizer import BOS, EOS, PAD, unknown_pieces_note  # noqa: E402
 from training.trainer import format_ppl  # noqa: E402
 
 # layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens; the least steps of a run
-# without --epochs/--max-steps (tiny: 3 epochs, sized for a CPU run)
+# without --epochs/--max-steps (tiny: 3 epochs, sized for a CPU run); the llama-* rows add the layer options
+# of a Llama-style model (`options`: TransformerConfig fields) and an untied output projection where the vocabulary
+# is small beside the model
+LLAMA = dict(norm="rmsnorm", bias=False, rotary=10000.0, activation="swiglu")
 ARCHS = {
     "tiny": dict(layers=2, hidden=128, heads=4, ffn=512, dropout=0.1, lr=2e-3, warmup=200, max_tokens=2048,
                  min_steps=0),
@@ -35,6 +39,12 @@ ARCHS = {
                  min_steps=2000),
     "big": dict(layers=24, hidden=1024, heads=16, ffn=4096, dropout=0.1, lr=3e-4, warmup=4000, max_tokens=8192,
                 min_steps=2000),
+    "llama-tiny": dict(layers=2, hidden=128, heads=4, ffn=352, dropout=0.1, lr=2e-3, warmup=200, max_tokens=2048,
+                       min_steps=0, options=dict(LLAMA, num_kv_heads=2)),
+    "llama-small": dict(layers=8, hidden=512, heads=8, ffn=1408, dropout=0.0, lr=7e-4, warmup=2000, max_tokens=8192,
+                        min_steps=2000, options=dict(LLAMA, num_kv_heads=4), tie_output=False),
+    "llama-base": dict(layers=12, hidden=768, heads=12, ffn=2048, dropout=0.0, lr=5e-4, warmup=4000, max_tokens=8192,
+                       min_steps=2000, options=dict(LLAMA, num_kv_heads=4), tie_output=False),
 }
 
 
@@ -149,7 +159,9 @@ class LanguageModelTask(run.Task):
     description = "Train an lsmini Transformer language model (no arguments: the built-in English corpus)."
     archs = ARCHS
     arch_sizes = ("tiny: 2 layers, 128 hidden; small: 6, 512, 8 heads; base: 12, 768, 12 heads (GPT-2 small); "
-                  "big: 24, 1024, 16 heads")
+                  "big: 24, 1024, 16 heads; Llama-style (RMSNorm, rotary positions, SwiGLU, grouped K/V heads, no "
+                  "biases): llama-tiny: 2 layers, 128 hidden, 4 heads, 2 K/V heads (CPU-sized); llama-small: 8, 512, "
+                  "8 heads, 4 K/V heads, FFN 1408; llama-base: 12, 768, 12 heads, 4 K/V heads, FFN 2048")
     label_smoothing = 0.0
     default_save_dir = os.path.join("checkpoints", "lm")
 
@@ -227,13 +239,17 @@ class LanguageModelTask(run.Task):
 
     def model_config(self, args, vocab_size, max_seq_len):
         arch = ARCHS[args.arch]
-        return {"arch": args.arch, "vocab_size": vocab_size, "layers": arch["layers"],
-                "config": cli.layer_config(args, arch, "gelu", max_seq_len)}
+        mc = {"arch": args.arch, "vocab_size": vocab_size, "layers": arch["layers"],
+              "config": cli.layer_config(args, arch, "gelu", max_seq_len)}
+        if "tie_output" in arch:
+            mc["tie_output"] = arch["tie_output"]
+        return mc
 
     def make_model(self, mc, config):
         from lsmini.models import TransformerLM
 
-        return TransformerLM(mc["vocab_size"], config, mc["layers"], padding_idx=PAD, tie_output=True)
+        return TransformerLM(mc["vocab_size"], config, mc["layers"], padding_idx=PAD,
+                             tie_output=mc.get("tie_output", True))
 
     def logits_and_target(self, model, batch):
         x, y = batch

@@ -5,9 +5,9 @@
     lsmini.unconvert(model)   # torch.nn modules again, same weights
 
 ``convert`` walks ``model`` (through any nn.Module, Sequential, ModuleList, ModuleDict) and replaces, in place,
-every torch.nn.TransformerEncoder, TransformerDecoder, TransformerEncoderLayer, TransformerDecoderLayer and
-LayerNorm that lsmini can represent with an lsmini-backed module that keeps torch's forward signature, layout
-(``batch_first`` or not, unbatched inputs), mask arguments, training mode, device, dtype and state_dict keys.
+every torch.nn.TransformerEncoder, TransformerDecoder, TransformerEncoderLayer, TransformerDecoderLayer,
+LayerNorm and RMSNorm that lsmini can represent with an lsmini-backed module that keeps torch's forward signature,
+layout (``batch_first`` or not, unbatched inputs), mask arguments, training mode, device, dtype and state_dict keys.
 An nn.Transformer keeps its class (its forward only checks shapes and calls its encoder and decoder): its
 encoder and decoder are converted. The replacements reuse the original nn.Parameter objects wherever
 lsmini's layout is torch's, so tied weights stay tied; a decoder's cross-attention ``in_proj`` is the one
@@ -25,6 +25,10 @@ Masks: lsmini supports key padding masks and causal self-attention, nothing else
 Outputs at padded positions are unspecified (torch's own inference fast path returns zeros there, lsmini
 does not); compare and use the unpadded ones.
 
+Layers built with bias=False, and layers whose norms were replaced by nn.RMSNorm (all of a layer's norms one
+kind; a stack's final norm either kind), become lsmini layers with bias=False / norm="rmsnorm". nn.RMSNorm's
+eps=None is torch.finfo(dtype).eps of the module's dtype at conversion.
+
 A module convert cannot represent is left as it is, whole (a stack with one unsupported layer keeps all of
 them), and listed in the report with the reason; nothing is replaced before every module is decided.
 """
@@ -37,13 +41,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lsmini.layers import (LayerNorm, TransformerConfig, TransformerDecoder, TransformerDecoderLayer,
+from lsmini.layers import (LayerNorm, RMSNorm, TransformerConfig, TransformerDecoder, TransformerDecoderLayer,
                            TransformerEncoder, TransformerEncoderLayer)
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch,
-                                   key_padding_mask_from_torch, self_attention_is_causal, torch_layer)
+                                   key_padding_mask_from_torch, norm_eps, self_attention_is_causal, torch_layer)
 
-__all__ = ["convert", "unconvert", "ConversionReport", "ConvertedLayerNorm", "ConvertedTransformerEncoderLayer",
-           "ConvertedTransformerDecoderLayer", "ConvertedTransformerEncoder", "ConvertedTransformerDecoder"]
+__all__ = ["convert", "unconvert", "ConversionReport", "ConvertedLayerNorm", "ConvertedRMSNorm",
+           "ConvertedTransformerEncoderLayer", "ConvertedTransformerDecoderLayer", "ConvertedTransformerEncoder",
+           "ConvertedTransformerDecoder"]
 
 
 # ---- inputs in torch's conventions → lsmini's -----------------------------------------------------------------
@@ -123,6 +128,10 @@ class ConvertedLayerNorm(LayerNorm):
     (a class of its own so that ``unconvert`` knows what to put back)."""
 
 
+class ConvertedRMSNorm(RMSNorm):
+    """lsmini.layers.RMSNorm in the place of a torch.nn.RMSNorm: same arguments, forward and state_dict."""
+
+
 class ConvertedTransformerEncoderLayer(TransformerEncoderLayer):
     """An lsmini TransformerEncoderLayer with torch.nn.TransformerEncoderLayer's forward:
 
@@ -182,6 +191,8 @@ def _decoder_state_dict_to_torch(module, state_dict, prefix, local_metadata):
         dropped.update((kv_weight, kv_bias))
         for kind, kv in (("weight", kv_weight), ("bias", kv_bias)):
             q = f"{layer}{_CROSS}q_proj_{kind}"
+            if q not in local:  # bias=False
+                continue
             with torch.no_grad():
                 joined[q] = f"{layer}{_CROSS}in_proj_{kind}", torch.cat([local[q], local[kv][rows]])
     for name, value in local.items():
@@ -201,6 +212,8 @@ def _decoder_state_dict_from_torch(module, state_dict, prefix, local_metadata, s
     h = module.config.hidden_size
     current = dict(module.named_parameters())
     for kind, shape in (("weight", (3 * h, h)), ("bias", (3 * h,))):
+        if not module.config.bias and kind == "bias":
+            continue
         kv_parts = {}
         for layer, kv_weight, kv_bias, layer_rows in rows:
             kv_name = kv_weight if kind == "weight" else kv_bias
@@ -316,12 +329,16 @@ def _cross_sources_to_lsmini(torch_layers, prefixes, stacked):
         mha = layer.multihead_attn
         for kind in kv:
             p = getattr(mha, f"in_proj_{kind}")
+            if p is None:  # bias=False
+                continue
             sources[f"{prefix}{_CROSS}q_proj_{kind}"] = _new_parameter(p[:h], p.requires_grad)
             kv[kind].append(p[h:])
             if not stacked:
                 sources[f"{prefix}{_CROSS}kv_proj_{kind}"] = _new_parameter(p[h:], p.requires_grad)
     if stacked:
         for kind, parts in kv.items():
+            if not parts:
+                continue
             grad = getattr(torch_layers[0].multihead_attn, f"in_proj_{kind}").requires_grad
             sources[f"cross_attn_kv_{kind}"] = _new_parameter(torch.cat(parts), grad)
     return sources
@@ -333,7 +350,9 @@ def _cross_sources_to_torch(module):
     sources = {}
     for layer, kv_weight, kv_bias, rows in module._cross_kv_rows():
         for kind, kv in (("weight", kv_weight), ("bias", kv_bias)):
-            q = params[f"{layer}{_CROSS}q_proj_{kind}"]
+            q = params.get(f"{layer}{_CROSS}q_proj_{kind}")
+            if q is None:  # bias=False
+                continue
             sources[f"{layer}{_CROSS}in_proj_{kind}"] = _new_parameter(torch.cat([q, params[kv][rows]]),
                                                                       q.requires_grad)
     return sources
@@ -384,12 +403,14 @@ def _check_plain(module):
 
 
 def _check_norm(norm, name, hidden=None):
-    if isinstance(norm, nn.LayerNorm):
-        _check_class(norm, nn.LayerNorm)
+    if isinstance(norm, (nn.LayerNorm, nn.RMSNorm)):
+        _check_class(norm, nn.LayerNorm if isinstance(norm, nn.LayerNorm) else nn.RMSNorm)
     else:
-        _require(type(norm) is LayerNorm, f"{name} is {type(norm).__name__}, not torch.nn.LayerNorm")
+        _require(type(norm) in (LayerNorm, RMSNorm),
+                 f"{name} is {type(norm).__name__}, not torch.nn.LayerNorm or torch.nn.RMSNorm")
     shape = tuple(norm.normalized_shape)
-    _require(len(shape) == 1, f"{name} normalizes over the last {len(shape)} dimensions {shape}; lsmini's LayerNorm "
+    kind = "RMSNorm" if isinstance(norm, (nn.RMSNorm, RMSNorm)) else "LayerNorm"
+    _require(len(shape) == 1, f"{name} normalizes over the last {len(shape)} dimensions {shape}; lsmini's {kind} "
                               f"normalizes the last one only")
     _require(hidden is None or shape == (hidden,), f"{name} normalizes {shape[0]} features, the layer has {hidden}")
 
@@ -409,7 +430,7 @@ def _layer_config(layer, torch_cls, limits):
                  f"{name} is {type(getattr(layer, name, None)).__name__}, not torch.nn.Dropout")
     try:
         for name in parts["attention"]:
-            check_torch_attention(getattr(layer, name), name)
+            check_torch_attention(layer, name)
         check_torch_linear_norm(layer, parts["norms"])
         config = config_from_torch(layer, *limits)
     except (ValueError, TypeError) as e:
@@ -418,8 +439,9 @@ def _layer_config(layer, torch_cls, limits):
     for name in parts["norms"]:
         norm = getattr(layer, name)
         _check_norm(norm, name, h)
-        _require(norm.eps == config.layer_norm_eps, f"its norms' eps differ ({name}.eps = {norm.eps}, norm1.eps = "
-                                                    f"{config.layer_norm_eps}); lsmini's layer has one")
+        eps = norm_eps(norm, layer.self_attn.in_proj_weight.dtype)
+        _require(eps == config.layer_norm_eps, f"its norms' eps differ ({name}.eps = {norm.eps}, norm1.eps = "
+                                               f"{config.layer_norm_eps}); lsmini's layer has one")
     probs = ", ".join(f"{name}.p={getattr(layer, name).p}" for name in parts["dropouts"])
     _require(len({getattr(layer, name).p for name in parts["dropouts"]}) == 1,
              f"its dropouts differ ({probs}); lsmini's layer applies one dropout after every sub-block")
@@ -440,6 +462,8 @@ def _check_cross_parameters(layers, names, uses):
     and the stacked ones must agree in requires_grad."""
     for kind in ("weight", "bias"):
         params = [getattr(layer.multihead_attn, f"in_proj_{kind}") for layer in layers]
+        if params[0] is None:  # bias=False (the same in every layer: their configs agree)
+            continue
         for p, name in zip(params, names):
             _require(uses[id(p)] == 1, f"{name}multihead_attn.in_proj_{kind} is also used elsewhere; lsmini replaces "
                                        f"it with new parameters, which would untie it")
@@ -490,9 +514,7 @@ def _convert_stack(stack, torch_cls, limits, uses):
         _check_norm(norm, "norm", configs[0].hidden_size)
     config, n, batch_first = configs[0], len(layers), bool(layers[0].self_attn.batch_first)
     sources = dict(stack.named_parameters(remove_duplicate=False))
-    new_norm = None if norm is None else LayerNorm(norm.normalized_shape, eps=norm.eps,
-                                                   elementwise_affine=norm.weight is not None,
-                                                   bias=norm.bias is not None, device="meta")
+    new_norm = None if norm is None else _lsmini_norm(norm)
     if torch_cls is nn.TransformerEncoder:
         new = ConvertedTransformerEncoder(config, n, norm=new_norm, batch_first=batch_first,
                                           enable_nested_tensor=getattr(stack, "enable_nested_tensor", True),
@@ -505,16 +527,25 @@ def _convert_stack(stack, torch_cls, limits, uses):
     return _adopt(new, sources)
 
 
-def _convert_layer_norm(norm):
+def _lsmini_norm(norm, converted=False):
+    """The lsmini LayerNorm / RMSNorm (Converted* when ``converted``) of a torch one, on the meta device."""
+    affine = norm.weight is not None
+    if isinstance(norm, (nn.RMSNorm, RMSNorm)):
+        return (ConvertedRMSNorm if converted else RMSNorm)(norm.normalized_shape, eps=norm.eps,
+                                                            elementwise_affine=affine, device="meta")
+    return (ConvertedLayerNorm if converted else LayerNorm)(norm.normalized_shape, eps=norm.eps,
+                                                            elementwise_affine=affine, bias=norm.bias is not None,
+                                                            device="meta")
+
+
+def _convert_norm(norm):
     _check_norm(norm, "it")
     _check_plain(norm)
-    new = ConvertedLayerNorm(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.weight is not None,
-                             bias=norm.bias is not None, device="meta")
-    return _adopt(new, dict(norm.named_parameters(remove_duplicate=False)))
+    return _adopt(_lsmini_norm(norm, converted=True), dict(norm.named_parameters(remove_duplicate=False)))
 
 
 _TORCH_CLASSES = (nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
-                  nn.LayerNorm)
+                  nn.LayerNorm, nn.RMSNorm)
 
 
 def _state_dict_layout(module):
@@ -525,8 +556,8 @@ def _converted(module, limits, uses):
     """(the replacement, None) or (None, why not)."""
     torch_cls = next(c for c in _TORCH_CLASSES if isinstance(module, c))
     try:
-        if torch_cls is nn.LayerNorm:
-            new = _convert_layer_norm(module)
+        if torch_cls in (nn.LayerNorm, nn.RMSNorm):
+            new = _convert_norm(module)
         elif torch_cls in (nn.TransformerEncoder, nn.TransformerDecoder):
             new = _convert_stack(module, torch_cls, limits, uses)
         else:
@@ -642,7 +673,7 @@ def _swap(report, places):
 
 
 def convert(model, max_batch_tokens=8192, max_seq_len=512):
-    """Replace, in place, the torch.nn Transformer modules and LayerNorms of ``model`` that lsmini can represent
+    """Replace, in place, the torch.nn Transformer modules and norms of ``model`` that lsmini can represent
     with lsmini-backed modules that keep torch's forward signatures, masks, layout and state_dict keys (see
     this module's docstring for the mask rules). Returns a ``ConversionReport`` of what was replaced and of
     what was kept, with the reason.
@@ -682,6 +713,9 @@ def convert(model, max_batch_tokens=8192, max_seq_len=512):
 
 # ---- going back -----------------------------------------------------------------------------------------------
 def _torch_norm(norm, device="meta"):
+    if isinstance(norm, RMSNorm):
+        return nn.RMSNorm(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.weight is not None,
+                          device=device)
     return nn.LayerNorm(norm.normalized_shape, eps=norm.eps, elementwise_affine=norm.weight is not None,
                         bias=norm.bias is not None, device=device)
 
@@ -690,7 +724,7 @@ def _unconverted(module):
     """The torch.nn module a converted one came from, around the same parameters (the decoder's cross-attention
     in_proj joined anew)."""
     sources = dict(module.named_parameters(remove_duplicate=False))
-    if isinstance(module, ConvertedLayerNorm):
+    if isinstance(module, (ConvertedLayerNorm, ConvertedRMSNorm)):
         return _adopt(_torch_norm(module), sources).train(module.training)
     if isinstance(module, (ConvertedTransformerDecoderLayer, ConvertedTransformerDecoder)):
         sources.update(_cross_sources_to_torch(module))
@@ -727,7 +761,7 @@ def _copy_dropouts(dst, src):
             getattr(dst, name).dropout = getattr(src, name).dropout
 
 
-_CONVERTED = (ConvertedLayerNorm, ConvertedTransformerEncoderLayer, ConvertedTransformerDecoderLayer,
+_CONVERTED = (ConvertedLayerNorm, ConvertedRMSNorm, ConvertedTransformerEncoderLayer, ConvertedTransformerDecoderLayer,
               ConvertedTransformerEncoder, ConvertedTransformerDecoder)
 
 

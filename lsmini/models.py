@@ -18,6 +18,12 @@ def _check_common(owner, config, padding_idx, vocabs):
         raise TypeError(f"{owner}: padding_idx must be an int or None, got {type(padding_idx).__name__}")
 
 
+def _check_positions(owner, config, learned_positions):
+    if learned_positions and config.rotary is not None:
+        raise ValueError(f"{owner}: learned_positions=True with config.rotary = {config.rotary}: a rotary model takes "
+                         f"its positions in the attention, not from the embedding")
+
+
 def _output_projection(hidden, vocab, tie_output, device, dtype):
     if tie_output:
         return None
@@ -57,6 +63,7 @@ class Transformer(nn.Module):
         owner = "Transformer"
         _check_common(owner, config, padding_idx, (("src_vocab_size", src_vocab_size),
                                                    ("tgt_vocab_size", tgt_vocab_size)))
+        _check_positions(owner, config, learned_positions)
         if share_embeddings and src_vocab_size != tgt_vocab_size:
             raise ValueError(f"{owner}: share_embeddings=True needs src_vocab_size == tgt_vocab_size, got "
                              f"{src_vocab_size} and {tgt_vocab_size}")
@@ -67,7 +74,7 @@ class Transformer(nn.Module):
 
         def embed(vocab):
             return TransformerEmbedding(vocab, h, padding_idx, config.max_seq_len, config.dropout, learned_positions,
-                                        **kw)
+                                        positions=config.rotary is None, **kw)
 
         self.src_embed = embed(src_vocab_size)
         self.tgt_embed = self.src_embed if share_embeddings else embed(tgt_vocab_size)
@@ -112,12 +119,13 @@ class TransformerLM(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         _check_common("TransformerLM", config, padding_idx, (("vocab_size", vocab_size),))
+        _check_positions("TransformerLM", config, learned_positions)
         kw = {"device": device, "dtype": dtype}
         self.config = config
         self.padding_idx = padding_idx
         h = config.hidden_size
         self.embed = TransformerEmbedding(vocab_size, h, padding_idx, config.max_seq_len, config.dropout,
-                                          learned_positions, **kw)
+                                          learned_positions, positions=config.rotary is None, **kw)
         self.decoder = TransformerEncoder(config, num_layers, **kw)
         self.output_projection = _output_projection(h, vocab_size, tie_output, device, dtype)
 

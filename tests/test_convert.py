@@ -33,12 +33,12 @@ def _quiet_nested_tensor_warning():
 class Seq2Seq(nn.Module):
     """A user's model: token embedding, nn.Transformer, output projection. Tokens [batch, len]."""
 
-    def __init__(self, batch_first=True, norm_first=False, activation="relu", dropout=0.0):
+    def __init__(self, batch_first=True, norm_first=False, activation="relu", dropout=0.0, bias=True):
         super().__init__()
         self.batch_first = batch_first
         self.embed = nn.Embedding(VOCAB, H)
         self.transformer = nn.Transformer(H, HEADS, 2, 2, FFN, dropout=dropout, activation=activation,
-                                          batch_first=batch_first, norm_first=norm_first)
+                                          batch_first=batch_first, norm_first=norm_first, bias=bias)
         self.out = nn.Linear(H, VOCAB)
 
     def forward(self, src, tgt, src_pad=None, tgt_pad=None, tgt_is_causal=None):
@@ -51,9 +51,18 @@ class Seq2Seq(nn.Module):
         return self.out(y if self.batch_first else y.transpose(0, 1))
 
 
-def seq2seq(dtype=torch.float32, seed=0, **kw):
+def seq2seq(dtype=torch.float32, seed=0, rms_norm=False, **kw):
+    """rms_norm: every norm of the nn.Transformer (its layers' and the stacks' final ones) an nn.RMSNorm."""
     torch.manual_seed(seed)
-    return perturb_(Seq2Seq(**kw), seed).to(dtype)
+    model = Seq2Seq(**kw)
+    if rms_norm:
+        for stack in (model.transformer.encoder, model.transformer.decoder):
+            stack.norm = nn.RMSNorm(H, eps=1e-5)
+            for layer in stack.layers:
+                for name in ("norm1", "norm2", "norm3"):
+                    if hasattr(layer, name):
+                        setattr(layer, name, nn.RMSNorm(H, eps=1e-5))
+    return perturb_(model, seed).to(dtype)
 
 
 def converted_copy(model, **kw):
@@ -87,12 +96,15 @@ def grads_by_torch_name(model):
         stack = isinstance(m, ConvertedTransformerDecoder)
         for i, layer in enumerate([f"{p}layers.{i}." for i in range(len(m.layers))] if stack else [p]):
             for kind in ("weight", "bias"):
+                if f"{layer}multihead_attn.q_proj_{kind}" not in grads:  # built with bias=False
+                    continue
                 kv = grads[f"{p}cross_attn_kv_{kind}"][i * h2:(i + 1) * h2] if stack \
                     else grads.pop(f"{layer}multihead_attn.kv_proj_{kind}")
                 q = grads.pop(f"{layer}multihead_attn.q_proj_{kind}")
                 grads[f"{layer}multihead_attn.in_proj_{kind}"] = torch.cat([q, kv])
         if stack:
-            del grads[f"{p}cross_attn_kv_weight"], grads[f"{p}cross_attn_kv_bias"]
+            del grads[f"{p}cross_attn_kv_weight"]
+            grads.pop(f"{p}cross_attn_kv_bias", None)
     return grads
 
 
@@ -261,36 +273,123 @@ class TaggedLayer(nn.TransformerEncoderLayer):
     tag = "mine"
 
 
+# RMSNorm norms and bias=False layers: lsmini layers with norm="rmsnorm" / bias=False.
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rms_norm,bias", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_rms_norm_and_no_bias_transformer_matches_torch(norm_first, rms_norm, bias, dtype):
+    torch_model = seq2seq(dtype, rms_norm=rms_norm, norm_first=norm_first, bias=bias, batch_first=False)
+    model, report = converted_copy(torch_model)
+    assert [r.name for r in report.replaced] == ["transformer.encoder", "transformer.decoder"] and not report.kept
+    enc = model.transformer.encoder
+    assert enc.config.norm == ("rmsnorm" if rms_norm else "layernorm") and enc.config.bias is bias
+    assert isinstance(enc.norm, lsmini.layers.RMSNorm if rms_norm else lsmini.layers.LayerNorm)
+    assert list(model.state_dict()) == list(torch_model.state_dict())
+    src, tgt, src_pad, tgt_pad = batch(1)
+    grad = torch.randn(*tgt.shape, VOCAB, generator=torch.Generator().manual_seed(2)).to(dtype)
+    real = ~tgt_pad
+    inputs = (src, tgt, src_pad, tgt_pad, None)
+    assert_same_run(run_model(model, inputs, grad, real), run_model(torch_model, inputs, grad, real), tol=2e-5)
+    # checkpoints across conversion both ways
+    other, _ = converted_copy(seq2seq(dtype, seed=9, rms_norm=rms_norm, norm_first=norm_first, bias=bias,
+                                      batch_first=False))
+    other.load_state_dict(torch_model.state_dict())
+    fresh = seq2seq(dtype, seed=9, rms_norm=rms_norm, norm_first=norm_first, bias=bias, batch_first=False)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        want = torch_model(*inputs)[real]
+        torch.testing.assert_close(other(*inputs)[real], want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(fresh(*inputs)[real], want, atol=0, rtol=0)
+    # and back: the same modules and function again
+    lsmini.unconvert(model)
+    assert not any(type(m).__module__.startswith("lsmini") for m in model.modules())
+    assert isinstance(model.transformer.encoder.layers[0].norm1, nn.RMSNorm if rms_norm else nn.LayerNorm)
+    with torch.no_grad():
+        torch.testing.assert_close(model(*inputs), torch_model(*inputs), atol=0, rtol=0)
+
+
+def test_standalone_rms_norm_is_converted_and_back():
+    affine, plain = nn.RMSNorm(H, eps=1e-6), nn.RMSNorm(H, elementwise_affine=False)
+    perturb_(affine)
+    model = nn.Sequential(nn.Linear(H, H), affine, nn.Linear(H, H), plain)
+    torch_model = copy.deepcopy(model)
+    report = lsmini.convert(model)
+    assert report.replaced == [("1", "RMSNorm", "ConvertedRMSNorm"), ("3", "RMSNorm", "ConvertedRMSNorm")]
+    assert model[1].weight is affine.weight and model[3].weight is None and model[3].eps is None
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+        g = torch.randn(3, 5, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+        ours, theirs = model.to(dtype), torch_model.to(dtype)
+        outs = []
+        for m in (ours, theirs):
+            m.zero_grad(set_to_none=True)
+            a = x.clone().requires_grad_()
+            y = m(a)
+            y.backward(g)
+            outs.append((y.detach(), a.grad, [p.grad for p in m.parameters()]))
+        (y, gx, gp), (y_t, gx_t, gp_t) = outs
+        tol = 1e-6 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(y, y_t, atol=tol, rtol=tol)
+        torch.testing.assert_close(gx, gx_t, atol=tol, rtol=tol)
+        for a, b in zip(gp, gp_t):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    model.float()
+    assert lsmini.unconvert(model).replaced == [("1", "RMSNorm", "ConvertedRMSNorm"),
+                                                ("3", "RMSNorm", "ConvertedRMSNorm")]
+    assert type(model[1]) is nn.RMSNorm and model[1].weight is affine.weight and model[1].eps == 1e-6
+
+
+def test_norms_lsmini_cannot_represent_are_kept_with_reasons():
+    mixed = nn.TransformerEncoderLayer(H, HEADS, FFN)
+    mixed.norm2 = nn.RMSNorm(H, eps=1e-5)
+    no_weight = nn.TransformerEncoderLayer(H, HEADS, FFN)
+    no_weight.norm1, no_weight.norm2 = nn.RMSNorm(H, elementwise_affine=False), nn.RMSNorm(H, elementwise_affine=False)
+    other_eps = nn.TransformerEncoderLayer(H, HEADS, FFN, layer_norm_eps=1e-5)
+    other_eps.norm1, other_eps.norm2 = nn.RMSNorm(H, eps=1e-5), nn.RMSNorm(H, eps=1e-6)
+    model = nn.ModuleDict({"mixed": mixed, "no_weight": no_weight, "other_eps": other_eps,
+                           "norm_2d": nn.RMSNorm((4, 8))})
+    report = lsmini.convert(model)
+    reasons = {k.name: k.reason for k in report.kept}
+    assert not report.replaced and list(reasons) == ["mixed", "no_weight", "other_eps", "norm_2d"]
+    assert "norms mix LayerNorm and RMSNorm" in reasons["mixed"]
+    assert "norm1 has no weight" in reasons["no_weight"]
+    assert "eps differ" in reasons["other_eps"]
+    assert "last 2 dimensions" in reasons["norm_2d"]
+
+
 def test_report_lists_replaced_and_kept_with_reasons():
     layer = nn.TransformerEncoderLayer(H, HEADS, FFN, dropout=0.0, batch_first=True)
     mixed_stack = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     mixed_stack.layers[1].dropout2.p = 0.3
     differing_stack = nn.TransformerDecoder(nn.TransformerDecoderLayer(H, HEADS, FFN, dropout=0.0), 2)
     differing_stack.layers[1].activation = F.gelu
+    mixed_bias = nn.TransformerEncoderLayer(H, HEADS, FFN, bias=False)
+    mixed_bias.linear1 = nn.Linear(H, FFN)
     model = nn.ModuleDict({
         "layer": copy.deepcopy(layer),
         "tagged": TaggedLayer(H, HEADS, FFN),
         "tanh": nn.TransformerEncoderLayer(H, HEADS, FFN, activation=torch.tanh),
         "doubling": DoublingLayer(H, HEADS, FFN),
-        "no_bias": nn.TransformerEncoderLayer(H, HEADS, FFN, bias=False),
+        "mixed_bias": mixed_bias,
         "mixed_stack": mixed_stack,
         "differing_stack": differing_stack,
         "norm": nn.LayerNorm(H),
         "norm_2d": nn.LayerNorm((4, 8)),
         "seq": nn.Sequential(nn.Linear(H, H), nn.LayerNorm(H, elementwise_affine=False)),
     })
-    kept_before = {n: model[n] for n in ("tanh", "doubling", "no_bias", "mixed_stack", "differing_stack", "norm_2d")}
+    kept_before = {n: model[n] for n in ("tanh", "doubling", "mixed_bias", "mixed_stack", "differing_stack",
+                                         "norm_2d")}
     report = lsmini.convert(model)
     assert report.replaced == [("layer", "TransformerEncoderLayer", "ConvertedTransformerEncoderLayer"),
                                ("tagged", "TaggedLayer", "ConvertedTransformerEncoderLayer"),
                                ("norm", "LayerNorm", "ConvertedLayerNorm"),
                                ("seq.1", "LayerNorm", "ConvertedLayerNorm")]
     reasons = {k.name: (k.type, k.reason) for k in report.kept}
-    assert list(reasons) == ["tanh", "doubling", "no_bias", "mixed_stack", "differing_stack", "norm_2d"]
+    assert list(reasons) == ["tanh", "doubling", "mixed_bias", "mixed_stack", "differing_stack", "norm_2d"]
     assert "activation" in reasons["tanh"][1]
     assert reasons["doubling"] == ("DoublingLayer", "DoublingLayer overrides forward of "
                                                     "torch.nn.TransformerEncoderLayer")
-    assert "bias=False" in reasons["no_bias"][1]
+    assert "biases everywhere or nowhere" in reasons["mixed_bias"][1]
     assert reasons["mixed_stack"][1].startswith("layers.1: its dropouts differ")
     assert "its layers differ" in reasons["differing_stack"][1] and "activation" in reasons["differing_stack"][1]
     assert "last 2 dimensions" in reasons["norm_2d"][1]

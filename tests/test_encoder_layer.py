@@ -135,7 +135,8 @@ def test_state_dict_and_to_torch_roundtrip():
 
 def test_from_torch_rejects_unsupported():
     t = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, bias=False)
-    with pytest.raises(ValueError, match="bias"):
+    t.linear2 = nn.Linear(32, 16)
+    with pytest.raises(ValueError, match="biases everywhere or nowhere"):
         TransformerEncoderLayer.from_torch(t)
     t = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, activation=torch.tanh)
     with pytest.raises(ValueError, match="activation"):

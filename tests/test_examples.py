@@ -213,6 +213,34 @@ def test_lm_resume_gives_the_same_parameters(tmp_path):
     assert_same_params(straight, halves, 6)
 
 
+def test_llama_tiny_trains_resumes_and_generates(tmp_path, capsys):
+    """The Llama-style preset: its options reach the checkpoint, the loss falls, a resumed run ends where a
+    straight one does, and --generate samples from it."""
+    lines = [s for s, _ in builtin_data.generate_pairs(200, 203)]
+    train = write_lines(tmp_path / "train.txt", lines[:180])
+    valid = write_lines(tmp_path / "valid.txt", lines[180:])
+    common = ["--arch", "llama-tiny", "--train", train, "--valid", valid, "--vocab-size", "300", "--block-size", "32",
+              "--max-tokens", "256", "--log-every", "2", "--no-progress", "--num-samples", "0", "--dropout", "0.3",
+              "--lr", "3e-3", "--warmup", "4"]
+    straight, halves = str(tmp_path / "straight"), str(tmp_path / "halves")
+    first = run(train_lm.main, common + ["--save-dir", straight, "--max-steps", "2"])
+    m = run(train_lm.main, common + ["--save-dir", straight, "--max-steps", "12", "--resume"])
+    assert m["valid_loss"] < first["valid_loss"]
+    run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "6"])
+    run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "12", "--resume"])
+    assert_same_params(straight, halves, 12)
+    ckpt = torch.load(os.path.join(halves, "checkpoint_last.pt"), map_location="cpu", weights_only=True)
+    config = ckpt["model_config"]["config"]
+    assert (config["norm"], config["bias"], config["rotary"], config["num_kv_heads"], config["activation"]) == \
+        ("rmsnorm", False, 10000.0, 2, "swiglu")
+    assert not [k for k in ckpt["trainer"]["model"] if "bias" in k or "pos_" in k]
+    capsys.readouterr()
+    assert run(train_lm.main, ["--save-dir", halves, "--generate", "The dog", "--num-samples", "2",
+                               "--max-new-tokens", "5"]) is None
+    out = [s for s in capsys.readouterr().out.splitlines() if s.startswith("sample: ")]
+    assert len(out) == 2 and all(s.startswith("sample: The dog") for s in out)
+
+
 def test_resume_without_checkpoint_is_an_error(corpus, tmp_path):
     with pytest.raises(DataError, match="no checkpoint"):
         run(train_translation.main, data_args(corpus) + SMALL + ["--save-dir", str(tmp_path), "--resume"])

@@ -41,7 +41,7 @@ def _grads_set(layer, value=0.5):
 
 def _path_of(device):
     layer = _layer(device)
-    return kernel_path(layer.options(False), _input(layer))
+    return kernel_path(layer.options(False), _input(layer), layer.layer_params())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -51,9 +51,10 @@ def test_path_follows_the_arguments(device):
     assert _path_of(device) == (device == "cuda")
     if device == "cuda":
         layer = _layer("cuda").float()
-        assert not kernel_path(layer.options(False), _input(layer))
+        assert not kernel_path(layer.options(False), _input(layer), layer.layer_params())
         layer = TransformerEncoderLayer(TransformerConfig(60, 4, 128)).to("cuda", torch.float16)  # head_dim 15
-        assert not kernel_path(layer.options(False), torch.zeros(1, 2, 60, device="cuda", dtype=torch.float16))
+        assert not kernel_path(layer.options(False), torch.zeros(1, 2, 60, device="cuda", dtype=torch.float16),
+                               layer.layer_params())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -172,7 +172,8 @@ def adapt_warmup(args, planned_steps, arch_warmup):
 
 def layer_config(args, arch, activation, max_seq_len):
     """The TransformerConfig fields a checkpoint's model_config stores (max_batch_tokens is per run), from
-    the layer flags and the --arch table row `arch`."""
-    return dict(hidden_size=arch["hidden"], num_heads=arch["heads"], ffn_size=arch["ffn"], dropout=args.dropout,
-                attn_dropout=args.attn_dropout, activation_dropout=args.activation_dropout, activation=activation,
-                pre_layer_norm=args.pre_ln, max_seq_len=max_seq_len)
+    the layer flags and the --arch table row `arch` (its `options`, if any: further TransformerConfig fields,
+    e.g. norm, rotary, num_kv_heads, activation)."""
+    return {**dict(hidden_size=arch["hidden"], num_heads=arch["heads"], ffn_size=arch["ffn"], dropout=args.dropout,
+                   attn_dropout=args.attn_dropout, activation_dropout=args.activation_dropout, activation=activation,
+                   pre_layer_norm=args.pre_ln, max_seq_len=max_seq_len), **arch.get("options", {})}

@@ -1,16 +1,56 @@
 """What the encoder and decoder share: a base for their layers (config check, self-attention and FFN
-parameters, LayerNorms, the input checks, the options of a call, ``recompute``, extra_repr, reorder_cache)
-and a base for their stacks (layer count, final LayerNorm, reorder_cache)."""
+parameters, norms, the input checks, the rotary tables, the options of a call, ``recompute``, extra_repr,
+reorder_cache) and a base for their stacks (layer count, final norm, reorder_cache)."""
 import dataclasses
 
 import torch
 from torch import nn
 
 from lsmini.layers.config import TransformerConfig
-from lsmini.layers.layernorm import LayerNorm
+from lsmini.layers.layernorm import LayerNorm, RMSNorm
 from lsmini.layers.params import SelfAttentionParams, reset_ffn
 from lsmini.layers.spec import LayerOptions
 from lsmini.ops.checks import check_key_padding_mask
+from lsmini.ops.rotary import rotary_cos_sin
+
+
+def make_norm(config, device=None, dtype=None):
+    """The config's norm over hidden_size: LayerNorm (without bias when config.bias is False) or RMSNorm."""
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.hidden_size, eps=config.layer_norm_eps, device=device, dtype=dtype)
+    return LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=config.bias, device=device, dtype=dtype)
+
+
+def norm_params(norm):
+    """(weight, bias) of a LayerNorm or RMSNorm (bias None)."""
+    return norm.weight, getattr(norm, "bias", None)
+
+
+def rotary_tables(config, length, offset, device):
+    """The (cos, sin) float32 [length, rotary_dim] tables of positions offset … offset + length − 1, or None
+    without rotary."""
+    if not config.rotary_dims:
+        return None
+    return rotary_cos_sin(length, config.rotary_dims, config.rotary, offset=offset, device=device)
+
+
+def layer_rotary(owner, config, rotary, x, past):
+    """The (cos, sin) tables a layer call uses: those given (checked: float32 [len, rotary_dim] or [batch, len,
+    rotary_dim] on x's device), else made for positions past … past + len − 1; None without rotary."""
+    if rotary is None:
+        return rotary_tables(config, x.shape[1], past, x.device)
+    if not config.rotary_dims:
+        raise ValueError(f"{owner}: rotary tables were given but the config has no rotary (rotary=None)")
+    b, l, r = x.shape[0], x.shape[1], config.rotary_dims
+    if not (isinstance(rotary, (tuple, list)) and len(rotary) == 2
+            and all(isinstance(t, torch.Tensor) for t in rotary)):
+        raise TypeError(f"{owner}: rotary must be None or a (cos, sin) pair of tensors")
+    for name, t in zip(("cos", "sin"), rotary):
+        if tuple(t.shape) not in ((l, r), (b, l, r)) or t.dtype != torch.float32 or t.device != x.device:
+            raise ValueError(f"{owner}: rotary {name} must be float32 [len, rotary_dim] = [{l}, {r}] or [batch, len, "
+                             f"rotary_dim] = [{b}, {l}, {r}] on {x.device}, got {t.dtype} {tuple(t.shape)} on "
+                             f"{t.device}")
+    return tuple(rotary)
 
 
 def check_config(owner, config):
@@ -97,17 +137,19 @@ class TransformerLayerBase(nn.Module):
         super().__init__()
         check_config(type(self).__name__, config)
         self.config = config
-        self.self_attn = SelfAttentionParams(config.hidden_size, dropout=config.attn_dropout, device=device,
-                                             dtype=dtype)
+        self.self_attn = SelfAttentionParams(config.hidden_size, dropout=config.attn_dropout, heads=config.num_heads,
+                                             kv_heads=config.kv_heads, bias=config.bias, qk_norm=config.qk_norm,
+                                             device=device, dtype=dtype)
 
     def _add_ffn_and_norms(self, device, dtype):
         """linear1/linear2, then norm1..normN (one per block): after the attention parameters, so the
         parameter order (and the optimizer's layout) stays that of torch.nn's layers."""
         c, kw = self.config, {"device": device, "dtype": dtype}
-        self.linear1 = nn.Linear(c.hidden_size, c.ffn_size, **kw)
-        self.linear2 = nn.Linear(c.ffn_size, c.hidden_size, **kw)
+        # a gated FFN's first GEMM gives [gate | up]: 2·ffn rows
+        self.linear1 = nn.Linear(c.hidden_size, (2 if c.gated else 1) * c.ffn_size, bias=c.bias, **kw)
+        self.linear2 = nn.Linear(c.ffn_size, c.hidden_size, bias=c.bias, **kw)
         for i in range(len(self.KINDS)):
-            self.add_module(f"norm{i + 1}", LayerNorm(c.hidden_size, eps=c.layer_norm_eps, **kw))
+            self.add_module(f"norm{i + 1}", make_norm(c, **kw))
         reset_ffn(self.linear1, self.linear2)
         self.dropout = nn.Dropout(c.activation_dropout)
         for i in range(len(self.KINDS)):
@@ -118,13 +160,11 @@ class TransformerLayerBase(nn.Module):
 
     def _self_block(self):
         sa = self.self_attn
-        return (sa.in_proj_weight, sa.in_proj_bias, sa.out_proj.weight, sa.out_proj.bias, self.norm1.weight,
-                self.norm1.bias)
+        return (sa.in_proj_weight, sa.in_proj_bias, sa.out_proj.weight, sa.out_proj.bias, *norm_params(self.norm1))
 
     def _ffn_block(self):
         norm = getattr(self, f"norm{len(self.KINDS)}")
-        return (self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, norm.weight,
-                norm.bias)
+        return (self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, *norm_params(norm))
 
     def blocks(self):
         """Per sub-block its parameters in spec.BLOCK_PARAMS order, in the order the layer runs them."""
@@ -174,8 +214,12 @@ class TransformerLayerBase(nn.Module):
                                self.dropouts() if self.training else (0.0, 0.0, 0.0))
 
     def layer_params(self):
-        """Every block's parameters in one list, as the layer passes them."""
-        return [p for block in self.blocks() for p in block]
+        """Every block's parameters in one list, as the layer passes them; then, with qk_norm, the Q and K
+        norm weights (spec.QK_NORM_PARAMS)."""
+        params = [p for block in self.blocks() for p in block]
+        if self.config.qk_norm:
+            params += [self.self_attn.q_norm_weight, self.self_attn.k_norm_weight]
+        return params
 
     def reorder_cache(self, cache, new_order):
         """Reorder/select the batch entries of a cache (beam search): new_order [batch'] indices."""
@@ -183,12 +227,16 @@ class TransformerLayerBase(nn.Module):
 
     def extra_repr(self):
         c = self.config
+        extra = "".join(f", {name}={getattr(c, name)}" for name, default in
+                        (("norm", "layernorm"), ("bias", True), ("num_kv_heads", None), ("rotary", None),
+                         ("rotary_dim", None), ("qk_norm", False)) if getattr(c, name) != default)
         return (f"hidden={c.hidden_size}, heads={c.num_heads}, ffn={c.ffn_size}, activation={c.activation}, "
-                f"pre_layer_norm={c.pre_layer_norm}")
+                f"pre_layer_norm={c.pre_layer_norm}{extra}")
 
 
 class TransformerStackBase(nn.Module):
-    """``num_layers`` layers of one class sharing a config, plus a final LayerNorm when pre_layer_norm."""
+    """``num_layers`` layers of one class sharing a config, plus a final norm (the config's: LayerNorm or
+    RMSNorm) when pre_layer_norm."""
 
     def __init__(self, config, num_layers, make_layer):
         super().__init__()
@@ -201,9 +249,7 @@ class TransformerStackBase(nn.Module):
 
     def _add_final_norm(self, device, dtype):
         """After the stack's own parameters, as the stacks have always registered it."""
-        c = self.config
-        self.norm = LayerNorm(c.hidden_size, eps=c.layer_norm_eps, device=device, dtype=dtype) \
-            if c.pre_layer_norm else None
+        self.norm = make_norm(self.config, device, dtype) if self.config.pre_layer_norm else None
 
     def _final_norm(self, x):
         return x if self.norm is None else self.norm(x)

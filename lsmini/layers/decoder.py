@@ -2,16 +2,18 @@
 reference, and the stack's one cross-attention K/V GEMM; base.py: what the decoder shares with the encoder).
 
 A TransformerDecoder holds the cross-attention K/V projections of all its layers as ONE parameter
-``cross_attn_kv_weight`` [num_layers·2·hidden, hidden] (rows of layer i: K at [2i·H, (2i+1)·H), V at
-[(2i+1)·H, (2i+2)·H)) with ``cross_attn_kv_bias``: one GEMM over the encoder output gives every
-layer's K and V, and backward needs one GEMM for the encoder-output gradient and one for the weight
-gradient. A standalone TransformerDecoderLayer holds its own [2H, H] projection instead
-(``multihead_attn.kv_proj_weight``).
+``cross_attn_kv_weight`` [num_layers·2·W, hidden], W = kv_heads·head_dim (= hidden without grouped K/V;
+rows of layer i: K at [2i·W, (2i+1)·W), V at [(2i+1)·W, (2i+2)·W)) with ``cross_attn_kv_bias`` (None with
+bias=False): one GEMM over the encoder output gives every layer's K and V, and backward needs one GEMM for
+the encoder-output gradient and one for the weight gradient. A standalone TransformerDecoderLayer holds its
+own [2W, H] projection instead (``multihead_attn.kv_proj_weight``). Cross-attention has no rotary and no
+QK-norm: its queries come from the decoder, its keys from the encoder output.
 """
 import torch
 from torch import nn
 
-from lsmini.layers.base import TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states
+from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
+                                norm_params, rotary_tables)
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch, copy_params,
                                    torch_layer)
 from lsmini.layers.params import CrossAttentionParams, uniform_
@@ -48,10 +50,11 @@ def _check_padding_mask(owner, mask, y, cache):
     check_mask(owner, "padding_mask", mask, y.shape[0], y.shape[1], y.device)
 
 
-def _encoder_kv(options, y, encoder_out, weight, bias, parts):
-    """The [b, ls, H] K/V of every layer from one GEMM over the encoder output, and the slots their gradient
+def _encoder_kv(layer, y, encoder_out, weight, bias, parts):
+    """The [b, ls, W] K/V of every layer from one GEMM over the encoder output, and the slots their gradient
     is gathered in (eager kernel path; else None and plain PyTorch, whose backward autograd derives)."""
-    slots = KVGradSlots(parts) if kernel_path(options, y) and not torch.compiler.is_compiling() else None
+    on_kernels = kernel_path(layer.options(True), y, layer.layer_params())
+    slots = KVGradSlots(parts) if on_kernels and not torch.compiler.is_compiling() else None
     return cross_kv(encoder_out.to(y.dtype).contiguous(), weight, bias, parts, slots), slots
 
 
@@ -69,8 +72,10 @@ class TransformerDecoderLayer(TransformerLayerBase):
 
     Parameter names follow torch.nn.TransformerDecoderLayer (self_attn, multihead_attn, linear1/2,
     norm1/2/3), except that the cross-attention's fused in_proj is split into
-    ``multihead_attn.q_proj_weight`` [H, H] and ``multihead_attn.kv_proj_weight`` [2H, H] (absent when
-    the layer belongs to a TransformerDecoder). ``from_torch`` / ``to_torch`` convert.
+    ``multihead_attn.q_proj_weight`` [H, H] and ``multihead_attn.kv_proj_weight`` [2W, H], W =
+    kv_heads·head_dim (absent when the layer belongs to a TransformerDecoder). ``from_torch`` / ``to_torch``
+    convert. The config's options shape the parameters as TransformerEncoderLayer says; the cross-attention
+    has grouped K/V heads too, but no rotary and no QK-norm.
     Dtypes and the ``recompute`` attribute as TransformerEncoderLayer.
     """
 
@@ -79,6 +84,7 @@ class TransformerDecoderLayer(TransformerLayerBase):
     def __init__(self, config, own_kv=True, device=None, dtype=None):
         super().__init__(config, device, dtype)
         self.multihead_attn = CrossAttentionParams(config.hidden_size, own_kv=own_kv, dropout=config.attn_dropout,
+                                                   kv_width=config.kv_heads * config.head_dim, bias=config.bias,
                                                    device=device, dtype=dtype)
         self._add_ffn_and_norms(device, dtype)
 
@@ -87,14 +93,15 @@ class TransformerDecoderLayer(TransformerLayerBase):
 
     def blocks(self):
         ca = self.multihead_attn
-        cross = (ca.q_proj_weight, ca.q_proj_bias, ca.out_proj.weight, ca.out_proj.bias, self.norm2.weight,
-                 self.norm2.bias)
+        cross = (ca.q_proj_weight, ca.q_proj_bias, ca.out_proj.weight, ca.out_proj.bias, *norm_params(self.norm2))
         return [self._self_block(), cross, self._ffn_block()]
 
-    def _run(self, y, padding_mask, encoder_kv, encoder_padding_mask, kv_slots=None, index=0, cache=None):
-        """The layer once the K/V of the encoder output exist (the decoder stack calls it too)."""
+    def _run(self, y, padding_mask, encoder_kv, encoder_padding_mask, kv_slots=None, index=0, cache=None,
+             rotary=None):
+        """The layer once the K/V of the encoder output (and the rotary tables) exist (the decoder stack calls
+        it too)."""
         return run_layer(self.options(True), y, padding_mask, encoder_kv[0], encoder_kv[1], encoder_padding_mask,
-                         self.layer_params(), kv_slots, index, cache)
+                         self.layer_params(), kv_slots, index, cache, rotary)
 
     def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None, padding_mask=None):
         owner = "TransformerDecoderLayer"
@@ -110,14 +117,15 @@ class TransformerDecoderLayer(TransformerLayerBase):
         cached_kv = cache.get("encoder_kv") if cache is not None else None
         _check_encoder(owner, encoder_out, encoder_padding_mask, y.shape[0], self.config, w, cached_kv)
         dtype = compute_dtype(owner, y, w)
+        rotary = rotary_tables(self.config, y.shape[1], past, y.device)
         with no_autocast(y.device.type):
             y = y.to(dtype).contiguous()
             if cache is None:
-                kv, slots = _encoder_kv(self.options(True), y, encoder_out, ca.kv_proj_weight, ca.kv_proj_bias, 2)
-                return self._run(y, padding_mask, kv, encoder_padding_mask, slots)
+                kv, slots = _encoder_kv(self, y, encoder_out, ca.kv_proj_weight, ca.kv_proj_bias, 2)
+                return self._run(y, padding_mask, kv, encoder_padding_mask, slots, rotary=rotary)
             if cached_kv is None:
                 cached_kv = cache["encoder_kv"] = cross_kv(encoder_out.to(dtype), ca.kv_proj_weight, ca.kv_proj_bias, 2)
-            return self._run(y, None, cached_kv, encoder_padding_mask, cache=cache)
+            return self._run(y, None, cached_kv, encoder_padding_mask, cache=cache, rotary=rotary)
 
     @classmethod
     def from_torch(cls, layer, max_batch_tokens=8192, max_seq_len=512):
@@ -128,17 +136,17 @@ class TransformerDecoderLayer(TransformerLayerBase):
         if not isinstance(layer, nn.TransformerDecoderLayer):
             raise TypeError(f"from_torch: expected torch.nn.TransformerDecoderLayer, got {type(layer).__name__}")
         sa, mha = layer.self_attn, layer.multihead_attn
-        check_torch_attention(sa, "self_attn")
-        check_torch_attention(mha, "multihead_attn")
+        check_torch_attention(layer, "self_attn")
+        check_torch_attention(layer, "multihead_attn")
         check_torch_linear_norm(layer, ("norm1", "norm2", "norm3"))
         config = config_from_torch(layer, max_batch_tokens, max_seq_len)
         new = cls(config, device=sa.in_proj_weight.device, dtype=sa.in_proj_weight.dtype)
         h = config.hidden_size
         src = dict(layer.named_parameters())
-        src["multihead_attn.q_proj_weight"] = mha.in_proj_weight[:h]
-        src["multihead_attn.q_proj_bias"] = mha.in_proj_bias[:h]
-        src["multihead_attn.kv_proj_weight"] = mha.in_proj_weight[h:]
-        src["multihead_attn.kv_proj_bias"] = mha.in_proj_bias[h:]
+        for kind in ("weight", "bias"):
+            p = getattr(mha, f"in_proj_{kind}")
+            if p is not None:
+                src[f"multihead_attn.q_proj_{kind}"], src[f"multihead_attn.kv_proj_{kind}"] = p[:h], p[h:]
         copy_params(new, src)
         return new.train(layer.training)
 
@@ -156,7 +164,8 @@ class TransformerDecoderLayer(TransformerLayerBase):
         src = dict(self.named_parameters())
         with torch.no_grad():
             src["multihead_attn.in_proj_weight"] = torch.cat([ca.q_proj_weight, kv_weight])
-            src["multihead_attn.in_proj_bias"] = torch.cat([ca.q_proj_bias, kv_bias])
+            if kv_bias is not None:
+                src["multihead_attn.in_proj_bias"] = torch.cat([ca.q_proj_bias, kv_bias])
         copy_params(t, src)
         return t.train(self.training)
 
@@ -166,8 +175,9 @@ class TransformerDecoderLayer(TransformerLayerBase):
 
 class TransformerDecoder(TransformerStackBase):
     """``num_layers`` TransformerDecoderLayers sharing one cross-attention K/V projection parameter
-    (``cross_attn_kv_weight`` [num_layers·2·hidden, hidden], ``cross_attn_kv_bias``), plus a final
-    LayerNorm when pre_layer_norm.
+    (``cross_attn_kv_weight`` [num_layers·2·W, hidden], W = kv_heads·head_dim, ``cross_attn_kv_bias``), plus a
+    final norm when pre_layer_norm. With rotary positions the stack makes the tables of the call's positions
+    (offset by cache["step"]) once for all its layers.
 
     forward(y [batch, tgt_len, hidden], encoder_out [batch, src_len, hidden], encoder_padding_mask
     [batch, src_len] bool (True = pad) or None, cache=None, padding_mask=None) → [batch, tgt_len, hidden].
@@ -182,16 +192,21 @@ class TransformerDecoder(TransformerStackBase):
     def __init__(self, config, num_layers, device=None, dtype=None):
         kw = {"device": device, "dtype": dtype}
         super().__init__(config, num_layers, lambda: TransformerDecoderLayer(config, own_kv=False, **kw))
-        h = config.hidden_size
-        self.cross_attn_kv_weight = nn.Parameter(torch.empty(num_layers * 2 * h, h, **kw))
-        self.cross_attn_kv_bias = nn.Parameter(torch.zeros(num_layers * 2 * h, **kw))
+        h, rows = config.hidden_size, num_layers * 2 * config.kv_heads * config.head_dim
+        self.cross_attn_kv_weight = nn.Parameter(torch.empty(rows, h, **kw))
+        if config.bias:
+            self.cross_attn_kv_bias = nn.Parameter(torch.zeros(rows, **kw))
+        else:
+            self.register_parameter("cross_attn_kv_bias", None)
         uniform_(self.cross_attn_kv_weight, h, 3 * h)
         self._add_final_norm(device, dtype)
 
     def layer_kv(self, i):
-        """(weight [2H, H], bias [2H]): views of layer i's rows of the stacked K/V projection."""
-        h2 = 2 * self.config.hidden_size
-        return self.cross_attn_kv_weight[i * h2:(i + 1) * h2], self.cross_attn_kv_bias[i * h2:(i + 1) * h2]
+        """(weight [2W, H], bias [2W] or None): views of layer i's rows of the stacked K/V projection (W =
+        kv_heads·head_dim)."""
+        h2 = 2 * self.config.kv_heads * self.config.head_dim
+        bias = self.cross_attn_kv_bias
+        return self.cross_attn_kv_weight[i * h2:(i + 1) * h2], None if bias is None else bias[i * h2:(i + 1) * h2]
 
     @classmethod
     def from_layers(cls, layers):
@@ -211,7 +226,8 @@ class TransformerDecoder(TransformerStackBase):
                 copy_params(dst, dict(src.named_parameters()))
                 kw, kb = dec.layer_kv(i)
                 kw.copy_(src.multihead_attn.kv_proj_weight)
-                kb.copy_(src.multihead_attn.kv_proj_bias)
+                if kb is not None:
+                    kb.copy_(src.multihead_attn.kv_proj_bias)
         return dec.train(layers[0].training)
 
     def forward(self, y, encoder_out, encoder_padding_mask=None, cache=None, padding_mask=None):
@@ -225,19 +241,20 @@ class TransformerDecoder(TransformerStackBase):
         _check_encoder(owner, encoder_out, encoder_padding_mask, y.shape[0], self.config, w, cached_kv)
         dtype = compute_dtype(owner, y, w)
         parts = 2 * len(self.layers)
+        rotary = rotary_tables(self.config, y.shape[1], past, y.device)
         with no_autocast(y.device.type):
             y = y.to(dtype).contiguous()
             if cache is None:
-                kv, slots = _encoder_kv(self.layers[0].options(True), y, encoder_out, w, self.cross_attn_kv_bias,
-                                        parts)
+                kv, slots = _encoder_kv(self.layers[0], y, encoder_out, w, self.cross_attn_kv_bias, parts)
                 for i, layer in enumerate(self.layers):
-                    y = layer._run(y, padding_mask, kv[2 * i:2 * i + 2], encoder_padding_mask, slots, i)
+                    y = layer._run(y, padding_mask, kv[2 * i:2 * i + 2], encoder_padding_mask, slots, i, rotary=rotary)
             else:
                 if cached_kv is None:
                     cached_kv = cache["encoder_kv"] = cross_kv(encoder_out.to(dtype), w, self.cross_attn_kv_bias,
                                                                parts)
                 layer_caches = cache.setdefault("layers", [{} for _ in self.layers])
                 for i, layer in enumerate(self.layers):
-                    y = layer._run(y, None, cached_kv[2 * i:2 * i + 2], encoder_padding_mask, cache=layer_caches[i])
+                    y = layer._run(y, None, cached_kv[2 * i:2 * i + 2], encoder_padding_mask, cache=layer_caches[i],
+                                   rotary=rotary)
                 cache["step"] = past + y.shape[1]
         return self._final_norm(y)

@@ -14,8 +14,9 @@ class TransformerEmbedding(nn.Module):
 
     ``weight`` [vocab_size, hidden_size] is an ordinary Parameter (share it between modules or tie it
     to an output projection). Positions: a fixed sinusoidal table (buffer ``pos_table``, not in the
-    state_dict) or, with ``learned_positions=True``, a trained Parameter ``pos_embedding``
-    [max_seq_len, hidden_size]. ``padding_idx`` rows are zero and get no gradient (None: no padding).
+    state_dict), with ``learned_positions=True`` a trained Parameter ``pos_embedding`` [max_seq_len,
+    hidden_size], or with ``positions=False`` none (models whose layers apply rotary positions; pos_table
+    is then zeros, which the fused kernel adds). ``padding_idx`` rows are zero and get no gradient (None: no padding).
 
     forward(tokens [batch, len] int64/int32, step=0) → [batch, len, hidden] in weight's dtype; ``step``
     is the position of the first column (incremental decoding). step + len must be ≤ max_seq_len.
@@ -25,7 +26,7 @@ class TransformerEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size, hidden_size, padding_idx, max_seq_len, dropout, learned_positions=False,
-                 device=None, dtype=None):
+                 device=None, dtype=None, positions=True):
         super().__init__()
         for name, v in (("vocab_size", vocab_size), ("hidden_size", hidden_size), ("max_seq_len", max_seq_len)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -36,7 +37,11 @@ class TransformerEmbedding(nn.Module):
                              f"{vocab_size}), got {padding_idx!r}")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"TransformerEmbedding: dropout must be a float in [0, 1), got {dropout!r}")
-        if not learned_positions and hidden_size % 2:
+        if not isinstance(positions, bool):
+            raise TypeError(f"TransformerEmbedding: positions must be a bool, got {type(positions).__name__}")
+        if not positions and learned_positions:
+            raise ValueError("TransformerEmbedding: learned_positions=True needs positions=True")
+        if positions and not learned_positions and hidden_size % 2:
             raise ValueError(f"TransformerEmbedding: sinusoidal positions need an even hidden_size, got {hidden_size} "
                              f"(or use learned_positions=True)")
         kw = {"device": device, "dtype": dtype}
@@ -44,14 +49,16 @@ class TransformerEmbedding(nn.Module):
         self.padding_idx = None if padding_idx is None else padding_idx % vocab_size
         self.dropout = float(dropout)
         self.learned_positions = bool(learned_positions)
+        self.positions = positions
         self.scale = math.sqrt(hidden_size)
         self.check_tokens = True
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, **kw))
         if self.learned_positions:
             self.pos_embedding = nn.Parameter(torch.empty(max_seq_len, hidden_size, **kw))
         else:
-            self.register_buffer("pos_table", sinusoidal_positions(max_seq_len, hidden_size, device=device).to(
-                dtype or torch.get_default_dtype()), persistent=False)
+            table = sinusoidal_positions(max_seq_len, hidden_size, device=device) if positions else \
+                torch.zeros(max_seq_len, hidden_size, device=device)
+            self.register_buffer("pos_table", table.to(dtype or torch.get_default_dtype()), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -78,4 +85,5 @@ class TransformerEmbedding(nn.Module):
 
     def extra_repr(self):
         return (f"{self.vocab_size}, {self.hidden_size}, padding_idx={self.padding_idx}, "
-                f"max_seq_len={self.max_seq_len}, dropout={self.dropout}, learned_positions={self.learned_positions}")
+                f"max_seq_len={self.max_seq_len}, dropout={self.dropout}, learned_positions={self.learned_positions}"
+                f"{'' if self.positions else ', positions=False'}")

@@ -3,7 +3,8 @@ reference; base.py: what the encoder shares with the decoder)."""
 import torch
 from torch import nn
 
-from lsmini.layers.base import TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states
+from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
+                                layer_rotary, rotary_tables)
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch, copy_params,
                                    torch_layer)
 from lsmini.layers.precision import compute_dtype, no_autocast
@@ -26,6 +27,14 @@ class TransformerEncoderLayer(TransformerLayerBase):
     → [batch, len, hidden]. ``causal=True`` makes position i attend to positions ≤ i (decoder-only LMs);
     then ``cache`` (a dict, start with {}) switches to incremental decoding: x holds only the newest
     positions, past keys/values are kept in the cache and padding_mask covers all positions so far.
+    With rotary positions (config.rotary) ``rotary`` may pass the (cos, sin) tables of x's positions
+    (lsmini.ops.rotary.rotary_cos_sin, float32); by default the layer makes those of positions past … past +
+    len − 1 (past: the cached length).
+
+    The config's options (TransformerConfig: norm, bias, num_kv_heads, rotary, qk_norm, gated activations)
+    shape the parameters: no bias parameters with bias=False, RMSNorm norms, a [(heads + 2·kv_heads)·
+    head_dim, hidden] in_proj_weight, a [2·ffn, hidden] linear1 for swiglu/geglu, self_attn.q_norm_weight /
+    k_norm_weight with qk_norm; torch.nn's names are kept.
 
     Parameter names and the state_dict match ``torch.nn.TransformerEncoderLayer`` (self_attn.in_proj_weight,
     self_attn.out_proj, linear1, linear2, norm1, norm2); ``from_torch`` / ``to_torch`` convert. On CUDA
@@ -54,17 +63,19 @@ class TransformerEncoderLayer(TransformerLayerBase):
     def blocks(self):
         return [self._self_block(), self._ffn_block()]
 
-    def forward(self, x, padding_mask=None, causal=False, cache=None):
+    def forward(self, x, padding_mask=None, causal=False, cache=None, rotary=None):
         owner = "TransformerEncoderLayer"
         _check_causal(owner, causal, cache)
         w = self.self_attn.in_proj_weight
         past = cache["k"].shape[2] if cache is not None and "k" in cache else 0
         check_states(owner, "x", x, self.config, w, past)
         check_mask(owner, "padding_mask", padding_mask, x.shape[0], past + x.shape[1], x.device)
+        rotary = layer_rotary(owner, self.config, rotary, x, past)
         dtype = compute_dtype(owner, x, w)
         with no_autocast(x.device.type):
             x = x.to(dtype).contiguous()
-            return run_layer(self.options(causal), x, padding_mask, None, None, None, self.layer_params(), cache=cache)
+            return run_layer(self.options(causal), x, padding_mask, None, None, None, self.layer_params(), cache=cache,
+                             rotary=rotary)
 
     @classmethod
     def from_torch(cls, layer, max_batch_tokens=8192, max_seq_len=512):
@@ -75,7 +86,7 @@ class TransformerEncoderLayer(TransformerLayerBase):
         if not isinstance(layer, nn.TransformerEncoderLayer):
             raise TypeError(f"from_torch: expected torch.nn.TransformerEncoderLayer, got {type(layer).__name__}")
         sa = layer.self_attn
-        check_torch_attention(sa, "self_attn")
+        check_torch_attention(layer, "self_attn")
         check_torch_linear_norm(layer, ("norm1", "norm2"))
         config = config_from_torch(layer, max_batch_tokens, max_seq_len)
         new = cls(config, device=sa.in_proj_weight.device, dtype=sa.in_proj_weight.dtype)
@@ -90,12 +101,13 @@ class TransformerEncoderLayer(TransformerLayerBase):
 
 
 class TransformerEncoder(TransformerStackBase):
-    """``num_layers`` TransformerEncoderLayers, plus a final LayerNorm when pre_layer_norm.
+    """``num_layers`` TransformerEncoderLayers, plus a final norm when pre_layer_norm.
 
     forward(x [batch, len, hidden], padding_mask [batch, len] bool (True = pad) or None, causal=False,
     cache=None) → [batch, len, hidden]. With causal=True and a cache dict (start with {}) it decodes
     incrementally: x holds the newest positions, padding_mask covers every position so far,
-    cache["step"] counts the positions already processed.
+    cache["step"] counts the positions already processed. With rotary positions the stack makes the tables
+    of the call's positions (offset by cache["step"]) once for all its layers.
     """
 
     def __init__(self, config, num_layers, device=None, dtype=None):
@@ -107,8 +119,10 @@ class TransformerEncoder(TransformerStackBase):
         layer_caches = [None] * len(self.layers)
         if cache is not None:
             layer_caches = cache.setdefault("layers", [{} for _ in self.layers])
+        past = cache.get("step", 0) if cache is not None else 0
+        rotary = rotary_tables(self.config, x.shape[1], past, x.device)
         for layer, c in zip(self.layers, layer_caches):
-            x = layer(x, padding_mask, causal, c)
+            x = layer(x, padding_mask, causal, c, rotary)
         if cache is not None:
             cache["step"] = cache.get("step", 0) + x.shape[1]
         return self._final_norm(x)

@@ -25,24 +25,45 @@ def torch_activation(name):
     return {"relu": "relu", "gelu": "gelu", "gelu_tanh": nn.GELU(approximate="tanh")}[name]
 
 
+def norm_eps(norm, dtype):
+    """A torch norm's eps as a number: nn.RMSNorm's eps=None is torch.finfo(dtype).eps of its input."""
+    return torch.finfo(dtype).eps if norm.eps is None else norm.eps
+
+
 def config_from_torch(layer, max_batch_tokens, max_seq_len):
-    """The TransformerConfig of a torch.nn.TransformerEncoderLayer / DecoderLayer. Dropouts map as:
-    dropout1 → dropout, self_attn.dropout → attn_dropout, the FFN's inner dropout → activation_dropout."""
+    """The TransformerConfig of a torch.nn.TransformerEncoderLayer / DecoderLayer (its norms nn.LayerNorm or
+    nn.RMSNorm, built with bias=True or bias=False). Dropouts map as: dropout1 → dropout, self_attn.dropout →
+    attn_dropout, the FFN's inner dropout → activation_dropout."""
     sa = layer.self_attn
     return TransformerConfig(
         hidden_size=sa.embed_dim, num_heads=sa.num_heads, ffn_size=layer.linear1.out_features,
         dropout=layer.dropout1.p, attn_dropout=float(sa.dropout), activation_dropout=layer.dropout.p,
         activation=torch_activation_name(layer), pre_layer_norm=bool(layer.norm_first),
-        layer_norm_eps=layer.norm1.eps, max_batch_tokens=max_batch_tokens, max_seq_len=max_seq_len)
+        layer_norm_eps=norm_eps(layer.norm1, sa.in_proj_weight.dtype), max_batch_tokens=max_batch_tokens,
+        max_seq_len=max_seq_len, norm="rmsnorm" if isinstance(layer.norm1, nn.RMSNorm) else "layernorm",
+        bias=layer.linear1.bias is not None)
 
 
 def torch_layer(torch_cls, config, like, batch_first=True, device=None):
     """An empty torch_cls (nn.TransformerEncoderLayer / DecoderLayer) with config's sizes and dropouts, on
-    like's dtype and device (or on ``device``: "meta" gives a shell whose parameters the caller sets)."""
+    like's dtype and device (or on ``device``: "meta" gives a shell whose parameters the caller sets); its
+    norms nn.RMSNorm for norm="rmsnorm". ValueError for the options torch's layers lack (gated FFN, grouped
+    K/V, rotary, QK-norm)."""
     c = config
+    lacking = [f"{name}={getattr(c, name)!r}" for name, default in
+               (("num_kv_heads", None), ("rotary", None), ("qk_norm", False)) if getattr(c, name) != default]
+    if c.gated:
+        lacking.insert(0, f"activation={c.activation!r}")
+    if lacking:
+        raise ValueError(f"to_torch: torch.nn.{torch_cls.__name__} has no equivalent of {', '.join(lacking)}")
+    kw = {"device": like.device if device is None else device, "dtype": like.dtype}
     t = torch_cls(c.hidden_size, c.num_heads, c.ffn_size, dropout=c.dropout, activation=torch_activation(c.activation),
                   layer_norm_eps=c.layer_norm_eps, batch_first=batch_first, norm_first=c.pre_layer_norm,
-                  device=like.device if device is None else device, dtype=like.dtype)
+                  bias=c.bias, **kw)
+    if c.norm == "rmsnorm":
+        for name in ("norm1", "norm2", "norm3"):
+            if hasattr(t, name):
+                setattr(t, name, nn.RMSNorm(c.hidden_size, eps=c.layer_norm_eps, **kw))
     t.self_attn.dropout = c.attn_dropout
     if hasattr(t, "multihead_attn"):
         t.multihead_attn.dropout = c.attn_dropout
@@ -50,23 +71,47 @@ def torch_layer(torch_cls, config, like, batch_first=True, device=None):
     return t
 
 
-def check_torch_attention(mha, what):
+def _bias_rule(layer):
+    """Whether the torch layer has biases: those of linear1 (lsmini has them everywhere or nowhere)."""
+    return layer.linear1.bias is not None
+
+
+def check_torch_attention(layer, what):
+    """The torch layer's attention ``what`` as lsmini represents it: kdim == vdim == embed_dim, no add_bias_kv /
+    add_zero_attn, biases present exactly when the layer's linear1 has one."""
+    mha, bias = getattr(layer, what), _bias_rule(layer)
     if not mha._qkv_same_embed_dim:
         raise ValueError(f"from_torch: {what} must have kdim == vdim == embed_dim")
-    if mha.in_proj_bias is None or mha.out_proj.bias is None:
-        raise ValueError(f"from_torch: {what} has no biases (bias=False); lsmini layers always have them")
+    if (mha.in_proj_bias is not None, mha.out_proj.bias is not None) != (bias, bias):
+        raise ValueError(f"from_torch: {what}'s biases differ from linear1's (bias={bias}); lsmini layers have "
+                         f"biases everywhere or nowhere")
     if getattr(mha, "bias_k", None) is not None or getattr(mha, "add_zero_attn", False):
         raise ValueError(f"from_torch: {what} uses add_bias_kv / add_zero_attn, which lsmini layers do not support")
 
 
 def check_torch_linear_norm(layer, norms):
-    for name in ("linear1", "linear2"):
-        if getattr(layer, name).bias is None:
-            raise ValueError(f"from_torch: {name} has no bias (bias=False); lsmini layers always have them")
+    """linear1/linear2 biases both present or both absent; the norms all nn.LayerNorm (a weight, and a bias
+    exactly when the linears have them) or all nn.RMSNorm (a weight)."""
+    bias = _bias_rule(layer)
+    if (layer.linear2.bias is not None) != bias:
+        raise ValueError("from_torch: one of linear1 and linear2 has a bias, the other none; lsmini layers have "
+                         "biases everywhere or nowhere")
+    kinds = {type(getattr(layer, name)).__name__ for name in norms}
+    if len(kinds) > 1:
+        raise ValueError(f"from_torch: its norms mix {' and '.join(sorted(kinds))}; an lsmini layer has one kind")
     for name in norms:
         n = getattr(layer, name)
-        if n.weight is None or n.bias is None:
-            raise ValueError(f"from_torch: {name} has no affine weight/bias; lsmini layers always have them")
+        if isinstance(n, nn.RMSNorm):
+            if n.weight is None:
+                raise ValueError(f"from_torch: {name} has no weight (elementwise_affine=False); lsmini layers' "
+                                 f"RMSNorms have one")
+        elif not isinstance(n, nn.LayerNorm):
+            raise ValueError(f"from_torch: {name} is {type(n).__name__}, not torch.nn.LayerNorm or torch.nn.RMSNorm")
+        elif n.weight is None:
+            raise ValueError(f"from_torch: {name} has no affine weight; lsmini layers' LayerNorms have one")
+        elif (n.bias is not None) != bias:
+            raise ValueError(f"from_torch: {name}'s bias differs from linear1's (bias={bias}); lsmini layers have "
+                             f"biases everywhere or nowhere")
 
 
 def copy_params(dst, src):

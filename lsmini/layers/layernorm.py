@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from lsmini.ops.layernorm import layer_norm
+from lsmini.ops.rms_norm import rms_norm
 
 
 def _checked_eps(eps):
@@ -53,3 +54,51 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for ``torch.nn.RMSNorm`` over the last dimension, on lsmini's fused kernel:
+    ``y = x · rsqrt(mean(x², -1) + eps) · weight``.
+
+    Same constructor, parameter name (``weight``; None with elementwise_affine=False) and state_dict as
+    torch's module; eps=None is ``torch.finfo(x.dtype).eps``, as there. Only the last dimension can be
+    normalized.
+    """
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None):
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (int(normalized_shape),)
+        normalized_shape = tuple(normalized_shape)
+        if len(normalized_shape) != 1:
+            raise ValueError(f"RMSNorm: lsmini normalizes the last dimension only; normalized_shape must have one "
+                             f"entry, got {normalized_shape}")
+        if normalized_shape[0] <= 0:
+            raise ValueError(f"RMSNorm: normalized_shape must be positive, got {normalized_shape}")
+        self.normalized_shape = normalized_shape
+        self.eps = None if eps is None else _checked_rms_eps(eps)
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(normalized_shape, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+    def forward(self, x):
+        if x.shape[-1:] != self.normalized_shape:
+            raise ValueError(f"RMSNorm: expected input with last dimension {self.normalized_shape[0]}, got shape "
+                             f"{tuple(x.shape)}")
+        return rms_norm(x, self.weight, None if self.eps is None else _checked_rms_eps(self.eps))
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+def _checked_rms_eps(eps):
+    """RMSNorm's eps: a real number > 0 (the op's rule; None means torch.finfo(x.dtype).eps)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
+        raise ValueError(f"RMSNorm: eps must be a number > 0 or None, got {eps!r}")
+    return eps

@@ -2,7 +2,8 @@
 (csrc/layers/layer.cpp: the whole forward and the whole backward, one call each, their plan computed there)
 under one autograd Function, ``LayerFunction``, in eager and compiled code alike; elsewhere the reference
 layer (reference.py), whose backward autograd derives. Which one runs depends only on the call's arguments:
-``kernel_path``.
+``kernel_path``; the options the operators do not implement yet are named by ``kernel_unsupported``, and such
+calls run the reference (with a warning on CUDA).
 
 Gradients only where autograd asks: the backward hands the operator the parameters' existing ``.grad``
 tensors to add their gradients into (a GEMM's beta = 1 instead of a fresh gradient that autograd then adds
@@ -12,11 +13,13 @@ with nothing watching (``_C.layer_grad_into`` decides: hooks, ``retain_grad``, `
 graph's backward returns every gradient: autograd's accumulation is part of what the compiler traced.
 
 Cross-attention of a decoder stack: the encoder output is the same input to every layer's K/V projection, so
-one GEMM ([b·ls, H] × [H, L·2H]) gives them all, and each layer takes its K and V as [b, ls, H] column blocks
-of that one output. In eager code ``CrossKVFunction`` makes that GEMM and hands its backward one stacked
-gradient that the layers' backward filled in place (``KVGradSlots``: each layer's operator writes its dK/dV
-into its columns). Compiled and reference code make the same GEMM as plain PyTorch.
+one GEMM ([b·ls, H] × [H, L·2W], W = kv_heads·head_dim) gives them all, and each layer takes its K and V as
+[b, ls, W] column blocks of that one output. In eager code ``CrossKVFunction`` makes that GEMM and hands its
+backward one stacked gradient that the layers' backward filled in place (``KVGradSlots``: each layer's operator
+writes its dK/dV into its columns). Compiled and reference code make the same GEMM as plain PyTorch.
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -24,33 +27,59 @@ from torch.autograd.function import once_differentiable
 from lsmini import _backend
 from lsmini.layers.precision import cast_block, no_autocast
 from lsmini.layers.reference import reference_layer
-from lsmini.layers.spec import PARAMS_PER_BLOCK
+from lsmini.layers.spec import GATED, PARAMS_PER_BLOCK
 from lsmini.ops.attention import fused_attention_supported
 from lsmini.ops.bias_dropout_residual import bias_grad
 
 
-def kernel_path(options, x):
-    """True when a layer call on x runs the operators: CUDA, the extension built and not forced off, a dtype
-    and head_dim the fused attention kernel has."""
-    return x.is_cuda and fused_attention_supported(x.dtype, options.head_dim) and _backend.use_kernels(x)
+def kernel_unsupported(options, params):
+    """None when the operators (csrc/layers/layer.cpp) implement every option of this call, else a short
+    reason naming what they lack (the reference implements everything)."""
+    if options.norm != "layer_norm":
+        return f"norm={options.norm}"
+    if options.activation in GATED:
+        return f"activation={options.activation}"
+    if any(p is None for p in params):  # only biases are ever absent
+        return "absent biases"
+    if options.kv_heads != options.heads:
+        return f"kv_heads={options.kv_heads} != heads={options.heads}"
+    if options.rotary_dim:
+        return f"rotary_dim={options.rotary_dim}"
+    if options.qk_norm:
+        return "qk_norm"
+    return None
+
+
+def kernel_path(options, x, params):
+    """True when a layer call on x with params runs the operators: CUDA, the extension built and not forced
+    off, a dtype and head_dim the fused attention kernel has, and every option supported there
+    (``kernel_unsupported``; on CUDA a warning names the option that sends the call to the reference)."""
+    if not (x.is_cuda and fused_attention_supported(x.dtype, options.head_dim) and _backend.use_kernels(x)):
+        return False
+    reason = kernel_unsupported(options, params)
+    if reason is not None:
+        warnings.warn(f"lsmini layer: the fused layer kernels do not support {reason} yet; this layer runs the "
+                      f"reference layer (plain PyTorch)", stacklevel=3)
+        return False
+    return True
 
 
 class KVGradSlots:
-    """The [b·ls, P·H] gradient of a decoder stack's cross-attention K/V projection, filled column block by
-    column block by the layers' backward (layer i writes blocks 2i and 2i+1) and handed whole to
-    CrossKVFunction."""
+    """The [b·ls, P·W] gradient of a decoder stack's cross-attention K/V projection (W = kv_heads·head_dim
+    columns per K or V), filled column block by column block by the layers' backward (layer i writes blocks
+    2i and 2i+1) and handed whole to CrossKVFunction."""
 
     def __init__(self, parts):
         self.parts = parts
-        self.shape = self.dtype = self.device = None  # (b, ls, hidden), set by CrossKVFunction.forward
+        self.shape = self.dtype = self.device = None  # (b, ls, W), set by CrossKVFunction.forward
         self.buf = self.views = None
 
     def slot(self, index):
-        """[dK, dV], [b, ls, H] views for layer ``index``."""
+        """[dK, dV], [b, ls, W] views for layer ``index``."""
         if self.buf is None:
-            b, ls, hidden = self.shape
-            self.buf = torch.empty(b * ls, self.parts * hidden, dtype=self.dtype, device=self.device)
-            self.views = self.buf.view(b, ls, self.parts, hidden).unbind(2)
+            b, ls, width = self.shape
+            self.buf = torch.empty(b * ls, self.parts * width, dtype=self.dtype, device=self.device)
+            self.views = self.buf.view(b, ls, self.parts, width).unbind(2)
         return [self.views[2 * index], self.views[2 * index + 1]]
 
     def collect(self, grads):
@@ -69,22 +98,23 @@ class KVGradSlots:
 
 
 class CrossKVFunction(torch.autograd.Function):
-    """apply(enc [b, ls, H], weight [P·H, H], bias [P·H], slots) → P views [b, ls, H] of ONE GEMM over the
-    encoder output: the K/V of every decoder layer. weight/bias as the module holds them (cast here,
-    gradients in their dtypes)."""
+    """apply(enc [b, ls, H], weight [P·W, H], bias [P·W] or None, slots) → P views [b, ls, W] of ONE GEMM
+    over the encoder output: the K/V of every decoder layer (W = kv_heads·head_dim). weight/bias as the
+    module holds them (cast here, gradients in their dtypes)."""
 
     @staticmethod
     def forward(ctx, enc, weight, bias, slots):
         b, ls, hidden = enc.shape
+        width = weight.shape[0] // slots.parts
         enc2d = enc.reshape(b * ls, hidden)
         weight_c, bias_c = cast_block((weight, bias), enc.dtype)
-        kv = torch.addmm(bias_c.to(enc.dtype), enc2d, weight_c.t())
-        slots.shape, slots.dtype, slots.device = (b, ls, hidden), kv.dtype, kv.device
+        kv = torch.mm(enc2d, weight_c.t()) if bias is None else torch.addmm(bias_c.to(enc.dtype), enc2d, weight_c.t())
+        slots.shape, slots.dtype, slots.device = (b, ls, width), kv.dtype, kv.device
         ctx.save_for_backward(enc2d, weight_c)
-        ctx.dtypes = weight.dtype, bias.dtype, bias_c.dtype
+        ctx.dtypes = weight.dtype, None if bias is None else (bias.dtype, bias_c.dtype)
         ctx.slots, ctx.enc_shape = slots, enc.shape
         ctx.set_materialize_grads(False)
-        return kv.view(b, ls, slots.parts, hidden).unbind(2)
+        return kv.view(b, ls, slots.parts, width).unbind(2)
 
     @staticmethod
     @once_differentiable
@@ -92,10 +122,11 @@ class CrossKVFunction(torch.autograd.Function):
         enc2d, weight_c = ctx.saved_tensors
         if all(g is None for g in grads):
             return None, None, None, None
-        weight_dtype, bias_dtype, bias_compute_dtype = ctx.dtypes
+        weight_dtype, bias_dtypes = ctx.dtypes
         with no_autocast(enc2d.device.type):
             grad_kv = ctx.slots.collect(grads)
-            grad_bias = bias_grad(grad_kv, bias_compute_dtype, kernels=True).to(bias_dtype)
+            grad_bias = None if bias_dtypes is None else \
+                bias_grad(grad_kv, bias_dtypes[1], kernels=True).to(bias_dtypes[0])
             grad_enc = torch.mm(grad_kv, weight_c).view(ctx.enc_shape) if ctx.needs_input_grad[0] else None
             grad_weight = None
             if ctx.needs_input_grad[1]:
@@ -105,13 +136,15 @@ class CrossKVFunction(torch.autograd.Function):
 
 
 def cross_kv(enc, weight, bias, parts, slots=None):
-    """The ``parts`` [b, ls, H] K/V column blocks of one GEMM over enc [b, ls, H] with a decoder's stacked
-    projection: CrossKVFunction where ``slots`` is given (eager kernel path), plain PyTorch otherwise."""
+    """The ``parts`` [b, ls, W] K/V column blocks (W = weight rows / parts = kv_heads·head_dim) of one GEMM
+    over enc [b, ls, H] with a decoder's stacked projection (bias may be None): CrossKVFunction where
+    ``slots`` is given (eager kernel path), plain PyTorch otherwise."""
     if slots is not None:
         return CrossKVFunction.apply(enc, weight, bias, slots)
-    b, ls, hidden = enc.shape
+    b, ls, _ = enc.shape
     weight, bias = cast_block((weight, bias), enc.dtype)
-    return F.linear(enc, weight, bias.to(enc.dtype)).view(b, ls, parts, hidden).unbind(2)
+    kv = F.linear(enc, weight, None if bias is None else bias.to(enc.dtype))
+    return kv.view(b, ls, parts, weight.shape[0] // parts).unbind(2)
 
 
 def _contiguous_strides(shape):
@@ -177,14 +210,18 @@ class LayerFunction(torch.autograd.Function):
 
 
 def run_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, kv_slots=None,
-              layer_index=0, cache=None):
+              layer_index=0, cache=None, rotary=None):
     """One layer call: x [b, l, H] contiguous in the compute dtype; params as the module holds them (every
-    block's six, spec.BLOCK_PARAMS); encoder_k/encoder_v [b, ls, H] for a layer with a cross block. The
+    block's six, spec.BLOCK_PARAMS, then spec.QK_NORM_PARAMS with qk_norm); encoder_k/encoder_v [b, ls,
+    kv_heads·head_dim] for a layer with a cross block; rotary: None, or (cos, sin) float32 [l, rotary_dim]
+    or [b, l, rotary_dim] for x's positions (lsmini.ops.rotary.rotary_cos_sin) when options.rotary_dim. The
     operators when ``kernel_path`` (and no cache), else the reference layer (with the GEMM weights cast to
     x's dtype)."""
-    if cache is None and kernel_path(options, x):
+    if cache is None and kernel_path(options, x, params):
         return LayerFunction.apply(options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v,
                                    encoder_padding_mask, *params)
+    n = PARAMS_PER_BLOCK * len(options.kinds)
     cast = [p for i in range(len(options.kinds))
             for p in cast_block(params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)], x.dtype)]
-    return reference_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cast, cache)
+    return reference_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
+                           cast + list(params[n:]), cache, rotary)

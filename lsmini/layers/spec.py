@@ -5,12 +5,15 @@ csrc/layers/layer.cpp) and the reference (reference.py).
 A layer is a sequence of blocks — "self" attention, "cross" attention, "ffn" — each with the six
 parameters of ``BLOCK_PARAMS``: its core's input and output GEMM weights and biases, then its norm's
 weight and bias. ``LayerOptions`` holds everything else a call needs. Block kinds of newer models are new
-values of these fields, not new code paths: ``norm`` ("layer_norm"; RMSNorm would be "rms_norm", fused
-with the residual add), ``activation`` (a gated FFN — SwiGLU, GeGLU — would be an activation whose first GEMM
-has 2·ffn rows), ``kv_heads`` (fewer K/V heads than ``heads``: a QKV weight of (heads + 2·kv_heads)·head_dim
-rows), ``rotary_dim`` (rotary positions applied to Q/K in the attention's load), and absent biases (None
-entries). The kernel path checks each field and names what it does not support; the reference implements
-what it supports the same way.
+values of these fields, not new code paths: ``norm`` ("layer_norm" or "rms_norm": x·rsqrt(mean(x²) + eps)·weight,
+no bias), ``activation`` ("relu", "gelu", "gelu_tanh", or a gated FFN "swiglu"/"geglu" whose first GEMM has
+2·ffn rows [gate | up]: dropout(act(gate)·up), act silu or erf gelu), ``kv_heads`` (dividing ``heads``: a QKV
+weight of (heads + 2·kv_heads)·head_dim rows [Q | K | V], query head h reading K/V head h // (heads //
+kv_heads)), ``rotary_dim`` (0, or rotary positions, rotate-half, on the first rotary_dim dims of each head of the
+self-attention's Q and K, from cos/sin tables the caller passes), ``qk_norm`` (an RMSNorm over head_dim on each
+head of the self-attention's Q and K before rotary, its two weights [head_dim] after every block's parameters:
+``QK_NORM_PARAMS``) and absent biases (None entries). The kernel path names what it does not support
+(runtime.kernel_unsupported); the reference implements every option.
 """
 import math
 from typing import NamedTuple
@@ -19,6 +22,11 @@ from typing import NamedTuple
 BLOCK_PARAMS = ("weight_in", "bias_in", "weight_out", "bias_out", "norm_weight", "norm_bias")
 PARAMS_PER_BLOCK = len(BLOCK_PARAMS)
 GEMM_WEIGHTS = (0, 2)  # positions of the GEMM weights within a block's parameters
+# After every block's parameters, with qk_norm: the RMSNorm weights [head_dim] of the self-attention's Q and K.
+QK_NORM_PARAMS = ("q_norm_weight", "k_norm_weight")
+# TransformerConfig.norm → LayerOptions.norm
+NORMS = {"layernorm": "layer_norm", "rmsnorm": "rms_norm"}
+GATED = {"swiglu": "silu", "geglu": "gelu"}  # gated activations → the activation of their gate
 
 
 class LayerOptions(NamedTuple):
@@ -44,6 +52,7 @@ class LayerOptions(NamedTuple):
     causal: bool
     recompute: bool
     rotary_dim: int
+    qk_norm: bool
 
     @classmethod
     def of(cls, kinds, config, training, causal, recompute=True, dropouts=None):
@@ -53,11 +62,11 @@ class LayerOptions(NamedTuple):
             dropouts = (config.dropout, config.attn_dropout, config.activation_dropout)
         dropout, attn_dropout, activation_dropout = (float(p) if training else 0.0 for p in dropouts)
         return cls(kinds=tuple(kinds), hidden=config.hidden_size, ffn=config.ffn_size, heads=config.num_heads,
-                   kv_heads=config.num_heads, head_dim=config.head_dim, scale=1.0 / math.sqrt(config.head_dim),
-                   eps=float(config.layer_norm_eps), norm="layer_norm", pre_ln=config.pre_layer_norm,
+                   kv_heads=config.kv_heads, head_dim=config.head_dim, scale=1.0 / math.sqrt(config.head_dim),
+                   eps=float(config.layer_norm_eps), norm=NORMS[config.norm], pre_ln=config.pre_layer_norm,
                    activation=config.activation, training=training, dropout=dropout, attn_dropout=attn_dropout,
                    activation_dropout=activation_dropout, causal=bool(causal), recompute=bool(recompute),
-                   rotary_dim=0)
+                   rotary_dim=config.rotary_dims, qk_norm=config.qk_norm)
 
     def op_args(self):
         """The options as the operators' schemas take them (after the tensors)."""
