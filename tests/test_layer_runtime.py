@@ -229,14 +229,29 @@ def test_layer_operators_name_the_problem():
         op(x[..., :32], *args[1:])
     with pytest.raises(RuntimeError, match="x must be float16 or bfloat16"):
         op(x.float(), *args[1:])
-    with pytest.raises(RuntimeError, match="norm 'rms_norm' is not supported"):
+    with pytest.raises(RuntimeError, match="unknown norm 'batch_norm'"):
+        op(*_op_args(layer, x, norm="batch_norm"))
+    with pytest.raises(RuntimeError, match=r"norm_bias\) must be None with norm rms_norm"):
         op(*_op_args(layer, x, norm="rms_norm"))
     with pytest.raises(RuntimeError, match=r"kv_heads \(2\) must equal heads \(4\)"):
         op(*_op_args(layer, x, kv_heads=2))
-    with pytest.raises(RuntimeError, match="rotary_dim must be 0"):
+    with pytest.raises(RuntimeError, match="rotary_dim > 0 needs both rotary_cos and rotary_sin"):
         op(*_op_args(layer, x, rotary_dim=16))
-    with pytest.raises(RuntimeError, match="unknown activation 'swiglu'"):
-        op(*_op_args(layer, x, activation="swiglu"))
+    with pytest.raises(RuntimeError, match=r"rotary_dim must be 0 or even and in \[2, head_dim = 16\]"):
+        op(*_op_args(layer, x, rotary_dim=3))
+    table = torch.ones(9, 8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"rotary_cos must be float32 \[len=9, rotary_dim=16\]"):
+        op(*_op_args(layer, x, rotary_dim=16), table, table)
+    with pytest.raises(RuntimeError, match="rotary_cos / rotary_sin given with rotary_dim 0"):
+        op(*args, table, table)
+    with pytest.raises(RuntimeError, match="unknown activation 'swish'"):
+        op(*_op_args(layer, x, activation="swish"))
+    with pytest.raises(RuntimeError, match=r"params\[6\] \(block 1, parameter 0\) must be a \[256, 64\]"):
+        op(*_op_args(layer, x, activation="swiglu"))  # a gated FFN's first weight has 2·ffn rows
+    no_weight = list(args[5])
+    no_weight[2] = None
+    with pytest.raises(RuntimeError, match=r"params\[2\] \(block 0, parameter 2\) must be given"):
+        op(*args[:5], no_weight, *args[6:])
     y, state = op(*args)
     back = torch.ops.lsmini.layer_backward.default
     rest = (layer.layer_params(), [], [], [], *layer.options(False).op_args())

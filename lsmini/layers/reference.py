@@ -8,9 +8,11 @@ against it.
 Blocks and parameters as spec.py describes them:
 
     pre-norm:  r ← r + dropout(core(norm(r)) + bias_out)     post-norm:  r ← norm(r + dropout(core(r) + bias_out))
-    self:   QKV = x·weight_inᵀ + bias_in → attention over its heads → ·weight_outᵀ
+    self:   QKV = x·weight_inᵀ + bias_in → rotary on Q, K (rotary_dim > 0) → attention → ·weight_outᵀ
     cross:  Q = x·weight_inᵀ + bias_in, K/V given ([b, ls, H]) → attention → ·weight_outᵀ
-    ffn:    dropout(act(x·weight_inᵀ + bias_in)) → ·weight_outᵀ
+    ffn:    dropout(act(x·weight_inᵀ + bias_in)) → ·weight_outᵀ; swiglu/geglu: h = x·weight_inᵀ + bias_in
+            ([2F]: [gate | up]) → dropout(act(gate)·up), act silu or gelu (glu_ref) → ·weight_outᵀ
+    norm:   layer_norm (weight, bias) or rms_norm (weight); any bias may be None (absent)
 
 Incremental decoding (``cache``, a dict): x holds the newest positions; the self-attention block appends
 its keys and values to ``cache["k"/"v"]`` ([b, heads, t, d]; a layer has one self-attention block) and its
@@ -24,7 +26,12 @@ from lsmini.layers.spec import PARAMS_PER_BLOCK
 from lsmini.ops.attention import attention_ref
 from lsmini.ops.bias_act_dropout import bias_act_dropout_ref
 from lsmini.ops.bias_dropout_residual import bias_dropout_residual_ref
+from lsmini.ops.glu import glu_ref
 from lsmini.ops.layernorm import layer_norm_ref
+from lsmini.ops.rms_norm import rms_norm_ref
+from lsmini.ops.rotary import rotary_ref
+
+GLU_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu"}  # a gated FFN's activation → glu_ref's
 
 
 def heads(t, count):
@@ -33,14 +40,26 @@ def heads(t, count):
     return t.view(b, l, count, width // count).transpose(1, 2)
 
 
-def _core(kind, x, p, o, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cache):
+def _norm(o, x, weight, bias):
+    if o.norm == "rms_norm":
+        return rms_norm_ref(x, weight, o.eps)
+    return layer_norm_ref(x, weight, bias, o.eps)
+
+
+def _core(kind, x, p, o, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cache, rotary):
     w_in, b_in, w_out = p[0], p[1], p[2]
     if kind == "ffn":
-        hidden = bias_act_dropout_ref(F.linear(x, w_in), b_in, o.activation, o.activation_dropout, o.training)
+        if o.activation in GLU_ACTIVATIONS:
+            h = F.linear(x, w_in, None if b_in is None else b_in.to(x.dtype))
+            hidden = glu_ref(h, None, GLU_ACTIVATIONS[o.activation], o.activation_dropout, o.training)
+        else:
+            hidden = bias_act_dropout_ref(F.linear(x, w_in), b_in, o.activation, o.activation_dropout, o.training)
         return F.linear(hidden, w_out)
     projection = F.linear(x, w_in, None if b_in is None else b_in.to(x.dtype))
     if kind == "self":
         q, k, v = (heads(t, o.heads) for t in projection.chunk(3, dim=-1))
+        if o.rotary_dim:
+            q, k = rotary_ref(q, k, *rotary)
         if cache is not None:
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
@@ -54,17 +73,19 @@ def _core(kind, x, p, o, key_padding_mask, encoder_k, encoder_v, encoder_padding
     return F.linear(context.transpose(1, 2).reshape(b, l, o.hidden), w_out)
 
 
-def reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, cache=None):
+def reference_layer(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, cache=None,
+                    rotary=None):
     """One layer: x [b, l, H] in the compute dtype → [b, l, H]. params: every block's six parameters
-    (spec.BLOCK_PARAMS) with the GEMM weights in x's dtype (precision.cast_block); encoder_k/encoder_v
-    [b, ls, H] for a layer with a cross block; cache: a dict for incremental decoding (see the module
-    docstring), or None."""
+    (spec.BLOCK_PARAMS, None for an absent bias) with the GEMM weights in x's dtype (precision.cast_block);
+    encoder_k/encoder_v [b, ls, H] for a layer with a cross block; cache: a dict for incremental decoding (see
+    the module docstring), or None; rotary: (cos, sin) float32 [l, rotary_dim] or [b, l, rotary_dim] for the
+    positions of x when o.rotary_dim > 0 (lsmini.ops.rotary.rotary_cos_sin)."""
     r = x
     for i, kind in enumerate(o.kinds):
         p = params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)]
         bias_out, norm_weight, norm_bias = p[3], p[4], p[5]
-        u = layer_norm_ref(r, norm_weight, norm_bias, o.eps) if o.pre_ln else r
-        c = _core(kind, u, p, o, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cache)
+        u = _norm(o, r, norm_weight, norm_bias) if o.pre_ln else r
+        c = _core(kind, u, p, o, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cache, rotary)
         s = bias_dropout_residual_ref(c, bias_out, r, o.dropout, o.training)
-        r = s if o.pre_ln else layer_norm_ref(s, norm_weight, norm_bias, o.eps)
+        r = s if o.pre_ln else _norm(o, s, norm_weight, norm_bias)
     return r

@@ -2,7 +2,7 @@
 (csrc/layers/layer.cpp: the whole forward and the whole backward, one call each, their plan computed there)
 under one autograd Function, ``LayerFunction``, in eager and compiled code alike; elsewhere the reference
 layer (reference.py), whose backward autograd derives. Which one runs depends only on the call's arguments:
-``kernel_path``.
+``kernel_path`` (and ``kernel_unsupported``: the options the operators do not implement).
 
 Gradients only where autograd asks: the backward hands the operator the parameters' existing ``.grad``
 tensors to add their gradients into (a GEMM's beta = 1 instead of a fresh gradient that autograd then adds
@@ -17,6 +17,8 @@ of that one output. In eager code ``CrossKVFunction`` makes that GEMM and hands 
 gradient that the layers' backward filled in place (``KVGradSlots``: each layer's operator writes its dK/dV
 into its columns). Compiled and reference code make the same GEMM as plain PyTorch.
 """
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -29,10 +31,28 @@ from lsmini.ops.attention import fused_attention_supported
 from lsmini.ops.bias_dropout_residual import bias_grad
 
 
-def kernel_path(options, x):
+def kernel_unsupported(options, params):
+    """None when the operators implement a layer call with these options and parameters (every block's six,
+    spec.BLOCK_PARAMS, None for an absent bias), else a short reason: the call then runs the reference."""
+    if options.kv_heads != options.heads:
+        return f"kv_heads ({options.kv_heads}) != heads ({options.heads})"
+    if getattr(options, "qk_norm", False):
+        return "qk_norm"
+    return None
+
+
+def kernel_path(options, x, params=()):
     """True when a layer call on x runs the operators: CUDA, the extension built and not forced off, a dtype
-    and head_dim the fused attention kernel has."""
-    return x.is_cuda and fused_attention_supported(x.dtype, options.head_dim) and _backend.use_kernels(x)
+    and head_dim the fused attention kernel has, and options the operators implement (``kernel_unsupported``;
+    on CUDA a warning names what they lack)."""
+    if not x.is_cuda:
+        return False
+    reason = kernel_unsupported(options, params)
+    if reason is not None:
+        warnings.warn(f"lsmini: the layer runs the reference layer: its kernel path does not support {reason}",
+                      stacklevel=2)
+        return False
+    return fused_attention_supported(x.dtype, options.head_dim) and _backend.use_kernels(x)
 
 
 class KVGradSlots:
@@ -125,10 +145,10 @@ def _contiguous_strides(shape):
 def _param_grads(params, into, grads, grads_other):
     """Each parameter's gradient as lsmini::layer_backward returns them (its schema's comment): in order, those
     of params[0]'s dtype in grads and those of the other dtype in grads_other, each at the next multiple of 64
-    elements; None for the parameters whose gradient went into their .grad."""
+    elements; None for the absent parameters (None) and those whose gradient went into their .grad."""
     out, ends = [], [0, 0]
     for p, g in zip(params, into):
-        if g is not None:
+        if p is None or g is not None:
             out.append(None)
             continue
         b = 0 if p.dtype == params[0].dtype else 1
@@ -139,24 +159,28 @@ def _param_grads(params, into, grads, grads_other):
 
 class LayerFunction(torch.autograd.Function):
     """apply(options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-    *params) → y [b, l, H]: one layer on the kernel path. x contiguous in the compute dtype (float16 or
-    bfloat16); params as the module holds them (the operator casts the GEMM weights, and backward returns
-    each gradient in its parameter's dtype); encoder_k/encoder_v [b, ls, H] for a layer with a cross block.
-    kv_slots/layer_index: where the layer's backward writes dK/dV in eager code (KVGradSlots), or None."""
+    rotary_cos, rotary_sin, *params) → y [b, l, H]: one layer on the kernel path. x contiguous in the compute
+    dtype (float16 or bfloat16); params as the module holds them, None for an absent bias (the operator casts
+    the GEMM weights, and backward returns each gradient in its parameter's dtype); encoder_k/encoder_v
+    [b, ls, H] for a layer with a cross block; rotary_cos/rotary_sin the float32 rotary tables ([l, rotary_dim]
+    or [b, l, rotary_dim]) when options.rotary_dim > 0, else None. kv_slots/layer_index: where the layer's
+    backward writes dK/dV in eager code (KVGradSlots), or None."""
 
     @staticmethod
     def forward(ctx, options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                *params):
+                rotary_cos, rotary_sin, *params):
         y, state = torch.ops.lsmini.layer.default(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                                                  list(params), *options.op_args())
-        ctx.save_for_backward(state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params)
+                                                  list(params), *options.op_args(), rotary_cos, rotary_sin)
+        ctx.save_for_backward(state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, rotary_cos,
+                              rotary_sin, *params)
         ctx.options, ctx.kv_slots, ctx.layer_index = options, kv_slots, layer_index
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params = ctx.saved_tensors
+        (state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, rotary_cos, rotary_sin,
+         *params) = ctx.saved_tensors
         into = [None] * len(params)
         kv_into = []
         if not torch.compiler.is_compiling():  # a compiled backward returns every gradient (module docstring)
@@ -166,25 +190,31 @@ class LayerFunction(torch.autograd.Function):
         index = [i for i, g in enumerate(into) if g is not None]
         grad_x, grads, grads_other, grad_k, grad_v = torch.ops.lsmini.layer_backward.default(
             grad.contiguous(), state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, index,
-            [into[i] for i in index], kv_into, *ctx.options.op_args())
+            [into[i] for i in index], kv_into, *ctx.options.op_args(), rotary_cos, rotary_sin)
         param_grads = [g if need else None for g, need in
-                       zip(_param_grads(params, into, grads, grads_other), ctx.needs_input_grad[8:])]
+                       zip(_param_grads(params, into, grads, grads_other), ctx.needs_input_grad[10:])]
         if encoder_k is None:
             grad_k = grad_v = None
         elif kv_into:
             grad_k, grad_v = kv_into
-        return (None, None, None, grad_x, None, grad_k, grad_v, None, *param_grads)
+        return (None, None, None, grad_x, None, grad_k, grad_v, None, None, None, *param_grads)
 
 
 def run_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, kv_slots=None,
-              layer_index=0, cache=None):
+              layer_index=0, cache=None, rotary=None):
     """One layer call: x [b, l, H] contiguous in the compute dtype; params as the module holds them (every
-    block's six, spec.BLOCK_PARAMS); encoder_k/encoder_v [b, ls, H] for a layer with a cross block. The
-    operators when ``kernel_path`` (and no cache), else the reference layer (with the GEMM weights cast to
-    x's dtype)."""
-    if cache is None and kernel_path(options, x):
+    block's six, spec.BLOCK_PARAMS, None for an absent bias); encoder_k/encoder_v [b, ls, H] for a layer with a
+    cross block; rotary: None, or (cos, sin) float32 [l, rotary_dim] or [b, l, rotary_dim] for the positions of
+    x (lsmini.ops.rotary.rotary_cos_sin) when options.rotary_dim > 0. The operators when ``kernel_path`` (and no
+    cache), else the reference layer (with the GEMM weights cast to x's dtype)."""
+    if (rotary is None) != (options.rotary_dim == 0):
+        raise ValueError(f"run_layer: rotary must be (cos, sin) tables exactly when options.rotary_dim > 0; got "
+                         f"rotary_dim {options.rotary_dim} and rotary {'None' if rotary is None else 'tables'}")
+    if cache is None and kernel_path(options, x, params):
+        cos, sin = rotary if rotary is not None else (None, None)
         return LayerFunction.apply(options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v,
-                                   encoder_padding_mask, *params)
+                                   encoder_padding_mask, cos, sin, *params)
     cast = [p for i in range(len(options.kinds))
             for p in cast_block(params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)], x.dtype)]
-    return reference_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cast, cache)
+    return reference_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, cast, cache,
+                           rotary=rotary)

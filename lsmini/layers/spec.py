@@ -5,12 +5,12 @@ csrc/layers/layer.cpp) and the reference (reference.py).
 A layer is a sequence of blocks — "self" attention, "cross" attention, "ffn" — each with the six
 parameters of ``BLOCK_PARAMS``: its core's input and output GEMM weights and biases, then its norm's
 weight and bias. ``LayerOptions`` holds everything else a call needs. Block kinds of newer models are new
-values of these fields, not new code paths: ``norm`` ("layer_norm"; RMSNorm would be "rms_norm", fused
-with the residual add), ``activation`` (a gated FFN — SwiGLU, GeGLU — would be an activation whose first GEMM
-has 2·ffn rows), ``kv_heads`` (fewer K/V heads than ``heads``: a QKV weight of (heads + 2·kv_heads)·head_dim
-rows), ``rotary_dim`` (rotary positions applied to Q/K in the attention's load), and absent biases (None
-entries). The kernel path checks each field and names what it does not support; the reference implements
-what it supports the same way.
+values of these fields, not new code paths: ``norm`` ("layer_norm" or "rms_norm", whose norm_bias is None),
+``activation`` (relu, gelu, gelu_tanh, or a gated FFN — "swiglu", "geglu" — whose first GEMM has 2·ffn rows,
+[gate | up]), ``kv_heads`` (fewer K/V heads than ``heads``: a QKV weight of (heads + 2·kv_heads)·head_dim
+rows), ``rotary_dim`` (rotary positions on Q/K of the self-attention block, from (cos, sin) tables the caller
+passes), and absent biases (None entries). What the kernel path does not implement,
+``runtime.kernel_unsupported`` names, and such a call runs the reference.
 """
 import math
 from typing import NamedTuple
