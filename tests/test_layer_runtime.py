@@ -8,7 +8,7 @@ import torch
 
 from layer_testing import DEVICES, _one_thread, _poison_freed_memory, padding_mask, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerEncoder, TransformerEncoderLayer
-from lsmini.layers.runtime import kernel_path
+from lsmini.layers.runtime import kernel_path, kernel_unsupported, run_layer
 
 DROPOUTS = {"dropout": 0.1, "attn_dropout": 0.15, "activation_dropout": 0.2}
 
@@ -54,6 +54,34 @@ def test_path_follows_the_arguments(device):
         assert not kernel_path(layer.options(False), _input(layer))
         layer = TransformerEncoderLayer(TransformerConfig(60, 4, 128)).to("cuda", torch.float16)  # head_dim 15
         assert not kernel_path(layer.options(False), torch.zeros(1, 2, 60, device="cuda", dtype=torch.float16))
+
+
+def test_kernel_unsupported_names_what_the_operators_lack():
+    """The operators take RMSNorm, gated FFNs, absent biases and rotary; fewer K/V heads than query heads they
+    do not, and kernel_unsupported names that."""
+    layer = _layer("cpu")
+    options, params = layer.options(False), layer.layer_params()
+    for fields in ({}, {"norm": "rms_norm"}, {"activation": "swiglu"}, {"activation": "geglu"}, {"rotary_dim": 8}):
+        assert kernel_unsupported(options._replace(**fields), params) is None, fields
+    assert kernel_unsupported(options, [p if i % 2 == 0 else None for i, p in enumerate(params)]) is None
+    assert "kv_heads" in kernel_unsupported(options._replace(kv_heads=2), params)
+
+
+def test_run_layer_needs_rotary_tables_exactly_with_rotary_dim():
+    layer = _layer("cpu")
+    x, params = _input(layer), layer.layer_params()
+    with pytest.raises(ValueError, match="rotary must be"):
+        run_layer(layer.options(False)._replace(rotary_dim=8), x, None, None, None, None, params)
+    tables = (torch.ones(9, 8), torch.zeros(9, 8))
+    with pytest.raises(ValueError, match="rotary must be"):
+        run_layer(layer.options(False), x, None, None, None, None, params, rotary=tables)
+
+
+@pytest.mark.cuda
+def test_unsupported_options_run_the_reference_with_a_warning():
+    layer = _layer("cuda")
+    with pytest.warns(UserWarning, match=r"kv_heads \(2\) != heads \(4\)"):
+        assert not kernel_path(layer.options(False)._replace(kv_heads=2), _input(layer), layer.layer_params())
 
 
 @pytest.mark.parametrize("device", DEVICES)
