@@ -187,3 +187,24 @@ def test_compiled_matches_eager(case):
     assert torch.equal(y_c, y_e)
     for i, (c, e) in enumerate(zip(g_c, g_e)):
         torch.testing.assert_close(c, e, msg=lambda m: f"grad {i}: {m}")
+
+
+@pytest.mark.parametrize("case", ["llama", "decoder", "no_bias"])
+def test_opcheck_layer_ops_with_options(case):
+    """Schema and Meta implementations of lsmini::layer and lsmini::layer_backward (shapes, dtypes and strides
+    of every output under fake tensors and dynamic shapes) with absent parameters and rotary tables; the
+    gradient tensors hold exactly the parameters given."""
+    options, x, params, rotary, kv, masks, grad = _setup(case, torch.float16)
+    tables = tuple(rotary) if rotary is not None else (None, None)
+    layer_op, layer_backward_op = torch.ops.lsmini.layer.default, torch.ops.lsmini.layer_backward.default
+    forward_args = (x, masks[0], kv[0], kv[1], masks[1], params, *options.op_args(), *tables)
+    torch.library.opcheck(layer_op, forward_args, test_utils=("test_schema", "test_faketensor"))
+    y, state = layer_op(*forward_args)
+    _, grads, grads_other, _, _ = layer_backward_op(grad, state, x, masks[0], kv[0], kv[1], masks[1], params, [], [],
+                                                    [], *options.op_args(), *tables)
+    given = [p for p in params if p is not None]
+    main = sum((p.numel() + 63) // 64 * 64 for p in given if p.dtype == params[0].dtype)
+    other = sum((p.numel() + 63) // 64 * 64 for p in given if p.dtype != params[0].dtype)
+    assert (grads.numel(), grads_other.numel()) == (main, other)
+    torch.library.opcheck(layer_backward_op, (grad, state, x, masks[0], kv[0], kv[1], masks[1], params, [], [], [],
+                                              *options.op_args(), *tables))
