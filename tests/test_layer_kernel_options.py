@@ -208,3 +208,23 @@ def test_opcheck_layer_ops_with_options(case):
     assert (grads.numel(), grads_other.numel()) == (main, other)
     torch.library.opcheck(layer_backward_op, (grad, state, x, masks[0], kv[0], kv[1], masks[1], params, [], [], [],
                                               *options.op_args(), *tables))
+
+
+def test_stacked_cross_kv_without_bias():
+    """A decoder stack's one K/V GEMM with no bias (eager kernel path: CrossKVFunction): the views and the
+    gradients of the encoder output and the weight equal plain PyTorch's, and no bias gradient appears."""
+    from lsmini.layers.runtime import KVGradSlots, cross_kv
+
+    gen = torch.Generator().manual_seed(4)
+    enc = torch.randn(B, LS, H, generator=gen).to("cuda", torch.float16)
+    weight = (torch.randn(4 * H, H, generator=gen) / H ** 0.5).to("cuda", torch.float16)
+    out_grads = [torch.randn(B, LS, H, generator=gen).to("cuda", torch.float16) for _ in range(4)]
+
+    def step(slots):
+        e, w = _leaf(enc), _leaf(weight)
+        views = cross_kv(e, w, None, 4, slots)
+        torch.autograd.backward(views, out_grads)
+        return [*views, e.grad, w.grad]
+
+    for got, want in zip(step(KVGradSlots(4)), step(None)):
+        torch.testing.assert_close(got, want)

@@ -89,8 +89,8 @@ class KVGradSlots:
 
 
 class CrossKVFunction(torch.autograd.Function):
-    """apply(enc [b, ls, H], weight [P·H, H], bias [P·H], slots) → P views [b, ls, H] of ONE GEMM over the
-    encoder output: the K/V of every decoder layer. weight/bias as the module holds them (cast here,
+    """apply(enc [b, ls, H], weight [P·H, H], bias [P·H] or None, slots) → P views [b, ls, H] of ONE GEMM over
+    the encoder output: the K/V of every decoder layer. weight/bias as the module holds them (cast here,
     gradients in their dtypes)."""
 
     @staticmethod
@@ -98,10 +98,10 @@ class CrossKVFunction(torch.autograd.Function):
         b, ls, hidden = enc.shape
         enc2d = enc.reshape(b * ls, hidden)
         weight_c, bias_c = cast_block((weight, bias), enc.dtype)
-        kv = torch.addmm(bias_c.to(enc.dtype), enc2d, weight_c.t())
+        kv = torch.mm(enc2d, weight_c.t()) if bias is None else torch.addmm(bias_c.to(enc.dtype), enc2d, weight_c.t())
         slots.shape, slots.dtype, slots.device = (b, ls, hidden), kv.dtype, kv.device
         ctx.save_for_backward(enc2d, weight_c)
-        ctx.dtypes = weight.dtype, bias.dtype, bias_c.dtype
+        ctx.dtypes = weight.dtype, None if bias is None else (bias.dtype, bias_c.dtype)
         ctx.slots, ctx.enc_shape = slots, enc.shape
         ctx.set_materialize_grads(False)
         return kv.view(b, ls, slots.parts, hidden).unbind(2)
@@ -112,10 +112,12 @@ class CrossKVFunction(torch.autograd.Function):
         enc2d, weight_c = ctx.saved_tensors
         if all(g is None for g in grads):
             return None, None, None, None
-        weight_dtype, bias_dtype, bias_compute_dtype = ctx.dtypes
+        weight_dtype, bias_dtypes = ctx.dtypes
         with no_autocast(enc2d.device.type):
             grad_kv = ctx.slots.collect(grads)
-            grad_bias = bias_grad(grad_kv, bias_compute_dtype, kernels=True).to(bias_dtype)
+            grad_bias = None
+            if bias_dtypes is not None:
+                grad_bias = bias_grad(grad_kv, bias_dtypes[1], kernels=True).to(bias_dtypes[0])
             grad_enc = torch.mm(grad_kv, weight_c).view(ctx.enc_shape) if ctx.needs_input_grad[0] else None
             grad_weight = None
             if ctx.needs_input_grad[1]:
@@ -131,7 +133,8 @@ def cross_kv(enc, weight, bias, parts, slots=None):
         return CrossKVFunction.apply(enc, weight, bias, slots)
     b, ls, hidden = enc.shape
     weight, bias = cast_block((weight, bias), enc.dtype)
-    return F.linear(enc, weight, bias.to(enc.dtype)).view(b, ls, parts, hidden).unbind(2)
+    bias = None if bias is None else bias.to(enc.dtype)
+    return F.linear(enc, weight, bias).view(b, ls, parts, hidden).unbind(2)
 
 
 def _contiguous_strides(shape):
