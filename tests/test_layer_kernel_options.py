@@ -176,13 +176,17 @@ def test_gated_activation_dropout_keep_rate(activation):
     assert_dropout_keep_stats(keep, p, name=f"{activation} dropout")
 
 
+@pytest.mark.parametrize("dropout", [False, True])
 @pytest.mark.parametrize("case", ["llama", "decoder", "rms_post"])
-def test_compiled_matches_eager(case):
+def test_compiled_matches_eager(case, dropout):
     """torch.compile(fullgraph=True) runs the same operators (their Meta implementations trace the shapes):
-    the same output and gradients as eager."""
-    options, x, params, rotary, kv, masks, grad = _setup(case, torch.bfloat16)
+    the same output and gradients as eager, with dropout the same draws under the same seed."""
+    train = dict(training=True, dropouts=(0.1, 0.15, 0.2)) if dropout else {}
+    options, x, params, rotary, kv, masks, grad = _setup(case, torch.bfloat16, **train)
     fn = _kernel_fn(options, masks, rotary)
+    torch.manual_seed(7)
     y_e, g_e = _run(fn, x, kv, params, grad)
+    torch.manual_seed(7)
     y_c, g_c = _run(torch.compile(fn, fullgraph=True), x, kv, params, grad)
     assert torch.equal(y_c, y_e)
     for i, (c, e) in enumerate(zip(g_c, g_e)):
