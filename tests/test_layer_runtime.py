@@ -8,7 +8,7 @@ import torch
 
 from layer_testing import DEVICES, _one_thread, _poison_freed_memory, padding_mask, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerEncoder, TransformerEncoderLayer
-from lsmini.layers.runtime import kernel_path
+from lsmini.layers.runtime import kernel_path, kernel_unsupported, run_layer
 
 DROPOUTS = {"dropout": 0.1, "attn_dropout": 0.15, "activation_dropout": 0.2}
 
@@ -55,6 +55,34 @@ def test_path_follows_the_arguments(device):
         layer = TransformerEncoderLayer(TransformerConfig(60, 4, 128)).to("cuda", torch.float16)  # head_dim 15
         assert not kernel_path(layer.options(False), torch.zeros(1, 2, 60, device="cuda", dtype=torch.float16),
                                layer.layer_params())
+
+
+def test_kernel_unsupported_names_what_the_operators_lack():
+    """The operators take RMSNorm, gated FFNs, absent biases and rotary; fewer K/V heads than query heads they
+    do not, and kernel_unsupported names that."""
+    layer = _layer("cpu")
+    options, params = layer.options(False), layer.layer_params()
+    for fields in ({}, {"norm": "rms_norm"}, {"activation": "swiglu"}, {"activation": "geglu"}, {"rotary_dim": 8}):
+        assert kernel_unsupported(options._replace(**fields), params) is None, fields
+    assert kernel_unsupported(options, [p if i % 2 == 0 else None for i, p in enumerate(params)]) is None
+    assert "kv_heads" in kernel_unsupported(options._replace(kv_heads=2), params)
+
+
+def test_run_layer_needs_rotary_tables_exactly_with_rotary_dim():
+    layer = _layer("cpu")
+    x, params = _input(layer), layer.layer_params()
+    with pytest.raises(ValueError, match="rotary must be"):
+        run_layer(layer.options(False)._replace(rotary_dim=8), x, None, None, None, None, params)
+    tables = (torch.ones(9, 8), torch.zeros(9, 8))
+    with pytest.raises(ValueError, match="rotary must be"):
+        run_layer(layer.options(False), x, None, None, None, None, params, rotary=tables)
+
+
+@pytest.mark.cuda
+def test_unsupported_options_run_the_reference_with_a_warning():
+    layer = _layer("cuda")
+    with pytest.warns(UserWarning, match=r"kv_heads \(2\) != heads \(4\)"):
+        assert not kernel_path(layer.options(False)._replace(kv_heads=2), _input(layer), layer.layer_params())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -230,14 +258,29 @@ def test_layer_operators_name_the_problem():
         op(x[..., :32], *args[1:])
     with pytest.raises(RuntimeError, match="x must be float16 or bfloat16"):
         op(x.float(), *args[1:])
-    with pytest.raises(RuntimeError, match="norm 'rms_norm' is not supported"):
+    with pytest.raises(RuntimeError, match="unknown norm 'batch_norm'"):
+        op(*_op_args(layer, x, norm="batch_norm"))
+    with pytest.raises(RuntimeError, match=r"norm_bias\) must be None with norm rms_norm"):
         op(*_op_args(layer, x, norm="rms_norm"))
     with pytest.raises(RuntimeError, match=r"kv_heads \(2\) must equal heads \(4\)"):
         op(*_op_args(layer, x, kv_heads=2))
-    with pytest.raises(RuntimeError, match="rotary_dim must be 0"):
+    with pytest.raises(RuntimeError, match="rotary_dim > 0 needs both rotary_cos and rotary_sin"):
         op(*_op_args(layer, x, rotary_dim=16))
-    with pytest.raises(RuntimeError, match="unknown activation 'swiglu'"):
-        op(*_op_args(layer, x, activation="swiglu"))
+    with pytest.raises(RuntimeError, match=r"rotary_dim must be 0 or even and in \[2, head_dim = 16\]"):
+        op(*_op_args(layer, x, rotary_dim=3))
+    table = torch.ones(9, 8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"rotary_cos must be float32 \[len=9, rotary_dim=16\]"):
+        op(*_op_args(layer, x, rotary_dim=16), table, table)
+    with pytest.raises(RuntimeError, match="rotary_cos / rotary_sin given with rotary_dim 0"):
+        op(*args, table, table)
+    with pytest.raises(RuntimeError, match="unknown activation 'swish'"):
+        op(*_op_args(layer, x, activation="swish"))
+    with pytest.raises(RuntimeError, match=r"params\[6\] \(block 1, parameter 0\) must be a \[256, 64\]"):
+        op(*_op_args(layer, x, activation="swiglu"))  # a gated FFN's first weight has 2·ffn rows
+    no_weight = list(args[5])
+    no_weight[2] = None
+    with pytest.raises(RuntimeError, match=r"params\[2\] \(block 0, parameter 2\) must be given"):
+        op(*args[:5], no_weight, *args[6:])
     y, state = op(*args)
     back = torch.ops.lsmini.layer_backward.default
     rest = (layer.layer_params(), [], [], [], *layer.options(False).op_args())

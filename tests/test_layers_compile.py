@@ -269,7 +269,7 @@ def test_opcheck_layer_ops(kinds, pre, act, recompute, masked, dtype, param_dtyp
                                                   *options.op_args()))
     # against autograd through the Function, from one forward (the same dropout draws)
     torch.manual_seed(3)
-    y = LayerFunction.apply(options, None, 0, x, mask, ek, ev, enc_mask, *params)
+    y = LayerFunction.apply(options, None, 0, x, mask, ek, ev, enc_mask, None, None, *params)
     expected = torch.autograd.grad(y, params, grad)
     torch.manual_seed(3)
     with torch.no_grad():

@@ -10,10 +10,15 @@
 //     self:   weight_in = fused QKV [3H, H]      weight_out = [H, H]
 //     cross:  weight_in = query     [H, H]       K/V come in as inputs: [b, ls, H] column blocks of the decoder
 //                                                stack's one K/V projection (its gradient goes back the same way)
-//     ffn:    weight_in = [F, H], weight_out = [H, F], bias_in added by bias_act_dropout
-// Attention core: QKV GEMM with the bias in its epilogue, the fused attention kernel reading Q/K/V as head
-// views of the projection and writing the merged context, the output GEMM. FFN core: GEMM, bias_act_dropout,
-// GEMM. Every step between GEMMs is an lsmini kernel, called through the bindings' functions (ops.h).
+//     ffn:    weight_in = [F, H], weight_out = [H, F], bias_in added by bias_act_dropout; with a gated
+//             activation (swiglu, geglu) weight_in = [2F, H] = [gate | up] rows, bias_in in the GEMM's epilogue
+// norm: LayerNorm (weight, bias) or RMSNorm (weight; no bias). Any bias (bias_in, bias_out, norm_bias) may be
+// absent (None): no add, no gradient.
+// Attention core: QKV GEMM with the bias in its epilogue, rotary positions on Q and K of a self block (in place
+// in the projection, from the caller's cos/sin tables), the fused attention kernel reading Q/K/V as head views of
+// the projection and writing the merged context, the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu
+// kernel on the [gate | up] output), GEMM. Every step between GEMMs is an lsmini kernel, called through the
+// bindings' functions (ops.h) or, where the layer hands it strided views or room of its own, its launcher.
 //
 // The call's plan — where each tensor its backward needs lies in one saved-state byte buffer, where the
 // dropout states and the GEMM weights cast to the activations' dtype go, where each parameter gradient goes
@@ -23,7 +28,8 @@
 //
 // What forward saves (recompute = true, the default): each block's input, the Q/K/V projection, the
 // attention context and its row log-sum-exp (and, where they take no more memory than q, the attention's
-// dropout keep bits), the first FFN GEMM's output, the norm statistics, each dropout's Philox state;
+// dropout keep bits), the first FFN GEMM's output, the norm statistics (LayerNorm: mean and rstd; RMSNorm:
+// rstd), each dropout's Philox state; the self block's projection holds Q and K rotated;
 // backward recomputes the FFN activation (same mask) and, pre-norm, the norm output. recompute = false
 // saves those instead. With relu the FFN keeps its activation (relu' and the mask are read off it).
 //
@@ -33,7 +39,8 @@
 //     self:   [0, TH) d(context), then the recomputed core input, then d(core input);
 //             [TH', TH' + 3TH) d(core output), then d(QKV)   (TH' = TH aligned to kAlign)
 //     cross:  [0, TH) as above; [TH', TH' + TH) d(core output), then d(Q). dK/dV go to their destinations.
-//     ffn:    [0, TF) the recomputed activation, then its gradient, then (in place) d(first GEMM output).
+//     ffn:    [0, TF) the recomputed activation, then its gradient, then (in place) d(first GEMM output);
+//             gated: [0, TF) as above, then [TF', TF' + 2TF) d(first GEMM output) [gate | up].
 //
 // Gradients: every parameter gradient comes back in one tensor per dtype (views handed to autograd; the GEMMs and
 // the column-sum kernels write theirs in place there), except that a caller may name, per parameter, an
@@ -41,8 +48,10 @@
 // .grad in this very backward (layer_grad_into below decides). A cross block's dK/dV go into caller-given
 // [b, ls, H] tensors when named (the decoder stack's stacked gradient), else into fresh ones.
 //
-// Options that later block kinds will take as new values: norm ("layer_norm"), activation, kv_heads (= heads
-// here), rotary_dim (0 here). The operators check them and say what is not supported.
+// Options: norm ("layer_norm", "rms_norm"), activation ("relu", "gelu", "gelu_tanh", "swiglu", "geglu"),
+// rotary_dim (0, or even in [2, head_dim]: the tables rotary_cos / rotary_sin, float32 [l, rotary_dim] or
+// [b, l, rotary_dim], are then arguments), kv_heads (= heads here). The operators check them and say what is not
+// supported.
 #include "common.h"
 #include "ops.h"
 
@@ -50,7 +59,10 @@
 #include "bias_act_dropout.h"
 #include "bias_dropout_residual.h"
 #include "cast_segments.h"
+#include "glu.h"
 #include "layernorm.h"
+#include "rms_norm.h"
+#include "rotary.h"
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -108,7 +120,11 @@ struct Options {
   int64_t hidden, ffn, heads, head_dim;
   double scale, eps, dropout, attn_dropout, act_dropout;
   bool pre_ln, causal, recompute;
-  int act;
+  bool rms;       // RMSNorm (else LayerNorm)
+  bool glu;       // a gated FFN: act is then a GluAct, the first GEMM has 2·ffn rows
+  int act;        // BiasAct, or GluAct with glu
+  int64_t ffn_in; // rows of the FFN's first GEMM: ffn, or 2·ffn with glu
+  int64_t rotary_dim;
 };
 
 // The operators' option arguments, as the schemas below take them.
@@ -149,15 +165,19 @@ Options options_of(const OpArgs& a, const char* op) {
   }
   LSMINI_CHECK(a.hidden > 0 && a.ffn > 0 && a.heads > 0 && a.hidden % a.heads == 0, op, ": bad sizes (hidden ",
                a.hidden, ", ffn ", a.ffn, ", heads ", a.heads, "): hidden must be a multiple of heads");
-  LSMINI_CHECK(std::string(a.norm) == "layer_norm", op, ": norm '", std::string(a.norm),
-               "' is not supported by the layer runtime (supported: layer_norm)");
+  const std::string norm(a.norm);
+  LSMINI_CHECK(norm == "layer_norm" || norm == "rms_norm", op, ": unknown norm '", norm,
+               "' (expected layer_norm or rms_norm)");
   LSMINI_CHECK(a.kv_heads == a.heads, op, ": kv_heads (", a.kv_heads, ") must equal heads (", a.heads,
                "): fewer K/V heads than query heads are not supported by the layer runtime");
-  LSMINI_CHECK(a.rotary_dim == 0, op, ": rotary_dim must be 0 (rotary positions are not supported by the layer "
-               "runtime), got ", a.rotary_dim);
+  LSMINI_CHECK(norm != "rms_norm" || a.hidden <= kRmsNormMaxHidden, op, ": rms_norm takes hidden <= ",
+               kRmsNormMaxHidden, ", got ", a.hidden);
+  const int64_t head_dim = a.hidden / a.heads;
+  LSMINI_CHECK(a.rotary_dim == 0 || (a.rotary_dim % 2 == 0 && a.rotary_dim >= 2 && a.rotary_dim <= head_dim), op,
+               ": rotary_dim must be 0 or even and in [2, head_dim = ", head_dim, "], got ", a.rotary_dim);
   const std::string act(a.activation);
-  LSMINI_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh", op, ": unknown activation '", act,
-               "' (expected relu, gelu or gelu_tanh)");
+  LSMINI_CHECK(act == "relu" || act == "gelu" || act == "gelu_tanh" || act == "swiglu" || act == "geglu", op,
+               ": unknown activation '", act, "' (expected relu, gelu, gelu_tanh, swiglu or geglu)");
   for (const double p : {a.dropout, a.attn_dropout, a.act_dropout}) {
     LSMINI_CHECK(p >= 0.0 && p < 1.0, op, ": dropout probabilities must be in [0, 1), got ", p);
   }
@@ -174,9 +194,17 @@ Options options_of(const OpArgs& a, const char* op) {
   o.pre_ln = a.pre_ln;
   o.causal = a.causal;
   o.recompute = a.recompute;
-  o.act = int(act == "relu" ? BiasAct::Relu : act == "gelu" ? BiasAct::Gelu : BiasAct::GeluTanh);
+  o.rms = norm == "rms_norm";
+  o.glu = act == "swiglu" || act == "geglu";
+  o.act = o.glu ? int(act == "swiglu" ? GluAct::Silu : GluAct::Gelu)
+                : int(act == "relu" ? BiasAct::Relu : act == "gelu" ? BiasAct::Gelu : BiasAct::GeluTanh);
+  o.ffn_in = o.glu ? 2 * a.ffn : a.ffn;
+  o.rotary_dim = a.rotary_dim;
   return o;
 }
+
+// relu keeps its output for the backward (its derivative is read off it) instead of the GEMM output.
+bool keeps_relu_output(const Options& o) { return !o.glu && o.act == int(BiasAct::Relu); }
 
 // ---- the plan -------------------------------------------------------------------------------------------
 // Int: int64_t for a CUDA call, c10::SymInt for the Meta implementations (symbolic batch and lengths).
@@ -211,7 +239,8 @@ struct SlotPlan {
 
 // The two gradient tensors lsmini::layer_backward returns: the gradients of the parameters of params[0]'s dtype,
 // and those of the parameters of one other dtype (e.g. float32 norm parameters beside float16 weights).
-constexpr int kGradMain = 0, kGradOther = 1, kGradInto = -1;  // kGradInto: added into a .grad the caller names
+// kGradInto: added into a .grad the caller names; kGradNone: an absent parameter (None), no gradient.
+constexpr int kGradMain = 0, kGradOther = 1, kGradInto = -1, kGradNone = -2;
 
 template <typename Int>
 struct Plan {
@@ -221,19 +250,23 @@ struct Plan {
   Int rng_at, cast_at, total;        // bytes: the dropout states, the cast weights, the whole state
   std::vector<int64_t> cast_positions;
   std::vector<Int> cast_at_elements;
-  std::vector<int> grad_buffer;   // per parameter: kGradMain, kGradOther or kGradInto
+  std::vector<int> grad_buffer;   // per parameter: kGradMain, kGradOther, kGradInto or kGradNone
   std::vector<Int> grad_offsets;  // per parameter: elements into its gradient tensor
   std::array<Int, 2> grad_numel{0, 0};
   std::array<bool, 2> grad_gaps{false, false};  // some gradients are followed by alignment padding (zeroed)
   at::ScalarType other_dtype;                   // the dtype of the kGradOther tensor
 };
 
+// Whether an input bias is added in its GEMM's epilogue (attention blocks, gated FFNs), so must be in x's dtype.
+bool bias_in_gemm(Kind kind, const Options& o) { return kind != Kind::Ffn || o.glu; }
+
 // Whether the call casts parameter i (position `position` in a block of `kind`) to dtype: the GEMM weights
-// and an attention block's input bias (added in its GEMM's epilogue) always, when not in dtype; the other
-// vectors only when neither float32 nor dtype (the kernels read float32 or dtype).
-bool needs_cast(Kind kind, int64_t position, at::ScalarType p, at::ScalarType dtype) {
-  const bool gemm = position == 0 || position == 2 || (position == 1 && kind != Kind::Ffn);
-  return p != dtype && (gemm || p != at::kFloat);
+// and an input bias added in its GEMM's epilogue always, when not in dtype; the other vectors only when
+// neither float32 nor dtype (the kernels read float32 or dtype). Absent parameters never.
+bool needs_cast(Kind kind, const Options& o, int64_t position, const at::Tensor& p, at::ScalarType dtype) {
+  if (!p.defined()) return false;
+  const bool gemm = position == 0 || position == 2 || (position == 1 && bias_in_gemm(kind, o));
+  return p.scalar_type() != dtype && (gemm || p.scalar_type() != at::kFloat);
 }
 
 template <typename Int>
@@ -268,10 +301,10 @@ Plan<Int> make_plan(const Options& o, const Int& batch, const Int& q_len, const 
     std::array<std::optional<Value>, kSlots> v;
     v[kCoreInput] = o.pre_ln ? make({t, h}, dtype) : residual;
     if (kind == Kind::Ffn) {
-      if (o.act == int(BiasAct::Relu)) {
+      if (keeps_relu_output(o)) {
         v[kHidden] = make({t, o.ffn}, dtype);
       } else {
-        v[kProjection] = make({t, o.ffn}, dtype);
+        v[kProjection] = make({t, o.ffn_in}, dtype);
         if (!o.recompute) v[kHidden] = make({t, o.ffn}, dtype);
       }
     } else {
@@ -289,7 +322,7 @@ Plan<Int> make_plan(const Options& o, const Int& batch, const Int& q_len, const 
       }
       if (self ? has_mask : has_encoder_mask) v[kMask] = Value{self ? kKeyPaddingMask : kEncoderPaddingMask, -1};
     }
-    v[kMean] = make({t}, at::kFloat);
+    if (!o.rms) v[kMean] = make({t}, at::kFloat);
     v[kRstd] = make({t}, at::kFloat);
     if (o.pre_ln) {
       v[kNormX] = residual;
@@ -344,7 +377,7 @@ Plan<Int> make_plan(const Options& o, const Int& batch, const Int& q_len, const 
   plan.cast_at = align_up<Int>(end + int64_t(2 * o.kinds.size() * 16), kCastAlign);
   Int cast_numel = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!needs_cast(o.kinds[i / kParamsPerBlock], int64_t(i) % kParamsPerBlock, params[i].scalar_type(), dtype)) {
+    if (!needs_cast(o.kinds[i / kParamsPerBlock], o, int64_t(i) % kParamsPerBlock, params[i], dtype)) {
       continue;
     }
     plan.cast_positions.push_back(int64_t(i));
@@ -353,15 +386,21 @@ Plan<Int> make_plan(const Options& o, const Int& batch, const Int& q_len, const 
   }
   plan.total = plan.cast_at + cast_numel * int64_t(c10::elementSize(dtype));
   // the gradients of params[0]'s dtype in one tensor, those of the other dtype in another, each kAlign-aligned
+  // (absent parameters have no gradient and no place)
   plan.other_dtype = params[0].scalar_type();
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!into[i] && params[i].scalar_type() != params[0].scalar_type()) plan.other_dtype = params[i].scalar_type();
+    if (params[i].defined() && !into[i] && params[i].scalar_type() != params[0].scalar_type()) {
+      plan.other_dtype = params[i].scalar_type();
+    }
   }
   for (size_t i = 0; i < params.size(); ++i) {
-    const int b = into[i] ? kGradInto : params[i].scalar_type() == params[0].scalar_type() ? kGradMain : kGradOther;
+    const int b = !params[i].defined() ? kGradNone
+                  : into[i]            ? kGradInto
+                  : params[i].scalar_type() == params[0].scalar_type() ? kGradMain
+                                                                       : kGradOther;
     plan.grad_buffer.push_back(b);
-    plan.grad_offsets.push_back(b == kGradInto ? Int(0) : plan.grad_numel[b]);
-    if (b == kGradInto) continue;
+    plan.grad_offsets.push_back(b < 0 ? Int(0) : plan.grad_numel[b]);
+    if (b < 0) continue;
     TORCH_CHECK(params[i].scalar_type() == (b == kGradMain ? params[0].scalar_type() : plan.other_dtype),
                 "lsmini::layer_backward: the parameters may have at most two dtypes, got ", params[0].scalar_type(),
                 ", ", plan.other_dtype, " and ", params[i].scalar_type());
@@ -377,7 +416,8 @@ int64_t scratch_numel(const Options& o, int64_t tokens) {
   int64_t n = 0;
   for (const Kind kind : o.kinds) {
     const int64_t th = tokens * o.hidden;
-    n = std::max(n, kind == Kind::Ffn ? tokens * o.ffn : align(th) + (kind == Kind::Self ? 3 : 1) * th);
+    const int64_t ffn = o.glu ? align(tokens * o.ffn) + tokens * o.ffn_in : tokens * o.ffn;
+    n = std::max(n, kind == Kind::Ffn ? ffn : align(th) + (kind == Kind::Self ? 3 : 1) * th);
   }
   return n;
 }
@@ -386,12 +426,14 @@ int64_t scratch_numel(const Options& o, int64_t tokens) {
 // column partial sums of a bias or norm gradient, the attention backward's row terms).
 int64_t workspace_numel(const Options& o, int64_t batch, int64_t q_len) {
   const int64_t t = batch * q_len;
-  int64_t n = std::max({2 * layernorm_bwd_partial_rows(t) * o.hidden,
-                        bias_dropout_residual_bwd_partial_slabs(t, o.hidden) * o.hidden, batch * o.heads * q_len});
+  const int64_t norm = o.rms ? rms_norm_bwd_partial_rows(t) * o.hidden : 2 * layernorm_bwd_partial_rows(t) * o.hidden;
+  int64_t n =
+      std::max({norm, bias_dropout_residual_bwd_partial_slabs(t, o.hidden) * o.hidden, batch * o.heads * q_len});
   for (const Kind kind : o.kinds) {
-    const int64_t bias_in = kind == Kind::Ffn ? o.ffn : kind == Kind::Self ? 3 * o.hidden : o.hidden;
-    n = std::max(n, kind == Kind::Ffn ? bias_act_dropout_bwd_partial_slabs(t, bias_in) * bias_in
-                                      : bias_dropout_residual_bwd_partial_slabs(t, bias_in) * bias_in);
+    const int64_t bias_in = kind == Kind::Ffn ? o.ffn_in : kind == Kind::Self ? 3 * o.hidden : o.hidden;
+    // the input bias's column sums: bias_act_dropout's backward, or (added in a GEMM's epilogue) bias_grad's
+    n = std::max(n, bias_in_gemm(kind, o) ? bias_dropout_residual_bwd_partial_slabs(t, bias_in) * bias_in
+                                          : bias_act_dropout_bwd_partial_slabs(t, bias_in) * bias_in);
   }
   return n;
 }
@@ -410,13 +452,18 @@ std::shared_ptr<const Plan<int64_t>> call_plan(const OpArgs& a, const Options& o
   key += '|';
   key += a.activation;
   key += '|';
+  key += a.norm;
+  key += '|';
   for (const auto v : {a.hidden, a.ffn, a.heads, x.size(0), x.size(1), src_len}) put_bytes(key, v);
   for (const auto v : {a.dropout, a.attn_dropout, a.act_dropout}) put_bytes(key, v > 0);
   for (const auto v : {a.pre_ln, a.recompute, has_mask, has_encoder_mask}) put_bytes(key, v);
   put_bytes(key, x.scalar_type());
   for (size_t i = 0; i < params.size(); ++i) {
-    put_bytes(key, params[i].scalar_type());
-    put_bytes(key, params[i].numel());
+    put_bytes(key, params[i].defined());
+    if (params[i].defined()) {
+      put_bytes(key, params[i].scalar_type());
+      put_bytes(key, params[i].numel());
+    }
     put_bytes(key, bool(into[i]));
   }
   constexpr size_t kMaxPlans = 512;
@@ -500,15 +547,6 @@ at::Tensor split(const at::Tensor& merged, const Shape& s, const Options& o) {
   return head_view(merged, s.batch, s.q_len, 0, o);
 }
 
-// x·weightᵀ + bias in one GEMM (the bias, in x's dtype, in its epilogue), into out when given.
-at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const OptTensor& out) {
-  if (out) {
-    at::Tensor dst = *out;
-    return at::addmm_out(dst, bias, x, transposed(weight));
-  }
-  return at::addmm(bias, x, transposed(weight));
-}
-
 // x·weightᵀ, into out when given.
 at::Tensor matmul_t(const at::Tensor& x, const at::Tensor& weight, const OptTensor& out) {
   if (out) {
@@ -516,6 +554,16 @@ at::Tensor matmul_t(const at::Tensor& x, const at::Tensor& weight, const OptTens
     return at::mm_out(dst, x, transposed(weight));
   }
   return at::mm(x, transposed(weight));
+}
+
+// x·weightᵀ + bias in one GEMM (the bias, in x's dtype, in its epilogue; none when absent), into out when given.
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, const OptTensor& out) {
+  if (!bias.defined()) return matmul_t(x, weight, out);
+  if (out) {
+    at::Tensor dst = *out;
+    return at::addmm_out(dst, bias, x, transposed(weight));
+  }
+  return at::addmm(bias, x, transposed(weight));
 }
 
 // Where one parameter's gradient goes: a tensor the GEMM or the final pass adds into (a .grad) or writes
@@ -543,6 +591,16 @@ at::Tensor weight_grad(const at::Tensor& a, const at::Tensor& b, at::ScalarType 
 
 PhiloxTuple draw(double p) { return p > 0 ? philox_seed_offset() : kNoRng; }
 
+OptTensor opt(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
+
+// A parameter's dtype; Undefined for an absent one.
+at::ScalarType dtype_of(const at::Tensor& t) { return t.defined() ? t.scalar_type() : at::ScalarType::Undefined; }
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
 // One block's parameters, BLOCK_PARAMS order (GEMM weights and attention input biases cast to x's dtype),
 // and the dtype of its input bias as the module holds it (its gradient's).
 struct Params {
@@ -555,10 +613,101 @@ Params block_params(const Tensors& params, size_t block, at::ScalarType bias_in_
   return {p[0], p[1], p[2], p[3], p[4], p[5], bias_in_dtype};
 }
 
-// What the attention blocks read besides their parameters ([b, heads, ls, d] encoder K/V).
+// What the attention blocks read besides their parameters ([b, heads, ls, d] encoder K/V; the rotary tables,
+// contiguous float32 [b or 1, l, rotary_dim], when rotary_dim > 0).
 struct Inputs {
-  OptTensor key_padding_mask, encoder_k, encoder_v, encoder_padding_mask;
+  OptTensor key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, rotary_cos, rotary_sin;
 };
+
+// ---- the kernels the layer launches itself (on its own strided views and room) ---------------------------
+// Calls f(T{}, W{}): T the kernel type of dtype, W that of the norm weight w (float32 or dtype; T when absent).
+template <typename F>
+void dispatch_norm_types(at::ScalarType dtype, const at::Tensor& w, const char* op, F&& f) {
+  dispatch_float(dtype, op, [&](auto tag) {
+    using T = typename KernelType<decltype(tag)>::type;
+    if (w.defined() && w.scalar_type() != dtype) {
+      f(T{}, float{});
+    } else {
+      f(T{}, T{});
+    }
+  });
+}
+
+// The block's norm of x [tokens, hidden] (contiguous): (y, mean, rstd), each into out / mean / rstd when given;
+// mean is undefined for RMSNorm.
+std::array<at::Tensor, 3> norm_fwd(const at::Tensor& x, const Params& p, const Options& o, const OptTensor& out,
+                                   const OptTensor& mean = std::nullopt, const OptTensor& rstd = std::nullopt) {
+  if (!o.rms) {
+    const Tensors r = layernorm_fwd(x, opt(p.norm_weight), opt(p.norm_bias), o.eps, out, mean, rstd);
+    return {r[0], r[1], r[2]};
+  }
+  const char* op = "lsmini::layer";
+  const at::Tensor y = out ? *out : at::empty({x.size(0), x.size(1)}, x.options());
+  const at::Tensor r = rstd ? *rstd : at::empty({x.size(0)}, x.options().dtype(at::kFloat));
+  dispatch_norm_types(x.scalar_type(), p.norm_weight, op, [&](auto t, auto w) {
+    using T = decltype(t);
+    using W = decltype(w);
+    check_launch(launch_rms_norm_fwd<T, W>(ptr<const T>(x), nullptr,
+                                           p.norm_weight.defined() ? ptr<const W>(p.norm_weight) : nullptr, nullptr,
+                                           ptr<T>(y), ptr<float>(r), x.size(0), int(x.size(1)), float(o.eps),
+                                           current_stream()),
+                 op);
+  });
+  return {y, at::Tensor(), r};
+}
+
+// Rotary positions on q and k, [b, heads, l, d] views of one projection, in place; backward: on their gradients.
+void rotary_in_place(const at::Tensor& q, const at::Tensor& k, const Inputs& in, const Options& o, bool backward) {
+  const char* op = backward ? "lsmini::layer_backward" : "lsmini::layer";
+  const at::Tensor &cos = *in.rotary_cos, &sin = *in.rotary_sin;
+  const int64_t cs_stride_batch = cos.size(0) == 1 ? 0 : cos.stride(0);
+  dispatch_float(q.scalar_type(), op, [&](auto tag) {
+    using T = typename KernelType<decltype(tag)>::type;
+    auto operand = [](const at::Tensor& x) {
+      RotaryTensors<T> r;
+      r.in = ptr<const T>(x);
+      r.out = ptr<T>(x);
+      r.heads = x.size(1);
+      for (int d = 0; d < 3; ++d) r.in_stride[d] = r.out_stride[d] = x.stride(d);
+      return r;
+    };
+    const auto launch = backward ? &launch_rotary_bwd<T, float> : &launch_rotary_fwd<T, float>;
+    check_launch(launch(operand(q), operand(k), ptr<const float>(cos), ptr<const float>(sin), cs_stride_batch,
+                        cos.stride(1), q.size(0), q.size(2), int(o.head_dim), int(o.rotary_dim), false,
+                        current_stream()),
+                 op);
+  });
+}
+
+// dropout(act(gate)·up) of a contiguous [tokens, 2F] = [gate | up] projection, into out [tokens, F] when given.
+at::Tensor glu_fwd_into(const at::Tensor& projection, const Options& o, const PhiloxTuple& rng, const OptTensor& out) {
+  const char* op = "lsmini::layer";
+  const at::Tensor y = out ? *out : at::empty({projection.size(0), o.ffn}, projection.options());
+  dispatch_float(projection.scalar_type(), op, [&](auto tag) {
+    using T = typename KernelType<decltype(tag)>::type;
+    const T* gate = ptr<const T>(projection);
+    check_launch(launch_glu_fwd<T>(gate, gate + o.ffn, o.ffn_in, ptr<T>(y), projection.size(0), o.ffn, o.act,
+                                   float(o.act_dropout), philox_args(rng, op), current_stream()),
+                 op);
+  });
+  return y;
+}
+
+// The gradient of the [tokens, 2F] projection glu_fwd_into read, from that of its output (contiguous [tokens, F]),
+// into grad_projection (contiguous [tokens, 2F]); the forward's dropout mask drawn again from rng.
+void glu_bwd_into(const at::Tensor& grad_out, const at::Tensor& projection, const Options& o, const PhiloxTuple& rng,
+                  const at::Tensor& grad_projection) {
+  const char* op = "lsmini::layer_backward";
+  dispatch_float(projection.scalar_type(), op, [&](auto tag) {
+    using T = typename KernelType<decltype(tag)>::type;
+    const T* gate = ptr<const T>(projection);
+    T* grad_gate = ptr<T>(grad_projection);
+    check_launch(launch_glu_bwd<T>(ptr<const T>(grad_out), gate, gate + o.ffn, o.ffn_in, grad_gate,
+                                   grad_gate + o.ffn, projection.size(0), o.ffn, o.act, float(o.act_dropout),
+                                   philox_args(rng, op), current_stream()),
+                 op);
+  });
+}
 
 // ---- forward ---------------------------------------------------------------------------------------------
 // Where forward puts the tensors it saves: at(slot, ...) is that slot's view of the state, or none where the
@@ -592,6 +741,7 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
   const at::Tensor q = head_view(projection, s.batch, s.q_len, 0, o);
   const at::Tensor k = self ? head_view(projection, s.batch, s.q_len, 1, o) : *in.encoder_k;
   const at::Tensor v = self ? head_view(projection, s.batch, s.q_len, 2, o) : *in.encoder_v;
+  if (self && o.rotary_dim > 0) rotary_in_place(q, k, in, o, false);  // the saved projection holds them rotated
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
   const int64_t k_len = k.size(2);
@@ -620,12 +770,17 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
 // The FFN core, as attention_core_fwd.
 at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, const Shape& s, at::Tensor* slots,
                    PhiloxTuple& rng, const Destinations& dest, const OptTensor& out_core) {
-  const bool relu = o.act == int(BiasAct::Relu);
+  const bool relu = keeps_relu_output(o);
   const at::ScalarType dtype = x.scalar_type();
-  at::Tensor pre_activation = matmul_t(x, p.weight_in, dest.at(kProjection, {s.tokens, o.ffn}, dtype));
+  // gated: the input bias in the GEMM's epilogue, then the glu kernel on [gate | up]
+  const OptTensor projection_out = dest.at(kProjection, {s.tokens, o.ffn_in}, dtype);
+  at::Tensor pre_activation = o.glu ? project(x, p.weight_in, p.bias_in, projection_out)
+                                    : matmul_t(x, p.weight_in, projection_out);
   rng = draw(o.act_dropout);
+  const OptTensor hidden_out = dest.at(kHidden, {s.tokens, o.ffn}, dtype);
   at::Tensor hidden =
-      bias_act_dropout_fwd(pre_activation, p.bias_in, o.act, o.act_dropout, rng, dest.at(kHidden, {s.tokens, o.ffn}, dtype));
+      o.glu ? glu_fwd_into(pre_activation, o, rng, hidden_out)
+            : bias_act_dropout_fwd(pre_activation, opt(p.bias_in), o.act, o.act_dropout, rng, hidden_out);
   slots[kCoreInput] = x;
   if (relu) {  // relu's derivative is read off its output: keep that, not the GEMM output
     slots[kHidden] = hidden;
@@ -650,11 +805,11 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
   const OptTensor mean = dest.at(kMean, {s.tokens}, at::kFloat), rstd = dest.at(kRstd, {s.tokens}, at::kFloat);
   if (o.pre_ln) {
     const OptTensor normed = dest.at(kCoreInput, {s.tokens, o.hidden}, dtype);
-    const Tensors norm = layernorm_fwd(residual, p.norm_weight, p.norm_bias, o.eps, normed, mean, rstd);
+    const auto norm = norm_fwd(residual, p, o, normed, mean, rstd);
     const at::Tensor out = output ? *output : at::empty({s.tokens, o.hidden}, residual.options());
     const at::Tensor out_core = core(norm[0], out);
     rngs[1] = draw(o.dropout);
-    bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1], out);
+    bias_dropout_residual_fwd(out_core, opt(p.bias_out), residual, o.dropout, rngs[1], out);
     slots[kNormX] = residual;
     slots[kMean] = norm[1];
     slots[kRstd] = norm[2];
@@ -667,8 +822,8 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
   const OptTensor sum = dest.at(kNormX, {s.tokens, o.hidden}, dtype);
   const at::Tensor out_core = core(residual, sum);
   rngs[1] = draw(o.dropout);
-  at::Tensor summed = bias_dropout_residual_fwd(out_core, p.bias_out, residual, o.dropout, rngs[1], sum);
-  Tensors norm = layernorm_fwd(summed, p.norm_weight, p.norm_bias, o.eps, output, mean, rstd);
+  at::Tensor summed = bias_dropout_residual_fwd(out_core, opt(p.bias_out), residual, o.dropout, rngs[1], sum);
+  const auto norm = norm_fwd(summed, p, o, output, mean, rstd);
   slots[kNormX] = summed;
   slots[kMean] = norm[1];
   slots[kRstd] = norm[2];
@@ -695,7 +850,7 @@ std::tuple<at::Tensor, std::vector<PhiloxTuple>> layer_fwd_impl(const Options& o
             ? Destinations(state, plan, (i + 1) * kSlots).at(o.pre_ln ? kNormX : kCoreInput, {s.tokens, o.hidden},
                                                              x.scalar_type())
             : std::nullopt;
-    residual = block_fwd(o.kinds[i], residual, block_params(params, i, params[i * kParamsPerBlock + 1].scalar_type()),
+    residual = block_fwd(o.kinds[i], residual, block_params(params, i, dtype_of(params[i * kParamsPerBlock + 1])),
                          o, s, in, saved.data() + i * kSlots,
                          rngs.data() + i * 2, Destinations(state, plan, i * kSlots), output);
   }
@@ -744,13 +899,54 @@ at::Tensor bias_grad(const at::Tensor& grad2d, at::ScalarType dtype, const Backw
   return *std::get<1>(bias_dropout_residual_bwd(grad2d, 0.0, kNoRng, true, dtype, std::nullopt, room));
 }
 
+// The gradient of an input bias added in its GEMM's epilogue, from the GEMM output's gradient: in the parameter's
+// dtype where the column-sum kernel writes that (float32), else in the gradient's; undefined for an absent bias.
+at::Tensor epilogue_bias_grad(const at::Tensor& grad2d, const Params& p, const Room& room) {
+  if (!p.bias_in.defined()) return at::Tensor();
+  const at::ScalarType dtype = p.bias_in_dtype == at::kFloat ? at::kFloat : grad2d.scalar_type();
+  return bias_grad(grad2d, dtype, room.vectors(std::nullopt, room.vector(1, dtype)));
+}
+
+// The norm's backward from dy: (dx, dweight, dbias), dx = the input gradient (+ add when given), into out when
+// given (out may be add); dweight / dbias where the room names them, undefined where absent. The norm's input x
+// and statistics as the forward saved them.
+std::array<at::Tensor, 3> norm_bwd(const at::Tensor& dy, const Slots& sv, const Params& p, const Options& o,
+                                   const OptTensor& add, const OptTensor& out, const Room& room) {
+  const at::ScalarType w_dtype = dtype_of(p.norm_weight);
+  if (!o.rms) {
+    const auto r = layernorm_bwd(dy, sv[kNormX], opt(p.norm_weight), opt(p.norm_bias), sv[kMean], sv[kRstd], add, out,
+                                 room.vectors(room.vector(4, w_dtype), room.vector(5, dtype_of(p.norm_bias))));
+    return {*r[0], r[1].value_or(at::Tensor()), r[2].value_or(at::Tensor())};
+  }
+  const char* op = "lsmini::layer_backward";
+  const at::Tensor& x = sv[kNormX];
+  const at::Tensor dx = out ? *out : at::empty({x.size(0), x.size(1)}, x.options());
+  at::Tensor dweight;
+  if (p.norm_weight.defined()) {
+    const OptTensor given = room.vector(4, w_dtype);
+    dweight = given ? *given : at::empty({o.hidden}, p.norm_weight.options());
+  }
+  dispatch_norm_types(x.scalar_type(), p.norm_weight, op, [&](auto t, auto w) {
+    using T = decltype(t);
+    using W = decltype(w);
+    check_launch(launch_rms_norm_bwd<T, W>(ptr<const T>(dy), ptr<const T>(x),
+                                           dweight.defined() ? ptr<const W>(p.norm_weight) : nullptr,
+                                           ptr<const float>(sv[kRstd]), add ? ptr<const T>(*add) : nullptr, ptr<T>(dx),
+                                           dweight.defined() ? ptr<W>(dweight) : nullptr,
+                                           dweight.defined() ? ptr<float>(room.workspace) : nullptr, x.size(0),
+                                           int(x.size(1)), current_stream()),
+                 op);
+  });
+  return {dx, dweight, at::Tensor()};
+}
+
 // Backward of an attention core: (d input, d weight_in, d bias_in, d weight_out). kv_grads: a cross block's
 // dK/dV destinations. input_of(out): the core's input (recomputed into out, or saved).
 template <typename InputOf>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     Kind kind, const at::Tensor& grad_core, const Params& p, const Slots& sv, const PhiloxTuple& rng,
     const Options& o, const Shape& s, const Room& room, const InputOf& input_of,
-    const std::pair<OptTensor, OptTensor>& kv_grads) {
+    const std::pair<OptTensor, OptTensor>& kv_grads, const Inputs& in) {
   const bool self = kind == Kind::Self;
   const int64_t t = s.tokens, parts = self ? 3 : 1;
   const at::Tensor& scratch = room.scratch;
@@ -767,15 +963,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     attention_bwd(split(grad_context, s, o), heads(projection, 0), heads(projection, 1), heads(projection, 2),
                   split(sv[kContext], s, o), sv[kLse], mask, o.causal, o.attn_dropout, o.scale, rng,
                   heads(grad_projection, 0), heads(grad_projection, 1), heads(grad_projection, 2), bits, workspace);
+    // the gradients of the rotated Q and K → those of the projection's Q and K
+    if (o.rotary_dim > 0) rotary_in_place(heads(grad_projection, 0), heads(grad_projection, 1), in, o, true);
   } else {
     attention_bwd(split(grad_context, s, o), heads(projection, 0), sv[kKeys], sv[kValues], split(sv[kContext], s, o),
                   sv[kLse], mask, false, o.attn_dropout, o.scale, rng, heads(grad_projection, 0), kv_grads.first,
                   kv_grads.second, bits, workspace);
   }
-  // the bias gradient in its parameter's dtype where the column-sum kernel writes that (float32), else in x's
-  const at::ScalarType bias_dtype = p.bias_in_dtype == at::kFloat ? at::kFloat : grad_core.scalar_type();
-  at::Tensor grad_bias_in =
-      bias_grad(grad_projection, bias_dtype, room.vectors(std::nullopt, room.vector(1, bias_dtype)));
+  at::Tensor grad_bias_in = epilogue_bias_grad(grad_projection, p, room);
   // d(context) is dead once the attention backward has read it: the recomputed input may go there
   at::Tensor grad_weight_in = weight_grad(transposed(grad_projection), input_of(region(scratch, 0, t, o.hidden)),
                                           s.weight_dtype, room.dest[0]);
@@ -793,23 +988,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Ten
   // of the first GEMM's output. The [t, H] temporaries are fresh: that keeps the scratch at t·F, and they are
   // freed before the attention blocks' backward, where a layer's memory peaks.
   at::Tensor act_region = region(room.scratch, 0, s.tokens, o.ffn);
-  const bool relu = o.act == int(BiasAct::Relu);
+  const bool relu = keeps_relu_output(o);
   at::Tensor hidden = sv[kHidden];
   if (!hidden.defined()) {  // recompute the activation from its saved input, same dropout mask
-    hidden = bias_act_dropout_fwd(sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region);
+    hidden = o.glu ? glu_fwd_into(sv[kProjection], o, rng, act_region)
+                   : bias_act_dropout_fwd(sv[kProjection], opt(p.bias_in), o.act, o.act_dropout, rng, act_region);
   }
   at::Tensor grad_weight_out = weight_grad(transposed(grad_core), hidden, s.weight_dtype, room.dest[2]);
   hidden.reset();
   at::mm_out(act_region, grad_core, p.weight_out);
-  const BackwardRoom bias_room = room.vectors(std::nullopt, room.vector(1, p.bias_in.scalar_type()));
-  auto [grad_hidden, grad_bias_in] =
-      relu ? bias_act_dropout_bwd(act_region, sv[kHidden], p.bias_in, o.act, o.act_dropout, kNoRng, act_region, true,
-                                  bias_room)
-           : bias_act_dropout_bwd(act_region, sv[kProjection], p.bias_in, o.act, o.act_dropout, rng, act_region, false,
-                                  bias_room);
-  at::Tensor grad_weight_in =
-      weight_grad(transposed(grad_hidden), input_of(std::nullopt), s.weight_dtype, room.dest[0]);
-  return {at::mm(grad_hidden, p.weight_in), grad_weight_in, *grad_bias_in, grad_weight_out};
+  at::Tensor grad_pre, grad_bias_in;  // the gradients of the first GEMM's output and of its bias
+  if (o.glu) {  // [gate | up]'s gradient after the activation's, then the bias's (added in the GEMM's epilogue)
+    grad_pre = region(room.scratch, align(s.tokens * o.ffn), s.tokens, o.ffn_in);
+    glu_bwd_into(act_region, sv[kProjection], o, rng, grad_pre);
+    grad_bias_in = epilogue_bias_grad(grad_pre, p, room);
+  } else {
+    const BackwardRoom bias_room = room.vectors(std::nullopt, room.vector(1, dtype_of(p.bias_in)));
+    auto [grad_hidden, grad_bias] =
+        relu ? bias_act_dropout_bwd(act_region, sv[kHidden], opt(p.bias_in), o.act, o.act_dropout, kNoRng, act_region,
+                                    true, bias_room)
+             : bias_act_dropout_bwd(act_region, sv[kProjection], opt(p.bias_in), o.act, o.act_dropout, rng, act_region,
+                                    false, bias_room);
+    grad_pre = grad_hidden;
+    grad_bias_in = grad_bias.value_or(at::Tensor());
+  }
+  at::Tensor grad_weight_in = weight_grad(transposed(grad_pre), input_of(std::nullopt), s.weight_dtype, room.dest[0]);
+  return {at::mm(grad_pre, p.weight_in), grad_weight_in, grad_bias_in, grad_weight_out};
 }
 
 struct Gradients {  // of one block: its input and its six parameters
@@ -820,47 +1024,42 @@ struct Gradients {  // of one block: its input and its six parameters
 // the result (else it is not modified). room.dest: where its six parameter gradients go.
 Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Slots& sv, const PhiloxTuple* rngs,
                     const Options& o, const Shape& s, const Room& room, bool grad_is_ours,
-                    const std::pair<OptTensor, OptTensor>& kv_grads) {
+                    const std::pair<OptTensor, OptTensor>& kv_grads, const Inputs& in) {
   // An attention core's output gradient goes into its projection-gradient region, not written before it is dead.
   const OptTensor grad_core_out =
       kind == Kind::Ffn ? std::nullopt
                         : OptTensor(region(room.scratch, align(s.tokens * o.hidden), s.tokens, o.hidden));
   auto core = [&](const at::Tensor& grad_core, auto input_of) {
     return kind == Kind::Ffn ? ffn_bwd(grad_core, p, sv, rngs[0], o, s, room, input_of)
-                             : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, room, input_of, kv_grads);
+                             : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, room, input_of, kv_grads, in);
   };
-  const at::ScalarType bias_out_dtype = p.bias_out.scalar_type(), norm_dtype = p.norm_weight.scalar_type();
-  const BackwardRoom bias_out_room = room.vectors(std::nullopt, room.vector(3, bias_out_dtype));
-  const BackwardRoom norm_room = room.vectors(room.vector(4, norm_dtype), room.vector(5, norm_dtype));
+  const bool has_bias_out = p.bias_out.defined();
+  const std::optional<at::ScalarType> bias_out_dtype =
+      has_bias_out ? std::optional<at::ScalarType>(p.bias_out.scalar_type()) : std::nullopt;
+  const BackwardRoom bias_out_room = room.vectors(std::nullopt, room.vector(3, dtype_of(p.bias_out)));
   Gradients g;
   if (o.pre_ln) {
     // the core's input: saved, or norm(block input) recomputed when the core needs it
     auto input_of = [&](const OptTensor& out) {
       if (sv[kCoreInput].defined()) return sv[kCoreInput];
-      return layernorm_fwd(sv[kInput], p.norm_weight, p.norm_bias, o.eps, out)[0];
+      return norm_fwd(sv[kInput], p, o, out)[0];
     };
     auto [grad_core, grad_bias_out] =
-        bias_dropout_residual_bwd(grad, o.dropout, rngs[1], true, bias_out_dtype, grad_core_out, bias_out_room);
-    g.bias_out = *grad_bias_out;
+        bias_dropout_residual_bwd(grad, o.dropout, rngs[1], has_bias_out, bias_out_dtype, grad_core_out, bias_out_room);
+    g.bias_out = grad_bias_out.value_or(at::Tensor());
     at::Tensor grad_x;
     std::tie(grad_x, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, input_of);
     // the residual path: grad added to the norm's input gradient in the same kernel, into grad when it is ours
-    auto norm = layernorm_bwd(grad_x, sv[kNormX], p.norm_weight, p.norm_bias, sv[kMean], sv[kRstd], grad,
-                              grad_is_ours ? OptTensor(grad) : std::nullopt, norm_room);
-    g.input = *norm[0];
-    g.norm_weight = *norm[1];
-    g.norm_bias = *norm[2];
+    std::tie(g.input, g.norm_weight, g.norm_bias) =
+        std::tuple_cat(norm_bwd(grad_x, sv, p, o, grad, grad_is_ours ? OptTensor(grad) : std::nullopt, room));
     return g;
   }
-  auto norm = layernorm_bwd(grad, sv[kNormX], p.norm_weight, p.norm_bias, sv[kMean], sv[kRstd], std::nullopt,
-                            std::nullopt, norm_room);
-  g.input = *norm[0];
-  g.norm_weight = *norm[1];
-  g.norm_bias = *norm[2];
+  std::tie(g.input, g.norm_weight, g.norm_bias) =
+      std::tuple_cat(norm_bwd(grad, sv, p, o, std::nullopt, std::nullopt, room));
   // without dropout grad_core IS g.input; the core has finished reading it before the add below
-  auto [grad_core, grad_bias_out] =
-      bias_dropout_residual_bwd(g.input, o.dropout, rngs[1], true, bias_out_dtype, grad_core_out, bias_out_room);
-  g.bias_out = *grad_bias_out;
+  auto [grad_core, grad_bias_out] = bias_dropout_residual_bwd(g.input, o.dropout, rngs[1], has_bias_out,
+                                                              bias_out_dtype, grad_core_out, bias_out_room);
+  g.bias_out = grad_bias_out.value_or(at::Tensor());
   at::Tensor grad_x;
   auto saved_input = [&](const OptTensor&) { return sv[kCoreInput]; };
   std::tie(grad_x, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, saved_input);
@@ -876,7 +1075,7 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
                                                const OptTensor& grad_encoder_k, const OptTensor& grad_encoder_v,
                                                at::ScalarType weight_dtype,
                                                const std::vector<at::ScalarType>& param_dtypes,
-                                               const std::vector<GradDest>& dest) {
+                                               const std::vector<GradDest>& dest, const Inputs& in) {
   const size_t blocks = o.kinds.size();
   const Shape s{grad_in.size(0), grad_in.size(1), grad_in.size(0) * grad_in.size(1), weight_dtype};
   at::Tensor g = grad_in.view({s.tokens, o.hidden});
@@ -888,7 +1087,7 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
                                                          : std::make_pair(OptTensor(), OptTensor());
     const Room room{scratch, workspace, dest.data() + i * kParamsPerBlock};
     Gradients r = block_bwd(o.kinds[i], g, block_params(params, i, param_dtypes[i * kParamsPerBlock + 1]),
-                            Slots{saved.data() + i * kSlots}, rngs.data() + i * 2, o, s, room, ours, kv_grads);
+                            Slots{saved.data() + i * kSlots}, rngs.data() + i * 2, o, s, room, ours, kv_grads, in);
     g = r.input;
     at::Tensor* out = param_grads.data() + i * kParamsPerBlock;
     out[0] = r.weight_in;
@@ -983,7 +1182,7 @@ at::Tensor rng_rows(const at::Tensor& state, const Plan<int64_t>& plan, int64_t 
 // Both operators' checks of the inputs (the CUDA and the Meta implementations alike).
 void check_inputs(const Options& o, const at::Tensor& x, const OptTensor& key_padding_mask,
                   const OptTensor& encoder_k, const OptTensor& encoder_v, const OptTensor& encoder_padding_mask,
-                  at::TensorList params, const char* op) {
+                  at::TensorList params, const OptTensor& rotary_cos, const OptTensor& rotary_sin, const char* op) {
   const size_t blocks = o.kinds.size();
   LSMINI_CHECK(x.dim() == 3 && x.size(2) == o.hidden && x.is_contiguous(), op,
                ": x must be a contiguous [batch, len, hidden=", o.hidden, "] tensor, got shape ", x.sizes());
@@ -994,8 +1193,15 @@ void check_inputs(const Options& o, const at::Tensor& x, const OptTensor& key_pa
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
     const int64_t block = int64_t(i) / kParamsPerBlock, position = int64_t(i) % kParamsPerBlock;
+    // the GEMM weights and the norm weight are required; the biases may be absent, RMSNorm's is
+    const bool optional = position == 1 || position == 3 || position == 5;
+    LSMINI_CHECK(p.defined() || optional, op, ": params[", int64_t(i), "] (block ", block, ", parameter ", position,
+                 ") must be given: only the biases (parameters 1, 3 and 5 of a block) may be None");
+    LSMINI_CHECK(!(o.rms && position == 5 && p.defined()), op, ": params[", int64_t(i), "] (block ", block,
+                 ", norm_bias) must be None with norm rms_norm (RMSNorm has no bias)");
+    if (!p.defined()) continue;
     const Kind kind = o.kinds[block];
-    const int64_t rows_in = kind == Kind::Self ? 3 * o.hidden : kind == Kind::Cross ? o.hidden : o.ffn;
+    const int64_t rows_in = kind == Kind::Self ? 3 * o.hidden : kind == Kind::Cross ? o.hidden : o.ffn_in;
     std::vector<int64_t> want;
     switch (position) {
       case 0: want = {rows_in, o.hidden}; break;
@@ -1020,6 +1226,20 @@ void check_inputs(const Options& o, const at::Tensor& x, const OptTensor& key_pa
                  op, ": encoder_k and encoder_v must both be [batch=", x.size(0), ", src_len, hidden=", o.hidden,
                  "] in x's dtype with unit column stride, got ", encoder_k->sizes(), " and ", encoder_v->sizes());
   }
+  LSMINI_CHECK(rotary_cos.has_value() == (o.rotary_dim > 0) && rotary_sin.has_value() == (o.rotary_dim > 0), op,
+               o.rotary_dim > 0 ? ": rotary_dim > 0 needs both rotary_cos and rotary_sin"
+                                : ": rotary_cos / rotary_sin given with rotary_dim 0");
+  for (const auto* t : {&rotary_cos, &rotary_sin}) {
+    if (!t->has_value()) continue;
+    const at::Tensor& c = **t;
+    const bool per_batch = c.dim() == 3;
+    LSMINI_CHECK(c.scalar_type() == at::kFloat && c.device() == x.device() && (c.dim() == 2 || per_batch) &&
+                     (!per_batch || c.size(0) == x.size(0)) && c.size(c.dim() - 2) == x.size(1) &&
+                     c.size(c.dim() - 1) == o.rotary_dim,
+                 op, ": ", t == &rotary_cos ? "rotary_cos" : "rotary_sin", " must be float32 [len=", x.size(1),
+                 ", rotary_dim=", o.rotary_dim, "] or [batch=", x.size(0), ", len, rotary_dim] on ", x.device(),
+                 ", got ", c.scalar_type(), " ", c.sizes(), " on ", c.device());
+  }
   for (const auto* m : {&key_padding_mask, &encoder_padding_mask}) {
     if (!m->has_value()) continue;
     const int64_t len = m == &key_padding_mask ? x.size(1) : encoder_k ? encoder_k->size(1) : -1;
@@ -1029,6 +1249,23 @@ void check_inputs(const Options& o, const at::Tensor& x, const OptTensor& key_pa
                  " must be bool [batch, len] = [", x.size(0), ", ", len, "], got ", (*m)->scalar_type(), " ",
                  (*m)->sizes());
   }
+}
+
+// The params list as the schema takes it (Tensor?[]: absent biases are None) → tensors, undefined where None.
+Tensors param_list(const c10::List<OptTensor>& params) {
+  Tensors out;
+  out.reserve(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const OptTensor p = params.get(i);
+    out.push_back(p ? *p : at::Tensor());
+  }
+  return out;
+}
+
+// A rotary table as the kernel reads it: contiguous [batch or 1, len, rotary_dim].
+OptTensor rotary_table(const OptTensor& t) {
+  if (!t) return std::nullopt;
+  return (t->dim() == 2 ? t->unsqueeze(0) : *t).contiguous();
 }
 
 std::vector<bool> into_mask(at::IntArrayRef into_index, at::TensorList into, size_t n, const char* op) {
@@ -1045,21 +1282,24 @@ std::vector<bool> into_mask(at::IntArrayRef into_index, at::TensorList into, siz
 
 std::tuple<at::Tensor, at::Tensor> layer_cuda(const at::Tensor& x, const OptTensor& key_padding_mask,
                                               const OptTensor& encoder_k, const OptTensor& encoder_v,
-                                              const OptTensor& encoder_padding_mask, at::TensorList params,
-                                              LSMINI_LAYER_OPTION_PARAMS) {
+                                              const OptTensor& encoder_padding_mask,
+                                              const c10::List<OptTensor>& param_args, LSMINI_LAYER_OPTION_PARAMS,
+                                              const OptTensor& rotary_cos, const OptTensor& rotary_sin) {
   const char* op = "lsmini::layer";
   const OpArgs a = LSMINI_LAYER_OPTION_VALUES;
   const Options o = options_of(a, op);
   check_cuda(x, op, "x");
   // the operator runs below autograd (its autograd is the caller's): the ATen calls inside skip it too
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_inputs(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, op);
+  const Tensors params = param_list(param_args);
+  check_inputs(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, rotary_cos, rotary_sin, op);
   const auto plan = call_plan(a, o, x, key_padding_mask.has_value(), encoder_padding_mask.has_value(),
                               encoder_k ? encoder_k->size(1) : 0, params, std::vector<bool>(params.size(), false));
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor state = at::empty({plan->total}, x.options().dtype(at::kByte));
   const Tensors weights = cast_weights(params, state, *plan, x.scalar_type(), true);
-  const Inputs in{key_padding_mask, heads_of(encoder_k, o), heads_of(encoder_v, o), encoder_padding_mask};
+  const Inputs in{key_padding_mask,           heads_of(encoder_k, o),   heads_of(encoder_v, o),
+                  encoder_padding_mask,       rotary_table(rotary_cos), rotary_table(rotary_sin)};
   auto [y, rngs] = layer_fwd_impl(o, x, in, weights, state, *plan);
   philox_state_fwd(rngs, rng_rows(state, *plan, int64_t(rngs.size())));
   return {y, state};
@@ -1068,8 +1308,8 @@ std::tuple<at::Tensor, at::Tensor> layer_cuda(const at::Tensor& x, const OptTens
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_backward_cuda(
     const at::Tensor& grad, const at::Tensor& state, const at::Tensor& x, const OptTensor& key_padding_mask,
     const OptTensor& encoder_k, const OptTensor& encoder_v, const OptTensor& encoder_padding_mask,
-    at::TensorList params, at::IntArrayRef into_index, at::TensorList into, at::TensorList kv_into,
-    LSMINI_LAYER_OPTION_PARAMS) {
+    const c10::List<OptTensor>& param_args, at::IntArrayRef into_index, at::TensorList into,
+    at::TensorList kv_into, LSMINI_LAYER_OPTION_PARAMS, const OptTensor& rotary_cos, const OptTensor& rotary_sin) {
   const char* op = "lsmini::layer_backward";
   const OpArgs a = LSMINI_LAYER_OPTION_VALUES;
   const Options o = options_of(a, op);
@@ -1077,7 +1317,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_cuda(state, op, "state");
   check_cuda(x, op, "x");
-  check_inputs(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, op);
+  const Tensors params = param_list(param_args);
+  check_inputs(o, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, rotary_cos, rotary_sin, op);
   LSMINI_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type() && grad.device() == x.device(),
                op, ": grad must be like x (", x.scalar_type(), " ", x.sizes(), "), got ", grad.scalar_type(), " ",
                grad.sizes());
@@ -1085,6 +1326,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   for (size_t j = 0; j < into.size(); ++j) {
     const at::Tensor& t = into[j];
     const at::Tensor& p = params[into_index[j]];
+    LSMINI_CHECK(p.defined(), op, ": into_index holds ", into_index[j], ", an absent (None) parameter");
     LSMINI_CHECK(t.device() == p.device() && t.scalar_type() == p.scalar_type() && t.sizes() == p.sizes() &&
                      t.is_contiguous(),
                  op, ": into[", int64_t(j), "] must be a contiguous ", p.scalar_type(), " ", p.sizes(),
@@ -1105,7 +1347,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
                op, ": state must be the contiguous uint8 [", plan->total, "] tensor lsmini::layer returned, got ",
                state.scalar_type(), " ", state.sizes());
   // the saved tensors, rebuilt from the plan: inputs, and the state's bytes as forward wrote them
-  const Inputs in{key_padding_mask, heads_of(encoder_k, o), heads_of(encoder_v, o), encoder_padding_mask};
+  const Inputs in{key_padding_mask,           heads_of(encoder_k, o),   heads_of(encoder_v, o),
+                  encoder_padding_mask,       rotary_table(rotary_cos), rotary_table(rotary_sin)};
   const OptTensor inputs[] = {x.view({-1, o.hidden}), in.key_padding_mask, in.encoder_k, in.encoder_v,
                               in.encoder_padding_mask};
   std::vector<OptTensor> saved(plan->slots.size());
@@ -1140,11 +1383,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   }
   std::vector<GradDest> dest(params.size());
   std::vector<at::ScalarType> dtypes;
-  for (size_t i = 0; i < params.size(); ++i) dtypes.push_back(params[i].scalar_type());
+  for (size_t i = 0; i < params.size(); ++i) dtypes.push_back(dtype_of(params[i]));
   for (size_t j = 0; j < into.size(); ++j) dest[into_index[j]] = GradDest{into[j], true};
   for (size_t i = 0; i < params.size(); ++i) {
     const int b = plan->grad_buffer[i];
-    if (b == kGradInto) continue;
+    if (b == kGradInto || b == kGradNone) continue;
     dest[i] = GradDest{carve(grads[b], plan->grad_offsets[i] * int64_t(grads[b].element_size()),
                              grads[b].scalar_type(), params[i].sizes(), op),
                        false};
@@ -1160,7 +1403,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   const OptTensor grad_k = kv_dest.empty() ? OptTensor() : heads_of(kv_dest[0], o);
   const OptTensor grad_v = kv_dest.empty() ? OptTensor() : heads_of(kv_dest[1], o);
   auto [grad_x, param_grads] = layer_bwd_impl(o, grad.contiguous(), saved, rngs, weights, scratch, workspace, grad_k,
-                                              grad_v, params[0].scalar_type(), dtypes, dest);
+                                              grad_v, params[0].scalar_type(), dtypes, dest, in);
   if (kv.empty()) kv = {at::empty({0}, x.options()), at::empty({0}, x.options())};
   return {grad_x, grads[kGradMain], grads[kGradOther], kv[0], kv[1]};
 }
@@ -1168,12 +1411,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
 // ---- the Meta implementations: what torch.compile's fake tensors run, from the same plan ----------------------
 std::tuple<at::Tensor, at::Tensor> layer_meta(const at::Tensor& x, const OptTensor& key_padding_mask,
                                               const OptTensor& encoder_k, const OptTensor& encoder_v,
-                                              const OptTensor& encoder_padding_mask, at::TensorList params,
-                                              LSMINI_LAYER_OPTION_PARAMS) {
+                                              const OptTensor& encoder_padding_mask,
+                                              const c10::List<OptTensor>& param_args, LSMINI_LAYER_OPTION_PARAMS,
+                                              const OptTensor& rotary_cos, const OptTensor& rotary_sin) {
   const char* op = "lsmini::layer";
   const Options o = options_of(LSMINI_LAYER_OPTION_VALUES, op);
-  LSMINI_CHECK(x.dim() == 3 && params.size() == o.kinds.size() * kParamsPerBlock, op,
-               ": x must be [batch, len, hidden] with ", int64_t(o.kinds.size() * kParamsPerBlock), " parameters");
+  const Tensors params = param_list(param_args);
+  LSMINI_CHECK(rotary_cos.has_value() == (o.rotary_dim > 0) && rotary_sin.has_value() == (o.rotary_dim > 0), op,
+               ": rotary_cos and rotary_sin must be given exactly when rotary_dim > 0");
+  LSMINI_CHECK(x.dim() == 3 && params.size() == o.kinds.size() * kParamsPerBlock && params[0].defined(), op,
+               ": x must be [batch, len, hidden] with ", int64_t(o.kinds.size() * kParamsPerBlock),
+               " parameters, the first given");
   const c10::SymInt src_len = encoder_k ? encoder_k->sym_size(1) : c10::SymInt(0);
   const Plan<c10::SymInt> plan =
       make_plan<c10::SymInt>(o, x.sym_size(0), x.sym_size(1), src_len, key_padding_mask.has_value(),
@@ -1186,12 +1434,16 @@ std::tuple<at::Tensor, at::Tensor> layer_meta(const at::Tensor& x, const OptTens
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_backward_meta(
     const at::Tensor& grad, const at::Tensor& state, const at::Tensor& x, const OptTensor& key_padding_mask,
     const OptTensor& encoder_k, const OptTensor& encoder_v, const OptTensor& encoder_padding_mask,
-    at::TensorList params, at::IntArrayRef into_index, at::TensorList into, at::TensorList kv_into,
-    LSMINI_LAYER_OPTION_PARAMS) {
+    const c10::List<OptTensor>& param_args, at::IntArrayRef into_index, at::TensorList into,
+    at::TensorList kv_into, LSMINI_LAYER_OPTION_PARAMS, const OptTensor& rotary_cos, const OptTensor& rotary_sin) {
   const char* op = "lsmini::layer_backward";
   const Options o = options_of(LSMINI_LAYER_OPTION_VALUES, op);
-  LSMINI_CHECK(x.dim() == 3 && params.size() == o.kinds.size() * kParamsPerBlock, op,
-               ": x must be [batch, len, hidden] with ", int64_t(o.kinds.size() * kParamsPerBlock), " parameters");
+  const Tensors params = param_list(param_args);
+  LSMINI_CHECK(rotary_cos.has_value() == (o.rotary_dim > 0) && rotary_sin.has_value() == (o.rotary_dim > 0), op,
+               ": rotary_cos and rotary_sin must be given exactly when rotary_dim > 0");
+  LSMINI_CHECK(x.dim() == 3 && params.size() == o.kinds.size() * kParamsPerBlock && params[0].defined(), op,
+               ": x must be [batch, len, hidden] with ", int64_t(o.kinds.size() * kParamsPerBlock),
+               " parameters, the first given");
   const std::vector<bool> into_at = into_mask(into_index, into, params.size(), op);
   const c10::SymInt src_len = encoder_k ? encoder_k->sym_size(1) : c10::SymInt(0);
   const Plan<c10::SymInt> plan =
@@ -1213,14 +1465,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
 // hooks; outside double backward (grad mode on); .grad dense, contiguous, of the parameter's shape, dtype and
 // device. Else None: the gradient goes back to autograd. torch.autograd.grad never accumulates, so it always
 // gets None.
-std::vector<OptTensor> layer_grad_into(const Tensors& params) {
+std::vector<OptTensor> layer_grad_into(const std::vector<OptTensor>& params) {
   std::vector<OptTensor> out(params.size());
   if (at::GradMode::is_enabled()) return out;
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   const auto* nodes = torch::autograd::get_current_graph_task_nodes_in_graph();
   if (exec_info == nullptr || nodes == nullptr) return out;  // not inside a backward
   for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
+    if (!params[i]) continue;  // an absent parameter (None)
+    const at::Tensor& p = *params[i];
     if (!p.defined() || !p.requires_grad() || !p.is_leaf()) continue;
     const at::Tensor& g = p.grad();
     if (!g.defined() || g.is_sparse() || !g.is_contiguous() || g.sizes() != p.sizes() ||
@@ -1256,19 +1509,24 @@ void register_layer(pybind11::module_& m) {
 LSMINI_REGISTER_OPS(register_layer);
 
 TORCH_LIBRARY_FRAGMENT(lsmini, m) {
-  // (y [b, l, H], the call's state for backward in one uint8 buffer)
+  // (y [b, l, H], the call's state for backward in one uint8 buffer). params: every block's six (spec.py's
+  // BLOCK_PARAMS), None for an absent bias; rotary_cos / rotary_sin: float32 [l, rotary_dim] or [b, l, rotary_dim]
+  // tables (given exactly when rotary_dim > 0), applied to Q and K of the self-attention block.
   m.def("layer(Tensor x, Tensor? key_padding_mask, Tensor? encoder_k, Tensor? encoder_v, "
-        "Tensor? encoder_padding_mask, Tensor[] params, " LSMINI_LAYER_OPTION_ARGS ") -> (Tensor, Tensor)",
+        "Tensor? encoder_padding_mask, Tensor?[] params, " LSMINI_LAYER_OPTION_ARGS
+        ", Tensor? rotary_cos=None, Tensor? rotary_sin=None) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag, at::Tag::nondeterministic_seeded});
   // (grad_x [b, l, H], grads, grads_other, grad_encoder_k, grad_encoder_v). grads holds the gradients of the
   // parameters of params[0]'s dtype, in order, each starting at the next multiple of 64 elements; grads_other
-  // those of the parameters of one other dtype, the same way; the parameters params[into_index] are in
-  // neither: their gradients are added into `into` (their .grad). grad_encoder_k/v [b, ls, H] for a layer
-  // with a cross block and no kv_into (where they go instead), else empty. (Outputs are plain tensors, never
-  // lists: that keeps the operator auto-functionalizable for torch.compile with its mutable arguments.)
+  // those of the parameters of one other dtype, the same way; absent (None) parameters and the parameters
+  // params[into_index] are in neither: the latter's gradients are added into `into` (their .grad).
+  // grad_encoder_k/v [b, ls, H] for a layer with a cross block and no kv_into (where they go instead), else
+  // empty. (Outputs are plain tensors, never lists: that keeps the operator auto-functionalizable for
+  // torch.compile with its mutable arguments.)
   m.def("layer_backward(Tensor grad, Tensor state, Tensor x, Tensor? key_padding_mask, Tensor? encoder_k, "
-        "Tensor? encoder_v, Tensor? encoder_padding_mask, Tensor[] params, int[] into_index, Tensor(a!)[] into, "
-        "Tensor(b!)[] kv_into, " LSMINI_LAYER_OPTION_ARGS ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        "Tensor? encoder_v, Tensor? encoder_padding_mask, Tensor?[] params, int[] into_index, Tensor(a!)[] into, "
+        "Tensor(b!)[] kv_into, " LSMINI_LAYER_OPTION_ARGS
+        ", Tensor? rotary_cos=None, Tensor? rotary_sin=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
 }
 

@@ -33,18 +33,11 @@ from lsmini.ops.bias_dropout_residual import bias_grad
 
 
 def kernel_unsupported(options, params):
-    """None when the operators (csrc/layers/layer.cpp) implement every option of this call, else a short
-    reason naming what they lack (the reference implements everything)."""
-    if options.norm != "layer_norm":
-        return f"norm={options.norm}"
-    if options.activation in GATED:
-        return f"activation={options.activation}"
-    if any(p is None for p in params):  # only biases are ever absent
-        return "absent biases"
+    """None when the operators (csrc/layers/layer.cpp) implement a layer call with these options and parameters
+    (every block's six, spec.BLOCK_PARAMS, None for an absent bias), else a short reason naming what they lack:
+    the call then runs the reference, which implements everything."""
     if options.kv_heads != options.heads:
-        return f"kv_heads={options.kv_heads} != heads={options.heads}"
-    if options.rotary_dim:
-        return f"rotary_dim={options.rotary_dim}"
+        return f"kv_heads ({options.kv_heads}) != heads ({options.heads})"
     if options.qk_norm:
         return "qk_norm"
     return None
@@ -158,10 +151,10 @@ def _contiguous_strides(shape):
 def _param_grads(params, into, grads, grads_other):
     """Each parameter's gradient as lsmini::layer_backward returns them (its schema's comment): in order, those
     of params[0]'s dtype in grads and those of the other dtype in grads_other, each at the next multiple of 64
-    elements; None for the parameters whose gradient went into their .grad."""
+    elements; None for the absent parameters (None) and those whose gradient went into their .grad."""
     out, ends = [], [0, 0]
     for p, g in zip(params, into):
-        if g is not None:
+        if p is None or g is not None:
             out.append(None)
             continue
         b = 0 if p.dtype == params[0].dtype else 1
@@ -172,24 +165,28 @@ def _param_grads(params, into, grads, grads_other):
 
 class LayerFunction(torch.autograd.Function):
     """apply(options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-    *params) → y [b, l, H]: one layer on the kernel path. x contiguous in the compute dtype (float16 or
-    bfloat16); params as the module holds them (the operator casts the GEMM weights, and backward returns
-    each gradient in its parameter's dtype); encoder_k/encoder_v [b, ls, H] for a layer with a cross block.
-    kv_slots/layer_index: where the layer's backward writes dK/dV in eager code (KVGradSlots), or None."""
+    rotary_cos, rotary_sin, *params) → y [b, l, H]: one layer on the kernel path. x contiguous in the compute
+    dtype (float16 or bfloat16); params as the module holds them, None for an absent bias (the operator casts
+    the GEMM weights, and backward returns each gradient in its parameter's dtype); encoder_k/encoder_v
+    [b, ls, H] for a layer with a cross block; rotary_cos/rotary_sin the float32 rotary tables ([l, rotary_dim]
+    or [b, l, rotary_dim]) when options.rotary_dim > 0, else None. kv_slots/layer_index: where the layer's
+    backward writes dK/dV in eager code (KVGradSlots), or None."""
 
     @staticmethod
     def forward(ctx, options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                *params):
+                rotary_cos, rotary_sin, *params):
         y, state = torch.ops.lsmini.layer.default(x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask,
-                                                  list(params), *options.op_args())
-        ctx.save_for_backward(state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params)
+                                                  list(params), *options.op_args(), rotary_cos, rotary_sin)
+        ctx.save_for_backward(state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, rotary_cos,
+                              rotary_sin, *params)
         ctx.options, ctx.kv_slots, ctx.layer_index = options, kv_slots, layer_index
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, *params = ctx.saved_tensors
+        (state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, rotary_cos, rotary_sin,
+         *params) = ctx.saved_tensors
         into = [None] * len(params)
         kv_into = []
         if not torch.compiler.is_compiling():  # a compiled backward returns every gradient (module docstring)
@@ -199,27 +196,31 @@ class LayerFunction(torch.autograd.Function):
         index = [i for i, g in enumerate(into) if g is not None]
         grad_x, grads, grads_other, grad_k, grad_v = torch.ops.lsmini.layer_backward.default(
             grad.contiguous(), state, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, index,
-            [into[i] for i in index], kv_into, *ctx.options.op_args())
+            [into[i] for i in index], kv_into, *ctx.options.op_args(), rotary_cos, rotary_sin)
         param_grads = [g if need else None for g, need in
-                       zip(_param_grads(params, into, grads, grads_other), ctx.needs_input_grad[8:])]
+                       zip(_param_grads(params, into, grads, grads_other), ctx.needs_input_grad[10:])]
         if encoder_k is None:
             grad_k = grad_v = None
         elif kv_into:
             grad_k, grad_v = kv_into
-        return (None, None, None, grad_x, None, grad_k, grad_v, None, *param_grads)
+        return (None, None, None, grad_x, None, grad_k, grad_v, None, None, None, *param_grads)
 
 
 def run_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_padding_mask, params, kv_slots=None,
               layer_index=0, cache=None, rotary=None):
     """One layer call: x [b, l, H] contiguous in the compute dtype; params as the module holds them (every
-    block's six, spec.BLOCK_PARAMS, then spec.QK_NORM_PARAMS with qk_norm); encoder_k/encoder_v [b, ls,
-    kv_heads·head_dim] for a layer with a cross block; rotary: None, or (cos, sin) float32 [l, rotary_dim]
-    or [b, l, rotary_dim] for x's positions (lsmini.ops.rotary.rotary_cos_sin) when options.rotary_dim. The
-    operators when ``kernel_path`` (and no cache), else the reference layer (with the GEMM weights cast to
-    x's dtype)."""
+    block's six, spec.BLOCK_PARAMS, None for an absent bias, then spec.QK_NORM_PARAMS with qk_norm);
+    encoder_k/encoder_v [b, ls, kv_heads·head_dim] for a layer with a cross block; rotary: None, or (cos, sin)
+    float32 [l, rotary_dim] or [b, l, rotary_dim] for x's positions (lsmini.ops.rotary.rotary_cos_sin) exactly
+    when options.rotary_dim > 0. The operators when ``kernel_path`` (and no cache), else the reference layer
+    (with the GEMM weights cast to x's dtype)."""
+    if (rotary is None) != (options.rotary_dim == 0):
+        raise ValueError(f"run_layer: rotary must be (cos, sin) tables exactly when options.rotary_dim > 0; got "
+                         f"rotary_dim {options.rotary_dim} and rotary {'None' if rotary is None else 'tables'}")
     if cache is None and kernel_path(options, x, params):
+        cos, sin = rotary if rotary is not None else (None, None)
         return LayerFunction.apply(options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v,
-                                   encoder_padding_mask, *params)
+                                   encoder_padding_mask, cos, sin, *params)
     n = PARAMS_PER_BLOCK * len(options.kinds)
     cast = [p for i in range(len(options.kinds))
             for p in cast_block(params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)], x.dtype)]
