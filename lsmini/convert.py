@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from lsmini import convert_hf
 from lsmini.layers import (LayerNorm, TransformerConfig, TransformerDecoder, TransformerDecoderLayer,
                            TransformerEncoder, TransformerEncoderLayer)
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch,
@@ -667,9 +668,12 @@ def convert(model, max_batch_tokens=8192, max_seq_len=512):
                             f"the model first, then wrap it")
         if _is_lsmini(module):
             return None
-        if not isinstance(module, _TORCH_CLASSES):
+        if convert_hf.hf_block(module):
+            new, reason = convert_hf.converted(module)
+        elif not isinstance(module, _TORCH_CLASSES):
             return _DESCEND
-        new, reason = _converted(module, limits, uses)
+        else:
+            new, reason = _converted(module, limits, uses)
         if new is None:
             report.kept.append(Kept(name, type(module).__name__, reason))
         else:
@@ -741,6 +745,10 @@ def unconvert(model):
     report = ConversionReport("unconvert", model)
 
     def decide(name, module):
+        if convert_hf.is_converted(module):
+            new = convert_hf.unconverted(module)
+            report.replaced.append(Replaced(name, type(new).__name__, type(module).__name__))
+            return new
         if isinstance(module, _CONVERTED):
             new = _unconverted(module)
             report.replaced.append(Replaced(name, type(new).__name__, type(module).__name__))
