@@ -25,6 +25,10 @@ Masks: lsmini supports key padding masks and causal self-attention, nothing else
 Outputs at padded positions are unspecified (torch's own inference fast path returns zeros there, lsmini
 does not); compare and use the unpadded ones.
 
+Hugging Face transformers models (transformers >= 5): every GPT2Block and BertLayer lsmini can represent is
+replaced by a subclass of its class around the same submodules and parameters (lsmini/convert_hf.py, which says
+what it reads from the masks and the KV cache, and what it keeps).
+
 A module convert cannot represent is left as it is, whole (a stack with one unsupported layer keeps all of
 them), and listed in the report with the reason; nothing is replaced before every module is decided.
 """
@@ -648,8 +652,9 @@ def convert(model, max_batch_tokens=8192, max_seq_len=512):
     this module's docstring for the mask rules). Returns a ``ConversionReport`` of what was replaced and of
     what was kept, with the reason.
 
-    max_batch_tokens, max_seq_len: the largest batch·len and len the converted layers accept (lsmini's
-    TransformerConfig); longer inputs raise ValueError. Convert before wrapping the model in
+    max_batch_tokens, max_seq_len: the largest batch·len and len the converted torch.nn layers accept (lsmini's
+    TransformerConfig); longer inputs raise ValueError. Hugging Face blocks (convert_hf) take what their model
+    takes. Convert before wrapping the model in
     DistributedDataParallel, and build the optimizer afterwards.
     """
     if not isinstance(model, nn.Module):
