@@ -403,9 +403,12 @@ def _is_output_capturing(hook):
 
 
 def _check_plain(block):
-    """No hooks on the submodules (the block no longer calls them; transformers' output-capturing hooks aside,
-    as output_attentions raises at call time), one dtype, device and training mode."""
+    """No forward replaced on an instance, no hooks on the submodules (the block no longer calls them;
+    transformers' output-capturing hooks aside, as output_attentions raises at call time), one dtype, device and
+    training mode."""
     for name, m in block.named_modules():
+        _require("forward" not in vars(m), f"{name or 'its'} forward is replaced on the instance (a wrapper such as "
+                                           f"accelerate's hooks), which the converted block would not run")
         if not name:
             continue  # the block itself is still called: its hooks run
         hooks = [h.strip("_") for h in _HOOKS

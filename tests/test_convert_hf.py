@@ -159,9 +159,13 @@ def test_gpt2_generate_is_token_identical(impl, padding):
 
 
 def test_gpt2_model_hidden_states_and_gradient_checkpointing():
+    """Also after a call with output_hidden_states before convert: transformers then hooks every block and
+    attention module for the outputs it can record, which convert leaves in place."""
     ref = build(GPT2Model, gpt2_config(n_layer=3))
-    model, _ = converted_copy(ref)
     ids, mask = batch("left")
+    ref(ids, attention_mask=mask, output_hidden_states=True)
+    model, report = converted_copy(ref)
+    assert len(report) == 4 and not report.kept, report
     want = ref(ids, attention_mask=mask, output_hidden_states=True)
     ours = model(ids, attention_mask=mask, output_hidden_states=True)
     assert len(ours.hidden_states) == len(want.hidden_states) == 4
@@ -293,14 +297,16 @@ def test_unconvertible_configs_are_kept_whole_and_reported(case, cls, config, re
 
 
 def test_kept_for_attention_implementation_dropouts_hooks_and_dtypes():
-    model = build(GPT2LMHeadModel, gpt2_config(n_layer=4))
+    model = build(GPT2LMHeadModel, gpt2_config(n_layer=5))
     h = model.transformer.h
     h[0].attn.config = copy.copy(h[0].attn.config)
     h[0].attn.config._attn_implementation = "flash_attention_2"
     h[1].mlp.dropout.p = 0.3
     h[2].mlp.c_fc.register_forward_hook(lambda *a: None)
     h[3].ln_1.to(torch.float64)
+    h[4].attn.forward = lambda *args, **kwargs: None
     report, kept = _kept(model)
+    assert "attn forward is replaced on the instance" in kept["transformer.h.4"]
     assert "flash_attention_2" in kept["transformer.h.0"]
     assert "residual dropouts differ" in kept["transformer.h.1"]
     assert "mlp.c_fc has forward_hooks" in kept["transformer.h.2"]
@@ -326,6 +332,19 @@ def test_the_report():
     text = str(report)
     assert "2 module(s) replaced, 1 kept" in text and "GPT2Block -> ConvertedGPT2Block" in text
     assert "transformer.h.1" in text and "residual dropouts differ" in text
+
+
+def test_dropout_in_training_and_none_in_eval():
+    """The config's dropouts reach the layer in training mode (two calls differ) and not in eval mode."""
+    ref = build(GPT2LMHeadModel, gpt2_config(resid_pdrop=0.1, attn_pdrop=0.1))
+    model, _ = converted_copy(ref)
+    ids, mask = batch("right")
+    labels = causal_labels(ids, mask)
+    first, second = (model(ids, attention_mask=mask, labels=labels).loss for _ in range(2))
+    assert first != second
+    ref.eval(), model.eval()
+    torch.testing.assert_close(model(ids, attention_mask=mask, labels=labels).loss,
+                               ref(ids, attention_mask=mask, labels=labels).loss, rtol=1e-5, atol=1e-6)
 
 
 def test_calls_a_converted_block_cannot_compute_raise():
