@@ -364,8 +364,8 @@ def _check_bert(layer, hf):
              "its projections do not map hidden → hidden (attention) and hidden → ffn → hidden")
     _check_norms(layer, ("attention.output.LayerNorm", "output.LayerNorm"), h)
     _check_activation(layer.intermediate.intermediate_act_fn, "intermediate.intermediate_act_fn")
-    _check_dropouts({"attention.output.dropout": layer.attention.output.dropout, "output.dropout": layer.output.dropout},
-                    {"attention.self.dropout": s.dropout})
+    _check_dropouts({"attention.output.dropout": layer.attention.output.dropout,
+                     "output.dropout": layer.output.dropout}, {"attention.self.dropout": s.dropout})
     return s
 
 
@@ -391,8 +391,9 @@ def _check_dropouts(residual, attention):
         for name, mod in group.items():
             _require(type(mod) is nn.Dropout, f"{name} is {type(mod).__name__}, not torch.nn.Dropout")
     ps = {name: mod.p for name, mod in residual.items()}
-    _require(len(set(ps.values())) == 1, f"its residual dropouts differ ({', '.join(f'{n}.p={p}' for n, p in ps.items())}); "
-                                         f"lsmini's layer applies one after every sub-block")
+    listed = ", ".join(f"{n}.p={p}" for n, p in ps.items())
+    _require(len(set(ps.values())) == 1, f"its residual dropouts differ ({listed}); lsmini's layer applies one after "
+                                         f"every sub-block")
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
