@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 import lsmini  # noqa: E402
 from layer_testing import _one_thread, _poison_freed_memory, perturb_  # noqa: E402,F401  (fixtures)
 from lsmini import convert_hf  # noqa: E402
+from lsmini.layers import runtime  # noqa: E402
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
                           GPT2Config, GPT2LMHeadModel, GPT2Model)
 
@@ -408,7 +409,7 @@ def _grad_error(grads, want):
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype):
+def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, monkeypatch):
     """Against the unconverted model in float64, the converted model under autocast has logits and gradients
     (all together, as one vector) within twice the error of the unconverted model in that dtype (cast to it).
     The unconverted model in that dtype is the yardstick, not the unconverted model under autocast: a converted
@@ -425,7 +426,16 @@ def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype):
     real = mask.bool()
     want, want_grads = _cuda_run(copy.deepcopy(ref).double(), ids, mask, labels)
     cast, cast_grads = _cuda_run(copy.deepcopy(ref).to(dtype), ids, mask, labels)
+    paths = []
+
+    def kernel_path(options, x):  # which path each layer call takes
+        paths.append(real_kernel_path(options, x))
+        return paths[-1]
+
+    real_kernel_path = runtime.kernel_path
+    monkeypatch.setattr(runtime, "kernel_path", kernel_path)
     ours, our_grads = _cuda_run(model, ids, mask, labels, dtype)
+    assert paths == [True] * 2, paths  # both layers on the kernel path
     assert all(torch.isfinite(g).all() for g in our_grads.values())
     err_ours, err_cast = _error(ours[real], want[real]), _error(cast[real], want[real])
     assert err_ours <= 2 * err_cast, (err_ours, err_cast)
