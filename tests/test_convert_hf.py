@@ -445,6 +445,29 @@ def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, m
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_bf16_parameters_on_the_gpu_within_twice_the_unconverted_error(family):
+    """A model cast to bf16 (no autocast), converted: the layers take the weights as they are (GPT-2's as
+    transposed views, no cast copy); logits and gradients within twice the unconverted bf16 model's error
+    against float64."""
+    ref, make_labels = _cuda_models(family)
+    ref = ref.cuda()
+    ids, mask = batch("right", b=4, l=24)
+    ids, mask = ids.cuda(), mask.cuda()
+    labels = make_labels(ids, mask)
+    real = mask.bool()
+    want, want_grads = _cuda_run(copy.deepcopy(ref).double(), ids, mask, labels)
+    cast = copy.deepcopy(ref).to(torch.bfloat16)
+    model, report = converted_copy(cast)
+    assert not report.kept
+    theirs, their_grads = _cuda_run(cast, ids, mask, labels)
+    ours, our_grads = _cuda_run(model, ids, mask, labels)
+    assert all(torch.isfinite(g).all() for g in our_grads.values())
+    assert _error(ours[real], want[real]) <= 2 * _error(theirs[real], want[real])
+    assert _grad_error(our_grads, want_grads) <= 2 * _grad_error(their_grads, want_grads)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
 @pytest.mark.parametrize("padding", ["none", "right"])
 def test_torch_compile_on_the_gpu(family, padding):
     """A converted model under torch.compile gives its eager self's loss and gradients (bf16 autocast)."""
