@@ -36,6 +36,10 @@ SECTIONS = {  # benchmark: (title, script, what a row is)
     "convert": ("A torch.nn.Transformer training script, converted", "bench_convert.py",
                 "the script as written (torch) and with `lsmini.convert(model)` (lsmini), eager and under "
                 "torch.compile; compile s is the first step's wall time (reduce-overhead: the first three)"),
+    "hf": ("Hugging Face GPT-2 and BERT training steps, converted", "bench_hf.py",
+           "GPT2LMHeadModel (GPT-2 small, 8 × 1024 tokens) and BertForMaskedLM (BERT base, 32 × 128) as "
+           "transformers builds them (torch) and with `lsmini.convert(model)` (lsmini), eager and under "
+           "torch.compile; bf16 autocast, fused AdamW"),
     "attention": ("Fused attention over sequence lengths", "bench_attention.py",
                   "forward + backward at 16,384 tokens a row, hidden 1024, dropout 0.1, beside the fastest SDPA "
                   "backend; `lsmini bits=always` keeps the dropout bits at every length"),
@@ -55,7 +59,8 @@ LABELS = {"ms": "ms", "tokens_s": "tokens/s", "peak_mb": "peak MB", "scaling": "
           "loss_final": "final loss", "us": "µs", "device_us": "device µs", "valid_loss": "valid loss",
           "command_s": "command s", "duration_s": "duration s", "bleu": "BLEU",
           "ppl": "perplexity"}
-MS_LABELS = {"training": "ms/step", "training_multi_gpu": "ms/step", "convert": "ms/step", "attention": "fwd+bwd ms"}
+MS_LABELS = {"training": "ms/step", "training_multi_gpu": "ms/step", "convert": "ms/step", "hf": "ms/step",
+             "attention": "fwd+bwd ms"}
 HIDDEN = set(STAMP) | set(KEY) | {"note", "vs_pytorch"}
 
 # The README's headline numbers: (benchmark, config, variant, GPU, what it is).

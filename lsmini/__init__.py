@@ -6,7 +6,8 @@ gradient reduction over that workspace (``lsmini.distributed``) and the training
 together, optionally replayed as a CUDA graph (``lsmini.train``). Every op has a
 pure-PyTorch reference that runs wherever the kernels cannot; ``lsmini.backend()`` says which is active.
 User-facing settings are in ``lsmini.config``.
-``lsmini.convert(model)`` swaps the torch.nn Transformer modules of an existing model for lsmini's, in place
+``lsmini.convert(model)`` swaps the torch.nn Transformer modules of an existing model for lsmini's, in place,
+and the GPT2Block / BertLayer blocks of a Hugging Face model for one-call lsmini layers
 (``lsmini.unconvert(model)`` swaps them back).
 """
 from lsmini.config import config

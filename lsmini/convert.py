@@ -29,6 +29,10 @@ Layers built with bias=False, and layers whose norms were replaced by nn.RMSNorm
 kind; a stack's final norm either kind), become lsmini layers with bias=False / norm="rmsnorm". nn.RMSNorm's
 eps=None is torch.finfo(dtype).eps of the module's dtype at conversion.
 
+Hugging Face transformers models (transformers >= 5): every GPT2Block and BertLayer lsmini can represent is
+replaced by a subclass of its class around the same submodules and parameters (lsmini/convert_hf.py, which says
+what it reads from the masks and the KV cache, and what it keeps).
+
 A module convert cannot represent is left as it is, whole (a stack with one unsupported layer keeps all of
 them), and listed in the report with the reason; nothing is replaced before every module is decided.
 """
@@ -41,6 +45,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from lsmini import convert_hf
 from lsmini.layers import (LayerNorm, RMSNorm, TransformerConfig, TransformerDecoder, TransformerDecoderLayer,
                            TransformerEncoder, TransformerEncoderLayer)
 from lsmini.layers.interop import (check_torch_attention, check_torch_linear_norm, config_from_torch,
@@ -678,8 +683,9 @@ def convert(model, max_batch_tokens=8192, max_seq_len=512):
     this module's docstring for the mask rules). Returns a ``ConversionReport`` of what was replaced and of
     what was kept, with the reason.
 
-    max_batch_tokens, max_seq_len: the largest batch·len and len the converted layers accept (lsmini's
-    TransformerConfig); longer inputs raise ValueError. Convert before wrapping the model in
+    max_batch_tokens, max_seq_len: the largest batch·len and len the converted torch.nn layers accept (lsmini's
+    TransformerConfig); longer inputs raise ValueError. Hugging Face blocks (convert_hf) take what their model
+    takes. Convert before wrapping the model in
     DistributedDataParallel, and build the optimizer afterwards.
     """
     if not isinstance(model, nn.Module):
@@ -698,9 +704,12 @@ def convert(model, max_batch_tokens=8192, max_seq_len=512):
                             f"the model first, then wrap it")
         if _is_lsmini(module):
             return None
-        if not isinstance(module, _TORCH_CLASSES):
+        if convert_hf.hf_block(module):
+            new, reason = convert_hf.converted(module)
+        elif not isinstance(module, _TORCH_CLASSES):
             return _DESCEND
-        new, reason = _converted(module, limits, uses)
+        else:
+            new, reason = _converted(module, limits, uses)
         if new is None:
             report.kept.append(Kept(name, type(module).__name__, reason))
         else:
@@ -775,6 +784,10 @@ def unconvert(model):
     report = ConversionReport("unconvert", model)
 
     def decide(name, module):
+        if convert_hf.is_converted(module):
+            new = convert_hf.unconverted(module)
+            report.replaced.append(Replaced(name, type(new).__name__, type(module).__name__))
+            return new
         if isinstance(module, _CONVERTED):
             new = _unconverted(module)
             report.replaced.append(Replaced(name, type(new).__name__, type(module).__name__))

@@ -1,0 +1,254 @@
+"""Hugging Face training steps, as written and with lsmini.convert(model): GPT2LMHeadModel (GPT-2 small) and
+BertForMaskedLM (BERT base), each eager and under torch.compile, all in this one process.
+
+    python benchmarks/bench_hf.py [--models gpt2,bert] [--variants torch,torch+compile,lsmini,lsmini+compile]
+                                  [--iters 20] [--warmup 5] [--attn sdpa|eager] [--results DIR | --no-results]
+    python benchmarks/bench_hf.py --device cpu --tiny --steps 1      # a smoke run: a tiny model, one step
+
+Models, built from their configs with random weights (nothing downloaded), seeded alike in every variant:
+    gpt2   GPT2LMHeadModel, 12 layers, hidden 768, 12 heads, vocab 50257, batch 8 × 1024 tokens, the labels
+           the inputs (transformers shifts them), use_cache=False.
+    bert   BertForMaskedLM, 12 layers, hidden 768, 12 heads, FFN 3072, vocab 30522, batch 32 × 128 tokens,
+           15% of the tokens replaced by [MASK] and predicted (the other labels -100).
+Both with the configs' dropouts (0.1), no padding (so the models' sdpa masks are None), bf16 autocast,
+AdamW(fused=True). A step: zero_grad(set_to_none=True), forward with the loss, backward, optimizer step.
+
+Variants (each on a fresh model, in this process; Dynamo is reset between them):
+    torch           the model as transformers builds it (attention: --attn, default sdpa), eager.
+    torch+compile   the step's forward and loss under torch.compile (default mode).
+    lsmini          lsmini.convert(model) first (every GPT2Block / BertLayer one lsmini layer call), eager.
+    lsmini+compile  convert, then torch.compile.
+Reported per variant: ms_step (median over --iters steps after --warmup, CUDA events around each step with the
+host running ahead, as in bench_convert.py; wall time on CPU), tokens_s (batch × length / ms_step), peak_mb
+(torch.cuda.max_memory_allocated from the first step on), compile_s (the first step's wall time), the first and
+last losses (variants start from the same weights; their dropout draws differ) and the report's replaced/kept.
+On CUDA the rows are appended to benchmarks/results/hf.csv (benchmarks/report.py writes RESULTS.md from it);
+CPU runs are smoke runs and record nothing.
+"""
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402
+import lsmini  # noqa: E402
+
+SEED, DATA_SEED = 1234, 7
+N_BATCHES = 4
+MASK_FRACTION = 0.15
+LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 0.01
+VARIANTS = ("torch", "torch+compile", "lsmini", "lsmini+compile")
+MODELS = {  # name: (layers, hidden, heads, vocab, batch, length)
+    "gpt2": (12, 768, 12, 50257, 8, 1024),
+    "bert": (12, 768, 12, 30522, 32, 128),
+}
+TINY = {"gpt2": (2, 64, 4, 101, 2, 16), "bert": (2, 64, 4, 101, 2, 16)}
+COLUMNS = ["model", "variant", "compile_s", "ms_step", "tokens_s", "peak_mb", "loss_first", "loss_final",
+           "replaced", "kept", "error"]
+
+
+def shape(args, name):
+    return (TINY if args.tiny else MODELS)[name]
+
+
+def build_model(args, name):
+    """The model with random weights, in training mode (transformers is imported here: optional for lsmini)."""
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+    layers, hidden, heads, vocab, _, length = shape(args, name)
+    torch.manual_seed(SEED)
+    if name == "gpt2":
+        config = GPT2Config(vocab_size=vocab, n_positions=max(length, 1024), n_embd=hidden, n_layer=layers,
+                            n_head=heads, use_cache=False)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                            intermediate_size=4 * hidden, max_position_embeddings=max(length, 512))
+        model = BertForMaskedLM(config)
+    model.set_attn_implementation(args.attn)
+    return model.train()
+
+
+def make_batches(args, name, device):
+    """N_BATCHES (inputs, labels): random tokens; gpt2's labels are its inputs, bert's the masked tokens."""
+    _, _, _, vocab, batch, length = shape(args, name)
+    g = torch.Generator().manual_seed(DATA_SEED)
+    batches = []
+    for _ in range(N_BATCHES):
+        ids = torch.randint(5, vocab, (batch, length), generator=g)
+        if name == "gpt2":
+            batches.append((ids.to(device), ids.to(device)))
+            continue
+        hidden = torch.rand(ids.shape, generator=g) < MASK_FRACTION
+        hidden[:, 0] = True
+        labels = ids.masked_fill(~hidden, -100)
+        batches.append((ids.masked_fill(hidden, 4).to(device), labels.to(device)))  # 4: a stand-in [MASK] id
+    return batches
+
+
+class Timer:
+    """Per-step ms: CUDA events read after the loop (the host runs ahead), wall time on the CPU."""
+
+    def __init__(self, device):
+        self.cuda, self.spans = device.type == "cuda", []
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self):
+        self.spans.append([self.mark(), None])
+
+    def stop(self):
+        self.spans[-1][1] = self.mark()
+
+    def times_ms(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in self.spans]
+        return [(e - s) * 1e3 for s, e in self.spans]
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_variant(args, name, variant, device, row):
+    use_lsmini, compiled = variant.startswith("lsmini"), variant.endswith("+compile")
+    batches = make_batches(args, name, device)
+    model = build_model(args, name).to(device)
+    if use_lsmini:
+        report = lsmini.convert(model)
+        row["replaced"], row["kept"] = len(report.replaced), len(report.kept)
+        if report.kept:
+            print(report)
+
+    def loss_fn(ids, labels):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return model(ids, labels=labels).loss
+
+    if compiled:
+        loss_fn = torch.compile(loss_fn)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                            fused=device.type == "cuda")
+
+    def step(ids, labels):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(ids, labels)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    torch.manual_seed(SEED)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(max(args.warmup, 1)):
+        loss = step(*batches[i % N_BATCHES])
+        if i == 0:
+            row["loss_first"] = loss.item()
+            row["compile_s"] = time.perf_counter() - t0
+    synchronize(device)
+    timer, losses = Timer(device), []
+    for i in range(args.iters):
+        timer.start()
+        losses.append(step(*batches[i % N_BATCHES]))
+        timer.stop()
+    ms = statistics.median(timer.times_ms())
+    _, _, _, _, batch, length = shape(args, name)
+    row["ms_step"], row["tokens_s"] = ms, batch * length / ms * 1e3
+    if device.type == "cuda":
+        row["peak_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
+    row["loss_final"] = torch.stack(losses).float().mean().item()
+
+
+def release(device):
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(args, name, variant, device):
+    row = {"model": name, "variant": variant}
+    try:
+        run_variant(args, name, variant, device, row)
+    except Exception as e:  # noqa: BLE001 - a failed variant is a result too; the others still run
+        traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0]
+        row = {k: v for k, v in row.items() if k in ("model", "variant", "replaced", "kept")}
+        row["error"] = f"{type(e).__name__}: {first}"[:300]
+    release(device)
+    return row
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="gpt2,bert", help=f"comma-separated, of {','.join(MODELS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {','.join(VARIANTS)}")
+    ap.add_argument("--iters", type=int, default=20, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one compiles)")
+    ap.add_argument("--steps", type=int, help="shorthand: --warmup 1 --iters STEPS (smoke runs)")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="the models' attention implementation")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="two-layer models of width 64 on 2 × 16 tokens (smoke runs)")
+    common.add_results_arguments(ap)
+    args = ap.parse_args(argv)
+    if args.steps is not None:
+        args.warmup, args.iters = 1, args.steps
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for what, chosen, known in (("models", args.models, MODELS), ("variants", args.variants, VARIANTS)):
+        unknown = [c for c in chosen if c not in known]
+        if unknown:
+            ap.error(f"unknown {what} {unknown}; choose from {','.join(known)}")
+    if args.iters < 1 or args.warmup < 1:
+        ap.error("--iters and --warmup must be at least 1")
+    return args
+
+
+def config_label(args, name):
+    layers, hidden, heads, vocab, batch, length = shape(args, name)
+    model = "GPT2LMHeadModel" if name == "gpt2" else "BertForMaskedLM"
+    return f"{model} {layers}L d{hidden} h{heads} vocab{vocab} bf16 b{batch}x{length} attn={args.attn}"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        common.require_cuda_kernels("bench_hf.py")
+    rows = []
+    for name in args.models:
+        for variant in args.variants:
+            rows.append(run(args, name, variant, device))
+            r = rows[-1]
+            print(f"# {name} {variant}: " + (f"FAILED — {r['error']}" if "error" in r else
+                                             f"{r['ms_step']:.2f} ms/step, {r['tokens_s']:,.0f} tokens/s"),
+                  flush=True)
+    print()
+    print(common.markdown_table(rows, COLUMNS))
+    if device.type == "cuda":
+        env = common.environment()
+        common.append_results(args.results, "hf", env, [
+            {"benchmark": "hf", "config": config_label(args, r["model"]), "variant": r["variant"],
+             "kind": "lsmini" if r["variant"].startswith("lsmini") else "pytorch", "ms": r.get("ms_step"),
+             "tokens_s": r.get("tokens_s"), "peak_mb": r.get("peak_mb"), "compile_s": r.get("compile_s"),
+             "loss_first": r.get("loss_first"), "loss_final": r.get("loss_final"), "note": r.get("error")}
+            for r in rows])
+    return rows
+
+
+if __name__ == "__main__":
+    main()

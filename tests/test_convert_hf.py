@@ -1,0 +1,497 @@
+"""lsmini.convert on Hugging Face transformers models (lsmini/convert_hf.py): small random GPT-2 and BERT
+models built in code, converted against their unconverted copies — logits, loss and every parameter gradient
+(float32 on CPU, eager and sdpa attention, no / left / right padding), generate() token for token, hidden
+states, gradient checkpointing, save_pretrained / from_pretrained both ways, unconvert, the configs and calls
+that are kept or refused and the report. On CUDA: bf16/fp16 autocast accuracy against float64 and
+torch.compile. Skipped when transformers is not installed."""
+import copy
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import lsmini  # noqa: E402
+from layer_testing import _one_thread, _poison_freed_memory, perturb_  # noqa: E402,F401  (fixtures)
+from lsmini import convert_hf  # noqa: E402
+from lsmini.layers import runtime  # noqa: E402
+from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
+                          GPT2Config, GPT2LMHeadModel, GPT2Model)
+
+VOCAB = 61
+IMPLS = ["sdpa", "eager"]
+PADDINGS = ["none", "left", "right"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    """transformers logs about padding side and token ids of these tiny configs; nothing here depends on it."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+
+
+def gpt2_config(**kw):
+    base = dict(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return GPT2Config(**{**base, **kw})
+
+
+def bert_config(**kw):
+    base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                pad_token_id=0)
+    return BertConfig(**{**base, **kw})
+
+
+def build(cls, config, impl="sdpa", seed=0):
+    torch.manual_seed(seed)
+    model = perturb_(cls(config), seed)
+    model.set_attn_implementation(impl)
+    return model
+
+
+def converted_copy(model):
+    new = copy.deepcopy(model)
+    report = lsmini.convert(new)
+    return new, report
+
+
+def batch(padding, b=3, l=10, seed=1):
+    """Token ids and the attention mask (1 = token): row 0 padded on the chosen side, row 1 less so."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (b, l), generator=g)
+    mask = torch.ones(b, l, dtype=torch.long)
+    if padding == "left":
+        mask[0, :4], mask[1, :1] = 0, 0
+    elif padding == "right":
+        mask[0, 6:], mask[1, 9:] = 0, 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def causal_labels(ids, mask):
+    """Labels whose every predicting position (the one before) is a real token: outputs at padded positions
+    are unspecified in lsmini (and a left-padded row's last pad would predict its first token)."""
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+    return labels
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def forward_backward(model, ids, mask, labels, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, attention_mask=mask, labels=labels, **kw)
+    out.loss.backward()
+    return out, grads(model)
+
+
+def assert_same_grads(ours, want, rtol=1e-4, atol=1e-6):
+    assert ours.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(ours[name], want[name], rtol=rtol, atol=atol, msg=name)
+
+
+# ---- GPT-2 ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_gpt2_logits_loss_and_gradients(impl, padding):
+    ref = build(GPT2LMHeadModel, gpt2_config(), impl)
+    model, report = converted_copy(ref)
+    assert [type(b).__name__ for b in model.transformer.h] == ["ConvertedGPT2Block"] * 2
+    ids, mask = batch(padding)
+    labels = causal_labels(ids, mask)
+    want, want_grads = forward_backward(ref, ids, mask, labels, use_cache=False)
+    ours, our_grads = forward_backward(model, ids, mask, labels, use_cache=False)
+    real = mask.bool()
+    torch.testing.assert_close(ours.logits[real], want.logits[real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+
+
+def test_gpt2_scale_by_inverse_layer_idx_and_unscaled_attention():
+    """scale_attn_by_inverse_layer_idx divides the scale by layer_idx + 1; scale_attn_weights=False drops
+    head_dim^-0.5: both reach the layer's options (a wrong scale fails the comparison)."""
+    for cfg in (dict(scale_attn_by_inverse_layer_idx=True), dict(scale_attn_weights=False),
+                dict(activation_function="relu", n_inner=48)):
+        ref = build(GPT2LMHeadModel, gpt2_config(**cfg))
+        model, report = converted_copy(ref)
+        assert len(report) == 3, report
+        ids, mask = batch("left")
+        labels = causal_labels(ids, mask)
+        want, want_grads = forward_backward(ref, ids, mask, labels)
+        ours, our_grads = forward_backward(model, ids, mask, labels)
+        torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+        assert_same_grads(our_grads, want_grads)
+
+
+def test_gpt2_training_with_the_default_cache_matches():
+    """use_cache defaults to True: a training forward fills a DynamicCache (the layer runs as usual and also
+    writes K/V); loss and gradients as without."""
+    ref = build(GPT2LMHeadModel, gpt2_config())
+    model, _ = converted_copy(ref)
+    ids, mask = batch("right")
+    labels = causal_labels(ids, mask)
+    want, want_grads = forward_backward(ref, ids, mask, labels)
+    ours, our_grads = forward_backward(model, ids, mask, labels)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+    for (k, v), (k_want, v_want) in zip([(la.keys, la.values) for la in ours.past_key_values.layers],
+                                        [(la.keys, la.values) for la in want.past_key_values.layers]):
+        torch.testing.assert_close(k, k_want.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v, v_want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_gpt2_generate_is_token_identical(impl, padding):
+    ref = build(GPT2LMHeadModel, gpt2_config(), impl).eval()
+    model, _ = converted_copy(ref)
+    ids, mask = batch(padding, l=8)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = ref.generate(ids, **kw)
+    ours = model.generate(ids, **kw)
+    assert torch.equal(ours, want)
+    assert torch.equal(model.generate(ids, num_beams=3, **kw), ref.generate(ids, num_beams=3, **kw))
+
+
+def test_gpt2_model_hidden_states_and_gradient_checkpointing():
+    """Also after a call with output_hidden_states before convert: transformers then hooks every block and
+    attention module for the outputs it can record, which convert leaves in place."""
+    ref = build(GPT2Model, gpt2_config(n_layer=3))
+    ids, mask = batch("left")
+    ref(ids, attention_mask=mask, output_hidden_states=True)
+    model, report = converted_copy(ref)
+    assert len(report) == 4 and not report.kept, report
+    want = ref(ids, attention_mask=mask, output_hidden_states=True)
+    ours = model(ids, attention_mask=mask, output_hidden_states=True)
+    assert len(ours.hidden_states) == len(want.hidden_states) == 4
+    real = mask.bool()
+    for a, b in zip(ours.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a[real], b[real], rtol=1e-4, atol=1e-5)
+    lm_ref = build(GPT2LMHeadModel, gpt2_config())
+    lm, _ = converted_copy(lm_ref)
+    for m in (lm_ref, lm):
+        (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
+        m.train()
+    labels = causal_labels(ids, mask)
+    want, want_grads = forward_backward(lm_ref, ids, mask, labels, use_cache=False)
+    ours, our_grads = forward_backward(lm, ids, mask, labels, use_cache=False)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+
+
+# ---- BERT -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_bert_masked_lm_logits_loss_and_gradients(impl, padding):
+    ref = build(BertForMaskedLM, bert_config(), impl)
+    model, report = converted_copy(ref)
+    assert [type(b).__name__ for b in model.bert.encoder.layer] == ["ConvertedBertLayer"] * 2
+    ids, mask = batch(padding)
+    labels = ids.masked_fill(mask == 0, -100)
+    want, want_grads = forward_backward(ref, ids, mask, labels)
+    ours, our_grads = forward_backward(model, ids, mask, labels)
+    real = mask.bool()
+    torch.testing.assert_close(ours.logits[real], want.logits[real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+
+
+@pytest.mark.parametrize("padding", ["none", "right"])
+def test_bert_sequence_classification(padding):
+    """(Right padding only: the pooler reads position 0, a pad in a left-padded row.)"""
+    ref = build(BertForSequenceClassification, bert_config(num_labels=3, hidden_act="gelu_new"), "eager")
+    model, report = converted_copy(ref)
+    assert len(report) == 3, report  # two layers and the embeddings' LayerNorm
+    ids, mask = batch(padding)
+    labels = torch.tensor([0, 2, 1])
+    want, want_grads = forward_backward(ref, ids, mask, labels)
+    ours, our_grads = forward_backward(model, ids, mask, labels)
+    torch.testing.assert_close(ours.logits, want.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+
+
+def test_bert_model_without_mask_and_with_a_4d_mask():
+    ref = build(BertModel, bert_config())
+    model, _ = converted_copy(ref)
+    ids, mask = batch("none")
+    torch.testing.assert_close(model(ids).last_hidden_state, ref(ids).last_hidden_state, rtol=1e-4, atol=1e-5)
+    causal = torch.tril(torch.ones(10, 10, dtype=torch.bool))[None, None].expand(3, 1, 10, 10)
+    with pytest.raises(ValueError, match="attention_mask is not key padding"):
+        model.encoder(model.embeddings(ids), attention_mask=causal)
+
+
+# ---- checkpoints and unconvert --------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_save_pretrained_and_from_pretrained_both_ways(family, tmp_path):
+    cls, config = (GPT2LMHeadModel, gpt2_config()) if family == "gpt2" else (BertForMaskedLM, bert_config())
+    ref = build(cls, config)
+    model, _ = converted_copy(ref)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    model.save_pretrained(tmp_path / "converted")
+    plain = cls.from_pretrained(tmp_path / "converted")
+    for name, value in ref.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], value), name
+    # the other way: a fresh model's weights into the converted one, through from_pretrained's files
+    other = build(cls, config, seed=7)
+    other.save_pretrained(tmp_path / "plain")
+    loaded = cls.from_pretrained(tmp_path / "plain")
+    lsmini.convert(loaded)
+    ids, mask = batch("right")
+    real = mask.bool()
+    torch.testing.assert_close(loaded(ids, attention_mask=mask).logits[real],
+                               other(ids, attention_mask=mask).logits[real], rtol=1e-4, atol=1e-5)
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits[real],
+                               other(ids, attention_mask=mask).logits[real], rtol=1e-4, atol=1e-5)
+
+
+def test_unconvert_restores_the_hugging_face_classes():
+    ref = build(GPT2LMHeadModel, gpt2_config())
+    model, _ = converted_copy(ref)
+    params = [id(p) for p in model.parameters()]
+    report = lsmini.unconvert(model)
+    assert sorted(r.torch_type for r in report.replaced) == ["GPT2Block", "GPT2Block", "LayerNorm"]
+    assert [type(b) for b in model.transformer.h] == [transformers.models.gpt2.modeling_gpt2.GPT2Block] * 2
+    assert [id(p) for p in model.parameters()] == params
+    ids, mask = batch("left")
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
+    assert len(lsmini.convert(model)) == 3  # and again
+
+
+def test_convert_reuses_the_parameters_and_skips_converted_blocks():
+    model = build(BertForMaskedLM, bert_config())
+    params = {n: id(p) for n, p in model.named_parameters()}
+    lsmini.convert(model)
+    assert {n: id(p) for n, p in model.named_parameters()} == params
+    again = lsmini.convert(model)
+    assert len(again) == 0 and not again.kept
+
+
+# ---- what is kept, what raises, the report --------------------------------------------------------------------
+def _kept(model):
+    report = lsmini.convert(model)
+    return report, {k.name: k.reason for k in report.kept}
+
+
+@pytest.mark.parametrize("case, cls, config, reason", [
+    ("cross-attention", GPT2LMHeadModel, gpt2_config(add_cross_attention=True), "cross-attention"),
+    ("activation", GPT2LMHeadModel, gpt2_config(activation_function="gelu_fast"), "FastGELUActivation"),
+    ("decoder", BertForMaskedLM, bert_config(is_decoder=True), "decoder"),
+    ("activation", BertModel, bert_config(hidden_act="silu"), "SiLU"),
+])
+def test_unconvertible_configs_are_kept_whole_and_reported(case, cls, config, reason):
+    model = build(cls, config)
+    before = {n: type(m) for n, m in model.named_modules()}
+    report, kept = _kept(model)
+    blocks = [n for n, t in before.items() if t.__name__ in ("GPT2Block", "BertLayer")]
+    assert sorted(kept) == sorted(blocks) and all(reason in kept[n] for n in blocks), kept
+    for name in blocks:  # kept whole: nothing inside them replaced
+        assert all(type(m) is before[f"{name}.{n}" if n else name]
+                   for n, m in model.get_submodule(name).named_modules())
+
+
+def test_kept_for_attention_implementation_dropouts_hooks_and_dtypes():
+    model = build(GPT2LMHeadModel, gpt2_config(n_layer=5))
+    h = model.transformer.h
+    h[0].attn.config = copy.copy(h[0].attn.config)
+    h[0].attn.config._attn_implementation = "flash_attention_2"
+    h[1].mlp.dropout.p = 0.3
+    h[2].mlp.c_fc.register_forward_hook(lambda *a: None)
+    h[3].ln_1.to(torch.float64)
+    h[4].attn.forward = lambda *args, **kwargs: None
+    report, kept = _kept(model)
+    assert "attn forward is replaced on the instance" in kept["transformer.h.4"]
+    assert "flash_attention_2" in kept["transformer.h.0"]
+    assert "residual dropouts differ" in kept["transformer.h.1"]
+    assert "mlp.c_fc has forward_hooks" in kept["transformer.h.2"]
+    assert "mix dtypes" in kept["transformer.h.3"]
+    assert [r.name for r in report.replaced] == ["transformer.ln_f"]
+
+
+def test_transformers_older_than_5_keeps_every_block(monkeypatch):
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    model = build(BertModel, bert_config())
+    report, kept = _kept(model)
+    assert sorted(kept) == ["encoder.layer.0", "encoder.layer.1"]
+    assert all("transformers 4.57.1 is installed" in r and ">= 5" in r for r in kept.values())
+
+
+def test_the_report():
+    model = build(GPT2LMHeadModel, gpt2_config(n_layer=2))
+    model.transformer.h[1].mlp.dropout.p = 0.1
+    report = lsmini.convert(model)
+    assert report.replaced == [("transformer.h.0", "GPT2Block", "ConvertedGPT2Block"),
+                               ("transformer.ln_f", "LayerNorm", "ConvertedLayerNorm")]
+    assert [(k.name, k.type) for k in report.kept] == [("transformer.h.1", "GPT2Block")]
+    text = str(report)
+    assert "2 module(s) replaced, 1 kept" in text and "GPT2Block -> ConvertedGPT2Block" in text
+    assert "transformer.h.1" in text and "residual dropouts differ" in text
+
+
+def test_dropout_in_training_and_none_in_eval():
+    """The config's dropouts reach the layer in training mode (two calls differ) and not in eval mode."""
+    ref = build(GPT2LMHeadModel, gpt2_config(resid_pdrop=0.1, attn_pdrop=0.1))
+    model, _ = converted_copy(ref)
+    ids, mask = batch("right")
+    labels = causal_labels(ids, mask)
+    first, second = (model(ids, attention_mask=mask, labels=labels).loss for _ in range(2))
+    assert first != second
+    ref.eval(), model.eval()
+    torch.testing.assert_close(model(ids, attention_mask=mask, labels=labels).loss,
+                               ref(ids, attention_mask=mask, labels=labels).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_calls_a_converted_block_cannot_compute_raise():
+    model, _ = converted_copy(build(GPT2LMHeadModel, gpt2_config()))
+    ids, mask = batch("left")
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(ids, attention_mask=mask, output_attentions=True)
+    bert, _ = converted_copy(build(BertModel, bert_config()))
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        bert(ids, attention_mask=mask, output_attentions=True)
+    model.transformer.h[0].attn.resid_dropout.p = 0.2
+    with pytest.raises(ValueError, match="differ; lsmini's layer applies one residual dropout"):
+        model(ids, attention_mask=mask)
+    model.eval()  # dropouts are not read in eval mode
+    model(ids, attention_mask=mask)
+    block = model.transformer.h[1]
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(ValueError, match="attention_mask holds values other than 0"):
+        block(x, attention_mask=torch.full((2, 1, 5, 5), -1.0))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape \[2 or 1, heads or 1, 5, 5\]"):
+        block(x, attention_mask=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="supports a DynamicCache"):
+        block(x, cache=transformers.StaticCache(config=model.config, max_cache_len=16))
+
+
+def test_convert_hf_needs_no_transformers_for_torch_models():
+    assert convert_hf.transformers_loaded()
+    assert not convert_hf.hf_block(torch.nn.Linear(2, 2))
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------------------
+CUDA_H, CUDA_HEADS = 64, 4  # head_dim 16: the fused attention kernel
+
+
+def _cuda_models(family):
+    if family == "gpt2":
+        return build(GPT2LMHeadModel, gpt2_config(n_embd=CUDA_H, n_head=CUDA_HEADS)), causal_labels
+    return build(BertForMaskedLM, bert_config(hidden_size=CUDA_H, num_attention_heads=CUDA_HEADS,
+                                              intermediate_size=4 * CUDA_H)), \
+        (lambda ids, mask: ids.masked_fill(mask == 0, -100))
+
+
+def _cuda_run(model, ids, mask, labels, autocast=None):
+    module = getattr(model, "_orig_mod", model)  # torch.compile's wrapper holds the model there
+    module.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
+        out = model(ids, attention_mask=mask, labels=labels, use_cache=False) if "GPT2" in type(module).__name__ \
+            else model(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    return out.logits.detach().double(), {n: p.grad.double() for n, p in module.named_parameters()}
+
+
+def _error(a, b):
+    return (a - b).abs().max().item()
+
+
+def _grad_error(grads, want):
+    return sum(((grads[n] - w) ** 2).sum() for n, w in want.items()).sqrt().item()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, monkeypatch):
+    """Against the unconverted model in float64, the converted model under autocast has logits and gradients
+    (all together, as one vector) within twice the error of the unconverted model in that dtype (cast to it).
+    The unconverted model in that dtype is the yardstick, not the unconverted model under autocast: a converted
+    layer keeps its residual stream and LayerNorm outputs in the autocast dtype, as the model cast to it does,
+    where autocast keeps them in float32 (docs/compile-and-convert.md). Right padding: padded queries see
+    real keys (left padding, on the CPU above, gives the first ones none)."""
+    ref, make_labels = _cuda_models(family)
+    ref = ref.cuda()
+    model, report = converted_copy(ref)
+    assert len(report) >= 2 and not report.kept
+    ids, mask = batch("right", b=4, l=24)
+    ids, mask = ids.cuda(), mask.cuda()
+    labels = make_labels(ids, mask)
+    real = mask.bool()
+    want, want_grads = _cuda_run(copy.deepcopy(ref).double(), ids, mask, labels)
+    cast, cast_grads = _cuda_run(copy.deepcopy(ref).to(dtype), ids, mask, labels)
+    paths = []
+
+    def kernel_path(options, x):  # which path each layer call takes
+        paths.append(real_kernel_path(options, x))
+        return paths[-1]
+
+    real_kernel_path = runtime.kernel_path
+    monkeypatch.setattr(runtime, "kernel_path", kernel_path)
+    ours, our_grads = _cuda_run(model, ids, mask, labels, dtype)
+    assert paths == [True] * 2, paths  # both layers on the kernel path
+    assert all(torch.isfinite(g).all() for g in our_grads.values())
+    err_ours, err_cast = _error(ours[real], want[real]), _error(cast[real], want[real])
+    assert err_ours <= 2 * err_cast, (err_ours, err_cast)
+    g_ours, g_cast = _grad_error(our_grads, want_grads), _grad_error(cast_grads, want_grads)
+    assert g_ours <= 2 * g_cast, (g_ours, g_cast)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_bf16_parameters_on_the_gpu_within_twice_the_unconverted_error(family):
+    """A model cast to bf16 (no autocast), converted: the layers take the weights as they are (GPT-2's as
+    transposed views, no cast copy); logits and gradients within twice the unconverted bf16 model's error
+    against float64."""
+    ref, make_labels = _cuda_models(family)
+    ref = ref.cuda()
+    ids, mask = batch("right", b=4, l=24)
+    ids, mask = ids.cuda(), mask.cuda()
+    labels = make_labels(ids, mask)
+    real = mask.bool()
+    want, want_grads = _cuda_run(copy.deepcopy(ref).double(), ids, mask, labels)
+    cast = copy.deepcopy(ref).to(torch.bfloat16)
+    model, report = converted_copy(cast)
+    assert not report.kept
+    theirs, their_grads = _cuda_run(cast, ids, mask, labels)
+    ours, our_grads = _cuda_run(model, ids, mask, labels)
+    assert all(torch.isfinite(g).all() for g in our_grads.values())
+    assert _error(ours[real], want[real]) <= 2 * _error(theirs[real], want[real])
+    assert _grad_error(our_grads, want_grads) <= 2 * _grad_error(their_grads, want_grads)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("padding", ["none", "right"])
+def test_torch_compile_on_the_gpu(family, padding):
+    """A converted model under torch.compile gives its eager self's loss and gradients (bf16 autocast)."""
+    ref, make_labels = _cuda_models(family)
+    model, _ = converted_copy(ref.cuda())
+    ids, mask = batch(padding, b=4, l=24)
+    ids, mask = ids.cuda(), mask.cuda()
+    labels = make_labels(ids, mask)
+    torch.manual_seed(3)
+    eager_logits, eager_grads = _cuda_run(model, ids, mask, labels, torch.bfloat16)
+    compiled = torch.compile(model)
+    logits, grads_ = _cuda_run(compiled, ids, mask, labels, torch.bfloat16)
+    real = mask.bool()
+    # The layers run the same operators compiled and eager; the code around them (embeddings, LayerNorms, the
+    # head, the loss) Inductor fuses, rounding to bf16 at other places: bf16-sized differences (2^-8 relative).
+    torch.testing.assert_close(logits[real], eager_logits[real], rtol=2e-2, atol=2e-2)
+    norm = _grad_error(eager_grads, {n: torch.zeros_like(g) for n, g in eager_grads.items()})
+    assert _grad_error(grads_, eager_grads) <= 2e-2 * norm
+
+
+@pytest.mark.cuda
+def test_gpt2_generate_on_the_gpu_is_token_identical_in_float32():
+    ref = build(GPT2LMHeadModel, gpt2_config(n_embd=CUDA_H, n_head=CUDA_HEADS)).cuda().eval()
+    model, _ = converted_copy(ref)
+    ids, mask = batch("left", l=8)
+    kw = dict(attention_mask=mask.cuda(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids.cuda(), **kw), ref.generate(ids.cuda(), **kw))
