@@ -24,8 +24,8 @@ On each corpus:
 
 Every run gets its own --save-dir and --no-progress; its log goes beside it. Each table gives, per run: steps,
 the warmup and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4; LM:
-validation perplexity), valid loss, the whole command's wall seconds and the run's average tokens/s
-(metrics.json); then the defaults' quality against the best tuned run's. Every run is also appended to
+validation perplexity of the run's best checkpoint, the model it leaves), the last step's valid loss, the whole
+command's wall seconds and the run's average tokens/s (metrics.json); then the defaults' quality against the best tuned run's. Every run is also appended to
 benchmarks/results/defaults.csv (config: the example, --arch and corpus; variant: "defaults" or the flags), from
 which benchmarks/report.py writes RESULTS.md.
 """
@@ -133,8 +133,9 @@ def run_one(corpus, name, arch, extra, save_dir):
             metrics = json.load(f)
         row.update(steps=metrics["steps"], valid_loss=round(metrics["valid_loss"], 3),
                    tokens_per_s=round(metrics["tokens_per_s"] or 0))
-        if corpus.is_lm:
-            row["ppl"] = round(math.exp(metrics["valid_loss"]), 2)
+        if corpus.is_lm:  # the model the run leaves to use: its best checkpoint
+            best = (metrics.get("best") or {}).get("valid_loss", metrics["valid_loss"])
+            row["ppl"] = round(math.exp(min(best, metrics["valid_loss"])), 2)
         else:
             row["bleu"] = metrics["bleu"]
     else:

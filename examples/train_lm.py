@@ -164,6 +164,7 @@ class LanguageModelTask(run.Task):
                   "8 heads, 4 K/V heads, FFN 1408; llama-base: 12, 768, 12 heads, 4 K/V heads, FFN 2048")
     label_smoothing = 0.0
     default_save_dir = os.path.join("checkpoints", "lm")
+    default_patience = 2
 
     def add_data_args(self, parser):
         g = parser.add_argument_group("data (plain UTF-8 text; none given: the built-in corpus)")

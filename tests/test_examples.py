@@ -112,6 +112,24 @@ def test_lm_short_run_writes_metrics_and_generates(tmp_path, capsys):
     assert len(out) == 2 and all(s.startswith("sample: The dog") for s in out)
 
 
+def test_lm_of_the_default_length_stops_when_validation_stops_improving(tmp_path, capsys, monkeypatch):
+    """A run of the default length on a small text ends when the validation loss has not improved for two
+    epochs (the model memorises the few training lines long before the length the --arch calls for, here
+    400 steps); the log says so. An explicit --epochs trains them all."""
+    monkeypatch.setitem(train_lm.ARCHS["tiny"], "min_steps", 400)
+    lines = [s for s, _ in builtin_data.generate_pairs(120, 7)]
+    train = write_lines(tmp_path / "train.txt", lines[:100])
+    valid = write_lines(tmp_path / "valid.txt", lines[100:])
+    common = ["--train", train, "--valid", valid, "--vocab-size", "200", "--block-size", "32", "--max-tokens",
+              "512", "--lr", "3e-3", "--warmup", "5", "--log-every", "50", "--no-progress", "--num-samples", "0"]
+    m = run(train_lm.main, common + ["--save-dir", str(tmp_path / "default")])
+    out = capsys.readouterr().out
+    assert "early stop: after 2 validations without a better valid_loss" in out
+    assert m["stop_reason"].startswith("early stop") and m["best"]["step"] < m["steps"]
+    m = run(train_lm.main, common + ["--save-dir", str(tmp_path / "epochs"), "--epochs", "3"])
+    assert "early stop" not in capsys.readouterr().out and m["stop_reason"] == "--epochs 3 done"
+
+
 def test_log_lines_reach_a_pipe_as_they_are_printed(tmp_path):
     """With stdout a pipe (`| tee`), the first log line arrives while the run goes on, not when 8 KiB of
     output have piled up or the process ends. The run is far from done when the line is read."""

@@ -59,6 +59,9 @@ class Task:
     label_smoothing = None  # the default of --label-smoothing
     default_save_dir = None
     best_metrics = ("valid_loss",)  # the choices of --best-metric
+    # the --patience of a run of the default length (None: the whole length): validation after every epoch
+    # tells when a small corpus starts to be memorised
+    default_patience = None
 
     # -- command line --
     def add_data_args(self, parser):
@@ -241,6 +244,11 @@ def run_task(task, argv=None):
         if args.default_length:
             args.epochs, how = cli.default_epochs(args, per_epoch, task.archs[args.arch]["min_steps"])
             log(how)
+            if args.patience is None and task.default_patience is not None and args.eval_every is None:
+                args.patience = task.default_patience
+                log(f"early stop: after {args.patience} validations without a better {args.best_metric} (the "
+                    f"length above is a ceiling: a small corpus is memorised before it; --patience, --epochs or "
+                    f"--max-steps sets it)")
         planned = None if args.max_steps is not None else args.epochs * per_epoch
         if args.resume:  # the schedule (its warmup included) continues from the checkpoint
             warmup = _checkpoint_warmup(ckpt)
