@@ -44,7 +44,8 @@ def _options(kinds, training=False, dropouts=(0.0, 0.0, 0.0), recompute=True, **
     base = LayerOptions(kinds=tuple(kinds), hidden=H, ffn=FFN, heads=HEADS, kv_heads=HEADS, head_dim=H // HEADS,
                         scale=1.0 / math.sqrt(H // HEADS), eps=1e-5, norm="layer_norm", pre_ln=True,
                         activation="gelu", training=training, dropout=dropouts[0], attn_dropout=dropouts[1],
-                        activation_dropout=dropouts[2], causal=False, recompute=recompute, rotary_dim=0)
+                        activation_dropout=dropouts[2], causal=False, recompute=recompute, rotary_dim=0,
+                        qk_norm=False)
     return base._replace(**fields)
 
 
