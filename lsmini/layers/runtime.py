@@ -214,7 +214,8 @@ def run_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_paddin
     float32 [l, rotary_dim] or [b, l, rotary_dim] for x's positions (lsmini.ops.rotary.rotary_cos_sin) exactly
     when options.rotary_dim > 0. The operators when ``kernel_path`` (and no cache), else the reference layer
     (with the GEMM weights cast to x's dtype)."""
-    if (rotary is not None) != bool(options.rotary_dim):
+    # two plain tests, no comparison of bools: under torch.compile rotary_dim may be a symbolic int
+    if (rotary is None and options.rotary_dim) or (rotary is not None and not options.rotary_dim):
         raise ValueError(f"run_layer: rotary must be (cos, sin) tables exactly when options.rotary_dim > 0; got "
                          f"rotary_dim {options.rotary_dim} and rotary {'None' if rotary is None else 'tables'}")
     if cache is None and kernel_path(options, x, params):
