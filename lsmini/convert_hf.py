@@ -35,6 +35,7 @@ transformers is an optional dependency: nothing here imports it unless it is alr
 classes exists only then).
 """
 import functools
+import importlib
 import sys
 
 import torch
@@ -46,8 +47,13 @@ from lsmini.layers.reference import heads
 from lsmini.layers.runtime import run_layer
 from lsmini.layers.spec import LayerOptions
 from lsmini.ops.layernorm import layer_norm_ref
+from lsmini.ops.rms_norm import rms_norm_ref
+from lsmini.ops.rotary import rotary_ref
 
-__all__ = ["ConvertedGPT2Block", "ConvertedBertLayer"]
+__all__ = ["ConvertedGPT2Block", "ConvertedBertLayer", "ConvertedLlamaDecoderLayer", "ConvertedMistralDecoderLayer",
+           "ConvertedQwen2DecoderLayer"]
+# The decoder families sharing Llama's layer: (module under transformers.models, class prefix).
+_DECODERS = (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"))
 
 MIN_TRANSFORMERS = 5
 
@@ -81,20 +87,29 @@ def _hf():
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
         _active_collector = None
+    from transformers.activations import SiLUActivation
     ns = dict(gpt2=gpt2, bert=bert, Conv1D=Conv1D, DynamicCache=DynamicCache, DynamicLayer=DynamicLayer,
-              collector=_active_collector)
+              collector=_active_collector, SiLUActivation=SiLUActivation)
     ns["ConvertedGPT2Block"] = type("ConvertedGPT2Block", (_GPT2Forward, gpt2.GPT2Block),
                                     {"__module__": __name__, "__doc__": _GPT2Forward.__doc__})
     ns["ConvertedBertLayer"] = type("ConvertedBertLayer", (_BertForward, bert.BertLayer),
                                     {"__module__": __name__, "__doc__": _BertForward.__doc__})
-    ns["pairs"] = ((gpt2.GPT2Block, ns["ConvertedGPT2Block"]), (bert.BertLayer, ns["ConvertedBertLayer"]))
+    pairs = [(gpt2.GPT2Block, ns["ConvertedGPT2Block"]), (bert.BertLayer, ns["ConvertedBertLayer"])]
+    for module, prefix in _DECODERS:
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        hf_cls = getattr(modeling, f"{prefix}DecoderLayer")
+        name = f"Converted{prefix}DecoderLayer"
+        ns[name] = type(name, (_DecoderForward, hf_cls), {"__module__": __name__, "__doc__": _DecoderForward.__doc__,
+                                                         "_LSMINI_FAMILY": (modeling, prefix)})
+        pairs.append((hf_cls, ns[name]))
+    ns["pairs"] = tuple(pairs)
     for _, cls in ns["pairs"]:  # what a forward reads, as class attributes (no call into this cached builder)
         cls._lsmini_collector, cls._lsmini_cache_types = _active_collector, (DynamicCache, DynamicLayer)
     return ns
 
 
 def __getattr__(name):
-    """ConvertedGPT2Block / ConvertedBertLayer are built on transformers' classes when first asked for."""
+    """The Converted* classes are built on transformers' classes when first asked for."""
     if name in __all__:
         return _hf()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -166,8 +181,9 @@ def _cache_state(owner, block, cache, layer_idx):
     return past, ((layer.keys, layer.values) if past else None)
 
 
-def _run(block, owner, x, attention_mask, cache, kwargs):
-    """The block's forward: one run_layer call (see the module docstring for masks and the cache)."""
+def _run(block, owner, x, attention_mask, cache, kwargs, rotary=None):
+    """The block's forward: one run_layer call (see the module docstring for masks and the cache); rotary: the
+    float32 (cos, sin) tables of x's positions for a layer with rotary_dim, else None."""
     _check_call(owner, block, kwargs)
     params = block._lsmini_params()
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != params[4].shape[0]:
@@ -177,30 +193,39 @@ def _run(block, owner, x, attention_mask, cache, kwargs):
     past, cached = (0, None) if cache is None else _cache_state(owner, block, cache, block._lsmini_layer_idx())
     b, l = x.shape[0], x.shape[1]
     pad = key_padding_mask(owner, attention_mask, b, l, past + l, causal)
-    options = block._lsmini_options()
+    options = block._lsmini_options() if rotary is None else block._lsmini_options(rotary[0].shape[-1])
     dtype = compute_dtype(owner, x, params[0])
     with no_autocast(x.device.type):
         x = x.to(dtype).contiguous()
         if cached is None:
-            y = run_layer(options, x, pad, None, None, None, params)
+            y = run_layer(options, x, pad, None, None, None, params, rotary=rotary)
             if cache is not None:
                 with torch.no_grad():
-                    k, v = _new_kv(options, x, params)
+                    k, v = _new_kv(options, x, params, rotary)
                 cache.update(k, v, block._lsmini_layer_idx())
             return y
         kv = {"k": cached[0], "v": cached[1]}
-        y = run_layer(options, x, pad, None, None, None, params, cache=kv)
+        y = run_layer(options, x, pad, None, None, None, params, cache=kv, rotary=rotary)
         cache.update(kv["k"][:, :, past:], kv["v"][:, :, past:], block._lsmini_layer_idx())
         return y
 
 
-def _new_kv(options, x, params):
-    """The self-attention K/V of x ([b, heads, l, d] each), as the layer computes them: for the cache."""
+def _new_kv(options, x, params, rotary=None):
+    """The self-attention K/V of x ([b, kv_heads, l, d] each, K after rotary), as the layer computes them: for
+    the cache."""
     w_in, b_in, _, _, norm_weight, norm_bias = cast_block(params[:6], x.dtype)
-    u = layer_norm_ref(x, norm_weight, norm_bias, options.eps) if options.pre_ln else x
-    h = options.hidden
-    kv = F.linear(u, w_in[h:], None if b_in is None else b_in[h:].to(x.dtype))
-    return heads(kv[..., :h], options.heads), heads(kv[..., h:], options.heads)
+    if not options.pre_ln:
+        u = x
+    elif options.norm == "rms_norm":
+        u = rms_norm_ref(x, norm_weight, options.eps)
+    else:
+        u = layer_norm_ref(x, norm_weight, norm_bias, options.eps)
+    q_rows, width = options.heads * options.head_dim, options.kv_heads * options.head_dim
+    kv = F.linear(u, w_in[q_rows:], None if b_in is None else b_in[q_rows:].to(x.dtype))
+    k, v = heads(kv[..., :width], options.kv_heads), heads(kv[..., width:], options.kv_heads)
+    if options.rotary_dim:
+        k = rotary_ref(k, k, *rotary)[1]
+    return k, v
 
 
 def _dropouts(owner, residual, attention):
@@ -214,6 +239,7 @@ def _dropouts(owner, residual, attention):
 
 
 def _options(config, kinds, training, causal, scale, dropouts):
+    """LayerOptions of a Hugging Face block (config: a _LayerShape)."""
     return LayerOptions.of(kinds, config, training, causal, True, dropouts if training else None)._replace(
         scale=float(scale))
 
@@ -221,11 +247,12 @@ def _options(config, kinds, training, causal, scale, dropouts):
 class _LayerShape:
     """The TransformerConfig fields LayerOptions.of reads, for a Hugging Face block."""
 
-    def __init__(self, hidden, ffn, heads_, eps, pre_ln, activation):
+    def __init__(self, hidden, ffn, heads_, eps, pre_ln, activation, kv_heads=None, norm="layernorm", rotary_dims=0):
         self.hidden_size, self.ffn_size, self.num_heads, self.head_dim = hidden, ffn, heads_, hidden // heads_
         self.layer_norm_eps, self.pre_layer_norm, self.activation = eps, pre_ln, activation
         self.dropout = self.attn_dropout = self.activation_dropout = 0.0
-        self.kv_heads, self.norm, self.rotary_dims, self.qk_norm = heads_, "layernorm", 0, False
+        self.kv_heads = heads_ if kv_heads is None else kv_heads
+        self.norm, self.rotary_dims, self.qk_norm = norm, rotary_dims, False
 
 
 # ---- GPT-2 ----------------------------------------------------------------------------------------------------
@@ -370,6 +397,122 @@ def _check_bert(layer, hf):
     return s
 
 
+# ---- Llama, Mistral, Qwen2 ----------------------------------------------------------------------------------------
+class _DecoderForward:
+    """A transformers Llama / Mistral / Qwen2 decoder layer whose forward is one lsmini layer call
+    (lsmini.convert_hf): same submodules, parameters and state_dict; forward(hidden_states, attention_mask=None,
+    position_ids=None, cache=None, use_cache=False, position_embeddings=(cos, sin), ...) → hidden_states. No
+    output_attentions; the cache must be a DynamicCache."""
+
+    _LSMINI_CAUSAL = True
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        owner = type(self).__name__
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache  # the argument's older name
+        rotary = _rotary_tables(owner, position_embeddings, hidden_states, self.self_attn.head_dim)
+        return _run(self, owner, hidden_states, attention_mask, cache, kwargs, rotary)
+
+    def _lsmini_attention(self):
+        return self.self_attn
+
+    def _lsmini_layer_idx(self):
+        return self.self_attn.layer_idx
+
+    def _lsmini_params(self):
+        a, m = self.self_attn, self.mlp
+        qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+        gate_up_bias = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
+        return [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias, a.o_proj.weight,
+                a.o_proj.bias, self.input_layernorm.weight, None,
+                torch.cat([m.gate_proj.weight, m.up_proj.weight]), gate_up_bias, m.down_proj.weight,
+                m.down_proj.bias, self.post_attention_layernorm.weight, None]
+
+    def _lsmini_options(self, rotary_dim=None):
+        a = self.self_attn
+        heads_ = a.q_proj.out_features // a.head_dim
+        shape = _LayerShape(a.o_proj.out_features, self.mlp.gate_proj.out_features, heads_,
+                            self.input_layernorm.variance_epsilon, True, "swiglu",
+                            kv_heads=a.k_proj.out_features // a.head_dim, norm="rmsnorm",
+                            rotary_dims=a.head_dim if rotary_dim is None else rotary_dim)
+        dropouts = (0.0, float(a.attention_dropout), 0.0) if self.training else None
+        return _options(shape, ("self", "ffn"), self.training, True, a.scaling, dropouts)
+
+
+def _rotary_tables(owner, position_embeddings, x, head_dim):
+    """Hugging Face's (cos, sin) [b or 1, l, r] (rotate-half layout) → run_layer's float32 tables: [l, r] when
+    shared by the batch, else [b, l, r]."""
+    if not (isinstance(position_embeddings, (tuple, list)) and len(position_embeddings) == 2
+            and all(isinstance(t, torch.Tensor) for t in position_embeddings)):
+        raise ValueError(f"{owner}: position_embeddings must be the (cos, sin) tensors the model's rotary "
+                         f"embedding computes, got {type(position_embeddings).__name__}")
+    cos, sin = position_embeddings
+    b, l = x.shape[0], x.shape[1]
+    if cos.shape != sin.shape or cos.dim() not in (2, 3) or cos.shape[-2] != l \
+            or (cos.dim() == 3 and cos.shape[0] not in (1, b)) or cos.shape[-1] % 2 or cos.shape[-1] > head_dim:
+        raise ValueError(f"{owner}: position_embeddings (cos, sin) must both be [{b} or 1, {l}, rotary dims] with "
+                         f"even rotary dims <= head_dim {head_dim}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() == 3 and cos.shape[0] == 1:
+        cos, sin = cos[0], sin[0]
+    return cos.float().contiguous(), sin.float().contiguous()
+
+
+def _family(block, hf):
+    """(the modeling module, the class prefix) of a Llama / Mistral / Qwen2 decoder layer."""
+    return next(new_cls._LSMINI_FAMILY for hf_cls, new_cls in hf["pairs"] if type(block) is hf_cls)
+
+
+def _check_decoder(block, hf):
+    modeling, prefix = _family(block, hf)
+    for name, cls in (("self_attn", f"{prefix}Attention"), ("mlp", f"{prefix}MLP"),
+                      ("input_layernorm", f"{prefix}RMSNorm"), ("post_attention_layernorm", f"{prefix}RMSNorm")):
+        mod = block.get_submodule(name)
+        _require(type(mod) is getattr(modeling, cls), f"{name} is {type(mod).__name__}, not {cls}")
+    a, m, config = block.self_attn, block.mlp, block.self_attn.config
+    linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+    for name in linears:
+        _require(type(block.get_submodule(name)) is nn.Linear, f"{name} is not an nn.Linear")
+    d, hidden = a.head_dim, a.o_proj.out_features
+    q, k, v, o = a.q_proj, a.k_proj, a.v_proj, a.o_proj
+    _require(q.out_features % d == 0 and k.out_features % d == 0, f"its q/k projections are not whole heads of "
+                                                                  f"head_dim {d}")
+    heads_, kv_heads = q.out_features // d, k.out_features // d
+    _require(heads_ * d == hidden, f"heads · head_dim = {heads_} · {d} != hidden size {hidden}; lsmini's layer "
+                                   f"maps the attention output back from hidden features")
+    _require(kv_heads > 0 and heads_ % kv_heads == 0, f"its {heads_} query heads are not a multiple of its "
+                                                      f"{kv_heads} K/V heads")
+    ffn = m.gate_proj.out_features
+    _require(q.in_features == k.in_features == v.in_features == hidden and v.out_features == kv_heads * d
+             and o.in_features == heads_ * d and m.gate_proj.in_features == m.up_proj.in_features == hidden
+             and m.up_proj.out_features == ffn and m.down_proj.in_features == ffn
+             and m.down_proj.out_features == hidden,
+             "its projections do not map hidden → [Q | K | V] → hidden and hidden → 2 × ffn → hidden")
+    _require(len({q.bias is None, k.bias is None, v.bias is None}) == 1, "q_proj, k_proj and v_proj do not all "
+                                                                         "have a bias or all lack one")
+    _require((m.gate_proj.bias is None) == (m.up_proj.bias is None), "gate_proj and up_proj do not both have a "
+                                                                     "bias or both lack one")
+    _require(type(m.act_fn) in (hf["SiLUActivation"], nn.SiLU),
+             f"mlp.act_fn is {type(m.act_fn).__name__} (hidden_act {getattr(config, 'hidden_act', '?')!r}); lsmini's "
+             f"gated FFN has SiLU (swiglu)")
+    eps = []
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        norm = block.get_submodule(name)
+        _require(tuple(norm.weight.shape) == (hidden,), f"{name} does not normalise the {hidden} features")
+        eps.append(norm.variance_epsilon)
+    _require(eps[0] == eps[1], f"its RMSNorms' eps differ ({eps[0]}, {eps[1]}); lsmini's layer has one")
+    window = getattr(a, "sliding_window", getattr(config, "sliding_window", None))
+    layer_types = getattr(config, "layer_types", None)
+    layer_type = layer_types[a.layer_idx] if layer_types and a.layer_idx is not None \
+        and a.layer_idx < len(layer_types) else None
+    _require(window is None and layer_type in (None, "full_attention"),
+             f"it uses sliding-window attention (sliding_window {getattr(config, 'sliding_window', None)}, layer "
+             f"type {layer_type!r}); lsmini's attention has no window")
+    tp = getattr(config, "pretraining_tp", 1) or 1
+    _require(tp == 1, f"pretraining_tp is {tp}; lsmini converts layers with pretraining_tp = 1")
+    return a
+
+
 # ---- what convert can represent -------------------------------------------------------------------------------
 def _check_norms(block, names, hidden):
     eps = []
@@ -432,12 +575,20 @@ def _with_class(module, cls):
 
 
 def hf_block(module):
-    """True for the transformers blocks convert considers (GPT2Block, BertLayer and subclasses)."""
+    """True for the transformers blocks convert considers (GPT2Block, BertLayer, Llama/Mistral/Qwen2
+    DecoderLayer and subclasses)."""
     if not transformers_loaded():
         return False
+    return isinstance(module, _hf_classes())
+
+
+@functools.cache
+def _hf_classes():
     from transformers.models.bert.modeling_bert import BertLayer
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-    return isinstance(module, (GPT2Block, BertLayer))
+    decoders = tuple(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                             f"{prefix}DecoderLayer") for module, prefix in _DECODERS)
+    return (GPT2Block, BertLayer) + decoders
 
 
 def converted(module):
@@ -450,9 +601,11 @@ def converted(module):
         hf = _hf()
         family = next(((hf_cls, new_cls) for hf_cls, new_cls in hf["pairs"] if type(module) is hf_cls), None)
         _require(family is not None, f"{type(module).__name__} is a subclass of a transformers block; lsmini "
-                                     f"converts GPT2Block and BertLayer themselves")
+                                     f"converts GPT2Block, BertLayer and the Llama, Mistral and Qwen2 "
+                                     f"DecoderLayer themselves")
         hf_cls, new_cls = family
-        attention = (_check_gpt2 if hf_cls is hf["gpt2"].GPT2Block else _check_bert)(module, hf)
+        check = {hf["gpt2"].GPT2Block: _check_gpt2, hf["bert"].BertLayer: _check_bert}.get(hf_cls, _check_decoder)
+        attention = check(module, hf)
         impl = getattr(attention.config, "_attn_implementation", None)
         _require(impl in _ATTENTION_IMPLEMENTATIONS, f"the attention implementation is {impl!r}; lsmini converts "
                                                      f"blocks running 'eager' or 'sdpa'")
