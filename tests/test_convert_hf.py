@@ -1,5 +1,5 @@
-"""lsmini.convert on Hugging Face transformers models (lsmini/convert_hf.py): small random GPT-2 and BERT
-models built in code, converted against their unconverted copies — logits, loss and every parameter gradient
+"""lsmini.convert on Hugging Face transformers models (lsmini/convert_hf.py): small random GPT-2, BERT, Llama
+(grouped K/V heads), Mistral and Qwen2 (Q/K/V biases) models built in code, converted against their unconverted copies — logits, loss and every parameter gradient
 (float32 on CPU, eager and sdpa attention, no / left / right padding), generate() token for token, hidden
 states, gradient checkpointing, save_pretrained / from_pretrained both ways, unconvert, the configs and calls
 that are kept or refused and the report. On CUDA: bf16/fp16 autocast accuracy against float64 and
@@ -17,7 +17,8 @@ from layer_testing import _one_thread, _poison_freed_memory, perturb_  # noqa: E
 from lsmini import convert_hf  # noqa: E402
 from lsmini.layers import runtime  # noqa: E402
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, BertModel,  # noqa: E402
-                          GPT2Config, GPT2LMHeadModel, GPT2Model)
+                          GPT2Config, GPT2LMHeadModel, GPT2Model, LlamaConfig, LlamaForCausalLM, LlamaModel,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 VOCAB = 61
 IMPLS = ["sdpa", "eager"]
@@ -44,6 +45,24 @@ def bert_config(**kw):
                 max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                 pad_token_id=0)
     return BertConfig(**{**base, **kw})
+
+
+def decoder_config(family, **kw):
+    """Llama with grouped K/V heads (4 → 2), Mistral with one K/V head per query head (no sliding window),
+    Qwen2 (biases on Q/K/V) with 4 → 1."""
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, rms_norm_eps=1e-5, attention_dropout=0.0, pad_token_id=0,
+                bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    if family == "llama":
+        return LlamaConfig(**{**base, "num_key_value_heads": 2, **kw})
+    if family == "mistral":
+        return MistralConfig(**{**base, "num_key_value_heads": 4, "sliding_window": None, **kw})
+    return Qwen2Config(**{**base, "num_key_value_heads": 1, **kw})
+
+
+DECODERS = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
+CONVERTED = {"llama": "ConvertedLlamaDecoderLayer", "mistral": "ConvertedMistralDecoderLayer",
+             "qwen2": "ConvertedQwen2DecoderLayer"}
 
 
 def build(cls, config, impl="sdpa", seed=0):
@@ -227,10 +246,149 @@ def test_bert_model_without_mask_and_with_a_4d_mask():
         model.encoder(model.embeddings(ids), attention_mask=causal)
 
 
+# ---- Llama, Mistral, Qwen2 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("padding", PADDINGS)
+@pytest.mark.parametrize("family", list(DECODERS))
+def test_decoder_logits_loss_and_gradients(family, impl, padding):
+    ref = build(DECODERS[family], decoder_config(family), impl)
+    model, report = converted_copy(ref)
+    assert [type(b).__name__ for b in model.model.layers] == [CONVERTED[family]] * 2 and not report.kept, report
+    ids, mask = batch(padding)
+    labels = causal_labels(ids, mask)
+    want, want_grads = forward_backward(ref, ids, mask, labels, use_cache=False)
+    ours, our_grads = forward_backward(model, ids, mask, labels, use_cache=False)
+    real = mask.bool()
+    torch.testing.assert_close(ours.logits[real], want.logits[real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+    if family == "qwen2":  # the Q/K/V biases are there and learn through the joined bias
+        assert model.model.layers[0].self_attn.k_proj.bias is not None
+        assert our_grads["model.layers.0.self_attn.k_proj.bias"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("config", [dict(attention_bias=True, mlp_bias=True), dict(num_key_value_heads=4),
+                                    dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=500.0)),
+                                    dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                                              original_max_position_embeddings=16)),
+                                    dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=10000.0,
+                                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                                              original_max_position_embeddings=8))],
+                         ids=["biases", "mha", "rope-linear", "rope-yarn", "rope-llama3"])
+def test_llama_biases_and_rope_scaling(config):
+    """Every bias Llama can have (attention_bias: Q/K/V and O; mlp_bias: gate/up and down) is a bias of the
+    layer; scaled rotary positions arrive in the cos/sin the model computes (yarn also scales them)."""
+    ref = build(LlamaForCausalLM, decoder_config("llama", **config))
+    model, report = converted_copy(ref)
+    assert len(report) == 2 and not report.kept, report
+    ids, mask = batch("left", l=24)
+    labels = causal_labels(ids, mask)
+    want, want_grads = forward_backward(ref, ids, mask, labels, use_cache=False)
+    ours, our_grads = forward_backward(model, ids, mask, labels, use_cache=False)
+    real = mask.bool()
+    torch.testing.assert_close(ours.logits[real], want.logits[real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+
+
+def test_llama_training_with_the_default_cache_matches():
+    """use_cache defaults to True: the first call writes K/V (after rotary, grouped heads) into the DynamicCache
+    as the unconverted model does."""
+    ref = build(LlamaForCausalLM, decoder_config("llama"))
+    model, _ = converted_copy(ref)
+    ids, mask = batch("right")
+    labels = causal_labels(ids, mask)
+    want, want_grads = forward_backward(ref, ids, mask, labels)
+    ours, our_grads = forward_backward(model, ids, mask, labels)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+    for ours_layer, want_layer in zip(ours.past_key_values.layers, want.past_key_values.layers):
+        assert ours_layer.keys.shape == (3, 2, 10, 8)
+        torch.testing.assert_close(ours_layer.keys, want_layer.keys.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ours_layer.values, want_layer.values.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("family", list(DECODERS))
+def test_decoder_generate_is_token_identical(family, impl, padding):
+    ref = build(DECODERS[family], decoder_config(family), impl).eval()
+    model, _ = converted_copy(ref)
+    ids, mask = batch(padding, l=8)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = ref.generate(ids, **kw)
+    ours = model.generate(ids, **kw)
+    assert torch.equal(ours, want)
+    assert torch.equal(model.generate(ids, num_beams=3, **kw), ref.generate(ids, num_beams=3, **kw))
+
+
+def test_llama_dropout_hidden_states_and_gradient_checkpointing():
+    """attention_dropout reaches the layer in training (two calls differ), not in eval; hidden states of
+    LlamaModel and gradient checkpointing as unconverted."""
+    ref = build(LlamaForCausalLM, decoder_config("llama", attention_dropout=0.2))
+    model, _ = converted_copy(ref)
+    ids, mask = batch("left")
+    labels = causal_labels(ids, mask)
+    first, second = (model(ids, attention_mask=mask, labels=labels, use_cache=False).loss for _ in range(2))
+    assert first != second
+    ref.eval(), model.eval()
+    torch.testing.assert_close(model(ids, attention_mask=mask, labels=labels).loss,
+                               ref(ids, attention_mask=mask, labels=labels).loss, rtol=1e-5, atol=1e-6)
+    base = build(LlamaModel, decoder_config("llama", num_hidden_layers=3))
+    converted, report = converted_copy(base)
+    assert len(report) == 3 and not report.kept, report
+    want = base(ids, attention_mask=mask, output_hidden_states=True)
+    ours = converted(ids, attention_mask=mask, output_hidden_states=True)
+    assert len(ours.hidden_states) == len(want.hidden_states) == 4
+    real = mask.bool()
+    for a, b in zip(ours.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a[real], b[real], rtol=1e-4, atol=1e-5)
+    lm_ref = build(LlamaForCausalLM, decoder_config("llama"))
+    lm, _ = converted_copy(lm_ref)
+    for m in (lm_ref, lm):
+        (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
+        m.train()
+    want, want_grads = forward_backward(lm_ref, ids, mask, labels, use_cache=False)
+    ours, our_grads = forward_backward(lm, ids, mask, labels, use_cache=False)
+    torch.testing.assert_close(ours.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert_same_grads(our_grads, want_grads)
+
+
+@pytest.mark.parametrize("case, family, config, reason", [
+    ("mistral-window", "mistral", dict(sliding_window=4096), "sliding-window attention"),
+    ("qwen2-window", "qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+     "sliding-window attention"),
+    ("activation", "llama", dict(hidden_act="gelu"), "GELUActivation"),
+    ("head-dim", "llama", dict(head_dim=16), "heads · head_dim = 4 · 16 != hidden size 32"),
+    ("pretraining-tp", "llama", dict(pretraining_tp=2), "pretraining_tp is 2"),
+])
+def test_unconvertible_decoder_configs_are_kept_whole(case, family, config, reason):
+    model = build(DECODERS[family], decoder_config(family, **config))
+    before = {n: type(m) for n, m in model.named_modules()}
+    report, kept = _kept(model)
+    assert sorted(kept) == ["model.layers.0", "model.layers.1"] and all(reason in r for r in kept.values()), kept
+    assert not report.replaced
+    assert {n: type(m) for n, m in model.named_modules()} == before
+
+
+def test_qwen2_sliding_window_kept_only_where_it_binds():
+    """max_window_layers = 1: layer 0 attends fully (converted), layer 1 through a window (kept)."""
+    ref = build(Qwen2ForCausalLM, decoder_config("qwen2", use_sliding_window=True, sliding_window=4,
+                                                 max_window_layers=1), "eager")
+    model, report = converted_copy(ref)
+    assert [type(b).__name__ for b in model.model.layers] == ["ConvertedQwen2DecoderLayer", "Qwen2DecoderLayer"]
+    assert [k.name for k in report.kept] == ["model.layers.1"]
+    ids, mask = batch("right")
+    real = mask.bool()
+    torch.testing.assert_close(model(ids, attention_mask=mask, use_cache=False).logits[real],
+                               ref(ids, attention_mask=mask, use_cache=False).logits[real], rtol=1e-4, atol=1e-5)
+
+
 # ---- checkpoints and unconvert --------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", *DECODERS])
 def test_save_pretrained_and_from_pretrained_both_ways(family, tmp_path):
-    cls, config = (GPT2LMHeadModel, gpt2_config()) if family == "gpt2" else (BertForMaskedLM, bert_config())
+    cls, config = {"gpt2": (GPT2LMHeadModel, gpt2_config()), "bert": (BertForMaskedLM, bert_config())}.get(
+        family) or (DECODERS[family], decoder_config(family))
     ref = build(cls, config)
     model, _ = converted_copy(ref)
     assert list(model.state_dict()) == list(ref.state_dict())
@@ -263,6 +421,19 @@ def test_unconvert_restores_the_hugging_face_classes():
     ids, mask = batch("left")
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
     assert len(lsmini.convert(model)) == 3  # and again
+
+
+def test_unconvert_restores_the_llama_classes():
+    ref = build(LlamaForCausalLM, decoder_config("llama"))
+    model, _ = converted_copy(ref)
+    params = [id(p) for p in model.parameters()]
+    report = lsmini.unconvert(model)
+    assert [r.torch_type for r in report.replaced] == ["LlamaDecoderLayer"] * 2
+    assert [type(b) for b in model.model.layers] == [transformers.models.llama.modeling_llama.LlamaDecoderLayer] * 2
+    assert [id(p) for p in model.parameters()] == params
+    ids, mask = batch("left")
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
+    assert len(lsmini.convert(model)) == 2
 
 
 def test_convert_reuses_the_parameters_and_skips_converted_blocks():
