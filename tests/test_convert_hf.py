@@ -552,8 +552,16 @@ CUDA_H, CUDA_HEADS = 64, 4  # head_dim 16: the fused attention kernel
 
 
 def _cuda_models(family):
+    """"llama-mha": one K/V head per query head, the kernel path; "llama-gqa" (4 → 2): the reference layer, as
+    the kernels refuse grouped K/V heads (runtime.kernel_unsupported); "qwen2": grouped too, with biases."""
     if family == "gpt2":
         return build(GPT2LMHeadModel, gpt2_config(n_embd=CUDA_H, n_head=CUDA_HEADS)), causal_labels
+    if family in ("llama-mha", "llama-gqa", "qwen2"):
+        name = family.split("-")[0]
+        kv_heads = {"llama-mha": CUDA_HEADS, "llama-gqa": CUDA_HEADS // 2, "qwen2": 1}[family]
+        config = decoder_config(name, hidden_size=CUDA_H, num_attention_heads=CUDA_HEADS, num_key_value_heads=kv_heads,
+                                intermediate_size=3 * CUDA_H)
+        return build(DECODERS[name], config), causal_labels
     return build(BertForMaskedLM, bert_config(hidden_size=CUDA_H, num_attention_heads=CUDA_HEADS,
                                               intermediate_size=4 * CUDA_H)), \
         (lambda ids, mask: ids.masked_fill(mask == 0, -100))
@@ -563,8 +571,8 @@ def _cuda_run(model, ids, mask, labels, autocast=None):
     module = getattr(model, "_orig_mod", model)  # torch.compile's wrapper holds the model there
     module.zero_grad(set_to_none=True)
     with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
-        out = model(ids, attention_mask=mask, labels=labels, use_cache=False) if "GPT2" in type(module).__name__ \
-            else model(ids, attention_mask=mask, labels=labels)
+        out = model(ids, attention_mask=mask, labels=labels) if "Bert" in type(module).__name__ \
+            else model(ids, attention_mask=mask, labels=labels, use_cache=False)
     out.loss.backward()
     return out.logits.detach().double(), {n: p.grad.double() for n, p in module.named_parameters()}
 
@@ -577,8 +585,13 @@ def _grad_error(grads, want):
     return sum(((grads[n] - w) ** 2).sum() for n, w in want.items()).sqrt().item()
 
 
+# the families on the GPU, and whether their layers take the kernel path
+CUDA_FAMILIES = {"gpt2": True, "bert": True, "llama-mha": True, "llama-gqa": False, "qwen2": False}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.filterwarnings("ignore:lsmini layer. the fused layer kernels do not support")
+@pytest.mark.parametrize("family", list(CUDA_FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, monkeypatch):
     """Against the unconverted model in float64, the converted model under autocast has logits and gradients
@@ -606,7 +619,7 @@ def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, m
     real_kernel_path = runtime.kernel_path
     monkeypatch.setattr(runtime, "kernel_path", kernel_path)
     ours, our_grads = _cuda_run(model, ids, mask, labels, dtype)
-    assert paths == [True] * 2, paths  # both layers on the kernel path
+    assert paths == [CUDA_FAMILIES[family]] * 2, paths  # both layers on the kernel path, or both not
     assert all(torch.isfinite(g).all() for g in our_grads.values())
     err_ours, err_cast = _error(ours[real], want[real]), _error(cast[real], want[real])
     assert err_ours <= 2 * err_cast, (err_ours, err_cast)
@@ -615,7 +628,8 @@ def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, m
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.filterwarnings("ignore:lsmini layer. the fused layer kernels do not support")
+@pytest.mark.parametrize("family", list(CUDA_FAMILIES))
 def test_bf16_parameters_on_the_gpu_within_twice_the_unconverted_error(family):
     """A model cast to bf16 (no autocast), converted: the layers take the weights as they are (GPT-2's as
     transposed views, no cast copy); logits and gradients within twice the unconverted bf16 model's error
@@ -638,7 +652,7 @@ def test_bf16_parameters_on_the_gpu_within_twice_the_unconverted_error(family):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama-mha"])
 @pytest.mark.parametrize("padding", ["none", "right"])
 def test_torch_compile_on_the_gpu(family, padding):
     """A converted model under torch.compile gives its eager self's loss and gradients (bf16 autocast)."""
@@ -662,6 +676,17 @@ def test_torch_compile_on_the_gpu(family, padding):
 @pytest.mark.cuda
 def test_gpt2_generate_on_the_gpu_is_token_identical_in_float32():
     ref = build(GPT2LMHeadModel, gpt2_config(n_embd=CUDA_H, n_head=CUDA_HEADS)).cuda().eval()
+    model, _ = converted_copy(ref)
+    ids, mask = batch("left", l=8)
+    kw = dict(attention_mask=mask.cuda(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids.cuda(), **kw), ref.generate(ids.cuda(), **kw))
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:lsmini layer. the fused layer kernels do not support")
+@pytest.mark.parametrize("family", ["llama-mha", "llama-gqa", "qwen2"])
+def test_decoder_generate_on_the_gpu_is_token_identical_in_float32(family):
+    ref = _cuda_models(family)[0].cuda().eval()
     model, _ = converted_copy(ref)
     ids, mask = batch("left", l=8)
     kw = dict(attention_mask=mask.cuda(), max_new_tokens=12, do_sample=False, pad_token_id=0)
