@@ -1,6 +1,8 @@
-"""``lsmini.convert`` for Hugging Face transformers models: every ``GPT2Block`` (GPT2Model, GPT2LMHeadModel, ...)
-and every ``BertLayer`` (BertModel, BertForMaskedLM, BertForSequenceClassification, ...) lsmini can represent
-becomes ``ConvertedGPT2Block`` / ``ConvertedBertLayer``: a subclass of the Hugging Face class around the SAME
+"""``lsmini.convert`` for Hugging Face transformers models: every ``GPT2Block`` (GPT2Model, GPT2LMHeadModel, ...),
+``BertLayer`` (BertModel, BertForMaskedLM, BertForSequenceClassification, ...) and ``LlamaDecoderLayer`` /
+``MistralDecoderLayer`` / ``Qwen2DecoderLayer`` (LlamaModel, LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, ...) lsmini can represent becomes ``ConvertedGPT2Block`` / ``ConvertedBertLayer`` /
+``Converted<Family>DecoderLayer``: a subclass of the Hugging Face class around the SAME
 submodules and parameters (state_dict keys, ``save_pretrained`` / ``from_pretrained`` files, hooks on the block
 and ``output_hidden_states`` unchanged) whose forward is ONE ``run_layer`` call for the whole block (the
 kernel path on CUDA, the reference elsewhere). ``lsmini.unconvert`` puts the Hugging Face classes back.
@@ -11,7 +13,13 @@ The blocks as lsmini layers (spec.BLOCK_PARAMS per block, views of the block's o
   ``scale_attn_weights`` is False), divided by layer_idx + 1 with ``scale_attn_by_inverse_layer_idx``.
 - BertLayer: post-LN, full attention; the QKV weight is the rows of query, key and value joined per call
   (``torch.cat``, differentiable: their gradients reach the three Linear layers).
-Activations: gelu (exact), gelu_new / gelu_pytorch_tanh (tanh GELU), relu.
+- Llama / Mistral / Qwen2 DecoderLayer: pre-norm RMSNorm ("self" with input_layernorm, "ffn" with
+  post_attention_layernorm, no norm biases), causal, grouped K/V heads; the [Q | K | V] weight (and bias, where
+  q/k/v have one) and the SwiGLU [gate | up] weight (and bias, with mlp_bias) joined per call like BERT's;
+  o_proj / down_proj biases where present. Rotary positions: the (cos, sin) [b or 1, l, head_dim] the model
+  computes once and passes each layer (rotate-half; rope scaling and left-padded position ids are already in
+  them) become the layer's float32 rotary tables. Attention dropout config.attention_dropout, no other.
+Activations: gelu (exact), gelu_new / gelu_pytorch_tanh (tanh GELU), relu; the decoders: silu (swiglu).
 
 Masks: a block gets Hugging Face's 4-D attention mask ([batch or 1, 1, q_len, k_len]; additive float, 0 =
 attend, or bool, True = attend) or None (sdpa's causal / no-padding shortcut). lsmini takes a key padding mask
@@ -26,7 +34,9 @@ flows through a cache); later calls (one new token at a time in generate) run th
 cached K/V. Training with a cache therefore spends one extra K/V projection per block: pass use_cache=False.
 
 Kept as they are, with the reason in the report: transformers < 5, attention implementations other than
-eager / sdpa, GPT-2 with cross-attention (``add_cross_attention``), BERT as a decoder (``is_decoder``), other
+eager / sdpa, GPT-2 with cross-attention (``add_cross_attention``), BERT as a decoder (``is_decoder``),
+sliding-window attention (Mistral with sliding_window set; Qwen2 layers whose layer type is sliding), heads ·
+head_dim != hidden size, pretraining_tp > 1, q/k/v or gate/up of which only some have a bias, other
 activations, differing dropouts or LayerNorm eps, subclasses or replaced submodules, hooks on submodules
 (transformers' own output-capturing hooks aside), mixed dtypes, devices or training modes.
 ``output_attentions=True`` raises (the fused layer never forms the attention probabilities).
