@@ -97,9 +97,10 @@ def _hf():
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
         _active_collector = None
-    from transformers.activations import SiLUActivation
+    from transformers import activations
+    silu = getattr(activations, "SiLUActivation", nn.SiLU)  # transformers' own SiLU module, where it has one
     ns = dict(gpt2=gpt2, bert=bert, Conv1D=Conv1D, DynamicCache=DynamicCache, DynamicLayer=DynamicLayer,
-              collector=_active_collector, SiLUActivation=SiLUActivation)
+              collector=_active_collector, SiLUActivation=silu)
     ns["ConvertedGPT2Block"] = type("ConvertedGPT2Block", (_GPT2Forward, gpt2.GPT2Block),
                                     {"__module__": __name__, "__doc__": _GPT2Forward.__doc__})
     ns["ConvertedBertLayer"] = type("ConvertedBertLayer", (_BertForward, bert.BertLayer),

@@ -371,6 +371,20 @@ def test_unconvertible_decoder_configs_are_kept_whole(case, family, config, reas
     assert {n: type(m) for n, m in model.named_modules()} == before
 
 
+def test_decoder_kept_for_attention_implementation_partial_biases_and_norm_eps():
+    model = build(Qwen2ForCausalLM, decoder_config("qwen2", num_hidden_layers=3))
+    layers = model.model.layers
+    layers[0].self_attn.config = copy.copy(layers[0].self_attn.config)
+    layers[0].self_attn.config._attn_implementation = "flex_attention"
+    layers[1].self_attn.k_proj.bias = None
+    layers[2].post_attention_layernorm.variance_epsilon = 1e-3
+    report, kept = _kept(model)
+    assert "flex_attention" in kept["model.layers.0"]
+    assert "q_proj, k_proj and v_proj do not all have a bias" in kept["model.layers.1"]
+    assert "RMSNorms' eps differ" in kept["model.layers.2"]
+    assert not report.replaced
+
+
 def test_qwen2_sliding_window_kept_only_where_it_binds():
     """max_window_layers = 1: layer 0 attends fully (converted), layer 1 through a window (kept)."""
     ref = build(Qwen2ForCausalLM, decoder_config("qwen2", use_sliding_window=True, sliding_window=4,
