@@ -1,8 +1,9 @@
 """lsmini.convert on Hugging Face transformers models (lsmini/convert_hf.py): small random GPT-2, BERT, Llama
-(grouped K/V heads), Mistral and Qwen2 (Q/K/V biases) models built in code, converted against their unconverted copies — logits, loss and every parameter gradient
-(float32 on CPU, eager and sdpa attention, no / left / right padding), generate() token for token, hidden
-states, gradient checkpointing, save_pretrained / from_pretrained both ways, unconvert, the configs and calls
-that are kept or refused and the report. On CUDA: bf16/fp16 autocast accuracy against float64 and
+(grouped K/V heads), Mistral and Qwen2 (Q/K/V biases) models built in code, converted against their unconverted
+copies — logits, loss and every parameter gradient (float32 on CPU, eager and sdpa attention, no / left / right
+padding), generate() token for token, hidden states, gradient checkpointing, save_pretrained / from_pretrained
+both ways, unconvert, the configs and calls that are kept or refused and the report. On CUDA: bf16/fp16
+autocast accuracy against float64 (kernel path, and the reference for grouped K/V heads), generate() and
 torch.compile. Skipped when transformers is not installed."""
 import copy
 import sys
