@@ -421,7 +421,9 @@ class _DecoderForward:
                 position_embeddings=None, **kwargs):
         owner = type(self).__name__
         cache = kwargs.pop("past_key_values", None) if cache is None else cache  # the argument's older name
-        rotary = _rotary_tables(owner, position_embeddings, hidden_states, self.self_attn.head_dim)
+        rotary = None  # a hidden_states that is not [b, l, H] raises in _run, before the tables are read
+        if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3:
+            rotary = _rotary_tables(owner, position_embeddings, hidden_states, self.self_attn.head_dim)
         return _run(self, owner, hidden_states, attention_mask, cache, kwargs, rotary)
 
     def _lsmini_attention(self):

@@ -557,6 +557,25 @@ def test_calls_a_converted_block_cannot_compute_raise():
         block(x, cache=transformers.StaticCache(config=model.config, max_cache_len=16))
 
 
+def test_decoder_calls_it_cannot_compute_raise():
+    model, _ = converted_copy(build(LlamaForCausalLM, decoder_config("llama")))
+    ids, mask = batch("left")
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(ids, attention_mask=mask, output_attentions=True)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 5, 32)
+    cos = sin = torch.ones(1, 5, 8)
+    with pytest.raises(ValueError, match="position_embeddings must be the \\(cos, sin\\) tensors"):
+        layer(x)
+    with pytest.raises(ValueError, match=r"must both be \[2 or 1, 5, rotary dims\]"):
+        layer(x, position_embeddings=(cos[:, :4], sin[:, :4]))
+    with pytest.raises(ValueError, match=r"hidden_states must be a \[batch, len, 32\] tensor"):
+        layer(x[0], position_embeddings=(cos, sin))
+    with pytest.raises(ValueError, match="attention_mask is not padding with causal attention"):
+        window = torch.tril(torch.ones(5, 5, dtype=torch.bool)) & ~torch.tril(torch.ones(5, 5, dtype=torch.bool), -2)
+        layer(x, attention_mask=window[None, None].expand(2, 1, 5, 5), position_embeddings=(cos, sin))
+
+
 def test_convert_hf_needs_no_transformers_for_torch_models():
     assert convert_hf.transformers_loaded()
     assert not convert_hf.hf_block(torch.nn.Linear(2, 2))
