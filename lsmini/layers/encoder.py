@@ -1,6 +1,5 @@
 """Transformer encoder layer and stack on lsmini's layer runtime (runtime.py: the kernel path or the
 reference; base.py: what the encoder shares with the decoder)."""
-import torch
 from torch import nn
 
 from lsmini.layers.base import (TransformerLayerBase, TransformerStackBase, check_cache, check_mask, check_states,
