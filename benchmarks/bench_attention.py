@@ -1,12 +1,14 @@
 """The fused attention op over sequence lengths, beside the fastest of PyTorch's SDPA backends, in one run.
 
     python benchmarks/bench_attention.py [--lengths 128 ... 8192] [--head-dims 64 128] [--dtypes fp16 bf16]
-                                         [--masks causal padding] [--tokens 16384] [--dropout 0.1] [--csv PATH]
-                                         [--results DIR | --no-results]
+                                         [--masks causal padding] [--tokens 16384] [--dropout 0.1]
+                                         [--heads H --kv-heads HK] [--csv PATH] [--results DIR | --no-results]
 
 Each row: batch = tokens / length sequences (the same work per row up to the length's quadratic term),
 hidden 1024 (16 heads of 64, or 8 of 128), dropout 0.1 as in training (--dropout 0 shows what the draws
-cost). `padding` gives each sequence a random length in [length/2, length] and passes SDPA the equivalent
+cost). --heads sets the query heads instead (at every head dim) and --kv-heads the K/V heads (grouped-query
+attention: SDPA is then timed with enable_gqa=True and on K/V repeated to every query head, the repeat
+counted, each backend that takes the row; the fastest is the baseline). `padding` gives each sequence a random length in [length/2, length] and passes SDPA the equivalent
 boolean attn_mask; `causal` passes is_causal=True. Every SDPA backend (flash, memory-efficient, cuDNN) that
 accepts the row is timed, and the fastest fwd+bwd is the baseline (`sdpa_best`, which one in `backend`).
 Times are device milliseconds (benchmarks/common.time_ms); TFLOP/s counts the nominal GEMM work (causal:
@@ -53,12 +55,17 @@ def _time_backend(backend, fn, iters):
         return None
 
 
-def row(dtype, d, mask, length, tokens, dropout, iters):
-    b, h = max(1, tokens // length), _HIDDEN // d
-    q, k, v, grad, kpm, causal, sdpa_kw = inputs(b, h, length, d, dtype, mask == "padding")
+def row(dtype, d, mask, length, tokens, dropout, iters, heads=None, kv_heads=None):
+    b, h = max(1, tokens // length), heads or _HIDDEN // d
+    hk = kv_heads or h
+    q, k, v, grad, kpm, causal, sdpa_kw = inputs(b, h, length, d, dtype, mask == "padding", hk)
     ours = lambda: attention(q, k, v, kpm, causal, dropout)  # noqa: E731
-    sdpa = lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, **sdpa_kw)  # noqa: E731
-    r = {"dtype": str(dtype).replace("torch.", ""), "d": d, "mask": mask, "batch×heads×len": f"{b}×{h}×{length}",
+    sdpas = {"": lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, enable_gqa=hk != h, **sdpa_kw)}
+    if hk != h:
+        sdpas["+repeat_kv"] = lambda: F.scaled_dot_product_attention(  # noqa: E731
+            q, k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1), dropout_p=dropout, **sdpa_kw)
+    shape = f"{b}×{h}×{length}" + (f" kv{hk}" if hk != h else "")
+    r = {"dtype": str(dtype).replace("torch.", ""), "d": d, "mask": mask, "batch×heads×len": shape,
          "lsmini_fwd_ms": common.time_ms(ours, warmup=3, iters=iters),
          "lsmini_ms": common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)}
     if sm90_kernels_available():
@@ -69,9 +76,10 @@ def row(dtype, d, mask, length, tokens, dropout, iters):
             r["lsmini_kept_ms"] = common.time_ms(fwd_bwd(ours, q, k, v, grad), warmup=3, iters=iters)
     best = None
     for name, backend in _BACKENDS.items():
-        t = _time_backend(backend, lambda: (sdpa, fwd_bwd(sdpa, q, k, v, grad)), iters)
-        if t is not None and (best is None or t[1] < best[2]):
-            best = (name, t[0], t[1])
+        for how, sdpa in sdpas.items():
+            t = _time_backend(backend, lambda: (sdpa, fwd_bwd(sdpa, q, k, v, grad)), iters)
+            if t is not None and (best is None or t[1] < best[2]):
+                best = (name + how, t[0], t[1])
     flops = 4 * b * h * length * length * d * (0.5 if causal else 1.0) * 3.5  # forward + backward
     r["lsmini_TFLOP/s"] = flops / r["lsmini_ms"] / 1e9
     if best is not None:
@@ -92,6 +100,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384, help="batch × length of every row")
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--heads", type=int, help="query heads of every row (default: 1024 / head dim)")
+    ap.add_argument("--kv-heads", type=int, help="K/V heads, dividing the query heads (default: as many)")
     ap.add_argument("--csv", help="also write the rows to this CSV file")
     common.add_results_arguments(ap)
     args = ap.parse_args()
@@ -106,7 +116,8 @@ def main():
         for d in args.head_dims:
             for mask in args.masks:
                 for length in args.lengths:
-                    rows.append(row(dtypes[dtype], d, mask, length, args.tokens, args.dropout, args.iters))
+                    rows.append(row(dtypes[dtype], d, mask, length, args.tokens, args.dropout, args.iters,
+                                    args.heads, args.kv_heads))
                     print(common.markdown_table([rows[-1]], COLUMNS).splitlines()[-1], flush=True)
                     torch.cuda.empty_cache()
     common.append_results(args.results, "attention", env, [x for r in rows for x in results_rows(r, args.dropout)])
@@ -116,8 +127,9 @@ def main():
 
 def results_rows(r, dropout):
     """One benchmark row as results rows, one per variant timed."""
-    b, h, length = r["batch×heads×len"].split("×")
-    config = f"{r['dtype']} d{r['d']} {r['mask']} len{length} b{b}xh{h} p={dropout}"
+    b, h, rest = r["batch×heads×len"].split("×")
+    length, _, kv = rest.partition(" ")
+    config = f"{r['dtype']} d{r['d']} {r['mask']} len{length} b{b}xh{h}{'x' + kv if kv else ''} p={dropout}"
     out = [{"variant": "lsmini", "kind": "lsmini", "ms": r["lsmini_ms"], "fwd_ms": r["lsmini_fwd_ms"],
             "tflops": r["lsmini_TFLOP/s"]}]
     if "lsmini_sm80_ms" in r:

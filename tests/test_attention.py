@@ -28,11 +28,11 @@ GRAD_ATOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 # ------------------------------------------------------------------------------------- helpers ---
 
-def _inputs(b, h, lq, lk, d, dtype, device, seed=0, q_scale=1.0):
-    """Seeded random q, k, v, grad_out (never zeros) and the generator for the masks."""
+def _inputs(b, h, lq, lk, d, dtype, device, seed=0, q_scale=1.0, hk=None):
+    """Seeded random q, k, v (hk K/V heads, default h), grad_out (never zeros) and the generator for the masks."""
     gen = torch.Generator().manual_seed(seed)
     q = q_scale * torch.randn(b, h, lq, d, generator=gen)
-    k, v = (torch.randn(b, h, lk, d, generator=gen) for _ in range(2))
+    k, v = (torch.randn(b, h if hk is None else hk, lk, d, generator=gen) for _ in range(2))
     dout = torch.randn(b, h, lq, d, generator=gen)
     return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)] + [gen]
 
@@ -107,6 +107,25 @@ def test_reference_matches_plain_torch(shape, kind):
     if kpm is not None:
         pad = kpm.view(b, 1, lk).expand(b, h, lk)
         assert (grads[1][pad] == 0).all() and (grads[2][pad] == 0).all()
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("h,hk", [(4, 2), (6, 1), (4, 4)])
+def test_reference_grouped_kv_heads_equal_repeated_ones(h, hk, kind):
+    # Grouped K/V: query head j reads K/V head j // (h // hk); a shared head's gradient is the sum over its
+    # query heads (= the gradient through an explicit repeat)
+    b, lq, lk, d = 2, 9, 11, 16
+    q, k, v, dout, gen = _inputs(b, h, lq, lk, d, torch.float32, "cpu", hk=hk)
+    kpm, causal, masked = attention_masks(b, lq, lk, kind, gen, "cpu")
+    out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal), q, k, v, dout)
+    g = h // hk
+    want, want_grads = _run(lambda q, k, v: _plain(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), masked,
+                                                   1.0 / math.sqrt(d)),
+                            q.double(), k.double(), v.double(), dout.double())
+    assert out.shape == (b, h, lq, d) and grads[1].shape == grads[2].shape == (b, hk, lk, d)
+    assert_close_fp32(out, want.float(), atol=1e-5, rtol=1e-4, name="out")
+    for name, x, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert_close_fp32(x, w.float(), atol=1e-5, rtol=1e-4, name=name)
 
 
 def test_reference_fully_padded_batch_row():
@@ -296,13 +315,20 @@ def test_bad_input_errors():
         attention(q, k.half(), v)
     with pytest.raises(TypeError, match="v must have q's dtype torch.float32, got torch.bfloat16"):
         attention(q, k, v.bfloat16())
-    with pytest.raises(ValueError, match=r"k must have \(batch, heads, head_dim\) = \(2, 2, 16\) like q, "
+    with pytest.raises(ValueError, match=r"k must have \(batch, head_dim\) = \(2, 16\) like q, "
                                          r"got shape \(2, 2, 5, 8\)"):
         attention(q, k[..., :8], v)
-    with pytest.raises(ValueError, match=r"v must have \(batch, heads, head_dim\) = \(2, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"v must have \(batch, head_dim\) = \(2, 16\)"):
         attention(q, k, v[:1])
-    with pytest.raises(ValueError, match="v must have k's length k_len = 5, got 4"):
+    with pytest.raises(ValueError, match=r"v must have k's \(heads, k_len\) = \(2, 5\), got shape \(2, 2, 4, 16\)"):
         attention(q, k, v[:, :, :4])
+    with pytest.raises(ValueError, match=r"v must have k's \(heads, k_len\) = \(2, 5\), got shape \(2, 1, 5, 16\)"):
+        attention(q, k, v[:, :1])
+    q3 = torch.randn(2, 3, 3, 16)
+    with pytest.raises(ValueError, match=r"k's heads \(2\) must divide q's heads \(3\)"):
+        attention(q3, k, v)
+    with pytest.raises(ValueError, match=r"k's heads \(0\) must divide q's heads \(2\)"):
+        attention(q, k[:, :0], v[:, :0])
     with pytest.raises(TypeError, match="key_padding_mask must have dtype torch.bool .* got torch.uint8"):
         attention(q, k, v, kpm.to(torch.uint8))
     with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, k_len\) = \(2, 5\), got \(2, 4\)"):
@@ -348,8 +374,9 @@ KERNEL_CASES = [(lq, lk, d, MASK_KINDS[(i + j) % len(MASK_KINDS)])
                 for i, (lq, lk) in enumerate(LENS) for j, d in enumerate(ATTENTION_HEAD_DIMS)]
 
 
-def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None):
-    q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=seed, q_scale=q_scale)
+def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None, hk=None):
+    hk = h if hk is None else hk
+    q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=seed, q_scale=q_scale, hk=hk)
     kpm, causal, masked = attention_masks(b, lq, lk, kind, gen, "cuda")
     out, grads = _run(lambda q, k, v: attention(q, k, v, kpm, causal, scale=scale), q, k, v, dout)
     assert out.dtype == dtype and out.shape == (b, h, lq, d)
@@ -357,7 +384,8 @@ def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None):
     sm = 1.0 / math.sqrt(d) if scale is None else scale
     ref, ref_grads = _run(lambda q, k, v: attention_ref(q, k, v, kpm, causal, scale=scale),
                           q.float(), k.float(), v.float(), dout.float())
-    lowp, lowp_grads = _run(lambda q, k, v: _plain(q, k, v, masked, sm), q, k, v, dout)
+    lowp, lowp_grads = _run(lambda q, k, v: _plain(q, k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1),
+                                                   masked, sm), q, k, v, dout)
     assert_lowp_rule(out, ref, lowp, atol=1e-3, name="out")
     for name, g, r, t in zip(("dq", "dk", "dv"), grads, ref_grads, lowp_grads):
         assert g.dtype == dtype and g.shape == r.shape
@@ -367,7 +395,7 @@ def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None):
     dead = _dead_rows(masked, b, h, lq).cuda()
     assert (out[dead] == 0).all() and (grads[0][dead] == 0).all()
     if kpm is not None:
-        pad = kpm.view(b, 1, lk).expand(b, h, lk)
+        pad = kpm.view(b, 1, lk).expand(b, hk, lk)
         assert (grads[1][pad] == 0).all() and (grads[2][pad] == 0).all()
     return q, k, v, dout, kpm, causal, masked
 
@@ -378,6 +406,53 @@ def _kernel_case(b, h, lq, lk, d, dtype, kind, seed=0, q_scale=1.0, scale=None):
 def test_kernel_matches_reference(dtype, lq, lk, d, kind, family):
     # b = 3: with a padding mask, one unpadded, one randomly padded and one fully padded sequence
     _kernel_case(3, 2, lq, lk, d, dtype, kind)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize("d", ATTENTION_HEAD_DIMS)
+# the one-CTA backward (≤ 64 keys, ≤ 128 for d ≥ 32) and the tiled kernels; partial blocks, lq ≠ lk
+@pytest.mark.parametrize("lq,lk,kind", [(7, 9, "both"), (65, 128, "causal"), (200, 200, "both"), (130, 257, "pad"),
+                                        (257, 130, "causal")])
+@pytest.mark.parametrize("h,hk", [(6, 2), (4, 1)])
+def test_kernel_grouped_kv_heads(h, hk, lq, lk, kind, d, dtype, family):
+    # Grouped-query attention: K/V heads read in place by their query heads, dK/dV summed over each group
+    _kernel_case(3, h, lq, lk, d, dtype, kind, seed=12, hk=hk)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("lq,lk,kind", [(7, 9, "both"), (70, 200, "causal"), (129, 1031, "pad")])
+@pytest.mark.parametrize("kept", [False, True])
+def test_kernel_grouped_kv_heads_dropout(kept, lq, lk, kind, d, dtype, family):
+    # With dropout: the grouped call drops what the call over explicitly repeated K/V heads drops (element
+    # (b, query head, i, j) in both): out and dQ bit for bit, dK/dV the group sums of the repeated call's. The
+    # repeated call rounds each query head's part to dtype before the sum, the grouped kernel only the sum: they
+    # differ by at most one rounding of each part and one of the sum, eps·(Σ|part| + |sum|) (plus a small atol).
+    ext = _backend.ext()
+    b, h, hk = 2, 6, 2
+    g = h // hk
+    q, k, v, dout, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=13, hk=hk)
+    kpm, causal, _ = attention_masks(b, lq, lk, kind, gen, "cuda")
+    scale = 1.0 / math.sqrt(d)
+
+    def call(k, v):
+        keep = torch.empty(keep_numel(b, h, lq, lk), dtype=torch.int32, device="cuda") if kept else None
+        out, lse = ext.attention_fwd(q, k, v, kpm, causal, P, scale, RNG, keep)
+        return (out, lse) + ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, P, scale, RNG, keep=keep)
+
+    out, lse, dq, dk, dv = call(k, v)
+    out_r, lse_r, dq_r, dk_r, dv_r = call(k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+    assert torch.equal(out, out_r) and torch.equal(lse, lse_r) and torch.equal(dq, dq_r)
+    assert dk.shape == dv.shape == (b, hk, lk, d)
+    eps = torch.finfo(dtype).eps
+    for name, x, r in (("dk", dk, dk_r), ("dv", dv, dv_r)):
+        parts = r.float().view(b, hk, g, lk, d)
+        want = parts.sum(2)
+        bound = eps * (parts.abs().sum(2) + want.abs()) + 1e-4
+        excess = (x.float() - want).abs() - bound
+        assert excess.max() <= 0, f"{name}: off the group sum by {excess.max().item():.3g} past the rounding bound"
 
 
 @pytest.mark.cuda

@@ -3,7 +3,7 @@
 copies — logits, loss and every parameter gradient (float32 on CPU, eager and sdpa attention, no / left / right
 padding), generate() token for token, hidden states, gradient checkpointing, save_pretrained / from_pretrained
 both ways, unconvert, the configs and calls that are kept or refused and the report. On CUDA: bf16/fp16
-autocast accuracy against float64 (kernel path, and the reference for grouped K/V heads), generate() and
+autocast accuracy against float64 on the kernel path (grouped K/V heads too), generate() and
 torch.compile. Skipped when transformers is not installed."""
 import copy
 import sys
@@ -586,8 +586,8 @@ CUDA_H, CUDA_HEADS = 64, 4  # head_dim 16: the fused attention kernel
 
 
 def _cuda_models(family):
-    """"llama-mha": one K/V head per query head, the kernel path; "llama-gqa" (4 → 2): the reference layer, as
-    the kernels refuse grouped K/V heads (runtime.kernel_unsupported); "qwen2": grouped too, with biases."""
+    """"llama-mha": one K/V head per query head; "llama-gqa": grouped K/V heads (4 → 2); "qwen2": one K/V head,
+    with Q/K/V biases. All on the kernel path."""
     if family == "gpt2":
         return build(GPT2LMHeadModel, gpt2_config(n_embd=CUDA_H, n_head=CUDA_HEADS)), causal_labels
     if family in ("llama-mha", "llama-gqa", "qwen2"):
@@ -620,11 +620,10 @@ def _grad_error(grads, want):
 
 
 # the families on the GPU, and whether their layers take the kernel path
-CUDA_FAMILIES = {"gpt2": True, "bert": True, "llama-mha": True, "llama-gqa": False, "qwen2": False}
+CUDA_FAMILIES = {"gpt2": True, "bert": True, "llama-mha": True, "llama-gqa": True, "qwen2": True}
 
 
 @pytest.mark.cuda
-@pytest.mark.filterwarnings("ignore:lsmini layer. the fused layer kernels do not support")
 @pytest.mark.parametrize("family", list(CUDA_FAMILIES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, monkeypatch):
@@ -662,7 +661,6 @@ def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, m
 
 
 @pytest.mark.cuda
-@pytest.mark.filterwarnings("ignore:lsmini layer. the fused layer kernels do not support")
 @pytest.mark.parametrize("family", list(CUDA_FAMILIES))
 def test_bf16_parameters_on_the_gpu_within_twice_the_unconverted_error(family):
     """A model cast to bf16 (no autocast), converted: the layers take the weights as they are (GPT-2's as
@@ -686,7 +684,7 @@ def test_bf16_parameters_on_the_gpu_within_twice_the_unconverted_error(family):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", ["gpt2", "bert", "llama-mha"])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama-mha", "llama-gqa"])
 @pytest.mark.parametrize("padding", ["none", "right"])
 def test_torch_compile_on_the_gpu(family, padding):
     """A converted model under torch.compile gives its eager self's loss and gradients (bf16 autocast)."""
@@ -717,7 +715,6 @@ def test_gpt2_generate_on_the_gpu_is_token_identical_in_float32():
 
 
 @pytest.mark.cuda
-@pytest.mark.filterwarnings("ignore:lsmini layer. the fused layer kernels do not support")
 @pytest.mark.parametrize("family", ["llama-mha", "llama-gqa", "qwen2"])
 def test_decoder_generate_on_the_gpu_is_token_identical_in_float32(family):
     ref = _cuda_models(family)[0].cuda().eval()

@@ -1,6 +1,6 @@
 """The layer operators (csrc/layers/layer.cpp) with the options of Llama-style blocks: RMSNorm (pre- and
 post-norm), gated FFNs (swiglu, geglu), absent biases, rotary positions on Q/K (full and partial rotary_dim,
-one table or one per batch row), alone and together, in self/cross/ffn blocks. Each runs on the kernel path
+one table or one per batch row), grouped K/V heads, alone and together, in self/cross/ffn blocks. Each runs on the kernel path
 (lsmini.layers.runtime.run_layer) and is compared, forward and every gradient, with the reference layer
 (lsmini.layers.reference) in float64 from the same inputs: the kernel's error must be at most twice the
 reference's own error in the same low precision. Dropout: the same seed gives the same results, recompute on
@@ -37,6 +37,12 @@ CASES = {
     # a decoder layer: some biases absent, some present; rotary on the self block only
     "decoder": (("self", "cross", "ffn"), dict(norm="rms_norm", pre_ln=False, activation="geglu", rotary_dim=8),
                 "some", True),
+    # grouped K/V heads: 4 query heads on 2 and on 1 K/V head; with rotary (the K views hold fewer heads), and in
+    # a decoder's self and cross blocks
+    "gqa": (("self", "ffn"), dict(kv_heads=2), "", False),
+    "llama_gqa": (("self", "ffn"), dict(norm="rms_norm", activation="swiglu", rotary_dim=16, causal=True, kv_heads=2),
+                  "all", False),
+    "decoder_mqa": (("self", "cross", "ffn"), dict(rotary_dim=8, causal=True, kv_heads=1), "", True),
 }
 
 
@@ -54,8 +60,9 @@ def _params(options, absent, dtype, norm_dtype=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     glu = options.activation in ("swiglu", "geglu")
     params = []
+    kv_width = options.kv_heads * options.head_dim
     for i, kind in enumerate(options.kinds):
-        rows = {"self": 3 * H, "cross": H, "ffn": (2 if glu else 1) * FFN}[kind]
+        rows = {"self": H + 2 * kv_width, "cross": H, "ffn": (2 if glu else 1) * FFN}[kind]
         cols_out = FFN if kind == "ffn" else H
         block = [torch.randn(rows, H, generator=gen) / H ** 0.5, 0.1 * torch.randn(rows, generator=gen),
                  torch.randn(H, cols_out, generator=gen) / cols_out ** 0.5, 0.1 * torch.randn(H, generator=gen),
@@ -82,11 +89,12 @@ def _rotary(options, per_batch, seed=0):
 def _setup(case, dtype, **option_fields):
     kinds, fields, absent, per_batch = CASES[case]
     options = _options(kinds, **{**fields, **option_fields})
-    params = _params(options, absent, dtype, norm_dtype=torch.float32 if case == "llama" else None)
+    params = _params(options, absent, dtype, norm_dtype=torch.float32 if case.startswith("llama") else None)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(B, L, H, generator=gen).to("cuda", dtype)
     cross = "cross" in kinds
-    kv = [torch.randn(B, LS, H, generator=gen).to("cuda", dtype) for _ in range(2)] if cross else [None, None]
+    kv_width = options.kv_heads * options.head_dim
+    kv = [torch.randn(B, LS, kv_width, generator=gen).to("cuda", dtype) for _ in range(2)] if cross else [None, None]
     masks = (padding_mask(B, L, "suffix").cuda(), padding_mask(B, LS, "random", seed=2).cuda()) if cross \
         else (None, None)
     grad = torch.randn(B, L, H, generator=gen).to("cuda", dtype)
@@ -141,7 +149,7 @@ def test_kernel_path_matches_reference(case, dtype):
         assert_lowp_rule(k.float(), o, r.float(), atol=1e-3 * max(1.0, o.abs().max().item()), name=name)
 
 
-@pytest.mark.parametrize("case", ["llama", "decoder"])
+@pytest.mark.parametrize("case", ["llama", "decoder", "llama_gqa"])
 def test_dropout_reproducible_and_recompute_agrees(case):
     """With every dropout on: the same seed gives the same output and gradients, and backward recomputing the
     activations (recompute on) gives exactly what saving them gives (recompute off)."""
@@ -178,7 +186,7 @@ def test_gated_activation_dropout_keep_rate(activation):
 
 
 @pytest.mark.parametrize("dropout", [False, True])
-@pytest.mark.parametrize("case", ["llama", "decoder", "rms_post"])
+@pytest.mark.parametrize("case", ["llama", "decoder", "rms_post", "llama_gqa"])
 def test_compiled_matches_eager(case, dropout):
     """torch.compile(fullgraph=True) runs the same operators (their Meta implementations trace the shapes):
     the same output and gradients as eager, with dropout the same draws under the same seed."""
@@ -194,7 +202,7 @@ def test_compiled_matches_eager(case, dropout):
         torch.testing.assert_close(c, e, msg=lambda m: f"grad {i}: {m}")
 
 
-@pytest.mark.parametrize("case", ["llama", "decoder", "no_bias"])
+@pytest.mark.parametrize("case", ["llama", "decoder", "no_bias", "decoder_mqa"])
 def test_opcheck_layer_ops_with_options(case):
     """Schema and Meta implementations of lsmini::layer and lsmini::layer_backward (shapes, dtypes and strides
     of every output under fake tensors and dynamic shapes) with absent parameters and rotary tables; the

@@ -58,14 +58,15 @@ def test_path_follows_the_arguments(device):
 
 
 def test_kernel_unsupported_names_what_the_operators_lack():
-    """The operators take RMSNorm, gated FFNs, absent biases and rotary; fewer K/V heads than query heads they
-    do not, and kernel_unsupported names that."""
+    """The operators take RMSNorm, gated FFNs, absent biases, rotary and grouped K/V heads; QK-norm they do
+    not, and kernel_unsupported names that."""
     layer = _layer("cpu")
     options, params = layer.options(False), layer.layer_params()
-    for fields in ({}, {"norm": "rms_norm"}, {"activation": "swiglu"}, {"activation": "geglu"}, {"rotary_dim": 8}):
+    for fields in ({}, {"norm": "rms_norm"}, {"activation": "swiglu"}, {"activation": "geglu"}, {"rotary_dim": 8},
+                   {"kv_heads": 2}):
         assert kernel_unsupported(options._replace(**fields), params) is None, fields
     assert kernel_unsupported(options, [p if i % 2 == 0 else None for i, p in enumerate(params)]) is None
-    assert "kv_heads" in kernel_unsupported(options._replace(kv_heads=2), params)
+    assert "qk_norm" in kernel_unsupported(options._replace(qk_norm=True), params)
 
 
 def test_run_layer_needs_rotary_tables_exactly_with_rotary_dim():
@@ -81,8 +82,8 @@ def test_run_layer_needs_rotary_tables_exactly_with_rotary_dim():
 @pytest.mark.cuda
 def test_unsupported_options_run_the_reference_with_a_warning():
     layer = _layer("cuda")
-    with pytest.warns(UserWarning, match=r"kv_heads \(2\) != heads \(4\)"):
-        assert not kernel_path(layer.options(False)._replace(kv_heads=2), _input(layer), layer.layer_params())
+    with pytest.warns(UserWarning, match=r"do not support qk_norm"):
+        assert not kernel_path(layer.options(False)._replace(qk_norm=True), _input(layer), layer.layer_params())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -262,8 +263,10 @@ def test_layer_operators_name_the_problem():
         op(*_op_args(layer, x, norm="batch_norm"))
     with pytest.raises(RuntimeError, match=r"norm_bias\) must be None with norm rms_norm"):
         op(*_op_args(layer, x, norm="rms_norm"))
-    with pytest.raises(RuntimeError, match=r"kv_heads \(2\) must equal heads \(4\)"):
-        op(*_op_args(layer, x, kv_heads=2))
+    with pytest.raises(RuntimeError, match=r"kv_heads \(3\) must divide heads \(4\)"):
+        op(*_op_args(layer, x, kv_heads=3))
+    with pytest.raises(RuntimeError, match=r"params\[0\] \(block 0, parameter 0\) must be a \[128, 64\] floating tensor"):
+        op(*_op_args(layer, x, kv_heads=2))  # a QKV weight of 4 K/V heads where the options say 2
     with pytest.raises(RuntimeError, match="rotary_dim > 0 needs both rotary_cos and rotary_sin"):
         op(*_op_args(layer, x, rotary_dim=16))
     with pytest.raises(RuntimeError, match=r"rotary_dim must be 0 or even and in \[2, head_dim = 16\]"):

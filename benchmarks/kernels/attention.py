@@ -29,10 +29,12 @@ def fwd_bwd(fn, q, k, v, grad):
     return step
 
 
-def inputs(b, h, l, d, dtype, padded):
-    """q, k, v (leaves), the output gradient, and the mask three ways: lsmini's key_padding_mask and causal
-    flag, and SDPA's keyword arguments. padded: random lengths in [l/2, l]; else causal."""
-    q, k, v = (torch.randn(b, h, l, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+def inputs(b, h, l, d, dtype, padded, hk=None):
+    """q, k, v (leaves; k and v with hk heads, default h), the output gradient, and the mask three ways: lsmini's
+    key_padding_mask and causal flag, and SDPA's keyword arguments. padded: random lengths in [l/2, l]; else
+    causal."""
+    q = torch.randn(b, h, l, d, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, hk or h, l, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     grad = torch.randn(b, h, l, d, device="cuda", dtype=dtype)
     if padded:
         lengths = torch.randint(l // 2, l + 1, (b, 1), device="cuda")

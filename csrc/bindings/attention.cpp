@@ -1,6 +1,6 @@
 // Fused attention bindings: attention_fwd / attention_bwd (kernels in csrc/kernels/attention*.cu).
-// q [b, h, lq, d], k and v [b, h, lk, d] in any strides whose last one is 1 (others are copied): the
-// layers pass views into their fused projections. rng: the 4-tuple of lsmini._backend.dropout_rng.
+// q [b, h, lq, d], k and v [b, hk, lk, d] (hk dividing h: grouped-query attention) in any strides whose last
+// one is 1 (others are copied): the layers pass views into their fused projections. rng: the 4-tuple of lsmini._backend.dropout_rng.
 #include "common.h"
 #include "attention.h"
 #include "ops.h"
@@ -68,7 +68,7 @@ void check_operand(const at::Tensor& t, const at::Tensor& q, const char* op, con
 }
 
 struct Dims {
-  int64_t b, h, lq, lk, d;
+  int64_t b, h, hk, lq, lk, d;
 };
 
 // Checks q/k/v (and the mask) and returns their sizes.
@@ -77,9 +77,11 @@ Dims check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   check_operand(q, q, op, "q");
   check_operand(k, q, op, "k");
   check_operand(v, q, op, "v");
-  const Dims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
-  check_shape(k, {s.b, s.h, s.lk, s.d}, op, "k");
-  check_shape(v, {s.b, s.h, s.lk, s.d}, op, "v");
+  const Dims s{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)};
+  LSMINI_CHECK(s.hk >= 1 && s.h % s.hk == 0, op, ": k's heads (", s.hk, ") must divide q's heads (", s.h,
+               "), got q ", q.sizes(), " and k ", k.sizes());
+  check_shape(k, {s.b, s.hk, s.lk, s.d}, op, "k");
+  check_shape(v, {s.b, s.hk, s.lk, s.d}, op, "v");
   LSMINI_CHECK(attention_supports_head_dim(int(s.d)), op, ": head_dim must be ", supported_head_dims(), ", got ", s.d);
   LSMINI_CHECK(s.b >= 1 && s.h >= 1 && s.lq >= 1 && s.lk >= 1, op, ": q and k must be non-empty, got q ",
               q.sizes(), " and k ", k.sizes());
@@ -103,6 +105,7 @@ AttentionArgs<K> make_args(const at::Tensor& q, const at::Tensor& k, const at::T
   a.key_padding_mask = mask.defined() ? reinterpret_cast<const uint8_t*>(mask.data_ptr<bool>()) : nullptr;
   a.batch = int(s.b);
   a.heads = int(s.h);
+  a.kv_heads = int(s.hk);
   a.q_len = int(s.lq);
   a.k_len = int(s.lk);
   a.head_dim = int(s.d);

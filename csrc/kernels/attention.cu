@@ -5,11 +5,11 @@
  * in attention_bwd.cu (dQ, dK/dV) and attention_bwd_short.cu (one CTA), what all use in attention.cuh
  * (three translation units, so that they compile in parallel).
  *
- * Layout: q [batch, heads, q_len, d], k and v [batch, heads, k_len, d], out/dout/dq like q, dk/dv like
- * k: each with its own element strides for batch, head and row (attention.h's Strided; head_dim
- * contiguous, rows 16-byte aligned). So the layers read Q, K and V straight out of their fused
- * projection [tokens, 3·hidden] and write the output in the merged [batch, q_len, heads·d] layout the
- * output projection reads — no head split/merge passes. lse [batch, heads, q_len] fp32 is each row's
+ * Layout: q [batch, heads, q_len, d], k and v [batch, kv_heads, k_len, d] (query head h reads K/V head
+ * h / (heads / kv_heads)), out/dout/dq like q, dk/dv like k: each with its own element strides for batch,
+ * head and row (attention.h's Strided; head_dim contiguous, rows 16-byte aligned). So the layers read Q, K
+ * and V straight out of their fused projection [tokens, (heads + 2·kv_heads)·d] and write the output in the
+ * merged [batch, q_len, heads·d] layout the output projection reads — no head split/merge passes. lse [batch, heads, q_len] fp32 is each row's
  * log-sum-exp of its scaled, masked scores, +inf for a row with every key masked.
  *
  * Math per (batch b, head h), rows i (queries) and columns j (keys):
@@ -35,8 +35,9 @@
  * buffers: tile t + 1 is in flight while tile t is computed on (one pipeline barrier per tile).
  *   fwd:     per query block, over key tiles: S = QKᵀ, online softmax in registers, O += P̃V.
  *   bwd_dq:  per query block: Δ (kept for bwd_dkv), over key tiles: S, dP, dS, dQ += dS·K.
- *   bwd_dkv: per key block, over query tiles: S, dP, dS as in bwd_dq; P̃ and dS go through shared
- *            memory to be read transposed: dV += P̃ᵀ·dO, dK += dSᵀ·Q.
+ *   bwd_dkv: per key block of a K/V head, over the query tiles of every query head reading it: S, dP, dS
+ *            as in bwd_dq; P̃ and dS go through shared memory to be read transposed: dV += P̃ᵀ·dO, dK += dSᵀ·Q
+ *            (so a shared K/V head's gradients are summed in registers).
  * S and dP are recomputed in both backward kernels instead of accumulating dQ with atomics: two more
  * small GEMMs, deterministic results. Up to 128 keys (the usual training lengths), bwd_short does it all
  * in one kernel instead: one CTA holds every key of its (batch, head), so its dQ needs no other CTA.
@@ -72,8 +73,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
   const int warp = threadIdx.x >> 5;
   const int i0 = q0 + warp * 16;  // the warp's first query
 
-  const T* k = st.at(a.k);
-  const T* v = st.at(a.v);
+  const T* k = st.at_kv(a.k, a);
+  const T* v = st.at_kv(a.v, a);
   const int key_end = st.vis.key_end(q0);
   // Key tile `t` into buffer t & 1: K, V (asynchronous) and its key bias (plain stores, published by the
   // same __syncthreads that publishes the copies).

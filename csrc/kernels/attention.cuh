@@ -373,17 +373,18 @@ struct TileDropout {
   }
 };
 
-// What every kernel derives from the arguments: its (batch, head), masks, dropout.
+// What every kernel derives from the arguments: its (batch, query head), masks, dropout.
 template <typename T>
 struct Setup {
   int b, h;
-  int64_t bh;
+  int64_t bh;  // b·heads + h
   Visibility vis;
   TileDropout drop;
   bool dropout;
   float inv_keep, scale2;
   uint32_t* keep;  // AttentionArgs::keep
-  __device__ Setup(const AttentionArgs<T>& a, int bh_) : b(bh_ / a.heads), h(bh_ % a.heads), bh(bh_), keep(a.keep) {
+  __device__ Setup(const AttentionArgs<T>& a, int bh_)
+      : b(bh_ / a.heads), h(bh_ % a.heads), bh(bh_), keep(a.keep) {
     vis = {a.key_padding_mask ? a.key_padding_mask + int64_t(b) * a.k_len : nullptr, a.q_len, a.k_len, a.causal};
     drop = {{0, 0}, 0u, a.k_len};
     dropout = a.dropout_p > 0.f;
@@ -394,8 +395,22 @@ struct Setup {
     inv_keep = a.dropout_p < 1.f ? 1.f / (1.f - a.dropout_p) : 0.f;
     scale2 = a.scale * kLog2e;  // exp2 domain
   }
+  // This (batch, head)'s matrix of a per-query-head operand (q, out, dout, dq) ...
   template <typename U>
   __device__ U* at(const Strided<U>& s) const { return s.ptr + b * s.batch + h * s.head; }
+  // ... and of a per-K/V-head one (k, v, dk, dv): K/V head h / (heads / kv_heads). (Derived here, not kept:
+  // the dK/dV kernels are at their register cap.)
+  template <typename U>
+  __device__ U* at_kv(const Strided<U>& s, const AttentionArgs<T>& a) const {
+    return s.ptr + b * s.batch + h / (a.heads / a.kv_heads) * s.head;
+  }
+  // The setup of query head h + j (same batch and K/V group): the dK/dV kernels walk a group's heads.
+  __device__ Setup head(int j) const {
+    Setup s = *this;
+    s.h += j;
+    s.bh += j;
+    return s;
+  }
   // This lane's word of `keep` for the 16×64 tile of queries [i0, i0 + 16) × keys [k0, k0 + 64).
   __device__ uint32_t* keep_word(int i0, int k0) const {
     const int row_groups = (vis.q_len + kBlock - 1) / kBlock * 4, key_tiles = (vis.k_len + kBlock - 1) / kBlock;
@@ -494,6 +509,13 @@ __device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], con
       s[n][e] = p * (dp[n][e] * z - delta[e >> 1]);
       if (kWantP) dp[n][e] = p * z;
     }
+}
+
+// The (batch, query head) index of the first query head of K/V group bkv = batch·kv_heads + K/V head: the dK/dV
+// kernels run one CTA (per key block) for each K/V head and walk its heads / kv_heads query heads.
+template <typename T>
+__device__ __forceinline__ int group_first_head(const AttentionArgs<T>& a, int bkv) {
+  return (bkv / a.kv_heads) * a.heads + (bkv % a.kv_heads) * (a.heads / a.kv_heads);
 }
 
 // Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed).

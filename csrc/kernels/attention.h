@@ -29,7 +29,9 @@ struct Strided {
 };
 
 // Everything one call reads and writes. Forward: q, k, v → out, lse. Backward: q, k, v, out, dout,
-// lse → dq, dk, dv, with delta as scratch.
+// lse → dq, dk, dv, with delta as scratch. k, v, dk and dv have kv_heads heads (grouped-query attention:
+// kv_heads divides heads, query head h reads K/V head h / (heads / kv_heads)); dk and dv of a K/V head are
+// the sums over its query heads, accumulated inside the dK/dV kernels (no expanded K/V, no atomics).
 template <typename T>
 struct AttentionArgs {
   Strided<const T> q, k, v;
@@ -44,7 +46,7 @@ struct AttentionArgs {
   // one per lane of the warp that holds each 16-query × 64-key tile (attention.cu's bit order; the
   // kernels work in blocks of 64 queries, so a partial last block has all four row groups).
   uint32_t* keep;
-  int batch, heads, q_len, k_len, head_dim;
+  int batch, heads, kv_heads, q_len, k_len, head_dim;
   float scale;
   bool causal;
   float dropout_p;

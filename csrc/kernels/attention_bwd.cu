@@ -30,8 +30,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
   const int i0 = q0 + warp * 16;
   const int valid = min(kBlock, a.q_len - q0);
 
-  const T* k = st.at(a.k);
-  const T* v = st.at(a.v);
+  const T* k = st.at_kv(a.k, a);
+  const T* v = st.at_kv(a.v, a);
   const int key_end = st.vis.key_end(q0);
   auto issue_kv = [&](int t) {  // key tile t into buffer t & 1, as in the forward kernel
     const int kt = t * kBlock, buf = t & 1;
@@ -94,7 +94,9 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
 }
 
 // ---- backward: dK and dV -----------------------------------------------------------------------------
-template <typename T, int D>
+// kGrouped: heads > kv_heads (a separate instantiation: without groups the head walk folds away, and with
+// it the registers it would take in a kernel at its register cap).
+template <typename T, int D, bool kGrouped>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const AttentionArgs<T> a) {
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;
@@ -110,9 +112,10 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
   float* sDelta = sLse + 2 * kBlock;                                // [2][kBlock]
   float* sBias = sDelta + 2 * kBlock;
 
+  // One CTA per key block of each (batch, K/V head); st is the group's first query head.
   const int nkb = (a.k_len + kBlock - 1) / kBlock;
   const int k0 = (blockIdx.x % nkb) * kBlock;
-  const Setup<T> st(a, blockIdx.x / nkb);
+  const Setup<T> st(a, kGrouped ? group_first_head(a, blockIdx.x / nkb) : int(blockIdx.x / nkb));
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int r0 = warp * 16;  // the warp's query rows of a tile, then its key rows of the block
 
@@ -120,27 +123,31 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
   const T* q = st.at(a.q);
   const T* dout = st.at(a.dout);
   const int q_begin = st.vis.query_begin(k0);
-  // Query tile t (queries from q_begin + 64t) into buffer t & 1: Q, dO (asynchronous), lse and Δ
-  // (plain stores, published by the same barrier as the copies).
-  auto issue_q = [&](int t) {
-    const int qt = q_begin + t * kBlock, buf = t & 1;
+  // The tiles walked: query tiles [0, q_tiles) of the group's first head, then of the next, ...: tile u is
+  // query tile u % q_tiles (queries from q_begin + 64·(u % q_tiles)) of query head st.h + u / q_tiles.
+  const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
+  const int n_tiles = kGrouped ? q_tiles * (a.heads / a.kv_heads) : q_tiles;
+  // Tile u into buffer u & 1: Q, dO (asynchronous), lse and Δ (plain stores, published by the same barrier
+  // as the copies).
+  auto issue_q = [&](int u) {
+    const int j = kGrouped ? u / q_tiles : 0, qt = q_begin + (u - j * q_tiles) * kBlock, buf = u & 1;
     const int qvalid = min(kBlock, a.q_len - qt);
-    load_tile_async<T, D>(sQ + buf * kTile, q + int64_t(qt) * a.q.row, a.q.row, qvalid);
-    load_tile_async<T, D>(sdO + buf * kTile, dout + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
+    load_tile_async<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid);
+    load_tile_async<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row,
+                          qvalid);
     if (threadIdx.x < kBlock) {
       const int r = threadIdx.x;
-      sLse[buf * kBlock + r] = r < qvalid ? a.lse[st.bh * a.q_len + qt + r] * kLog2e : kInf;
-      sDelta[buf * kBlock + r] = r < qvalid ? a.delta[st.bh * a.q_len + qt + r] : 0.f;
+      const int64_t row = (st.bh + j) * a.q_len + qt + r;
+      sLse[buf * kBlock + r] = r < qvalid ? a.lse[row] * kLog2e : kInf;
+      sDelta[buf * kBlock + r] = r < qvalid ? a.delta[row] : 0.f;
     }
   };
-  const int n_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
-  // Prologue: group 0 = this block's K and V and query tile 0, group 1 = query tile 1. With no query
-  // tile (causal, every query before the block) nothing is loaded and dK = dV = 0, so no copy is left in
-  // flight at exit.
+  // Prologue: group 0 = this block's K and V and tile 0, group 1 = tile 1. With no query tile (causal,
+  // every query before the block) nothing is loaded and dK = dV = 0, so no copy is left in flight at exit.
   if (n_tiles > 0) {
     const int kvalid = min(kBlock, a.k_len - k0);
-    load_tile_async<T, D>(sK, st.at(a.k) + int64_t(k0) * a.k.row, a.k.row, kvalid);
-    load_tile_async<T, D>(sV, st.at(a.v) + int64_t(k0) * a.v.row, a.v.row, kvalid);
+    load_tile_async<T, D>(sK, st.at_kv(a.k, a) + int64_t(k0) * a.k.row, a.k.row, kvalid);
+    load_tile_async<T, D>(sV, st.at_kv(a.v, a) + int64_t(k0) * a.v.row, a.v.row, kvalid);
     st.vis.fill_key_bias(sBias, k0);
     pipeline_start(n_tiles, issue_q);
   }
@@ -148,7 +155,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
   // At the top of iteration t, query tile t is visible in buffer t & 1 and only tile t + 1 may be in
   // flight; two barriers per iteration: P̃/dS written → read (middle), and the pipeline barrier (bottom).
   for (int t = 0; t < n_tiles; ++t) {
-    const int q0 = q_begin + t * kBlock;
+    const int j = kGrouped ? t / q_tiles : 0;
+    const int q0 = q_begin + (t - j * q_tiles) * kBlock;
     const T* cQ = sQ + (t & 1) * kTile;
     const T* cdO = sdO + (t & 1) * kTile;
     float s[8][4] = {}, dp[8][4] = {};
@@ -157,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     const float* cDelta = sDelta + (t & 1) * kBlock;
     const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
     const float delta[2] = {cDelta[r0 + g], cDelta[r0 + g + 8]};
-    tile_ds<T, true>(s, dp, st, sBias, lse2, delta, q0 + r0, k0);
+    tile_ds<T, true>(s, dp, st.head(j), sBias, lse2, delta, q0 + r0, k0);
     // sP/sdS: their readers (iteration t − 1) all passed that iteration's closing barrier.
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -172,8 +180,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     pipeline_next(t, n_tiles, issue_q);  // (sP/sdS free for iteration t + 1 too)
   }
 
-  store_tile<T, D / 8>(st.at(a.dk), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
-  store_tile<T, D / 8>(st.at(a.dv), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+  store_tile<T, D / 8>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
+  store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
 }
 
 template <typename T, int D>
@@ -191,7 +199,9 @@ cudaError_t bwd(const AttentionArgs<T>& a, cudaStream_t stream) {
   // 227 KB limit, but one CTA per SM at D = 128).
   const size_t dkv_bytes =
       6 * kBlock * (D + kPad) * sizeof(T) + 2 * kBlock * kTileLd * sizeof(T) + 5 * kBlock * sizeof(float);
-  return launch(attention_bwd_dkv_kernel<T, D>, bh * ((a.k_len + kBlock - 1) / kBlock), dkv_bytes, a, stream);
+  const int64_t dkv_blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
+  if (a.kv_heads != a.heads) return launch(attention_bwd_dkv_kernel<T, D, true>, dkv_blocks, dkv_bytes, a, stream);
+  return launch(attention_bwd_dkv_kernel<T, D, false>, dkv_blocks, dkv_bytes, a, stream);
 }
 
 }  // namespace

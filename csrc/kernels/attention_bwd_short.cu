@@ -9,15 +9,17 @@ namespace lsmini {
 namespace {
 
 // ---- backward, every key in one CTA: dQ, dK and dV in one pass ----------------------------------------
-// For k_len ≤ 64·KB: a CTA of KB·4 warps owns all keys of one (batch, head) — warp group grp = warp / 4
-// the key block [64·grp, 64·grp + 64), each warp 16 of its keys for dK/dV — and walks every query tile:
+// For k_len ≤ 64·KB: a CTA of KB·4 warps owns all keys of one (batch, K/V head) — warp group grp = warp / 4
+// the key block [64·grp, 64·grp + 64), each warp 16 of its keys for dK/dV — and walks every query tile of
+// each query head that reads them:
 //   S and dP of the warp's 16 queries × its group's 64 keys (as bwd_dkv), then
 //   Δ_i = Σ_j p̃_ij·dp_ij summed over the CTA's keys — equal to dout_i·out_i, so no Δ pass and no read of
 //   out (and computed from the fp32 probabilities rather than the rounded output), then
 //   dS, P̃ → shared memory; dV += P̃ᵀ·dO, dK += dSᵀ·Q per warp; dQ = dS·K over all keys, written once
-//   per tile — complete, since no other CTA holds keys of this (batch, head).
+//   per tile — complete, since no other CTA holds keys of this (batch, K/V head).
 // One launch instead of two, Q and dO read once, and 5 instead of 7 tile GEMMs per 16 × 64 tile.
-template <typename T, int D, int KB>
+// kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu.
+template <typename T, int D, int KB, bool kGrouped>
 __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(const AttentionArgs<T> a) {
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;
@@ -38,7 +40,8 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
   float* sPart = sLse + 2 * kBlock;                             // [KB][kBlock]
   float* sBias = sPart + KB * kBlock;                           // [kKeys]
 
-  const Setup<T> st(a, blockIdx.x);
+  // one CTA per (batch, K/V head), st its first query head
+  const Setup<T> st(a, kGrouped ? group_first_head(a, blockIdx.x) : int(blockIdx.x));
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int grp = warp >> 2, tid = threadIdx.x & (kThreads - 1);
   const int r0 = (warp & 3) * 16;  // the warp's query rows of a tile, and its key rows of the group's block
@@ -48,23 +51,28 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
 
   const T* q = st.at(a.q);
   const T* dout = st.at(a.dout);
-  // Query tile t into buffer t & 1: Q (group 0) and dO (the last group) asynchronously, lse plain.
-  auto issue_q = [&](int t) {
-    const int qt = t * kBlock, buf = t & 1;
+  // The tiles walked: every query tile of the group's first head, then of the next, ...: tile u is query
+  // tile u % q_tiles of query head st.h + u / q_tiles.
+  const int q_tiles = (a.q_len + kBlock - 1) / kBlock;
+  const int n_tiles = kGrouped ? q_tiles * (a.heads / a.kv_heads) : q_tiles;
+  // Tile u into buffer u & 1: Q (group 0) and dO (the last group) asynchronously, lse plain.
+  auto issue_q = [&](int u) {
+    const int j = kGrouped ? u / q_tiles : 0, qt = (u - j * q_tiles) * kBlock, buf = u & 1;
     const int qvalid = min(kBlock, a.q_len - qt);
-    if (grp == 0) load_tile_async<T, D>(sQ + buf * kTile, q + int64_t(qt) * a.q.row, a.q.row, qvalid, tid);
+    if (grp == 0)
+      load_tile_async<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid, tid);
     if (grp == KB - 1)
-      load_tile_async<T, D>(sdO + buf * kTile, dout + int64_t(qt) * a.dout.row, a.dout.row, qvalid, tid);
+      load_tile_async<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row,
+                            qvalid, tid);
     if (threadIdx.x < kBlock) {
       const int r = threadIdx.x;
-      sLse[buf * kBlock + r] = r < qvalid ? a.lse[st.bh * a.q_len + qt + r] * kLog2e : kInf;
+      sLse[buf * kBlock + r] = r < qvalid ? a.lse[(st.bh + j) * a.q_len + qt + r] * kLog2e : kInf;
     }
   };
-  const int n_tiles = (a.q_len + kBlock - 1) / kBlock;
   // Prologue: group 0 = every key block's K and V and query tile 0, group 1 = query tile 1.
   if (n_tiles > 0) {
-    load_tile_async<T, D>(gK, st.at(a.k) + int64_t(kg) * a.k.row, a.k.row, min(kBlock, a.k_len - kg), tid);
-    load_tile_async<T, D>(gV, st.at(a.v) + int64_t(kg) * a.v.row, a.v.row, min(kBlock, a.k_len - kg), tid);
+    load_tile_async<T, D>(gK, st.at_kv(a.k, a) + int64_t(kg) * a.k.row, a.k.row, min(kBlock, a.k_len - kg), tid);
+    load_tile_async<T, D>(gV, st.at_kv(a.v, a) + int64_t(kg) * a.v.row, a.v.row, min(kBlock, a.k_len - kg), tid);
     if (threadIdx.x < kKeys) sBias[threadIdx.x] = st.vis.key_bias(threadIdx.x);
     pipeline_start(n_tiles, issue_q);
   }
@@ -73,7 +81,9 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
   // At the top of iteration t, query tile t is visible in buffer t & 1 and only tile t + 1 may be in
   // flight. Barriers: Δ parts written → read, P̃/dS written → read, and the pipeline barrier.
   for (int t = 0; t < n_tiles; ++t) {
-    const int q0 = t * kBlock;
+    const int j = kGrouped ? t / q_tiles : 0;
+    const int q0 = (t - j * q_tiles) * kBlock;
+    const Setup<T> sj = st.head(j);
     const T* cQ = sQ + (t & 1) * kTile;
     const T* cdO = sdO + (t & 1) * kTile;
     const int key_end = st.vis.key_end(q0);  // no query of the tile sees a key ≥ key_end
@@ -86,7 +96,7 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
     if (active) {
       tile_s_dp<T, D>(s, dp, cQ, cdO, r0, gK, gV);
       mask_scores(s, sBias + kg, st.scale2, st.vis, q0 + r0, kg);
-      if (st.dropout) bits = st.tile_keep_bits(q0 + r0, kg);
+      if (st.dropout) bits = sj.tile_keep_bits(q0 + r0, kg);
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -146,13 +156,13 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
           mma16816<T>(dq[n + 1], sa, b[2], b[3]);
         }
       }
-      store_tile<T, kDqChunk / 8>(st.at(a.dq), a.dq.row, q0 + r0, a.q_len, col, dq, a.scale);
+      store_tile<T, kDqChunk / 8>(sj.at(a.dq), a.dq.row, q0 + r0, a.q_len, col, dq, a.scale);
     }
     pipeline_next(t, n_tiles, issue_q);  // (P̃, dS and the Δ parts free for iteration t + 1 too)
   }
 
-  store_tile<T, D / 8>(st.at(a.dk), a.dk.row, kg + r0, a.k_len, 0, dk, a.scale);
-  store_tile<T, D / 8>(st.at(a.dv), a.dv.row, kg + r0, a.k_len, 0, dv, 1.f);
+  store_tile<T, D / 8>(st.at_kv(a.dk, a), a.dk.row, kg + r0, a.k_len, 0, dk, a.scale);
+  store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, kg + r0, a.k_len, 0, dv, 1.f);
 }
 
 template <typename T, int D, int KB>
@@ -162,7 +172,11 @@ cudaError_t bwd_short(const AttentionArgs<T>& a, cudaStream_t stream) {
   constexpr int kKeys = KB * kBlock;
   const size_t bytes = (2 * KB + 4) * kBlock * (D + kPad) * sizeof(T) + 2 * kBlock * (kKeys + kPad) * sizeof(T) +
                        (2 * kBlock + KB * kBlock + kKeys) * sizeof(float);
-  return launch(attention_bwd_short_kernel<T, D, KB>, int64_t(a.batch) * a.heads, bytes, a, stream, KB * kThreads);
+  const int64_t blocks = int64_t(a.batch) * a.kv_heads;
+  if (a.kv_heads != a.heads) {
+    return launch(attention_bwd_short_kernel<T, D, KB, true>, blocks, bytes, a, stream, KB * kThreads);
+  }
+  return launch(attention_bwd_short_kernel<T, D, KB, false>, blocks, bytes, a, stream, KB * kThreads);
 }
 
 }  // namespace

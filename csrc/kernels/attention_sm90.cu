@@ -35,8 +35,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_
   const Setup<T> st(a, blockIdx.x / nqb);
   const int i0 = q0 + (threadIdx.x >> 5) * 16;  // the warp's first query
 
-  const T* k = st.at(a.k);
-  const T* v = st.at(a.v);
+  const T* k = st.at_kv(a.k, a);
+  const T* v = st.at_kv(a.v, a);
   auto issue_kv = [&](int t) {  // key tile t into buffer t & 1, as in attention.cu
     const int kt = t * kBlock, buf = t & 1;
     load_tile_sw<T, D>(sK + buf * kTile, k + int64_t(kt) * a.k.row, a.k.row, min(kBlock, a.k_len - kt));

@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
   const int i0 = q0 + warp * 16;
   const int valid = min(kBlock, a.q_len - q0);
 
-  const T* k = st.at(a.k);
-  const T* v = st.at(a.v);
+  const T* k = st.at_kv(a.k, a);
+  const T* v = st.at_kv(a.v, a);
   auto issue_kv = [&](int t) {
     const int kt = t * kBlock, buf = t & 1;
     load_tile_sw<T, D>(sK + buf * kTile, k + int64_t(kt) * a.k.row, a.k.row, min(kBlock, a.k_len - kt));
@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
 #endif
 }
 
-template <typename T, int D>
+// kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu.
+template <typename T, int D, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
   // K, V (loaded once), Q and dO double-buffered, P̃ and dS (swizzled [64 queries][64 keys] tiles), then the
@@ -116,9 +117,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   float* sDelta = sLse + kBlock;                                        // [kBlock]
   float* sBias = sDelta + kBlock;
 
+  // One CTA per key block of each (batch, K/V head); st is the group's first query head.
   const int nkb = (a.k_len + kBlock - 1) / kBlock;
   const int k0 = (blockIdx.x % nkb) * kBlock;
-  const Setup<T> st(a, blockIdx.x / nkb);
+  const Setup<T> st(a, kGrouped ? group_first_head(a, blockIdx.x / nkb) : int(blockIdx.x / nkb));
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int r0 = warp * 16;  // the warp's query rows of a tile, then its key rows of the block
 
@@ -126,28 +128,30 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   const T* q = st.at(a.q);
   const T* dout = st.at(a.dout);
   const int q_begin = st.vis.query_begin(k0);
-  auto issue_q = [&](int t) {  // query tile t into buffer t & 1, as in attention_bwd.cu
-    const int qt = q_begin + t * kBlock, buf = t & 1;
+  // Tile u: query tile u % q_tiles of query head st.h + u / q_tiles, as in attention_bwd.cu.
+  const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
+  const int n_tiles = kGrouped ? q_tiles * (a.heads / a.kv_heads) : q_tiles;
+  auto issue_q = [&](int u) {  // tile u into buffer u & 1
+    const int j = kGrouped ? u / q_tiles : 0, qt = q_begin + (u - j * q_tiles) * kBlock, buf = u & 1;
     const int qvalid = min(kBlock, a.q_len - qt);
-    load_tile_sw<T, D>(sQ + buf * kTile, q + int64_t(qt) * a.q.row, a.q.row, qvalid);
-    load_tile_sw<T, D>(sdO + buf * kTile, dout + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
+    load_tile_sw<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid);
+    load_tile_sw<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
   };
-  // (lse·log2 e, Δ) of row threadIdx.x < kBlock of query tile t; a row past q_len gives P̃ = dS = 0. One buffer,
+  // (lse·log2 e, Δ) of row threadIdx.x < kBlock of tile u; a row past q_len gives P̃ = dS = 0. One buffer,
   // not two as the tiles have: the 512 bytes a second one takes would keep two CTAs off an SM at d 128.
-  auto row_stats = [&](int t) {
-    const int i = q_begin + t * kBlock + threadIdx.x;
-    return i < a.q_len ? make_float2(a.lse[st.bh * a.q_len + i] * kLog2e, a.delta[st.bh * a.q_len + i])
-                       : make_float2(kInf, 0.f);
+  auto row_stats = [&](int u) {
+    const int j = kGrouped ? u / q_tiles : 0, i = q_begin + (u - j * q_tiles) * kBlock + threadIdx.x;
+    const int64_t row = (st.bh + j) * a.q_len + i;
+    return i < a.q_len ? make_float2(a.lse[row] * kLog2e, a.delta[row]) : make_float2(kInf, 0.f);
   };
   auto stage_stats = [&](float2 v) {
     sLse[threadIdx.x] = v.x;
     sDelta[threadIdx.x] = v.y;
   };
-  const int n_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
   if (n_tiles > 0) {
     const int kvalid = min(kBlock, a.k_len - k0);
-    load_tile_sw<T, D>(sK, st.at(a.k) + int64_t(k0) * a.k.row, a.k.row, kvalid);
-    load_tile_sw<T, D>(sV, st.at(a.v) + int64_t(k0) * a.v.row, a.v.row, kvalid);
+    load_tile_sw<T, D>(sK, st.at_kv(a.k, a) + int64_t(k0) * a.k.row, a.k.row, kvalid);
+    load_tile_sw<T, D>(sV, st.at_kv(a.v, a) + int64_t(k0) * a.v.row, a.v.row, kvalid);
     st.vis.fill_key_bias(sBias, k0);
     if (threadIdx.x < kBlock) stage_stats(row_stats(0));
     pipeline_start<true>(n_tiles, issue_q);
@@ -156,12 +160,13 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   // Two barriers per iteration, as in attention_bwd.cu: P̃/dS written → read, and the pipeline barrier. Between
   // them every warp has read this tile's lse and Δ, so the next tile's go into the same buffer there.
   for (int t = 0; t < n_tiles; ++t) {
+    const int j = kGrouped ? t / q_tiles : 0;
     const uint32_t cQ = sQ + (t & 1) * kTile, cdO = sdO + (t & 1) * kTile;
     float s[8][4], dp[8][4];
     wg_s_dp<T, D>(s, dp, cQ, cdO, sK, sV);
     const float lse2[2] = {sLse[r0 + g], sLse[r0 + g + 8]};
     const float delta[2] = {sDelta[r0 + g], sDelta[r0 + g + 8]};
-    tile_ds<T, true>(s, dp, st, sBias, lse2, delta, q_begin + t * kBlock + r0, k0);
+    tile_ds<T, true>(s, dp, st.head(j), sBias, lse2, delta, q_begin + (t - j * q_tiles) * kBlock + r0, k0);
     // P̃ and dS: the wgmmas of iteration t − 1 that read them were waited for before its closing barrier.
 #pragma unroll
     for (int n = 0; n < 8; ++n)
@@ -185,8 +190,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     pipeline_next<true>(t, n_tiles, issue_q);
   }
 
-  store_tile<T, D / 8>(st.at(a.dk), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
-  store_tile<T, D / 8>(st.at(a.dv), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+  store_tile<T, D / 8>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
+  store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
 #else
   __trap();  // never launched: attention_sm90_runs is false without sm_90a code
 #endif
@@ -203,7 +208,11 @@ cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   // dkv: K + V + 2×Q + 2×dO tiles, P̃ and dS, lse, Δ, bias: D = 64 → 66 304 B, D = 128 → 115 456 B, under the
   // 115 712 B (half of 228 KB, less 1 KB reserved a CTA) that lets two CTAs share an SM.
   const size_t dkv_bytes = 6 * kSwTileBytes<D> + 2 * kSwTileBytes<kBlock> + 3 * kBlock * sizeof(float);
-  return launch(attention_bwd_dkv_sm90_kernel<T, D>, bh * ((a.k_len + kBlock - 1) / kBlock), dkv_bytes, a, stream);
+  const int64_t dkv_blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
+  if (a.kv_heads != a.heads) {
+    return launch(attention_bwd_dkv_sm90_kernel<T, D, true>, dkv_blocks, dkv_bytes, a, stream);
+  }
+  return launch(attention_bwd_dkv_sm90_kernel<T, D, false>, dkv_blocks, dkv_bytes, a, stream);
 }
 
 }  // namespace

@@ -7,8 +7,8 @@
 // A layer is a sequence of blocks ("self" attention, "cross" attention, "ffn"), each with six parameters
 // (lsmini/layers/spec.py, BLOCK_PARAMS): its core's input and output GEMM weights and biases and its norm.
 //     pre-norm:  r ← r + dropout(core(norm(r)) + bias_out)     post-norm:  r ← norm(r + dropout(core(r) + bias_out))
-//     self:   weight_in = fused QKV [3H, H]      weight_out = [H, H]
-//     cross:  weight_in = query     [H, H]       K/V come in as inputs: [b, ls, H] column blocks of the decoder
+//     self:   weight_in = fused QKV [H + 2W, H]  weight_out = [H, H]   (W = kv_heads·head_dim: rows Q | K | V)
+//     cross:  weight_in = query     [H, H]       K/V come in as inputs: [b, ls, W] column blocks of the decoder
 //                                                stack's one K/V projection (its gradient goes back the same way)
 //     ffn:    weight_in = [F, H], weight_out = [H, F], bias_in added by bias_act_dropout; with a gated
 //             activation (swiglu, geglu) weight_in = [2F, H] = [gate | up] rows, bias_in in the GEMM's epilogue
@@ -16,8 +16,8 @@
 // absent (None): no add, no gradient.
 // Attention core: QKV GEMM with the bias in its epilogue, rotary positions on Q and K of a self block (in place
 // in the projection, from the caller's cos/sin tables), the fused attention kernel reading Q/K/V as head views of
-// the projection and writing the merged context, the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu
-// kernel on the [gate | up] output), GEMM. Every step between GEMMs is an lsmini kernel, called through the
+// the projection (kv_heads K/V heads, each read by heads / kv_heads query heads) and writing the merged context,
+// the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every step between GEMMs is an lsmini kernel, called through the
 // bindings' functions (ops.h) or, where the layer hands it strided views or room of its own, its launcher.
 //
 // The call's plan — where each tensor its backward needs lies in one saved-state byte buffer, where the
@@ -37,7 +37,7 @@
 // is dead before the other is written, in stream order), followed by a float32 workspace that the kernels'
 // small temporaries share one call after another (column partial sums, the attention's row terms):
 //     self:   [0, TH) d(context), then the recomputed core input, then d(core input);
-//             [TH', TH' + 3TH) d(core output), then d(QKV)   (TH' = TH aligned to kAlign)
+//             [TH', TH' + T(H + 2W)) d(core output), then d(QKV)   (TH' = TH aligned to kAlign)
 //     cross:  [0, TH) as above; [TH', TH' + TH) d(core output), then d(Q). dK/dV go to their destinations.
 //     ffn:    [0, TF) the recomputed activation, then its gradient, then (in place) d(first GEMM output);
 //             gated: [0, TF) as above, then [TF', TF' + 2TF) d(first GEMM output) [gate | up].
@@ -46,12 +46,12 @@
 // the column-sum kernels write theirs in place there), except that a caller may name, per parameter, an
 // existing .grad to add it into (GEMM weights with beta = 1, vectors in one multi-tensor add); lsmini.layers.runtime does so only where autograd would have accumulated into that
 // .grad in this very backward (layer_grad_into below decides). A cross block's dK/dV go into caller-given
-// [b, ls, H] tensors when named (the decoder stack's stacked gradient), else into fresh ones.
+// [b, ls, W] tensors when named (the decoder stack's stacked gradient), else into fresh ones.
 //
 // Options: norm ("layer_norm", "rms_norm"), activation ("relu", "gelu", "gelu_tanh", "swiglu", "geglu"),
 // rotary_dim (0, or even in [2, head_dim]: the tables rotary_cos / rotary_sin, float32 [l, rotary_dim] or
-// [b, l, rotary_dim], are then arguments), kv_heads (= heads here). The operators check them and say what is not
-// supported.
+// [b, l, rotary_dim], are then arguments), kv_heads (dividing heads). The operators check them and say what is
+// not supported.
 #include "common.h"
 #include "ops.h"
 
@@ -118,6 +118,8 @@ enum Input : int { kX, kKeyPaddingMask, kEncoderK, kEncoderV, kEncoderPaddingMas
 struct Options {
   std::vector<Kind> kinds;
   int64_t hidden, ffn, heads, head_dim;
+  int64_t kv_heads, kv_width;  // K/V heads and their columns, W = kv_heads·head_dim
+  int64_t qkv_width;           // columns of a self block's projection: H + 2W
   double scale, eps, dropout, attn_dropout, act_dropout;
   bool pre_ln, causal, recompute;
   bool rms;       // RMSNorm (else LayerNorm)
@@ -168,8 +170,8 @@ Options options_of(const OpArgs& a, const char* op) {
   const std::string norm(a.norm);
   LSMINI_CHECK(norm == "layer_norm" || norm == "rms_norm", op, ": unknown norm '", norm,
                "' (expected layer_norm or rms_norm)");
-  LSMINI_CHECK(a.kv_heads == a.heads, op, ": kv_heads (", a.kv_heads, ") must equal heads (", a.heads,
-               "): fewer K/V heads than query heads are not supported by the layer runtime");
+  LSMINI_CHECK(a.kv_heads > 0 && a.heads % a.kv_heads == 0, op, ": kv_heads (", a.kv_heads, ") must divide heads (",
+               a.heads, ")");
   LSMINI_CHECK(norm != "rms_norm" || a.hidden <= kRmsNormMaxHidden, op, ": rms_norm takes hidden <= ",
                kRmsNormMaxHidden, ", got ", a.hidden);
   const int64_t head_dim = a.hidden / a.heads;
@@ -186,6 +188,9 @@ Options options_of(const OpArgs& a, const char* op) {
   o.ffn = a.ffn;
   o.heads = a.heads;
   o.head_dim = a.hidden / a.heads;
+  o.kv_heads = a.kv_heads;
+  o.kv_width = a.kv_heads * o.head_dim;
+  o.qkv_width = a.hidden + 2 * o.kv_width;
   o.scale = a.scale;
   o.eps = a.eps;
   o.dropout = a.dropout;
@@ -309,7 +314,7 @@ Plan<Int> make_plan(const Options& o, const Int& batch, const Int& q_len, const 
       }
     } else {
       const bool self = kind == Kind::Self;
-      v[kProjection] = make({t, (self ? 3 : 1) * h}, dtype);
+      v[kProjection] = make({t, self ? o.qkv_width : h}, dtype);
       v[kContext] = make({t, h}, dtype);
       v[kLse] = make({batch, Int(o.heads), q_len}, at::kFloat);
       if (!self) {
@@ -417,7 +422,7 @@ int64_t scratch_numel(const Options& o, int64_t tokens) {
   for (const Kind kind : o.kinds) {
     const int64_t th = tokens * o.hidden;
     const int64_t ffn = o.glu ? align(tokens * o.ffn) + tokens * o.ffn_in : tokens * o.ffn;
-    n = std::max(n, kind == Kind::Ffn ? ffn : align(th) + (kind == Kind::Self ? 3 : 1) * th);
+    n = std::max(n, kind == Kind::Ffn ? ffn : align(th) + tokens * (kind == Kind::Self ? o.qkv_width : o.hidden));
   }
   return n;
 }
@@ -430,7 +435,7 @@ int64_t workspace_numel(const Options& o, int64_t batch, int64_t q_len) {
   int64_t n =
       std::max({norm, bias_dropout_residual_bwd_partial_slabs(t, o.hidden) * o.hidden, batch * o.heads * q_len});
   for (const Kind kind : o.kinds) {
-    const int64_t bias_in = kind == Kind::Ffn ? o.ffn_in : kind == Kind::Self ? 3 * o.hidden : o.hidden;
+    const int64_t bias_in = kind == Kind::Ffn ? o.ffn_in : kind == Kind::Self ? o.qkv_width : o.hidden;
     // the input bias's column sums: bias_act_dropout's backward, or (added in a GEMM's epilogue) bias_grad's
     n = std::max(n, bias_in_gemm(kind, o) ? bias_dropout_residual_bwd_partial_slabs(t, bias_in) * bias_in
                                           : bias_act_dropout_bwd_partial_slabs(t, bias_in) * bias_in);
@@ -454,7 +459,7 @@ std::shared_ptr<const Plan<int64_t>> call_plan(const OpArgs& a, const Options& o
   key += '|';
   key += a.norm;
   key += '|';
-  for (const auto v : {a.hidden, a.ffn, a.heads, x.size(0), x.size(1), src_len}) put_bytes(key, v);
+  for (const auto v : {a.hidden, a.ffn, a.heads, a.kv_heads, x.size(0), x.size(1), src_len}) put_bytes(key, v);
   for (const auto v : {a.dropout, a.attn_dropout, a.act_dropout}) put_bytes(key, v > 0);
   for (const auto v : {a.pre_ln, a.recompute, has_mask, has_encoder_mask}) put_bytes(key, v);
   put_bytes(key, x.scalar_type());
@@ -521,18 +526,25 @@ at::Tensor region(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t 
   return strided_view(flat, {rows, cols}, {cols, 1}, flat.storage_offset() + offset);
 }
 
-// Part `part` of a projection x2d [batch·len, parts·hidden] (columns part-major, then head) as the
-// [batch, heads, len, head_dim] view the attention kernels read, no copy.
-at::Tensor head_view(const at::Tensor& x2d, int64_t batch, int64_t len, int64_t part, const Options& o) {
+// The `count` heads from column `first` of x2d [batch·len, columns] (head-major) as the
+// [batch, count, len, head_dim] view the attention kernels read, no copy.
+at::Tensor head_view(const at::Tensor& x2d, int64_t batch, int64_t len, int64_t first, int64_t count,
+                     const Options& o) {
   const int64_t row = x2d.stride(0);
-  return strided_view(x2d, {batch, o.heads, len, o.head_dim}, {len * row, o.head_dim, row, 1},
-                      x2d.storage_offset() + part * o.hidden);
+  return strided_view(x2d, {batch, count, len, o.head_dim}, {len * row, o.head_dim, row, 1},
+                      x2d.storage_offset() + first);
 }
 
-// [b, ls, H] encoder keys or values (any row stride, unit column stride) → [b, heads, ls, d].
+// A self block's projection [batch·len, H + 2W] (or its gradient) as the Q, K and V head views.
+std::array<at::Tensor, 3> qkv_views(const at::Tensor& x2d, int64_t batch, int64_t len, const Options& o) {
+  return {head_view(x2d, batch, len, 0, o.heads, o), head_view(x2d, batch, len, o.hidden, o.kv_heads, o),
+          head_view(x2d, batch, len, o.hidden + o.kv_width, o.kv_heads, o)};
+}
+
+// [b, ls, W] encoder keys or values (any row stride, unit column stride) → [b, kv_heads, ls, d].
 OptTensor heads_of(const OptTensor& t, const Options& o) {
   if (!t) return std::nullopt;
-  return strided_view(*t, {t->size(0), o.heads, t->size(1), o.head_dim},
+  return strided_view(*t, {t->size(0), o.kv_heads, t->size(1), o.head_dim},
                       {t->stride(0), o.head_dim * t->stride(2), t->stride(1), t->stride(2)}, t->storage_offset());
 }
 
@@ -544,7 +556,7 @@ struct Shape {
 
 // [tokens, hidden] (contiguous) as the attention kernels' [batch, heads, len, head_dim] view.
 at::Tensor split(const at::Tensor& merged, const Shape& s, const Options& o) {
-  return head_view(merged, s.batch, s.q_len, 0, o);
+  return head_view(merged, s.batch, s.q_len, 0, o.heads, o);
 }
 
 // x·weightᵀ, into out when given.
@@ -737,10 +749,9 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
   const bool self = kind == Kind::Self;
   const at::ScalarType dtype = x.scalar_type();
   at::Tensor projection =
-      project(x, p.weight_in, p.bias_in, dest.at(kProjection, {s.tokens, (self ? 3 : 1) * o.hidden}, dtype));
-  const at::Tensor q = head_view(projection, s.batch, s.q_len, 0, o);
-  const at::Tensor k = self ? head_view(projection, s.batch, s.q_len, 1, o) : *in.encoder_k;
-  const at::Tensor v = self ? head_view(projection, s.batch, s.q_len, 2, o) : *in.encoder_v;
+      project(x, p.weight_in, p.bias_in, dest.at(kProjection, {s.tokens, self ? o.qkv_width : o.hidden}, dtype));
+  const auto [q, k, v] = self ? qkv_views(projection, s.batch, s.q_len, o)
+                               : std::array{split(projection, s, o), *in.encoder_k, *in.encoder_v};
   if (self && o.rotary_dim > 0) rotary_in_place(q, k, in, o, false);  // the saved projection holds them rotated
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
@@ -948,27 +959,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     const Options& o, const Shape& s, const Room& room, const InputOf& input_of,
     const std::pair<OptTensor, OptTensor>& kv_grads, const Inputs& in) {
   const bool self = kind == Kind::Self;
-  const int64_t t = s.tokens, parts = self ? 3 : 1;
+  const int64_t t = s.tokens;
   const at::Tensor& scratch = room.scratch;
   at::Tensor grad_weight_out = weight_grad(transposed(grad_core), sv[kContext], s.weight_dtype, room.dest[2]);
   at::Tensor grad_context = region(scratch, 0, t, o.hidden);
   at::mm_out(grad_context, grad_core, p.weight_out);
-  at::Tensor grad_projection = region(scratch, align(t * o.hidden), t, parts * o.hidden);
-  auto heads = [&](const at::Tensor& x2d, int64_t part) { return head_view(x2d, s.batch, s.q_len, part, o); };
-  const at::Tensor& projection = sv[kProjection];
+  at::Tensor grad_projection = region(scratch, align(t * o.hidden), t, self ? o.qkv_width : o.hidden);
   auto given = [&](int slot) { return sv[slot].defined() ? OptTensor(sv[slot]) : std::nullopt; };
   const OptTensor mask = given(kMask), bits = given(kBits);
   const BackwardRoom workspace = room.vectors(std::nullopt, std::nullopt);
   if (self) {
-    attention_bwd(split(grad_context, s, o), heads(projection, 0), heads(projection, 1), heads(projection, 2),
-                  split(sv[kContext], s, o), sv[kLse], mask, o.causal, o.attn_dropout, o.scale, rng,
-                  heads(grad_projection, 0), heads(grad_projection, 1), heads(grad_projection, 2), bits, workspace);
+    const auto qkv = qkv_views(sv[kProjection], s.batch, s.q_len, o);
+    const auto grad_qkv = qkv_views(grad_projection, s.batch, s.q_len, o);
+    attention_bwd(split(grad_context, s, o), qkv[0], qkv[1], qkv[2], split(sv[kContext], s, o), sv[kLse], mask,
+                  o.causal, o.attn_dropout, o.scale, rng, grad_qkv[0], grad_qkv[1], grad_qkv[2], bits, workspace);
     // the gradients of the rotated Q and K → those of the projection's Q and K
-    if (o.rotary_dim > 0) rotary_in_place(heads(grad_projection, 0), heads(grad_projection, 1), in, o, true);
+    if (o.rotary_dim > 0) rotary_in_place(grad_qkv[0], grad_qkv[1], in, o, true);
   } else {
-    attention_bwd(split(grad_context, s, o), heads(projection, 0), sv[kKeys], sv[kValues], split(sv[kContext], s, o),
-                  sv[kLse], mask, false, o.attn_dropout, o.scale, rng, heads(grad_projection, 0), kv_grads.first,
-                  kv_grads.second, bits, workspace);
+    attention_bwd(split(grad_context, s, o), split(sv[kProjection], s, o), sv[kKeys], sv[kValues],
+                  split(sv[kContext], s, o), sv[kLse], mask, false, o.attn_dropout, o.scale, rng,
+                  split(grad_projection, s, o), kv_grads.first, kv_grads.second, bits, workspace);
   }
   at::Tensor grad_bias_in = epilogue_bias_grad(grad_projection, p, room);
   // d(context) is dead once the attention backward has read it: the recomputed input may go there
@@ -1201,7 +1211,7 @@ void check_inputs(const Options& o, const at::Tensor& x, const OptTensor& key_pa
                  ", norm_bias) must be None with norm rms_norm (RMSNorm has no bias)");
     if (!p.defined()) continue;
     const Kind kind = o.kinds[block];
-    const int64_t rows_in = kind == Kind::Self ? 3 * o.hidden : kind == Kind::Cross ? o.hidden : o.ffn_in;
+    const int64_t rows_in = kind == Kind::Self ? o.qkv_width : kind == Kind::Cross ? o.hidden : o.ffn_in;
     std::vector<int64_t> want;
     switch (position) {
       case 0: want = {rows_in, o.hidden}; break;
@@ -1219,12 +1229,13 @@ void check_inputs(const Options& o, const at::Tensor& x, const OptTensor& key_pa
                cross ? ": a cross-attention block needs encoder_k and encoder_v"
                      : ": encoder_k / encoder_v given to a layer without a cross-attention block");
   if (cross) {
-    LSMINI_CHECK(encoder_k->dim() == 3 && encoder_k->size(0) == x.size(0) && encoder_k->size(2) == o.hidden &&
+    LSMINI_CHECK(encoder_k->dim() == 3 && encoder_k->size(0) == x.size(0) && encoder_k->size(2) == o.kv_width &&
                      encoder_v->sizes() == encoder_k->sizes() && encoder_k->stride(2) == 1 &&
                      encoder_v->stride(2) == 1 && encoder_k->scalar_type() == x.scalar_type() &&
                      encoder_v->scalar_type() == x.scalar_type(),
-                 op, ": encoder_k and encoder_v must both be [batch=", x.size(0), ", src_len, hidden=", o.hidden,
-                 "] in x's dtype with unit column stride, got ", encoder_k->sizes(), " and ", encoder_v->sizes());
+                 op, ": encoder_k and encoder_v must both be [batch=", x.size(0), ", src_len, kv_heads·head_dim=",
+                 o.kv_width, "] in x's dtype with unit column stride, got ", encoder_k->sizes(), " and ",
+                 encoder_v->sizes());
   }
   LSMINI_CHECK(rotary_cos.has_value() == (o.rotary_dim > 0) && rotary_sin.has_value() == (o.rotary_dim > 0), op,
                o.rotary_dim > 0 ? ": rotary_dim > 0 needs both rotary_cos and rotary_sin"
@@ -1392,7 +1403,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
                              grads[b].scalar_type(), params[i].sizes(), op),
                        false};
   }
-  // dK/dV [b, ls, H] each, as the keys and values came in, into kv_into when given; the kernels write them
+  // dK/dV [b, ls, W] each, as the keys and values came in, into kv_into when given; the kernels write them
   // through head views. Empty where there are none to return.
   Tensors kv;
   if (encoder_k && kv_into.empty()) {

@@ -47,12 +47,6 @@ def _norm(o, x, weight, bias):
     return layer_norm_ref(x, weight, bias, o.eps)
 
 
-def _repeat_kv(t, groups):
-    """[b, kv_heads, l, d] → [b, kv_heads·groups, l, d]: K/V head j serves query heads j·groups …
-    (j+1)·groups − 1."""
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
 def _ffn(x, w_in, b_in, w_out, o):
     h = F.linear(x, w_in)
     if o.activation in GATED:
@@ -85,9 +79,7 @@ def _core(kind, x, p, o, key_padding_mask, encoder_k, encoder_v, encoder_padding
     else:
         q, k, v = heads(projection, o.heads), heads(encoder_k, o.kv_heads), heads(encoder_v, o.kv_heads)
         mask, causal = encoder_padding_mask, False
-    groups = o.heads // o.kv_heads
-    context = attention_ref(q, _repeat_kv(k, groups), _repeat_kv(v, groups), mask, causal, o.attn_dropout,
-                            o.training, o.scale)
+    context = attention_ref(q, k, v, mask, causal, o.attn_dropout, o.training, o.scale)
     b, _, l, _ = context.shape
     return F.linear(context.transpose(1, 2).reshape(b, l, o.heads * d), w_out)
 

@@ -36,8 +36,6 @@ def kernel_unsupported(options, params):
     """None when the operators (csrc/layers/layer.cpp) implement a layer call with these options and parameters
     (every block's six, spec.BLOCK_PARAMS, None for an absent bias), else a short reason naming what they lack:
     the call then runs the reference, which implements everything."""
-    if options.kv_heads != options.heads:
-        return f"kv_heads ({options.kv_heads}) != heads ({options.heads})"
     if options.qk_norm:
         return "qk_norm"
     return None

@@ -6,8 +6,10 @@ public op, its reference, its registered operators and the forward/backward prim
     P   = softmax(s.masked_fill(masked, −inf), dim=−1)                    (a row with every key masked → 0)
     out = dropout(P, p) @ v                                               (only when training and p > 0)
 
-Shapes: q [batch, heads, q_len, d], k and v [batch, heads, k_len, d]; key_padding_mask bool
-[batch, k_len], True = pad; out [batch, heads, q_len, d] in q's dtype. The kernel returns out as the
+Shapes: q [batch, heads, q_len, d], k and v [batch, kv_heads, k_len, d] with kv_heads dividing heads
+(grouped-query attention: query head h reads K/V head h // (heads // kv_heads); the kernels read the shared
+heads in place and sum their gradients inside the dK/dV kernels); key_padding_mask bool [batch, k_len],
+True = pad; out [batch, heads, q_len, d] in q's dtype. The kernel returns out as the
 transposed view of a contiguous [batch, q_len, heads, d] buffer, so merging heads
 (``out.transpose(1, 2).reshape(batch, q_len, heads * d)``) costs no copy.
 
@@ -102,7 +104,9 @@ def attention_ref(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, t
                   keep=None):
     """Pure-PyTorch attention in fp32 math (the oracle and the CPU path); returns [b, h, q_len, d] in q's dtype.
 
-    Differentiable by autograd. Rows whose every key is masked give zeros and zero gradients, never NaN.
+    k and v may have fewer heads than q (dividing them): each is repeated for its group of query heads, so
+    autograd sums a shared head's gradients. Differentiable by autograd. Rows whose every key is masked give
+    zeros and zero gradients, never NaN.
     keep: optional bool [b, h, q_len, k_len] (True = kept) that replaces the random dropout mask, so a
     test can apply the kernel's own Philox mask; it is applied (probs·keep/(1 − p)) even when p = 0 or
     not training. Without keep, dropout is ``F.dropout`` when training and p > 0.
@@ -110,6 +114,9 @@ def attention_ref(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, t
     b, h, lq, d = q.shape
     if scale is None:
         scale = 1.0 / math.sqrt(d)
+    groups = h // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     # masked_fill, the dead-row guard and the fp32 softmax are attention_softmax's own oracle
     probs = attention_softmax_ref(s, key_padding_mask, causal, 0.0, False)
@@ -123,7 +130,7 @@ def attention_ref(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, t
 
 
 def attention_fwd(q, k, v, key_padding_mask, causal, dropout_p, scale, fused):
-    """Attention of q [b, h, lq, d] over k, v [b, h, lk, d] (views into the projections, say) → (out, saved)
+    """Attention of q [b, h, lq, d] over k, v [b, hk, lk, d] (views into the projections, say) → (out, saved)
     for ``attention_bwd``, with out [b, lq, h·d] contiguous: heads already merged.
 
     Always draws a dropout mask when dropout_p > 0 (training); scale is a float. fused: run the flash kernel
@@ -190,7 +197,7 @@ def _attention_cpu(q, k, v, key_padding_mask, causal, p, scale):
     lk = k.shape[2]
     state = draw_keep_mask((b, h, lq, lk), p, q.device)
     out = attention_ref(q, k, v, key_padding_mask, causal, p, True, scale, keep_mask_or_none(state, p))
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.matmul(q.float(), k.float().repeat_interleave(h // k.shape[1], dim=1).transpose(-1, -2)) * scale
     masked = attention_mask_ref(b, lq, lk, key_padding_mask, causal, q.device)
     lse = torch.logsumexp(s if masked is None else s.masked_fill(masked, float("-inf")), dim=-1)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # the kernel's value for a row that sees no key
@@ -264,14 +271,17 @@ def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
             raise TypeError(f"{name}: {arg} must have q's dtype {q.dtype}, got {t.dtype}")
         check_same_device(name, arg, t, "q", q.device)
     b, h, _, d = q.shape
-    lk = k.shape[2]
+    hk, lk = k.shape[1], k.shape[2]
     for arg, t in (("k", k), ("v", v)):
-        got = (t.shape[0], t.shape[1], t.shape[3])
-        if got != (b, h, d):
-            raise ValueError(f"{name}: {arg} must have (batch, heads, head_dim) = ({b}, {h}, {d}) like q, "
-                             f"got shape {tuple(t.shape)}")
-    if v.shape[2] != lk:
-        raise ValueError(f"{name}: v must have k's length k_len = {lk}, got {v.shape[2]}")
+        got = (t.shape[0], t.shape[3])
+        if got != (b, d):
+            raise ValueError(f"{name}: {arg} must have (batch, head_dim) = ({b}, {d}) like q, got shape "
+                             f"{tuple(t.shape)}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"{name}: k's heads ({hk}) must divide q's heads ({h}) (grouped-query attention), got "
+                         f"q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if tuple(v.shape[1:3]) != (hk, lk):
+        raise ValueError(f"{name}: v must have k's (heads, k_len) = ({hk}, {lk}), got shape {tuple(v.shape)}")
     check_key_padding_mask(name, key_padding_mask, b, lk, q.device, "q")
     check_causal_and_dropout(name, causal, dropout_p)
     if scale is not None:
@@ -284,7 +294,8 @@ def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
 def attention(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, training=True, scale=None):
     """Scaled-dot-product attention, fused: softmax(scale·q·kᵀ + masks) with dropout, times v.
 
-    q [batch, heads, q_len, d]; k, v [batch, heads, k_len, d]; all the same floating dtype and device.
+    q [batch, heads, q_len, d]; k, v [batch, kv_heads, k_len, d], kv_heads dividing heads (query head h
+    reads K/V head h // (heads // kv_heads)); all the same floating dtype and device.
     key_padding_mask: bool [batch, k_len], True = pad (that key gets probability 0), or None.
     causal: bottom-right aligned (query i sees key j iff j ≤ i + k_len − q_len).
     dropout_p: attention-probability dropout, applied only when ``training`` and dropout_p > 0.
