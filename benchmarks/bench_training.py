@@ -4,32 +4,54 @@
                                         [--steps 30] [--check] [--profile] [--memory] [--out DIR]
                                         [--results DIR | --no-results]
     python benchmarks/bench_training.py --nproc 2 --configs base big     # data-parallel scaling
+    python benchmarks/bench_training.py --configs llama                  # the Llama-style model, its variants
 
 Configs (tokens counted on source + target):
     base       encoder-decoder 6+6, hidden 512, 8 heads, FFN 2048, 32000-token vocabularies, 128 × 64 pairs
     base-long  the same with 64 × 256 pairs
     big        6+6, hidden 1024, 16 heads, FFN 4096, 128 × 64 pairs
     lm         decoder-only 12 layers, hidden 768, 12 heads, FFN 3072, vocab 32000, 16 × 512 tokens
-All pre-LN, ReLU, dropout 0.1 (embedding, attention, activation, residual), label smoothing 0.1, AdamW
-(betas 0.9/0.98, weight decay 0.01), output projection tied to the target embedding.
+    llama      Llama-style decoder-only (~125M parameters): 12 layers, hidden 768, 12 heads, 4 K/V heads
+               (grouped-query attention), SwiGLU FFN 2048, vocab 32000, 8 × 1024 tokens; not in the default
+               set (--configs llama)
+base … lm: pre-LN, ReLU, dropout 0.1 (embedding, attention, activation, residual), label smoothing 0.1, AdamW
+(betas 0.9/0.98, weight decay 0.01), output projection tied to the target embedding, fp16.
+llama: pre-RMSNorm (eps 1e-6), rotary positions on Q and K (theta 10000, rotate-half, every dimension of a
+head), no biases, no dropout, no embedding scale, plain next-token cross-entropy (no label smoothing), an
+untied output projection (LlamaForCausalLM's default), bf16 (no loss scaling); the same AdamW.
 
-Variants:
+Variants (base … lm run the first six by default, llama its own list: lsmini, lsmini+graph, lsmini+compile,
+eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-liger):
     lsmini    lsmini.models.Transformer / TransformerLM with fp16 parameters, FusedAdam (fp32 masters, the
               whole update in one launch), LossScaler, the fused label-smoothed criterion, stepped by
-              lsmini.train.TrainStep (the training examples' step).
+              lsmini.train.TrainStep (the training examples' step). llama: bf16 parameters, no LossScaler.
     eager     torch.nn.Transformer (batch_first, norm_first) / nn.TransformerEncoder with a causal mask, fp32
-              parameters, torch.autocast(fp16) + GradScaler, AdamW(fused=True), F.cross_entropy.
+              parameters, torch.autocast(fp16) + GradScaler, AdamW(fused=True), F.cross_entropy. llama: the
+              same model written here in plain PyTorch (TorchLlama: nn.RMSNorm, bias-free Q/K/V/O Linears,
+              rotate-half rotary, F.scaled_dot_product_attention(is_causal=True, enable_gqa=True), SwiGLU
+              MLP of gate/up/down Linears, untied lm_head), torch.autocast(bf16) without a GradScaler.
     lsmini+graph  the lsmini variant with the whole step (forward, backward, FusedAdam, LossScaler) replayed
               as one CUDA graph (TrainStep with cuda_graph=True).
     lsmini+graph+saved  the same with the layers' ``recompute = False``: backward reads saved attention
               probabilities, FFN activations and LayerNorm outputs instead of recomputing them.
     lsmini+lce, lsmini+graph+lce  (extra) the output projection and the criterion as one op over chunks
               of tokens (LinearCrossEntropyLoss): the logits are never all in memory, for ~0.6–1 ms a step.
+    lsmini+compile  (extra but for llama) the lsmini variant with the model and its criterion under
+              torch.compile(fullgraph=True); backward as torch.compile produces it, FusedAdam outside.
     compiled  the eager variant with the model and loss under torch.compile.
     compiled-graphs  the same with mode="reduce-overhead": forward and backward replayed as CUDA graphs,
               PyTorch's strongest variant (the optimizer step stays eager, as torch.compile leaves it).
-The lsmini model gets the torch model's initial weights through the layers' from_torch. Batches carry no
-padding, so the PyTorch variants run without key-padding masks (their fastest attention path).
+    hf-eager, hf-compiled, hf-liger  (llama only) transformers' LlamaForCausalLM (attn_implementation="sdpa")
+              of the same sizes and weights, trained as a Hugging Face script does: model(input_ids, labels=
+              input_ids).loss (the model shifts the labels itself, so the last position has no target),
+              fp32 parameters, torch.autocast(bf16), AdamW(fused=True); hf-compiled with the loss under
+              torch.compile, hf-liger eager with Liger Kernel's Triton kernels patched in
+              (apply_liger_kernel_to_llama: RMSNorm, rotary, SwiGLU, output projection fused with the loss).
+              Skipped, with the reason, where transformers (hf-liger: liger_kernel) does not import.
+The lsmini model gets the torch model's initial weights through the layers' from_torch; llama's through
+lsmini_llama_state_dict (TorchLlama's parameter names are LlamaForCausalLM's, so the hf variants load its
+state_dict as it is). Batches carry no padding, so the PyTorch variants run without key-padding masks (their
+fastest attention path).
 
 Each (config, variant) runs in a process of its own, so one variant's allocations, compilation and
 autotuning never disturb another's timing. Reported: median ms per step over --steps steps after warm-up
@@ -81,11 +103,18 @@ CONFIGS = {
     "base-long": dict(kind="seq2seq", layers=6, hidden=512, heads=8, ffn=2048, vocab=32000, batch=64, len=256),
     "big": dict(kind="seq2seq", layers=6, hidden=1024, heads=16, ffn=4096, vocab=32000, batch=128, len=64),
     "lm": dict(kind="lm", layers=12, hidden=768, heads=12, ffn=3072, vocab=32000, batch=16, len=512),
+    # Llama-style: the keys after len override the defaults of the others (DROPOUT, LABEL_SMOOTHING, fp16)
+    "llama": dict(kind="llama", layers=12, hidden=768, heads=12, kv_heads=4, ffn=2048, vocab=32000, batch=8,
+                  len=1024, dropout=0.0, label_smoothing=0.0, dtype="bf16", norm_eps=1e-6, rope_theta=10000.0),
 }
+DEFAULT_CONFIGS = ("base", "base-long", "big", "lm")  # llama only when asked for: --configs llama
 VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "eager", "compiled", "compiled-graphs")
+HF_VARIANTS = ("hf-eager", "hf-compiled", "hf-liger")  # transformers' LlamaForCausalLM: the llama config only
+LLAMA_VARIANTS = ("lsmini", "lsmini+graph", "lsmini+compile", "eager", "compiled", "compiled-graphs") + HF_VARIANTS
 # recompute off without a graph (e.g. for --nproc); the output projection and criterion over chunks of tokens
-# (LinearCrossEntropyLoss), never all the logits in memory
-EXTRA_VARIANTS = ("lsmini+saved", "lsmini+lce", "lsmini+graph+lce")
+# (LinearCrossEntropyLoss), never all the logits in memory; the lsmini model and criterion under torch.compile
+EXTRA_VARIANTS = ("lsmini+saved", "lsmini+lce", "lsmini+graph+lce", "lsmini+compile")
+ALL_VARIANTS = tuple(dict.fromkeys(VARIANTS + LLAMA_VARIANTS + EXTRA_VARIANTS))
 COLUMNS = ["config", "variant", "ms_step", "tokens_s", "peak_mb", "x_eager", "x_compiled", "x_compiled_graphs",
            "mem_vs_eager"]
 MULTI_COLUMNS = ["config", "variant", "gpus", "ms_step", "tokens_s", "peak_mb", "scaling"]
@@ -95,11 +124,32 @@ def tokens_per_step(cfg):
     return cfg["batch"] * cfg["len"] * (2 if cfg["kind"] == "seq2seq" else 1)
 
 
+def default_variants(config):
+    return LLAMA_VARIANTS if CONFIGS[config]["kind"] == "llama" else VARIANTS
+
+
+def label_smoothing(cfg):
+    return cfg.get("label_smoothing", LABEL_SMOOTHING)
+
+
+def dropout(cfg):
+    return cfg.get("dropout", DROPOUT)
+
+
+def half_dtype(cfg):
+    """The 16-bit dtype of a config: lsmini's parameters, the PyTorch variants' autocast."""
+    return torch.bfloat16 if cfg.get("dtype") == "bf16" else torch.float16
+
+
+class SkipVariant(Exception):
+    """A variant this config or this machine cannot run (a missing package): reported as skipped."""
+
+
 # ---- data: learnable synthetic tasks, so --check shows real learning curves ------------------------------
 def make_batches(cfg, count, seed=0):
     """`count` batches of CPU tensors, identical for every variant. seq2seq: the target is the source reversed
     and mapped through a fixed permutation of the vocabulary (Zipf-distributed source tokens);
-    lm: a sparse first-order Markov chain (each token has 4 possible successors)."""
+    lm and llama: a sparse first-order Markov chain (each token has 4 possible successors)."""
     g = torch.Generator().manual_seed(seed)
     v, b, n = cfg["vocab"], cfg["batch"], cfg["len"]
     real = v - FIRST_TOKEN
@@ -180,9 +230,158 @@ class TorchLM(nn.Module):
         return F.linear(y, self.embed.weight)
 
 
+# The Llama-style model in plain PyTorch. Module and parameter names are those of transformers'
+# LlamaForCausalLM (model.embed_tokens, model.layers.i.self_attn.q_proj, ..., lm_head), so the hf variants
+# load this model's state_dict unchanged and lsmini_llama_state_dict reads the same names.
+def rotary_tables(length, head_dim, theta):
+    """cos, sin [length, head_dim] float32 of rotate-half rotary over the whole head: dimension i and
+    i + head_dim/2 turn by the angle pos · theta^(−2i/head_dim) (angles in float64, as lsmini's tables)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angle = torch.arange(length, dtype=torch.float64).unsqueeze(1) * inv_freq
+    angle = torch.cat([angle, angle], 1)
+    return torch.cos(angle).float(), torch.sin(angle).float()
+
+
+def apply_rotary(x, cos, sin):
+    """Rotate-half rotary on x [b, heads, n, head_dim]: x·cos + cat(−x2, x1)·sin, in float32 (the tables are
+    float32, so the products promote) and rounded once to x's dtype, as lsmini's rotary computes it."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h, self.heads, self.kv_heads = cfg["hidden"], cfg["heads"], cfg["kv_heads"]
+        self.head_dim = h // self.heads
+        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # enable_gqa: query head j reads K/V head j // (heads / kv_heads), without repeating K and V in memory
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h, f = cfg["hidden"], cfg["ffn"]
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm: x + attention(RMSNorm(x)), then + MLP(RMSNorm(·))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(cfg["hidden"], eps=cfg["norm_eps"])
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg["hidden"], eps=cfg["norm_eps"])
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab"], cfg["hidden"])  # no padding row, no scale
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg["layers"]))
+        self.norm = nn.RMSNorm(cfg["hidden"], eps=cfg["norm_eps"])
+        cos, sin = rotary_tables(cfg["len"], cfg["hidden"] // cfg["heads"], cfg["rope_theta"])
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, tokens):
+        n = tokens.shape[1]
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, self.cos[:n], self.sin[:n])
+        return self.norm(x)
+
+
+class TorchLlama(nn.Module):
+    """tokens [b, n] → logits [b, n, vocab]: LlamaBody, then the untied lm_head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.model = LlamaBody(cfg)
+        self.lm_head = nn.Linear(cfg["hidden"], cfg["vocab"], bias=False)
+        for m in self.modules():  # Llama's initialisation: N(0, 0.02) for every matrix, RMSNorm weights 1
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, tokens):
+        return self.lm_head(self.model(tokens))
+
+
 def build_torch_model(cfg):
     torch.manual_seed(1234)  # the same initial weights in every process
-    return (TorchSeq2Seq(cfg) if cfg["kind"] == "seq2seq" else TorchLM(cfg))
+    models = {"seq2seq": TorchSeq2Seq, "lm": TorchLM, "llama": TorchLlama}
+    return models[cfg["kind"]](cfg)
+
+
+def lsmini_llama_state_dict(sd, layers):
+    """TorchLlama's (= LlamaForCausalLM's) state_dict `sd` under lsmini.models.TransformerLM's names. Per layer,
+    lsmini holds the Q, K and V projections as one in_proj_weight, rows [Q | K | V] ([(heads + 2·kv_heads)·
+    head_dim, hidden]), and the gate and up projections as one linear1.weight, rows [gate | up] ([2·ffn,
+    hidden]); the rest is renamed. ValueError if a parameter of `sd` is left unused."""
+    out, used = {}, set()
+
+    def take(name):
+        used.add(name)
+        return sd[name]
+
+    out["embed.weight"] = take("model.embed_tokens.weight")
+    for i in range(layers):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[dst + "self_attn.in_proj_weight"] = torch.cat([take(src + f"self_attn.{p}_proj.weight") for p in "qkv"])
+        out[dst + "self_attn.out_proj.weight"] = take(src + "self_attn.o_proj.weight")
+        out[dst + "linear1.weight"] = torch.cat([take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")])
+        out[dst + "linear2.weight"] = take(src + "mlp.down_proj.weight")
+        out[dst + "norm1.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "norm2.weight"] = take(src + "post_attention_layernorm.weight")
+    out["decoder.norm.weight"] = take("model.norm.weight")
+    out["output_projection.weight"] = take("lm_head.weight")
+    unused = sorted(set(sd) - used)
+    if unused:
+        raise ValueError(f"lsmini_llama_state_dict: parameters with no place in the lsmini model: {unused}")
+    return out
+
+
+def build_lsmini_llama(cfg, tm):
+    """The lsmini TransformerLM computing TorchLlama tm's function with its weights (lsmini_llama_state_dict;
+    load_state_dict(strict) checks that every lsmini parameter got one)."""
+    from lsmini.layers import TransformerConfig
+    from lsmini.models import TransformerLM
+
+    n = cfg["len"]
+    p = dropout(cfg)
+    config = TransformerConfig(cfg["hidden"], cfg["heads"], cfg["ffn"], dropout=p, attn_dropout=p, activation_dropout=p,
+                               activation="swiglu", pre_layer_norm=True, layer_norm_eps=cfg["norm_eps"],
+                               max_batch_tokens=cfg["batch"] * n, max_seq_len=n, norm="rmsnorm", bias=False,
+                               num_kv_heads=cfg["kv_heads"], rotary=cfg["rope_theta"])
+    # no padding token (as Llama: nothing masked, no zero row); untied output projection
+    model = TransformerLM(cfg["vocab"], config, cfg["layers"], padding_idx=None, tie_output=False)
+    model.load_state_dict({k: v.detach() for k, v in lsmini_llama_state_dict(tm.state_dict(), cfg["layers"]).items()})
+    # lsmini's embedding multiplies the rows by sqrt(hidden) (its `scale`, read at every call); Llama does not
+    model.embed.scale = 1.0
+    return model
 
 
 def build_lsmini_model(cfg, tm):
@@ -190,6 +389,10 @@ def build_lsmini_model(cfg, tm):
     from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerDecoderLayer, TransformerEncoderLayer
     from lsmini.models import Transformer, TransformerLM
 
+    if cfg["kind"] == "llama":
+        model = build_lsmini_llama(cfg, tm)
+        model.embed.check_tokens = False  # the batches are clean: skip the id check (a host sync)
+        return model
     h, n = cfg["hidden"], cfg["len"]
     tokens = cfg["batch"] * n
     config = TransformerConfig(h, cfg["heads"], cfg["ffn"], dropout=DROPOUT, attn_dropout=DROPOUT,
@@ -227,33 +430,46 @@ def build_lsmini_model(cfg, tm):
 
 
 # ---- one training step per variant ------------------------------------------------------------------------
-def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_parallel=False, lce=False):
+def lsmini_loss_fn(cfg, model, lce=False):
+    """loss_fn(*batch) of the lsmini variants: the model and lsmini's fused criterion (the config's label
+    smoothing), or with lce the output projection and criterion as one op."""
     from lsmini.layers import CrossEntropyLoss, LinearCrossEntropyLoss
-    from lsmini.optim import FusedAdam, LossScaler
-    from lsmini.train import TrainStep
 
-    model = build_lsmini_model(cfg, tm).cuda().half().train()
-    del tm
-    if saved:  # backward reads saved activations instead of recomputing them: faster, more memory
-        for m in model.modules():
-            if hasattr(m, "recompute"):
-                m.recompute = False
     if lce:
-        crit = LinearCrossEntropyLoss(LABEL_SMOOTHING, ignore_index=PAD, check_targets=False)
+        crit = LinearCrossEntropyLoss(label_smoothing(cfg), ignore_index=PAD, check_targets=False)
     else:
-        crit = CrossEntropyLoss(LABEL_SMOOTHING, ignore_index=PAD, inplace_backward=True, check_targets=False)
-    opt = FusedAdam(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adam_w_mode=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
-    if data_parallel:  # buckets of the flat gradient buffer all-reduced while backward runs
-        from lsmini.distributed import GradientReducer
-        GradientReducer(opt)  # the workspace keeps it
+        crit = CrossEntropyLoss(label_smoothing(cfg), ignore_index=PAD, inplace_backward=True, check_targets=False)
 
     def loss_fn(*batch):
         if lce:
             return crit(model(*batch[:-1], features_only=True), model.output_weight(), batch[-1])
         return crit(model(*batch[:-1]), batch[-1])
 
-    train_step = TrainStep(loss_fn, opt, LossScaler(), cuda_graph=graph, graph_warmup=GRAPH_WARMUP)
+    return loss_fn
+
+
+def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_parallel=False, lce=False, compiled=False):
+    from lsmini.optim import FusedAdam, LossScaler
+    from lsmini.train import TrainStep
+
+    dtype = half_dtype(cfg)
+    model = build_lsmini_model(cfg, tm).cuda().to(dtype).train()
+    del tm
+    if saved:  # backward reads saved activations instead of recomputing them: faster, more memory
+        for m in model.modules():
+            if hasattr(m, "recompute"):
+                m.recompute = False
+    opt = FusedAdam(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, adam_w_mode=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
+    if data_parallel:  # buckets of the flat gradient buffer all-reduced while backward runs
+        from lsmini.distributed import GradientReducer
+        GradientReducer(opt)  # the workspace keeps it
+
+    loss_fn = lsmini_loss_fn(cfg, model, lce)
+    if compiled:  # forward and criterion traced whole (a graph break fails loudly); FusedAdam stays outside
+        loss_fn = torch.compile(loss_fn, fullgraph=True)
+    scaler = LossScaler() if dtype == torch.float16 else None  # bf16 needs no loss scaling (None: TrainStep's off)
+    train_step = TrainStep(loss_fn, opt, scaler, cuda_graph=graph, graph_warmup=GRAPH_WARMUP)
 
     def step(*batch):
         loss = train_step(batch)
@@ -267,30 +483,32 @@ def lsmini_trainer(cfg, tm, lr_lambda=None, graph=False, saved=False, data_paral
 
 
 class TorchLoss(nn.Module):
-    def __init__(self, model):
+    def __init__(self, model, label_smoothing=LABEL_SMOOTHING):
         super().__init__()
         self.model = model
+        self.label_smoothing = label_smoothing
 
     def forward(self, *batch):
         logits = self.model(*batch[:-1])
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), batch[-1].reshape(-1), ignore_index=PAD,
-                               label_smoothing=LABEL_SMOOTHING)
+                               label_smoothing=self.label_smoothing)
 
 
-def torch_trainer(cfg, tm, compile_mode, lr_lambda=None):
-    """compile_mode: None (eager), "default" or "reduce-overhead" (torch.compile's CUDA graphs)."""
-    model = tm.cuda().train()
-    loss_fn = TorchLoss(model)
+def amp_trainer(cfg, model, loss_fn, compile_mode, lr_lambda=None):
+    """The step of the PyTorch variants: loss_fn under torch.autocast in the config's 16-bit dtype, fp32
+    parameters, AdamW(fused=True); a GradScaler for fp16 only. compile_mode: None (eager), "default" or
+    "reduce-overhead" (torch.compile's CUDA graphs)."""
     if compile_mode is not None:
         loss_fn = torch.compile(loss_fn, mode=compile_mode)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
-    scaler = torch.amp.GradScaler("cuda")
+    dtype = half_dtype(cfg)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)  # disabled: scale/step/update pass through
 
     def step(*batch):
         if compile_mode == "reduce-overhead":  # a new iteration: the graphs may reuse the last one's outputs
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast("cuda", dtype=dtype):
             loss = loss_fn(*batch)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -303,14 +521,73 @@ def torch_trainer(cfg, tm, compile_mode, lr_lambda=None):
     return step
 
 
+def torch_trainer(cfg, tm, compile_mode, lr_lambda=None):
+    """compile_mode: None (eager), "default" or "reduce-overhead" (torch.compile's CUDA graphs)."""
+    model = tm.cuda().train()
+    return amp_trainer(cfg, model, TorchLoss(model, label_smoothing(cfg)), compile_mode, lr_lambda)
+
+
+# ---- transformers' LlamaForCausalLM (the hf variants) -----------------------------------------------------
+def build_hf_model(cfg, tm, liger=False):
+    """transformers' LlamaForCausalLM (attn_implementation="sdpa") of the llama config's sizes, holding
+    TorchLlama tm's weights (same parameter names: its state_dict loads as it is). liger: Liger Kernel's
+    Triton kernels are patched into transformers' Llama modules first (this process only: each variant has
+    its own). SkipVariant where transformers or liger_kernel does not import."""
+    try:
+        import transformers
+    except Exception as e:  # ImportError, or a broken install failing otherwise
+        raise SkipVariant(f"transformers does not import ({type(e).__name__}: {e})")
+    if liger:
+        try:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except Exception as e:
+            raise SkipVariant(f"liger_kernel does not import ({type(e).__name__}: {e})")
+        # Liger's RMSNorm, rotary and SwiGLU kernels, and the output projection with the loss over chunks of
+        # tokens (used when the forward gets labels, as HFLoss passes them)
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
+    config = transformers.LlamaConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["ffn"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["kv_heads"],
+        max_position_embeddings=cfg["len"], rms_norm_eps=cfg["norm_eps"], rope_theta=cfg["rope_theta"],
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=dropout(cfg),
+        use_cache=False, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config)
+    model.load_state_dict(tm.state_dict())  # strict: every parameter of either side matched
+    return model
+
+
+class HFLoss(nn.Module):
+    """A Hugging Face training script's loss: model(input_ids, labels=input_ids).loss. The model shifts the
+    labels itself (position t predicts input t + 1), so the batch's targets go unused and the last position
+    has no target: the loss is the mean over the first n − 1 of the n positions the other variants use."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs, targets):
+        return self.model(input_ids=inputs, labels=inputs).loss
+
+
+def hf_trainer(cfg, tm, variant, lr_lambda=None):
+    model = build_hf_model(cfg, tm, liger=variant == "hf-liger").cuda().train()
+    del tm
+    return amp_trainer(cfg, model, HFLoss(model), "default" if variant == "hf-compiled" else None, lr_lambda)
+
+
 def make_trainer(cfg, variant, lr_lambda=None, data_parallel=False):
+    if variant in HF_VARIANTS and cfg["kind"] != "llama":
+        raise SkipVariant(f"{variant} is transformers' LlamaForCausalLM: the llama config only")
     tm = build_torch_model(cfg)
     if variant.startswith("lsmini"):
         flags = variant.split("+")[1:]
         return lsmini_trainer(cfg, tm, lr_lambda, graph="graph" in flags, saved="saved" in flags,
-                              data_parallel=data_parallel, lce="lce" in flags)
+                              data_parallel=data_parallel, lce="lce" in flags, compiled="compile" in flags)
     if data_parallel:
         raise ValueError("--nproc runs the lsmini variants only")
+    if variant in HF_VARIANTS:
+        return hf_trainer(cfg, tm, variant, lr_lambda)
     modes = {"eager": None, "compiled": "default", "compiled-graphs": "reduce-overhead"}
     return torch_trainer(cfg, tm, modes[variant], lr_lambda)
 
@@ -580,17 +857,17 @@ def main_multi_gpu(args):
     with the GPUs, as in data-parallel training), and the scaling factor."""
     if torch.cuda.device_count() < args.nproc:
         sys.exit(f"--nproc {args.nproc}: only {torch.cuda.device_count()} CUDA devices")
-    variants = [v for v in args.variants if v.startswith("lsmini")]
-    if not variants:
+    variants = {c: [v for v in args.variants or default_variants(c) if v.startswith("lsmini")] for c in args.configs}
+    if not any(variants.values()):
         sys.exit("--nproc: choose lsmini variants (the PyTorch baselines are not data-parallel here)")
     env = common.environment()
     header = f"{args.nproc} × {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NCCL, {env['date']}"
     print(f"# {header}", flush=True)
     rows = []
     for config in args.configs:
-        for variant in variants:
+        for variant in variants[config]:
             one, many = spawn_worker(config, variant, args), spawn_worker(config, variant, args, args.nproc)
-            if one is None or many is None:
+            if one is None or many is None or "skipped" in one or "skipped" in many:
                 continue
             for r in (one, many):
                 rows.append({"config": config, "variant": variant, "gpus": r["gpus"], "ms_step": r["ms_step"],
@@ -610,8 +887,10 @@ def main_multi_gpu(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS + EXTRA_VARIANTS))
+    ap.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS),
+                    help=f"default: {' '.join(DEFAULT_CONFIGS)}")
+    ap.add_argument("--variants", nargs="*", choices=list(ALL_VARIANTS),
+                    help=f"default: each config's own list: {' '.join(VARIANTS)}; llama: {' '.join(LLAMA_VARIANTS)}")
     ap.add_argument("--steps", type=int, default=30, help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=8, help="untimed steps first (compilation happens here)")
     ap.add_argument("--check", action="store_true", help=f"train {CHECK_STEPS} steps per variant, compare losses")
@@ -629,7 +908,10 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_training.py needs a CUDA device")
     if args.worker:
-        r = run_worker(*args.worker, args.steps, args.warmup, args.check, args.profile, args.memory)
+        try:
+            r = run_worker(*args.worker, args.steps, args.warmup, args.check, args.profile, args.memory)
+        except SkipVariant as e:  # reported by the parent, not a failure
+            r = {"config": args.worker[0], "variant": args.worker[1], "skipped": str(e)}
         if os.environ.get("RANK", "0") == "0":
             print(json.dumps(r), flush=True)
         return
@@ -644,9 +926,11 @@ def main():
     print(f"# {header}", flush=True)
     results = []
     for config in args.configs:
-        for variant in args.variants:
+        for variant in args.variants or default_variants(config):
             r = spawn_worker(config, variant, args)
-            if r is not None:
+            if r is not None and "skipped" in r:
+                print(f"# {config}/{variant}: skipped: {r['skipped']}", flush=True)
+            elif r is not None:
                 results.append(r)
                 if not args.check:
                     print(f"# {config}/{variant}: {r['ms_step']:.2f} ms/step, {r['tokens_s']:,.0f} tokens/s, "
