@@ -1,8 +1,9 @@
-"""Hugging Face training steps, as written and with lsmini.convert(model): GPT2LMHeadModel (GPT-2 small) and
-BertForMaskedLM (BERT base), each eager and under torch.compile, all in this one process.
+"""Hugging Face training steps, as written and with lsmini.convert(model): GPT2LMHeadModel (GPT-2 small),
+BertForMaskedLM (BERT base) and LlamaForCausalLM (a small Llama), each eager and under torch.compile, in this process.
 
-    python benchmarks/bench_hf.py [--models gpt2,bert] [--variants torch,torch+compile,lsmini,lsmini+compile]
+    python benchmarks/bench_hf.py [--models gpt2,bert,llama] [--variants torch,torch+compile,lsmini,lsmini+compile]
                                   [--iters 20] [--warmup 5] [--attn sdpa|eager] [--results DIR | --no-results]
+    python benchmarks/bench_hf.py --models llama --variants torch,torch+compile,lsmini,lsmini+compile,torch+liger
     python benchmarks/bench_hf.py --device cpu --tiny --steps 1      # a smoke run: a tiny model, one step
 
 Models, built from their configs with random weights (nothing downloaded), seeded alike in every variant:
@@ -10,22 +11,36 @@ Models, built from their configs with random weights (nothing downloaded), seede
            the inputs (transformers shifts them), use_cache=False.
     bert   BertForMaskedLM, 12 layers, hidden 768, 12 heads, FFN 3072, vocab 30522, batch 32 × 128 tokens,
            15% of the tokens replaced by [MASK] and predicted (the other labels -100).
-Both with the configs' dropouts (0.1), no padding (so the models' sdpa masks are None), bf16 autocast,
-AdamW(fused=True). A step: zero_grad(set_to_none=True), forward with the loss, backward, optimizer step.
+    llama  LlamaForCausalLM, 12 layers, hidden 768, 12 heads, 4 key/value heads, intermediate 2048 (SwiGLU),
+           vocab 32000, 2048 positions, RMSNorm eps 1e-6, rope theta 10000, untied embeddings, batch
+           8 × 1024 tokens, the labels the inputs (transformers shifts them), use_cache=False.
+gpt2 and bert with the configs' dropouts (0.1), llama with none (attention_dropout 0, as Llama has). No padding
+(so the models' sdpa masks are None), bf16 autocast, AdamW(fused=True). The default --models is gpt2,bert.
+A step: zero_grad(set_to_none=True), forward with the loss, backward, optimizer step.
 
 Variants (each on a fresh model, in this process; Dynamo is reset between them):
     torch           the model as transformers builds it (attention: --attn, default sdpa), eager.
     torch+compile   the step's forward and loss under torch.compile (default mode).
-    lsmini          lsmini.convert(model) first (every GPT2Block / BertLayer one lsmini layer call), eager.
+    lsmini          lsmini.convert(model) first (every GPT2Block / BertLayer / LlamaDecoderLayer one lsmini layer
+                    call), eager.
     lsmini+compile  convert, then torch.compile.
+    torch+liger     only when asked for in --variants: the model with Liger's Triton kernels, eager —
+                    liger_kernel.transformers.apply_liger_kernel_to_llama(model=model) with its defaults (RMSNorm,
+                    SwiGLU MLP, rotary embedding, and lm_head + loss as one fused linear cross entropy, the logits
+                    never materialized). llama on CUDA only, and only when liger_kernel imports: otherwise the row
+                    says skipped, and why. Liger patches transformers' modeling_llama module globally (its rotary
+                    function, RMSNorm and MLP classes), so this variant runs after the model's other variants,
+                    whatever the order in --variants, and the names it replaced there are put back after it.
 Reported per variant: ms_step (median over --iters steps after --warmup, CUDA events around each step with the
 host running ahead, as in bench_convert.py; wall time on CPU), tokens_s (batch × length / ms_step), peak_mb
 (torch.cuda.max_memory_allocated from the first step on), compile_s (the first step's wall time), the first and
 last losses (variants start from the same weights; their dropout draws differ) and the report's replaced/kept.
-On CUDA the rows are appended to benchmarks/results/hf.csv (benchmarks/report.py writes RESULTS.md from it);
-CPU runs are smoke runs and record nothing.
+On CUDA the rows are appended to benchmarks/results/hf.csv (benchmarks/report.py writes RESULTS.md from it;
+torch+liger is of kind "pytorch" there, a baseline, and skipped rows are not recorded); CPU runs are smoke runs
+and record nothing.
 """
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -45,12 +60,18 @@ SEED, DATA_SEED = 1234, 7
 N_BATCHES = 4
 MASK_FRACTION = 0.15
 LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 0.01
-VARIANTS = ("torch", "torch+compile", "lsmini", "lsmini+compile")
+VARIANTS = ("torch", "torch+compile", "lsmini", "lsmini+compile")  # the default --variants
+LIGER = "torch+liger"  # asked for by name only; see the module docstring
+KNOWN_VARIANTS = VARIANTS + (LIGER,)
 MODELS = {  # name: (layers, hidden, heads, vocab, batch, length)
     "gpt2": (12, 768, 12, 50257, 8, 1024),
     "bert": (12, 768, 12, 30522, 32, 128),
+    "llama": (12, 768, 12, 32000, 8, 1024),
 }
-TINY = {"gpt2": (2, 64, 4, 101, 2, 16), "bert": (2, 64, 4, 101, 2, 16)}
+TINY = {"gpt2": (2, 64, 4, 101, 2, 16), "bert": (2, 64, 4, 101, 2, 16), "llama": (2, 64, 4, 1000, 2, 16)}
+# llama's key/value heads and intermediate (SwiGLU) size, which the shapes above do not hold: full, then --tiny
+LLAMA_KV_FFN, TINY_LLAMA_KV_FFN = (4, 2048), (2, 128)
+LLAMA_POSITIONS, LLAMA_RMS_EPS, LLAMA_ROPE_THETA = 2048, 1e-6, 10000.0
 COLUMNS = ["model", "variant", "compile_s", "ms_step", "tokens_s", "peak_mb", "loss_first", "loss_final",
            "replaced", "kept", "error"]
 
@@ -59,15 +80,28 @@ def shape(args, name):
     return (TINY if args.tiny else MODELS)[name]
 
 
+def llama_kv_ffn(args):
+    return TINY_LLAMA_KV_FFN if args.tiny else LLAMA_KV_FFN
+
+
 def build_model(args, name):
     """The model with random weights, in training mode (transformers is imported here: optional for lsmini)."""
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     layers, hidden, heads, vocab, _, length = shape(args, name)
     torch.manual_seed(SEED)
     if name == "gpt2":
         config = GPT2Config(vocab_size=vocab, n_positions=max(length, 1024), n_embd=hidden, n_layer=layers,
                             n_head=heads, use_cache=False)
         model = GPT2LMHeadModel(config)
+    elif name == "llama":
+        kv_heads, ffn = llama_kv_ffn(args)
+        # rope_theta as a keyword: transformers 5 folds it into rope_parameters, older versions keep it as is
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             max_position_embeddings=max(length, LLAMA_POSITIONS), rms_norm_eps=LLAMA_RMS_EPS,
+                             rope_theta=LLAMA_ROPE_THETA, tie_word_embeddings=False, attention_dropout=0.0,
+                             use_cache=False)
+        model = LlamaForCausalLM(config)
     else:
         config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                             intermediate_size=4 * hidden, max_position_embeddings=max(length, 512))
@@ -77,13 +111,14 @@ def build_model(args, name):
 
 
 def make_batches(args, name, device):
-    """N_BATCHES (inputs, labels): random tokens; gpt2's labels are its inputs, bert's the masked tokens."""
+    """N_BATCHES (inputs, labels): random tokens; gpt2's and llama's labels are their inputs, bert's the masked
+    tokens."""
     _, _, _, vocab, batch, length = shape(args, name)
     g = torch.Generator().manual_seed(DATA_SEED)
     batches = []
     for _ in range(N_BATCHES):
         ids = torch.randint(5, vocab, (batch, length), generator=g)
-        if name == "gpt2":
+        if name in ("gpt2", "llama"):
             batches.append((ids.to(device), ids.to(device)))
             continue
         hidden = torch.rand(ids.shape, generator=g) < MASK_FRACTION
@@ -124,10 +159,48 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
+def liger_skip_reason(name, device):
+    """Why the torch+liger variant cannot run for model `name` here, or None when it can."""
+    if name != "llama":
+        return "Liger's kernels are applied to the llama model only"
+    try:
+        import liger_kernel.transformers  # noqa: F401 - optional; it also needs triton
+    except Exception as e:  # noqa: BLE001 - not installed, or triton / its CUDA driver failing to load
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"liger_kernel does not import ({type(e).__name__}: {first})"[:300]
+    if device.type != "cuda":
+        return "Liger's kernels are Triton GPU kernels: CUDA only"
+    return None
+
+
+@contextlib.contextmanager
+def llama_module_restored():
+    """Put back, on exit, every name of transformers' modeling_llama that was rebound meanwhile:
+    apply_liger_kernel_to_llama rebinds the module's apply_rotary_pos_emb, LlamaRMSNorm and LlamaMLP for every
+    model built later (the model passed to it gets its forward and its modules patched on the instance only)."""
+    from transformers.models.llama import modeling_llama
+    saved = dict(vars(modeling_llama))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if vars(modeling_llama).get(key) is not value:
+                setattr(modeling_llama, key, value)
+
+
+def apply_liger(model):
+    """Liger's kernels in the llama model, as Liger documents for a model already built: its defaults (rope,
+    rms_norm, swiglu and fused_linear_cross_entropy on, the plain cross_entropy off)."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    apply_liger_kernel_to_llama(model=model)
+
+
 def run_variant(args, name, variant, device, row):
     use_lsmini, compiled = variant.startswith("lsmini"), variant.endswith("+compile")
     batches = make_batches(args, name, device)
     model = build_model(args, name).to(device)
+    if variant == LIGER:
+        apply_liger(model)
     if use_lsmini:
         report = lsmini.convert(model)
         row["replaced"], row["kept"] = len(report.replaced), len(report.kept)
@@ -182,8 +255,15 @@ def release(device):
 
 def run(args, name, variant, device):
     row = {"model": name, "variant": variant}
+    if variant == LIGER:
+        reason = liger_skip_reason(name, device)
+        if reason is not None:
+            row["skipped"] = reason
+            return row
     try:
-        run_variant(args, name, variant, device, row)
+        # the liger variant patches transformers' modeling_llama: undone after it, whether it ran or failed
+        with llama_module_restored() if variant == LIGER else contextlib.nullcontext():
+            run_variant(args, name, variant, device, row)
     except Exception as e:  # noqa: BLE001 - a failed variant is a result too; the others still run
         traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0]
@@ -196,7 +276,9 @@ def run(args, name, variant, device):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt2,bert", help=f"comma-separated, of {','.join(MODELS)}")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {','.join(VARIANTS)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of {','.join(KNOWN_VARIANTS)} ({LIGER}: llama on CUDA, liger_kernel "
+                         "installed; always run last)")
     ap.add_argument("--iters", type=int, default=20, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first (the first one compiles)")
     ap.add_argument("--steps", type=int, help="shorthand: --warmup 1 --iters STEPS (smoke runs)")
@@ -207,9 +289,13 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.steps is not None:
         args.warmup, args.iters = 1, args.steps
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    for what, chosen, known in (("models", args.models, MODELS), ("variants", args.variants, VARIANTS)):
+    # each model and variant once (dict.fromkeys keeps the order): the liger variant's patch must not meet a
+    # later run of the same model
+    args.models = list(dict.fromkeys(m.strip() for m in args.models.split(",") if m.strip()))
+    args.variants = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
+    # the liger variant last: it patches transformers' modeling_llama (put back after it, but last all the same)
+    args.variants.sort(key=lambda v: v == LIGER)
+    for what, chosen, known in (("models", args.models, MODELS), ("variants", args.variants, KNOWN_VARIANTS)):
         unknown = [c for c in chosen if c not in known]
         if unknown:
             ap.error(f"unknown {what} {unknown}; choose from {','.join(known)}")
@@ -220,6 +306,10 @@ def parse_args(argv=None):
 
 def config_label(args, name):
     layers, hidden, heads, vocab, batch, length = shape(args, name)
+    if name == "llama":
+        kv_heads, ffn = llama_kv_ffn(args)
+        return (f"LlamaForCausalLM {layers}L d{hidden} h{heads} kv{kv_heads} ffn{ffn} vocab{vocab} bf16 "
+                f"b{batch}x{length} attn={args.attn}")
     model = "GPT2LMHeadModel" if name == "gpt2" else "BertForMaskedLM"
     return f"{model} {layers}L d{hidden} h{heads} vocab{vocab} bf16 b{batch}x{length} attn={args.attn}"
 
@@ -234,11 +324,16 @@ def main(argv=None):
         for variant in args.variants:
             rows.append(run(args, name, variant, device))
             r = rows[-1]
-            print(f"# {name} {variant}: " + (f"FAILED — {r['error']}" if "error" in r else
-                                             f"{r['ms_step']:.2f} ms/step, {r['tokens_s']:,.0f} tokens/s"),
-                  flush=True)
+            if "skipped" in r:
+                outcome = f"skipped — {r['skipped']}"
+            elif "error" in r:
+                outcome = f"FAILED — {r['error']}"
+            else:
+                outcome = f"{r['ms_step']:.2f} ms/step, {r['tokens_s']:,.0f} tokens/s"
+            print(f"# {name} {variant}: {outcome}", flush=True)
     print()
-    print(common.markdown_table(rows, COLUMNS))
+    # a skipped column only when a row was skipped (the liger variant asked for where it cannot run)
+    print(common.markdown_table(rows, COLUMNS + (["skipped"] if any("skipped" in r for r in rows) else [])))
     if device.type == "cuda":
         env = common.environment()
         common.append_results(args.results, "hf", env, [
@@ -246,7 +341,7 @@ def main(argv=None):
              "kind": "lsmini" if r["variant"].startswith("lsmini") else "pytorch", "ms": r.get("ms_step"),
              "tokens_s": r.get("tokens_s"), "peak_mb": r.get("peak_mb"), "compile_s": r.get("compile_s"),
              "loss_first": r.get("loss_first"), "loss_final": r.get("loss_final"), "note": r.get("error")}
-            for r in rows])
+            for r in rows if "skipped" not in r])  # a skipped variant measured nothing
     return rows
 
 
