@@ -36,10 +36,11 @@ SECTIONS = {  # benchmark: (title, script, what a row is)
     "convert": ("A torch.nn.Transformer training script, converted", "bench_convert.py",
                 "the script as written (torch) and with `lsmini.convert(model)` (lsmini), eager and under "
                 "torch.compile; compile s is the first step's wall time (reduce-overhead: the first three)"),
-    "hf": ("Hugging Face GPT-2 and BERT training steps, converted", "bench_hf.py",
-           "GPT2LMHeadModel (GPT-2 small, 8 × 1024 tokens) and BertForMaskedLM (BERT base, 32 × 128) as "
-           "transformers builds them (torch) and with `lsmini.convert(model)` (lsmini), eager and under "
-           "torch.compile; bf16 autocast, fused AdamW"),
+    "hf": ("Hugging Face training steps, converted", "bench_hf.py",
+           "GPT2LMHeadModel (GPT-2 small, 8 × 1024 tokens), BertForMaskedLM (BERT base, 32 × 128) and "
+           "LlamaForCausalLM (125M, 4 K/V heads, 8 × 1024) as transformers builds them (torch) and with "
+           "`lsmini.convert(model)` (lsmini), eager and under torch.compile, Llama also with Liger's kernels "
+           "(torch+liger); bf16 autocast, fused AdamW"),
     "attention": ("Fused attention over sequence lengths", "bench_attention.py",
                   "forward + backward at 16,384 tokens a row, hidden 1024, dropout 0.1, beside the fastest SDPA "
                   "backend; `lsmini bits=always` keeps the dropout bits at every length"),
