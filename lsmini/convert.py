@@ -29,9 +29,10 @@ Layers built with bias=False, and layers whose norms were replaced by nn.RMSNorm
 kind; a stack's final norm either kind), become lsmini layers with bias=False / norm="rmsnorm". nn.RMSNorm's
 eps=None is torch.finfo(dtype).eps of the module's dtype at conversion.
 
-Hugging Face transformers models (transformers >= 5): every GPT2Block and BertLayer lsmini can represent is
-replaced by a subclass of its class around the same submodules and parameters (lsmini/convert_hf.py, which says
-what it reads from the masks and the KV cache, and what it keeps).
+Hugging Face transformers models (transformers >= 5): every GPT2Block, BertLayer and Llama / Mistral / Qwen2
+DecoderLayer lsmini can represent is replaced by a subclass of its class around the same submodules and
+parameters, and a causal LM all of whose blocks were converted gets the fused output projection + cross-entropy
+loss (lsmini/convert_hf.py, which says what it reads from the masks and the KV cache, and what it keeps).
 
 A module convert cannot represent is left as it is, whole (a stack with one unsupported layer keeps all of
 them), and listed in the report with the reason; nothing is replaced before every module is decided.
@@ -704,6 +705,9 @@ def convert(model, max_batch_tokens=8192, max_seq_len=512):
                             f"the model first, then wrap it")
         if _is_lsmini(module):
             return None
+        if convert_hf.causal_lm(module) and not convert_hf.has_fused_loss(module):
+            heads.append((name, module))  # its loss is fused below, when all its blocks were converted
+            return _DESCEND
         if convert_hf.hf_block(module):
             new, reason = convert_hf.converted(module)
         elif not isinstance(module, _TORCH_CLASSES):
@@ -716,7 +720,13 @@ def convert(model, max_batch_tokens=8192, max_seq_len=512):
             report.replaced.append(Replaced(name, type(module).__name__, type(new).__name__))
         return new
 
+    heads = []
     _swap(report, _walk(model, decide))
+    for name, module in reversed(heads):  # a model half converted is not what the fused loss is for
+        inside = [k for k in report.kept if not name or k.name.startswith(name + ".")]
+        if not inside:
+            convert_hf.fuse_loss(module)
+            report.replaced.insert(0, Replaced(name, type(module).__name__, "fused linear + cross-entropy loss"))
     return report
 
 
@@ -784,6 +794,10 @@ def unconvert(model):
     report = ConversionReport("unconvert", model)
 
     def decide(name, module):
+        if convert_hf.has_fused_loss(module):
+            convert_hf.unfuse_loss(module)
+            report.replaced.append(Replaced(name, type(module).__name__, "fused linear + cross-entropy loss"))
+            return _DESCEND
         if convert_hf.is_converted(module):
             new = convert_hf.unconverted(module)
             report.replaced.append(Replaced(name, type(new).__name__, type(module).__name__))

@@ -28,6 +28,14 @@ code the whole mask is checked against it (one host synchronisation): every non-
 the non-padded keys (GPT-2: those not after it). Rows of padded queries are not checked, and their outputs are
 unspecified. A mask of another form (packed sequences, a custom 4-D mask, a sliding window) raises ValueError.
 
+The causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel) also get, on the
+instance, a forward whose loss goes through lsmini's fused output projection + cross-entropy
+(``lsmini.ops.linear_cross_entropy``): with ``labels`` while autograd records (training), the [tokens, vocab]
+logits are never all in memory, and the output's ``logits`` is None (call without labels, or under
+``torch.no_grad``, for them); the loss is Hugging Face's ForCausalLMLoss (labels shifted, ``ignore_index``,
+``num_items_in_batch``, ``shift_labels``). Otherwise, with ``return_dict=False``, ``logits_to_keep`` or another
+loss_type, it is the model's own forward. ``lsmini.unconvert`` removes it.
+
 KV cache (``use_cache=True``, ``generate()``): a DynamicCache only. A block with no cached positions yet runs
 the layer as usual and also writes its K/V into the cache (computed apart, without gradient: no gradient
 flows through a cache); later calls (one new token at a time in generate) run the reference layer over the
@@ -46,6 +54,7 @@ classes exists only then).
 """
 import functools
 import importlib
+import inspect
 import sys
 
 import torch
@@ -57,6 +66,7 @@ from lsmini.layers.reference import heads
 from lsmini.layers.runtime import run_layer
 from lsmini.layers.spec import LayerOptions
 from lsmini.ops.layernorm import layer_norm_ref
+from lsmini.ops.linear_cross_entropy import linear_cross_entropy
 from lsmini.ops.rms_norm import rms_norm_ref
 from lsmini.ops.rotary import rotary_ref
 
@@ -638,3 +648,79 @@ def unconverted(module):
     """The Hugging Face block around the same state."""
     hf_cls = next(hf_cls for hf_cls, new_cls in _hf()["pairs"] if type(module) is new_cls)
     return _with_class(module, hf_cls)
+
+
+# ---- the causal LMs' loss: output projection and cross-entropy fused ---------------------------------------------
+@functools.cache
+def _causal_lm_classes():
+    from transformers.models.gpt2.modeling_gpt2 import GPT2LMHeadModel
+    heads = tuple(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                          f"{prefix}ForCausalLM") for module, prefix in _DECODERS)
+    return heads + (GPT2LMHeadModel,)
+
+
+def causal_lm(module):
+    """True for the causal-LM models whose loss convert fuses (the classes themselves, not subclasses)."""
+    return transformers_loaded() and type(module) in _causal_lm_classes()
+
+
+class FusedLossForward:
+    """A causal LM's forward with the fused loss (``_fused_loss_forward``), set on the instance: its class, and so
+    what save_pretrained records, stays. It shows the class forward's signature, which generate() reads to
+    know the arguments it may pass."""
+
+    def __init__(self, model):
+        from transformers.loss.loss_utils import ForCausalLMLoss
+        self.model = model
+        self.causal_lm_loss = ForCausalLMLoss  # the loss this forward computes fused (another loss_type: not)
+
+    @property
+    def __signature__(self):
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        return _fused_loss_forward(self.model, self.causal_lm_loss, *args, **kwargs)
+
+
+def fuse_loss(model):
+    model.forward = FusedLossForward(model)
+
+
+def has_fused_loss(module):
+    return isinstance(module.__dict__.get("forward"), FusedLossForward)
+
+
+def unfuse_loss(module):
+    del module.forward
+
+
+def _fused_loss_forward(self, causal_lm_loss, *args, **kwargs):
+    """The model's forward, except that with labels while autograd records, the loss is
+    linear_cross_entropy over the last hidden states and the output projection's weight (Hugging Face's
+    ForCausalLMLoss, never forming the logits) and the output's logits is None."""
+    hf_forward = type(self).forward
+    call = inspect.signature(hf_forward).bind(self, *args, **kwargs).arguments
+    call.pop("self")
+    call.update(call.pop("kwargs", {}))
+    labels = call.pop("labels", None)
+    if (labels is None or not torch.is_grad_enabled() or call.get("return_dict") is False
+            or call.get("logits_to_keep", 0) not in (0, None) or self.lm_head.bias is not None
+            or self.loss_function is not causal_lm_loss):
+        return hf_forward(self, *args, **kwargs)
+    call.pop("logits_to_keep", None)
+    outputs = self.base_model(**call)  # the model's own call, less what only the head reads
+    hidden = outputs.last_hidden_state
+    ignore_index = call.get("ignore_index", -100)
+    shift_labels = call.get("shift_labels")
+    if shift_labels is None:  # position i predicts token i + 1; the last position predicts nothing
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    num_items = call.get("num_items_in_batch")
+    loss = linear_cross_entropy(hidden, self.lm_head.weight, shift_labels, ignore_index=ignore_index,
+                                reduction="mean" if num_items is None else "sum")
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    out_cls = inspect.signature(hf_forward).return_annotation
+    fields = {k: v for k, v in outputs.items() if k != "last_hidden_state" and k in out_cls.__dataclass_fields__}
+    return out_cls(loss=loss, logits=None, **fields)
+

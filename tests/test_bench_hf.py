@@ -33,7 +33,7 @@ def test_llama_eager_variants_run_on_the_cpu_and_agree():
                                                           ("gpt2", "lsmini"), ("gpt2", "torch+liger")]
     assert all("error" not in r for r in rows), rows
     torch_row, lsmini_row = rows[:2]
-    assert lsmini_row["replaced"] == 2 and lsmini_row["kept"] == 0  # both decoder layers
+    assert lsmini_row["replaced"] == 3 and lsmini_row["kept"] == 0  # the loss and both decoder layers
     # the same weights and batch, no dropout in Llama: only bf16 roundings differ
     assert abs(lsmini_row["loss_first"] - torch_row["loss_first"]) < 0.05
     assert rows[2]["skipped"] and "ms_step" not in rows[2]  # no liger_kernel, or no CUDA, here
@@ -46,6 +46,7 @@ def test_the_tiny_llama_converts_every_decoder_layer():
     assert (model.config.num_key_value_heads, model.config.intermediate_size) == bench_hf.TINY_LLAMA_KV_FFN
     report = lsmini.convert(model)
     assert [(r.name, r.torch_type, r.lsmini_type) for r in report.replaced] == [
+        ("", "LlamaForCausalLM", "fused linear + cross-entropy loss")] + [
         (f"model.layers.{i}", "LlamaDecoderLayer", "ConvertedLlamaDecoderLayer") for i in range(2)]
     assert not report.kept
 

@@ -104,9 +104,14 @@ def grads(model):
 
 
 def forward_backward(model, ids, mask, labels, **kw):
+    """(output, parameter gradients) of one forward with labels and its backward. A converted causal LM's
+    fused loss forms no logits: they come from a call without labels (the models here have no dropout)."""
     model.zero_grad(set_to_none=True)
     out = model(ids, attention_mask=mask, labels=labels, **kw)
     out.loss.backward()
+    if out.logits is None:
+        with torch.no_grad():
+            out.logits = model(ids, attention_mask=mask, **kw).logits
     return out, grads(model)
 
 
@@ -140,7 +145,7 @@ def test_gpt2_scale_by_inverse_layer_idx_and_unscaled_attention():
                 dict(activation_function="relu", n_inner=48)):
         ref = build(GPT2LMHeadModel, gpt2_config(**cfg))
         model, report = converted_copy(ref)
-        assert len(report) == 3, report
+        assert len(report) == 4, report  # the loss, two blocks, the final LayerNorm
         ids, mask = batch("left")
         labels = causal_labels(ids, mask)
         want, want_grads = forward_backward(ref, ids, mask, labels)
@@ -281,7 +286,7 @@ def test_llama_biases_and_rope_scaling(config):
     layer; scaled rotary positions arrive in the cos/sin the model computes (yarn also scales them)."""
     ref = build(LlamaForCausalLM, decoder_config("llama", **config))
     model, report = converted_copy(ref)
-    assert len(report) == 2 and not report.kept, report
+    assert len(report) == 3 and not report.kept, report  # the loss and two blocks
     ids, mask = batch("left", l=24)
     labels = causal_labels(ids, mask)
     want, want_grads = forward_backward(ref, ids, mask, labels, use_cache=False)
@@ -425,17 +430,48 @@ def test_save_pretrained_and_from_pretrained_both_ways(family, tmp_path):
                                other(ids, attention_mask=mask).logits[real], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_causal_lm_loss_is_fused_with_labels_while_training(family, tmp_path):
+    """With labels while autograd records, a converted causal LM's loss is the fused output projection +
+    cross-entropy: Hugging Face's loss and gradients (labels shifted, ignore_index, num_items_in_batch,
+    shift_labels), no logits in the output. Without labels, under no_grad or with return_dict=False it is the
+    model's own forward; the class, and so save_pretrained's config, stay."""
+    ref = build(GPT2LMHeadModel, gpt2_config()) if family == "gpt2" else build(LlamaForCausalLM,
+                                                                               decoder_config("llama"))
+    model, report = converted_copy(ref)
+    assert report.replaced[0] == (("", type(ref).__name__, "fused linear + cross-entropy loss"))
+    ids, mask = batch("right")
+    labels = causal_labels(ids, mask)
+    for kw in ({}, {"num_items_in_batch": torch.tensor(11)}, {"shift_labels": labels.roll(-1, 1)}):
+        out, our_grads = forward_backward(model, ids, mask, labels, use_cache=False, **kw)
+        want, want_grads = forward_backward(ref, ids, mask, labels, use_cache=False, **kw)
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+        assert_same_grads(our_grads, want_grads)
+    assert model(ids, attention_mask=mask, labels=labels, use_cache=False).logits is None
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, labels=labels, use_cache=False)
+        want = ref(ids, attention_mask=mask, labels=labels, use_cache=False)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert out.logits is not None
+    as_tuple = model(ids, attention_mask=mask, labels=labels, use_cache=False, return_dict=False)
+    assert isinstance(as_tuple, tuple) and as_tuple[1].shape == (*ids.shape, VOCAB)
+    twin = copy.deepcopy(model)
+    assert type(model) is type(ref) and twin.forward.model is twin
+    model.save_pretrained(tmp_path)
+    assert type(ref).from_pretrained(tmp_path).config.architectures == [type(ref).__name__]
+
+
 def test_unconvert_restores_the_hugging_face_classes():
     ref = build(GPT2LMHeadModel, gpt2_config())
     model, _ = converted_copy(ref)
     params = [id(p) for p in model.parameters()]
     report = lsmini.unconvert(model)
-    assert sorted(r.torch_type for r in report.replaced) == ["GPT2Block", "GPT2Block", "LayerNorm"]
+    assert sorted(r.torch_type for r in report.replaced) == ["GPT2Block", "GPT2Block", "GPT2LMHeadModel", "LayerNorm"]
     assert [type(b) for b in model.transformer.h] == [transformers.models.gpt2.modeling_gpt2.GPT2Block] * 2
     assert [id(p) for p in model.parameters()] == params
     ids, mask = batch("left")
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
-    assert len(lsmini.convert(model)) == 3  # and again
+    assert len(lsmini.convert(model)) == 4  # and again
 
 
 def test_unconvert_restores_the_llama_classes():
@@ -443,12 +479,13 @@ def test_unconvert_restores_the_llama_classes():
     model, _ = converted_copy(ref)
     params = [id(p) for p in model.parameters()]
     report = lsmini.unconvert(model)
-    assert [r.torch_type for r in report.replaced] == ["LlamaDecoderLayer"] * 2
+    assert [r.torch_type for r in report.replaced] == ["LlamaForCausalLM"] + ["LlamaDecoderLayer"] * 2
     assert [type(b) for b in model.model.layers] == [transformers.models.llama.modeling_llama.LlamaDecoderLayer] * 2
+    assert "forward" not in model.__dict__  # the fused-loss forward is gone: the class's again
     assert [id(p) for p in model.parameters()] == params
     ids, mask = batch("left")
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
-    assert len(lsmini.convert(model)) == 2
+    assert len(lsmini.convert(model)) == 3
 
 
 def test_convert_reuses_the_parameters_and_skips_converted_blocks():
@@ -608,7 +645,11 @@ def _cuda_run(model, ids, mask, labels, autocast=None):
         out = model(ids, attention_mask=mask, labels=labels) if "Bert" in type(module).__name__ \
             else model(ids, attention_mask=mask, labels=labels, use_cache=False)
     out.loss.backward()
-    return out.logits.detach().double(), {n: p.grad.double() for n, p in module.named_parameters()}
+    logits = out.logits
+    if logits is None:  # a converted causal LM's fused loss: the logits from a call without labels
+        with torch.no_grad(), torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
+            logits = model(ids, attention_mask=mask, use_cache=False).logits
+    return logits.detach().double(), {n: p.grad.double() for n, p in module.named_parameters()}
 
 
 def _error(a, b):
