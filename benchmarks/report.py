@@ -75,6 +75,10 @@ HEADLINES = [
     ("convert", "nn.Transformer 6+6 d512 h8 ffn2048 vocab8000 post-LN bf16 b128 64/64 masks=per-model cached-compiles",
      "lsmini+compile-graphs", "NVIDIA H200",
      "An nn.Transformer script with `lsmini.convert`, `torch.compile(mode=\"reduce-overhead\")`"),
+    ("training", "llama", "lsmini+graph", "NVIDIA H200",
+     "Training step, Llama-style 125M (RMSNorm, RoPE, SwiGLU, 4 K/V heads), 8 × 1024 tokens, one CUDA graph"),
+    ("hf", "LlamaForCausalLM 12L d768 h12 kv4 ffn2048 vocab32000 bf16 b8x1024 attn=sdpa", "lsmini+compile",
+     "NVIDIA H200", "Hugging Face LlamaForCausalLM 125M with `lsmini.convert`, `torch.compile`"),
     ("kernels", "attention_bwd float16 64x8x128x64 pad p=0.1", "lsmini", "NVIDIA H200",
      "Fused attention forward + backward, 128 tokens, padding"),
     ("kernels", "attention_bwd float16 8x16x1024x64 causal p=0.1", "lsmini", "NVIDIA H200",
@@ -273,7 +277,7 @@ def headline_table(rows, headlines=HEADLINES):
         if r is None:
             raise KeyError(f"headline row {benchmark} / {config} / {variant} / {gpu} is not in the results")
         x, base = ratio(rows, r)
-        unit = "ms/step" if benchmark in ("training", "convert") else "ms"
+        unit = "ms/step" if benchmark in ("training", "convert", "hf") else "ms"
         ours = f"{fmt(r['ms'])} {unit}" if number(r.get("ms")) else f"{fmt(r['pct_copy'])}% of copy bandwidth"
         if base is not None:
             theirs = f"{fmt(base['ms'])} {unit} ({base['variant']})"
