@@ -1,5 +1,5 @@
 """Hugging Face training steps, as written and with lsmini.convert(model): GPT2LMHeadModel (GPT-2 small),
-BertForMaskedLM (BERT base) and LlamaForCausalLM (a small Llama), each eager and under torch.compile, in this process.
+BertForMaskedLM (BERT base) and LlamaForCausalLM (a small Llama), each eager and under torch.compile.
 
     python benchmarks/bench_hf.py [--models gpt2,bert,llama] [--variants torch,torch+compile,lsmini,lsmini+compile]
                                   [--iters 20] [--warmup 5] [--attn sdpa|eager] [--results DIR | --no-results]
@@ -18,7 +18,8 @@ gpt2 and bert with the configs' dropouts (0.1), llama with none (attention_dropo
 (so the models' sdpa masks are None), bf16 autocast, AdamW(fused=True). The default --models is gpt2,bert.
 A step: zero_grad(set_to_none=True), forward with the loss, backward, optimizer step.
 
-Variants (each on a fresh model, in this process; Dynamo is reset between them):
+Variants (each in a process of its own, so that one variant's allocations, compiled code and patches never
+touch another's timing):
     torch           the model as transformers builds it (attention: --attn, default sdpa), eager.
     torch+compile   the step's forward and loss under torch.compile (default mode).
     lsmini          lsmini.convert(model) first (every GPT2Block / BertLayer / LlamaDecoderLayer one lsmini layer
@@ -28,9 +29,8 @@ Variants (each on a fresh model, in this process; Dynamo is reset between them):
                     liger_kernel.transformers.apply_liger_kernel_to_llama(model=model) with its defaults (RMSNorm,
                     SwiGLU MLP, rotary embedding, and lm_head + loss as one fused linear cross entropy, the logits
                     never materialized). llama on CUDA only, and only when liger_kernel imports: otherwise the row
-                    says skipped, and why. Liger patches transformers' modeling_llama module globally (its rotary
-                    function, RMSNorm and MLP classes), so this variant runs after the model's other variants,
-                    whatever the order in --variants, and the names it replaced there are put back after it.
+                    says skipped, and why. (Liger patches transformers' modeling_llama module globally: its own
+                    process keeps that from the other variants.)
 Reported per variant: ms_step (median over --iters steps after --warmup, CUDA events around each step with the
 host running ahead, as in bench_convert.py; wall time on CPU), tokens_s (batch × length / ms_step), peak_mb
 (torch.cuda.max_memory_allocated from the first step on), compile_s (the first step's wall time), the first and
@@ -40,10 +40,10 @@ torch+liger is of kind "pytorch" there, a baseline, and skipped rows are not rec
 and record nothing.
 """
 import argparse
-import contextlib
-import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -173,21 +173,6 @@ def liger_skip_reason(name, device):
     return None
 
 
-@contextlib.contextmanager
-def llama_module_restored():
-    """Put back, on exit, every name of transformers' modeling_llama that was rebound meanwhile:
-    apply_liger_kernel_to_llama rebinds the module's apply_rotary_pos_emb, LlamaRMSNorm and LlamaMLP for every
-    model built later (the model passed to it gets its forward and its modules patched on the instance only)."""
-    from transformers.models.llama import modeling_llama
-    saved = dict(vars(modeling_llama))
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if vars(modeling_llama).get(key) is not value:
-                setattr(modeling_llama, key, value)
-
-
 def apply_liger(model):
     """Liger's kernels in the llama model, as Liger documents for a model already built: its defaults (rope,
     rms_norm, swiglu and fused_linear_cross_entropy on, the plain cross_entropy off)."""
@@ -246,30 +231,39 @@ def run_variant(args, name, variant, device, row):
     row["loss_final"] = torch.stack(losses).float().mean().item()
 
 
-def release(device):
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+ROW_MARK = "bench_hf row: "  # how a variant's process hands its row back (one stdout line, JSON)
 
 
-def run(args, name, variant, device):
+def run_here(args, name, variant, device):
+    """One variant in this process: its row, with "error" when it failed."""
     row = {"model": name, "variant": variant}
-    if variant == LIGER:
-        reason = liger_skip_reason(name, device)
-        if reason is not None:
-            row["skipped"] = reason
-            return row
     try:
-        # the liger variant patches transformers' modeling_llama: undone after it, whether it ran or failed
-        with llama_module_restored() if variant == LIGER else contextlib.nullcontext():
-            run_variant(args, name, variant, device, row)
+        run_variant(args, name, variant, device, row)
     except Exception as e:  # noqa: BLE001 - a failed variant is a result too; the others still run
         traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0]
         row = {k: v for k, v in row.items() if k in ("model", "variant", "replaced", "kept")}
         row["error"] = f"{type(e).__name__}: {first}"[:300]
-    release(device)
+    return row
+
+
+def run(args, name, variant, device):
+    """One variant in a process of its own (this script with --one): its row."""
+    if variant == LIGER:
+        reason = liger_skip_reason(name, device)
+        if reason is not None:
+            return {"model": name, "variant": variant, "skipped": reason}
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", "--models", name, "--variants", variant, "--iters",
+           str(args.iters), "--warmup", str(args.warmup), "--attn", args.attn, "--device", args.device]
+    done = subprocess.run(cmd + (["--tiny"] if args.tiny else []), stdout=subprocess.PIPE, text=True)
+    row = None
+    for line in done.stdout.splitlines():
+        if line.startswith(ROW_MARK):
+            row = json.loads(line[len(ROW_MARK):])
+        else:
+            print(line)
+    if row is None:
+        row = {"model": name, "variant": variant, "error": f"its process exited with status {done.returncode}"}
     return row
 
 
@@ -285,16 +279,14 @@ def parse_args(argv=None):
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="the models' attention implementation")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="two-layer models of width 64 on 2 × 16 tokens (smoke runs)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a variant's own process (see run)
     common.add_results_arguments(ap)
     args = ap.parse_args(argv)
     if args.steps is not None:
         args.warmup, args.iters = 1, args.steps
-    # each model and variant once (dict.fromkeys keeps the order): the liger variant's patch must not meet a
-    # later run of the same model
+    # each model and variant once, in the order given
     args.models = list(dict.fromkeys(m.strip() for m in args.models.split(",") if m.strip()))
     args.variants = list(dict.fromkeys(v.strip() for v in args.variants.split(",") if v.strip()))
-    # the liger variant last: it patches transformers' modeling_llama (put back after it, but last all the same)
-    args.variants.sort(key=lambda v: v == LIGER)
     for what, chosen, known in (("models", args.models, MODELS), ("variants", args.variants, KNOWN_VARIANTS)):
         unknown = [c for c in chosen if c not in known]
         if unknown:
@@ -317,6 +309,9 @@ def config_label(args, name):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.one:
+        print(ROW_MARK + json.dumps(run_here(args, args.models[0], args.variants[0], device)), flush=True)
+        return None
     if device.type == "cuda":
         common.require_cuda_kernels("bench_hf.py")
     rows = []
