@@ -1,6 +1,6 @@
-"""Data-parallel training on CPU with gloo: lsmini.distributed.GradientReducer and plain DDP against one
-process with the whole batch, overflow/scale agreement across ranks, error paths, and the example scripts
-under torchrun (resume, a failing rank).
+"""Data-parallel training on CPU with gloo: lsmini.distributed.GradientReducer and plain DDP (also around a
+converted Hugging Face model) against one process with the whole batch, overflow/scale agreement across ranks,
+error paths, and the example scripts under torchrun (resume, a failing rank).
 
 Library tests run two processes with torch.multiprocessing (a file rendezvous; gloo connects them over
 this machine's loopback); example tests launch `python -m torch.distributed.run --standalone` with
@@ -240,6 +240,38 @@ def _train_with_ddp(rank, world):
         assert_same_params(model, ref, what=f"DDP(gradient_as_bucket_view={bucket_view})")
 
 
+def _hf_llama_ddp(rank, world):
+    """A Hugging Face LlamaForCausalLM converted by lsmini.convert (grouped K/V heads, the fused loss) in torch's
+    DistributedDataParallel: two ranks, each with half the rows of every batch, take the steps one process
+    takes with the whole batch (no padding, so every rank's mean is over as many tokens)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def build():
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                             tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+        report = lsmini.convert(model)
+        assert len(report) == 3 and not report.kept, report  # the loss and both decoder layers
+        return model
+
+    def train(model, forward, rows):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(STEPS):
+            ids = torch.randint(1, 50, (4, 10), generator=torch.Generator().manual_seed(100 + step))[rows]
+            forward(ids, labels=ids, use_cache=False).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref = build()
+    train(ref, ref, slice(None))
+    model = build()
+    train(model, DDP(model), slice(2 * rank, 2 * rank + 2))
+    assert_same_params(model, ref, rtol=1e-4, atol=1e-5, what="converted LlamaForCausalLM in DDP")
+
+
 def _overflow_agrees(rank, world, device, dtypes):
     for dtype in dtypes:
         _overflow_agrees_in(rank, world, device, dtype)
@@ -334,6 +366,11 @@ def test_reducer_keeps_working_when_the_caller_drops_it():
 
 def test_plain_ddp_matches_one_process():
     spawn(_train_with_ddp)
+
+
+def test_converted_hugging_face_model_in_ddp_matches_one_process():
+    pytest.importorskip("transformers")
+    spawn(_hf_llama_ddp)
 
 
 def test_overflow_on_one_rank_skips_on_every_rank():
