@@ -8,8 +8,8 @@ Each row: batch = tokens / length sequences (the same work per row up to the len
 hidden 1024 (16 heads of 64, or 8 of 128), dropout 0.1 as in training (--dropout 0 shows what the draws
 cost). --heads sets the query heads instead (at every head dim) and --kv-heads the K/V heads (grouped-query
 attention: SDPA is then timed with enable_gqa=True and on K/V repeated to every query head, the repeat
-counted, each backend that takes the row; the fastest is the baseline). `padding` gives each sequence a random length in [length/2, length] and passes SDPA the equivalent
-boolean attn_mask; `causal` passes is_causal=True. Every SDPA backend (flash, memory-efficient, cuDNN) that
+counted, each backend that takes the row; the fastest is the baseline). `padding` gives each sequence a
+random length in [length/2, length] and passes SDPA the equivalent boolean attn_mask; `causal` passes is_causal=True. Every SDPA backend (flash, memory-efficient, cuDNN) that
 accepts the row is timed, and the fastest fwd+bwd is the baseline (`sdpa_best`, which one in `backend`).
 Times are device milliseconds (benchmarks/common.time_ms); TFLOP/s counts the nominal GEMM work (causal:
 half), 4·b·h·L²·d forward and 2.5 times that backward. Where the Hopper kernels run (sm_90a build on a compute

@@ -673,13 +673,14 @@ class FusedLossForward:
         from transformers.loss.loss_utils import ForCausalLMLoss
         self.model = model
         self.causal_lm_loss = ForCausalLMLoss  # the loss this forward computes fused (another loss_type: not)
+        self.hf_signature = inspect.signature(type(model).forward)  # read once, not at every call
 
     @property
     def __signature__(self):
         return inspect.signature(type(self.model).forward.__get__(self.model))
 
     def __call__(self, *args, **kwargs):
-        return _fused_loss_forward(self.model, self.causal_lm_loss, *args, **kwargs)
+        return _fused_loss_forward(self.model, self.causal_lm_loss, self.hf_signature, *args, **kwargs)
 
 
 def fuse_loss(model):
@@ -694,12 +695,12 @@ def unfuse_loss(module):
     del module.forward
 
 
-def _fused_loss_forward(self, causal_lm_loss, *args, **kwargs):
+def _fused_loss_forward(self, causal_lm_loss, hf_signature, *args, **kwargs):
     """The model's forward, except that with labels while autograd records, the loss is
     linear_cross_entropy over the last hidden states and the output projection's weight (Hugging Face's
     ForCausalLMLoss, never forming the logits) and the output's logits is None."""
     hf_forward = type(self).forward
-    call = inspect.signature(hf_forward).bind(self, *args, **kwargs).arguments
+    call = hf_signature.bind(self, *args, **kwargs).arguments
     call.pop("self")
     call.update(call.pop("kwargs", {}))
     labels = call.pop("labels", None)
@@ -720,7 +721,7 @@ def _fused_loss_forward(self, causal_lm_loss, *args, **kwargs):
                                 reduction="mean" if num_items is None else "sum")
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    out_cls = inspect.signature(hf_forward).return_annotation
+    out_cls = hf_signature.return_annotation
     fields = {k: v for k, v in outputs.items() if k != "last_hidden_state" and k in out_cls.__dataclass_fields__}
     return out_cls(loss=loss, logits=None, **fields)
 

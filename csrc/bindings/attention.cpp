@@ -1,6 +1,7 @@
 // Fused attention bindings: attention_fwd / attention_bwd (kernels in csrc/kernels/attention*.cu).
 // q [b, h, lq, d], k and v [b, hk, lk, d] (hk dividing h: grouped-query attention) in any strides whose last
-// one is 1 (others are copied): the layers pass views into their fused projections. rng: the 4-tuple of lsmini._backend.dropout_rng.
+// one is 1 (others are copied): the layers pass views into their fused projections. rng: the 4-tuple of
+// lsmini._backend.dropout_rng.
 #include "common.h"
 #include "attention.h"
 #include "ops.h"

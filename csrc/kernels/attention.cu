@@ -9,8 +9,9 @@
  * h / (heads / kv_heads)), out/dout/dq like q, dk/dv like k: each with its own element strides for batch,
  * head and row (attention.h's Strided; head_dim contiguous, rows 16-byte aligned). So the layers read Q, K
  * and V straight out of their fused projection [tokens, (heads + 2·kv_heads)·d] and write the output in the
- * merged [batch, q_len, heads·d] layout the output projection reads — no head split/merge passes. lse [batch, heads, q_len] fp32 is each row's
- * log-sum-exp of its scaled, masked scores, +inf for a row with every key masked.
+ * merged [batch, q_len, heads·d] layout the output projection reads — no head split/merge passes.
+ * lse [batch, heads, q_len] fp32 is each row's log-sum-exp of its scaled, masked scores, +inf for a row with
+ * every key masked.
  *
  * Math per (batch b, head h), rows i (queries) and columns j (keys):
  *   s_ij = scale·q_i·k_j; masked(i, j) = key_padding[b, j] or (causal and j > i + k_len − q_len)

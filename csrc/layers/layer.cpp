@@ -17,8 +17,8 @@
 // Attention core: QKV GEMM with the bias in its epilogue, rotary positions on Q and K of a self block (in place
 // in the projection, from the caller's cos/sin tables), the fused attention kernel reading Q/K/V as head views of
 // the projection (kv_heads K/V heads, each read by heads / kv_heads query heads) and writing the merged context,
-// the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every step between GEMMs is an lsmini kernel, called through the
-// bindings' functions (ops.h) or, where the layer hands it strided views or room of its own, its launcher.
+// the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every
+// step between GEMMs is an lsmini kernel, called through the bindings' functions (ops.h) or, where the layer hands it strided views or room of its own, its launcher.
 //
 // The call's plan — where each tensor its backward needs lies in one saved-state byte buffer, where the
 // dropout states and the GEMM weights cast to the activations' dtype go, where each parameter gradient goes
