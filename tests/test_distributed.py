@@ -240,36 +240,63 @@ def _train_with_ddp(rank, world):
         assert_same_params(model, ref, what=f"DDP(gradient_as_bucket_view={bucket_view})")
 
 
-def _hf_llama_ddp(rank, world):
+def _hf_llama_ddp(rank, world, device="cpu"):
     """A Hugging Face LlamaForCausalLM converted by lsmini.convert (grouped K/V heads, the fused loss) in torch's
     DistributedDataParallel: two ranks, each with half the rows of every batch, take the steps one process
-    takes with the whole batch (no padding, so every rank's mean is over as many tokens)."""
+    takes with the whole batch (no padding, so every rank's mean is over as many tokens).
+    On CUDA the layers run the fused kernels (bf16 autocast, head_dim 16) and the comparison is of the whole
+    gradient and parameter change as vectors: the half and the whole batch round differently in bf16, and
+    plain SGD keeps those differences proportional (Adam would turn a near-zero gradient's sign into a full
+    step)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from lsmini.layers import runtime
+
+    cuda = device != "cpu"
+    hidden = 64 if cuda else 32
+
     def build():
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        config = LlamaConfig(vocab_size=50, hidden_size=hidden, intermediate_size=48, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                              tie_word_embeddings=False)
         model = LlamaForCausalLM(config)
         report = lsmini.convert(model)
         assert len(report) == 3 and not report.kept, report  # the loss and both decoder layers
-        return model
+        return model.to(device)
+
+    paths = []
+    kernel_path = runtime.kernel_path
+    runtime.kernel_path = lambda *a: paths.append(kernel_path(*a)) or paths[-1]  # the path each layer call takes
 
     def train(model, forward, rows):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1) if cuda else torch.optim.AdamW(model.parameters(), lr=1e-2)
+        start = torch.cat([p.detach().flatten() for p in model.parameters()])
+        first_grads = None
         for step in range(STEPS):
             ids = torch.randint(1, 50, (4, 10), generator=torch.Generator().manual_seed(100 + step))[rows]
-            forward(ids, labels=ids, use_cache=False).loss.backward()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss = forward(ids.to(device), labels=ids.to(device), use_cache=False).loss
+            loss.backward()
+            if first_grads is None:
+                first_grads = torch.cat([p.grad.flatten() for p in model.parameters()])
             opt.step()
             opt.zero_grad()
+        return first_grads, torch.cat([p.detach().flatten() for p in model.parameters()]) - start
 
     ref = build()
-    train(ref, ref, slice(None))
+    ref_grads, ref_change = train(ref, ref, slice(None))
     model = build()
-    train(model, DDP(model), slice(2 * rank, 2 * rank + 2))
-    assert_same_params(model, ref, rtol=1e-4, atol=1e-5, what="converted LlamaForCausalLM in DDP")
+    grads, change = train(model, DDP(model), slice(2 * rank, 2 * rank + 2))
+    if not cuda:
+        assert_same_params(model, ref, rtol=1e-4, atol=1e-5, what="converted LlamaForCausalLM in DDP")
+        return
+    assert paths and all(paths), f"a layer call left the kernel path: {paths}"
+    for what, ours, want in (("the first step's gradients", grads, ref_grads), ("the parameter change", change,
+                                                                                   ref_change)):
+        err = ((ours - want).norm() / want.norm()).item()
+        assert err < 3e-2, f"converted LlamaForCausalLM in DDP on {device}: {what} differ by {err:.3g} (relative)"
 
 
 def _overflow_agrees(rank, world, device, dtypes):
@@ -371,6 +398,19 @@ def test_plain_ddp_matches_one_process():
 def test_converted_hugging_face_model_in_ddp_matches_one_process():
     pytest.importorskip("transformers")
     spawn(_hf_llama_ddp)
+
+
+@pytest.mark.cuda
+def test_converted_hugging_face_model_in_ddp_on_cuda_matches_one_process():
+    """The kernel path in DDP: two ranks on one GPU (gloo carrying the CUDA buckets)."""
+    pytest.importorskip("transformers")
+    spawn(_hf_llama_ddp, "cuda", cuda=True)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL, one GPU per rank)")
+def test_converted_hugging_face_model_in_ddp_on_two_gpus_matches_one_process():
+    pytest.importorskip("transformers")
+    spawn(_hf_llama_ddp, "cuda", cuda="nccl", timeout=300)
 
 
 def test_overflow_on_one_rank_skips_on_every_rank():
