@@ -388,6 +388,33 @@ def test_kernel_non_contiguous_logits(dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [7, 1000, 50257])
+def test_kernel_reads_and_writes_rows_at_their_stride(vocab, dtype):
+    """Logits as a view of wider rows (linear_cross_entropy's, against a weight padded to aligned rows): the
+    bindings read them in place, without a copy, at their row stride; the backward writes a fresh contiguous
+    gradient, or in place only the view's columns."""
+    C = _backend.ext()
+    rows, extra = 33, 9
+    logits, t = _cuda_inputs(rows, vocab, dtype, seed=3)
+    wide = torch.full((rows, vocab + extra), 7.0, dtype=dtype, device="cuda")
+    wide[:, :vocab] = logits
+    view = wide[:, :vocab]
+    want = C.cross_entropy_fwd(logits, t, 0.1, -100)
+    got = C.cross_entropy_fwd(view, t, 0.1, -100)
+    for w, g in zip(want, got):  # the rows' 16-byte splits differ: the sums' order may
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, equal_nan=True)
+    grad_rows = torch.rand(rows, device="cuda")
+    expected = C.cross_entropy_bwd(grad_rows, logits, t, want[2], 0.1, -100, False)
+    fresh = C.cross_entropy_bwd(grad_rows, view, t, got[2], 0.1, -100, False)
+    assert fresh.is_contiguous()
+    torch.testing.assert_close(fresh, expected, equal_nan=True)
+    out = C.cross_entropy_bwd(grad_rows, view, t, got[2], 0.1, -100, True)
+    assert out.data_ptr() == wide.data_ptr() and out.stride() == view.stride()
+    assert torch.equal(wide[:, :vocab], fresh) and torch.all(wide[:, vocab:] == 7)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_large_offset_and_masked_vocab(dtype):
     # 1000 + N(0,1): the online max must carry the row (no overflow, no cancellation).
     logits, t = _cuda_inputs(64, 32000, torch.float32, seed=9, scale=1.0)
@@ -497,5 +524,5 @@ def test_binding_checks():
         C.cross_entropy_fwd(x, t, -0.5, -100)
     with pytest.raises(RuntimeError, match="cross_entropy_bwd: grad_rows must be Float"):
         C.cross_entropy_bwd(g.half(), x, t, lse, 0.0, -100, False)
-    with pytest.raises(RuntimeError, match="cross_entropy_bwd: inplace=True needs contiguous logits"):
+    with pytest.raises(RuntimeError, match="cross_entropy_bwd: inplace=True needs logits with contiguous rows"):
         C.cross_entropy_bwd(g, torch.randn(10, 4, device="cuda").t(), t, lse, 0.0, -100, True)

@@ -182,7 +182,8 @@ def test_chunks_match_the_reference(dtype, chunk, reduction):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden,vocab", [(1, 32, 7), (31, 8, 5), (257, 128, 32000), (1031, 48, 333)])
+@pytest.mark.parametrize("rows,hidden,vocab", [(1, 32, 7), (31, 8, 5), (257, 128, 32000), (1031, 48, 333),
+                                               (129, 64, 50257)])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_odd_shapes_match_the_reference(dtype, rows, hidden, vocab, eps):
     _compare(dtype, rows, hidden, vocab, 100, eps, "mean", ignore_index=1)

@@ -15,6 +15,15 @@ void check_logits(const at::Tensor& logits, const char* op) {
               "must be in [1, ", kCrossEntropyMaxVocab, "], got ", logits.size(1));
 }
 
+// What the kernels read: rows of contiguous elements at one row stride ≥ vocab, so that a view of wider rows
+// (linear_cross_entropy's logits against a weight padded for aligned GEMMs) needs no copy. A lone row or a
+// single column has no stride that matters.
+bool has_row_major(const at::Tensor& t) {
+  return (t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) >= t.size(1));
+}
+at::Tensor row_major(const at::Tensor& t) { return has_row_major(t) ? t : t.contiguous(); }
+int64_t row_stride(const at::Tensor& t) { return t.size(0) <= 1 ? t.size(1) : t.stride(0); }
+
 void check_rows(const at::Tensor& t, const at::Tensor& logits, at::ScalarType dtype, const char* op,
                 const char* name) {
   check_like(t, logits, dtype, {logits.size(0)}, op, name, "logits");
@@ -35,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd(const at::Tenso
   check_rows(target_in, logits_in, at::kLong, op, "target");
   check_smoothing(label_smoothing, op);
   c10::cuda::CUDAGuard guard(logits_in.device());
-  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor logits = row_major(logits_in);
   const at::Tensor target = target_in.contiguous();
   const int64_t rows = logits.size(0);
   const int vocab = static_cast<int>(logits.size(1));
@@ -46,7 +55,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd(const at::Tenso
   dispatch_float(logits.scalar_type(), op, [&](auto tag) {
     using scalar_t = decltype(tag);
     check_launch(launch_cross_entropy_fwd(kptr<scalar_t>(logits), target.data_ptr<int64_t>(), loss.data_ptr<float>(),
-                                          nll.data_ptr<float>(), lse.data_ptr<float>(), rows, vocab,
+                                          nll.data_ptr<float>(), lse.data_ptr<float>(), rows, vocab, row_stride(logits),
                                           static_cast<float>(label_smoothing), ignore_index, current_stream()),
                  op);
   });
@@ -54,8 +63,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd(const at::Tenso
 }
 
 // Returns grad_logits [rows, vocab] in logits' dtype: grad_rows[r]·(softmax − smoothed one-hot), zero
-// rows for ignore_index. inplace: written into logits' own storage (logits must be contiguous) and
-// logits itself is returned.
+// rows for ignore_index, contiguous. inplace: written into logits' own storage (its rows must be contiguous)
+// and logits itself is returned.
 at::Tensor cross_entropy_bwd(const at::Tensor& grad_rows_in, const at::Tensor& logits_in, const at::Tensor& target_in,
                              const at::Tensor& lse_in, double label_smoothing, int64_t ignore_index, bool inplace) {
   const char* op = "cross_entropy_bwd";
@@ -64,11 +73,11 @@ at::Tensor cross_entropy_bwd(const at::Tensor& grad_rows_in, const at::Tensor& l
   check_rows(target_in, logits_in, at::kLong, op, "target");
   check_rows(lse_in, logits_in, at::kFloat, op, "lse");
   check_smoothing(label_smoothing, op);
-  LSMINI_CHECK(!inplace || logits_in.is_contiguous(), op,
-              ": inplace=True needs contiguous logits (the gradient is written over them), got strides ",
+  LSMINI_CHECK(!inplace || has_row_major(logits_in), op,
+              ": inplace=True needs logits with contiguous rows (the gradient is written over them), got strides ",
               logits_in.strides());
   c10::cuda::CUDAGuard guard(logits_in.device());
-  const at::Tensor logits = logits_in.contiguous();
+  const at::Tensor logits = row_major(logits_in);
   const at::Tensor grad_rows = grad_rows_in.contiguous();
   const at::Tensor target = target_in.contiguous();
   const at::Tensor lse = lse_in.contiguous();
@@ -79,8 +88,8 @@ at::Tensor cross_entropy_bwd(const at::Tensor& grad_rows_in, const at::Tensor& l
     using scalar_t = decltype(tag);
     check_launch(launch_cross_entropy_bwd(grad_rows.data_ptr<float>(), kptr<scalar_t>(logits),
                                           target.data_ptr<int64_t>(), lse.data_ptr<float>(), kptr<scalar_t>(grad),
-                                          rows, vocab, static_cast<float>(label_smoothing), ignore_index,
-                                          current_stream()),
+                                          rows, vocab, row_stride(logits), row_stride(grad),
+                                          static_cast<float>(label_smoothing), ignore_index, current_stream()),
                  op);
   });
   return grad;

@@ -8,8 +8,9 @@
  *   backward (s = grad_rows[r], the caller's d(total loss)/d(loss_r)):
  *     dx_j = s·(exp(x_j − lse) − (1 − ε)·[j == t] − ε/V)
  *
- * Layout: logits / grad_logits row-major [rows, V] of T; target int64 [rows]; loss/nll/lse/grad_rows
- * fp32 [rows]. All math is fp32.
+ * Layout: logits / grad_logits row-major [rows, V] of T, row r at element r·row_stride (≥ V: a view of wider
+ * rows, such as logits computed against a weight padded for aligned GEMMs) / r·grad_stride;
+ * target int64 [rows]; loss/nll/lse/grad_rows fp32 [rows]. All math is fp32.
  *
  * Rows: target == ignore_index → loss = nll = lse = 0 and a zero gradient row, without reading the
  * logits (padding rows cost no bandwidth). A target outside [0, V) that is not ignore_index is never
@@ -29,7 +30,7 @@
  * Alignment: each row is split into a scalar head up to its first 16-byte boundary, aligned
  * vectors, and a scalar tail, so any V (odd vocabularies such as 50257 included) and any element-
  * aligned base pointer use 16-byte accesses for all but < 2·VEC elements per row. Backward also needs
- * logits and grad_logits to sit at the same offset modulo 16; otherwise it runs all-scalar.
+ * every row of logits and grad_logits to sit at the same offset modulo 16; otherwise it runs all-scalar.
  *
  * Napkin math (16384 × 32000 fp16): 1.05 GB of logits. Forward reads them once, backward reads them
  * once more and writes the gradient once: 3.1 GB, ~0.8 ms at 4 TB/s. One exp per element per pass
@@ -115,7 +116,7 @@ template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
 cross_entropy_fwd_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
                          float* __restrict__ loss_rows, float* __restrict__ nll_rows, float* __restrict__ lse_rows,
-                         int64_t rows, int vocab, float smoothing, int64_t ignore_index) {
+                         int64_t rows, int vocab, int64_t row_stride, float smoothing, int64_t ignore_index) {
   __shared__ float red_max[32];
   __shared__ float2 red_sum[32];
   // The row group is a whole block when it spans several warps (blockDim.y == 1) or a lone warp
@@ -134,7 +135,7 @@ cross_entropy_fwd_kernel(const T* __restrict__ logits, const int64_t* __restrict
     }
     return;
   }
-  const T* x = logits + row * vocab;
+  const T* x = logits + row * row_stride;
   const float x_t = tid == 0 ? to_float(x[t]) : 0.f;  // t ∈ [0, vocab) here; issued early, used last
 
   OnlineLse st;
@@ -182,8 +183,8 @@ cross_entropy_fwd_kernel(const T* __restrict__ logits, const int64_t* __restrict
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
 cross_entropy_bwd_kernel(const float* __restrict__ grad_rows, const T* logits, const int64_t* __restrict__ target,
-                         const float* __restrict__ lse_rows, T* grad, int64_t rows, int vocab, float smoothing,
-                         int64_t ignore_index, bool vec_ok) {
+                         const float* __restrict__ lse_rows, T* grad, int64_t rows, int vocab, int64_t row_stride,
+                         int64_t grad_stride, float smoothing, int64_t ignore_index, bool vec_ok) {
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= rows) return;
   const int tid = threadIdx.x, nthr = blockDim.x;
@@ -192,8 +193,8 @@ cross_entropy_bwd_kernel(const float* __restrict__ grad_rows, const T* logits, c
   const float scale = grad_rows[row];
   const float lse = lse_rows[row];
   const RowKind kind = classify(t, ignore_index, vocab);
-  const T* x = logits + row * vocab;
-  T* g = grad + row * vocab;
+  const T* x = logits + row * row_stride;
+  T* g = grad + row * grad_stride;
   const RowSplit sp = split_row<T, VEC>(x, vocab, vec_ok);  // same split for g: same offset mod 16
 
   if (kind != kRowNormal) {  // constant row, logits not read
@@ -256,43 +257,47 @@ inline CeConfig ce_config(int64_t rows, int vocab) {
   return {dim3(G, R), (rows + R - 1) / R};
 }
 
-inline bool valid_sizes(int64_t rows, int vocab, int64_t grid) {
-  return rows >= 0 && vocab >= 1 && vocab <= kCrossEntropyMaxVocab && grid <= 0x7fffffff;
+inline bool valid_sizes(int64_t rows, int vocab, int64_t row_stride, int64_t grid) {
+  return rows >= 0 && vocab >= 1 && vocab <= kCrossEntropyMaxVocab && row_stride >= vocab && grid <= 0x7fffffff;
 }
 
 }  // namespace
 
 template <typename T>
 cudaError_t launch_cross_entropy_fwd(const T* logits, const int64_t* target, float* loss_rows, float* nll_rows,
-                                     float* lse_rows, int64_t rows, int vocab, float label_smoothing,
-                                     int64_t ignore_index, cudaStream_t stream) {
+                                     float* lse_rows, int64_t rows, int vocab, int64_t row_stride,
+                                     float label_smoothing, int64_t ignore_index, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const CeConfig cfg = ce_config<T>(rows, vocab);
-  if (!valid_sizes(rows, vocab, cfg.grid)) return cudaErrorInvalidValue;
+  if (!valid_sizes(rows, vocab, row_stride, cfg.grid)) return cudaErrorInvalidValue;
   cross_entropy_fwd_kernel<T, Vec16<T>::value><<<static_cast<unsigned>(cfg.grid), cfg.block, 0, stream>>>(
-      logits, target, loss_rows, nll_rows, lse_rows, rows, vocab, label_smoothing, ignore_index);
+      logits, target, loss_rows, nll_rows, lse_rows, rows, vocab, row_stride, label_smoothing, ignore_index);
   return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t launch_cross_entropy_bwd(const float* grad_rows, const T* logits, const int64_t* target,
                                      const float* lse_rows, T* grad_logits, int64_t rows, int vocab,
-                                     float label_smoothing, int64_t ignore_index, cudaStream_t stream) {
+                                     int64_t row_stride, int64_t grad_stride, float label_smoothing,
+                                     int64_t ignore_index, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const CeConfig cfg = ce_config<T>(rows, vocab);
-  if (!valid_sizes(rows, vocab, cfg.grid)) return cudaErrorInvalidValue;
-  // Rows of both buffers share the stride, so one base-offset comparison covers every row.
-  const bool vec_ok = reinterpret_cast<uintptr_t>(logits) % 16 == reinterpret_cast<uintptr_t>(grad_logits) % 16;
+  if (!valid_sizes(rows, vocab, row_stride, cfg.grid) || grad_stride < vocab) return cudaErrorInvalidValue;
+  // Every row of both buffers at the same offset modulo 16: the base offsets agree and the strides differ by
+  // a multiple of 16 bytes.
+  const bool vec_ok = reinterpret_cast<uintptr_t>(logits) % 16 == reinterpret_cast<uintptr_t>(grad_logits) % 16 &&
+                      (row_stride - grad_stride) * int64_t(sizeof(T)) % 16 == 0;
   cross_entropy_bwd_kernel<T, Vec16<T>::value><<<static_cast<unsigned>(cfg.grid), cfg.block, 0, stream>>>(
-      grad_rows, logits, target, lse_rows, grad_logits, rows, vocab, label_smoothing, ignore_index, vec_ok);
+      grad_rows, logits, target, lse_rows, grad_logits, rows, vocab, row_stride, grad_stride, label_smoothing,
+      ignore_index, vec_ok);
   return cudaGetLastError();
 }
 
 #define LSMINI_INSTANTIATE_CE(T)                                                                               \
   template cudaError_t launch_cross_entropy_fwd<T>(const T*, const int64_t*, float*, float*, float*, int64_t, \
-                                                   int, float, int64_t, cudaStream_t);                        \
+                                                   int, int64_t, float, int64_t, cudaStream_t);               \
   template cudaError_t launch_cross_entropy_bwd<T>(const float*, const T*, const int64_t*, const float*, T*,  \
-                                                   int64_t, int, float, int64_t, cudaStream_t);
+                                                   int64_t, int, int64_t, int64_t, float, int64_t, cudaStream_t);
 
 LSMINI_INSTANTIATE_CE(float)
 LSMINI_INSTANTIATE_CE(__half)

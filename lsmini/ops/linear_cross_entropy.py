@@ -9,9 +9,10 @@ classes in fp16: 500 MB) and live from the end of the forward to the start of th
 activation memory peaks. This op never holds more than one chunk of them.
 
 CUDA path (float32/float16/bfloat16): the rows go in chunks of ``chunk_tokens`` (default: as many as keep
-one chunk's logits within 64 MiB). Per chunk, in the forward: the logits GEMM, the cross-entropy kernel's
-forward (per-row losses and log-sum-exp), and — when a gradient will be needed — at once its backward,
-written into the chunk's logits, then the two gradient GEMMs: d x = d logits · W into the chunk's rows of
+one chunk's logits within 64 MiB). Per chunk, in the forward: the logits GEMM (against the weight with zero
+rows appended up to a 16-byte multiple, so that every GEMM runs aligned), the cross-entropy kernel's forward
+(per-row losses and log-sum-exp), and — when a gradient will be needed — at once its backward, written into
+the chunk's logits, then the two gradient GEMMs: d x = d logits · W into the chunk's rows of
 a float32 [N, H] buffer, d W += d logitsᵀ · x into a float32 [V, H] buffer (cuBLAS accumulates in place,
 so the sum over chunks is rounded once, to float32). The logits' gradient is that of the *summed* loss;
 it is written scaled by ``GRAD_SCALE`` (2¹⁵: each entry is softmax − target distribution, in [−1, 1]),
@@ -70,24 +71,34 @@ def _chunks(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with
     ext = _backend.ext()
     rows, hidden = x.shape
     vocab = weight.shape[0]
+    weight = _aligned_rows(weight)
     loss_sum = x.new_zeros((), dtype=torch.float32)
     nll_sum = x.new_zeros((), dtype=torch.float32)
     grad_x = x.new_empty((rows, hidden) if with_grad else (0,), dtype=torch.float32)
-    grad_weight = x.new_empty((vocab, hidden) if with_grad else (0,), dtype=torch.float32)
+    grad_weight = x.new_empty((weight.shape[0], hidden) if with_grad else (0,), dtype=torch.float32)
     scale = x.new_full((min(chunk_tokens, rows),), GRAD_SCALE, dtype=torch.float32)  # per-row gradient
     for start in range(0, rows, chunk_tokens):
         x_c = x[start:start + chunk_tokens]
         t_c = target[start:start + chunk_tokens]
-        logits = torch.mm(x_c, weight.t())
+        wide = torch.mm(x_c, weight.t())  # [chunk, padded vocab]: the padding columns are x·0 = 0
+        logits = wide[:, :vocab]  # the kernels read rows at wide's stride
         loss_rows, nll_rows, lse = ext.cross_entropy_fwd(logits, t_c, label_smoothing, ignore_index)
         loss_sum += loss_rows.sum()
         nll_sum += nll_rows.sum()
         if with_grad:
-            grad_logits = ext.cross_entropy_bwd(scale[:x_c.shape[0]], logits, t_c, lse, label_smoothing,
-                                                ignore_index, True)  # into the logits' storage
-            _gemm_into(grad_x[start:start + chunk_tokens], grad_logits, weight, False)
-            _gemm_into(grad_weight, grad_logits.t(), x_c, start > 0)
-    return loss_sum, nll_sum, grad_x, grad_weight
+            ext.cross_entropy_bwd(scale[:x_c.shape[0]], logits, t_c, lse, label_smoothing, ignore_index,
+                                  True)  # into the logits' storage; the padding columns keep their zeros
+            _gemm_into(grad_x[start:start + chunk_tokens], wide, weight, False)
+            _gemm_into(grad_weight, wide.t(), x_c, start > 0)
+    return loss_sum, nll_sum, grad_x, grad_weight[:vocab] if with_grad else grad_weight
+
+
+def _aligned_rows(weight):
+    """weight [V, H], or a copy with zero rows appended up to a 16-byte multiple of rows: the logits' row length
+    is the GEMMs' leading dimension, and cuBLAS runs a vocabulary such as GPT-2's 50257 on its slow
+    unaligned kernels (several times the time of the aligned ones)."""
+    pad = -weight.shape[0] % (16 // weight.element_size())
+    return weight if pad == 0 else torch.cat([weight, weight.new_zeros(pad, weight.shape[1])])
 
 
 def _scaled(grad_sum, grad_loss, dtype):
