@@ -4,6 +4,7 @@ BertForMaskedLM (BERT base) and LlamaForCausalLM (a small Llama), each eager and
     python benchmarks/bench_hf.py [--models gpt2,bert,llama] [--variants torch,torch+compile,lsmini,lsmini+compile]
                                   [--iters 20] [--warmup 5] [--attn sdpa|eager] [--results DIR | --no-results]
     python benchmarks/bench_hf.py --models llama --variants torch,torch+compile,lsmini,lsmini+compile,torch+liger
+    python benchmarks/bench_hf.py --variants torch+compile-graphs,lsmini+compile-graphs   # CUDA graphs
     python benchmarks/bench_hf.py --device cpu --tiny --steps 1      # a smoke run: a tiny model, one step
 
 Models, built from their configs with random weights (nothing downloaded), seeded alike in every variant:
@@ -22,9 +23,12 @@ Variants (each in a process of its own, so that one variant's allocations, compi
 touch another's timing):
     torch           the model as transformers builds it (attention: --attn, default sdpa), eager.
     torch+compile   the step's forward and loss under torch.compile (default mode).
+    torch+compile-graphs  only when asked for: the same with mode="reduce-overhead" (forward and backward
+                    replayed as CUDA graphs; CUDA only, skipped elsewhere).
     lsmini          lsmini.convert(model) first (every GPT2Block / BertLayer / LlamaDecoderLayer one lsmini layer
                     call), eager.
     lsmini+compile  convert, then torch.compile.
+    lsmini+compile-graphs  only when asked for: convert, then torch.compile(mode="reduce-overhead").
     torch+liger     only when asked for in --variants: the model with Liger's Triton kernels, eager —
                     liger_kernel.transformers.apply_liger_kernel_to_llama(model=model) with its defaults (RMSNorm,
                     SwiGLU MLP, rotary embedding, and lm_head + loss as one fused linear cross entropy, the logits
@@ -61,8 +65,10 @@ N_BATCHES = 4
 MASK_FRACTION = 0.15
 LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 0.01
 VARIANTS = ("torch", "torch+compile", "lsmini", "lsmini+compile")  # the default --variants
+GRAPH_VARIANTS = ("torch+compile-graphs", "lsmini+compile-graphs")  # asked for by name: CUDA only
 LIGER = "torch+liger"  # asked for by name only; see the module docstring
-KNOWN_VARIANTS = VARIANTS + (LIGER,)
+KNOWN_VARIANTS = VARIANTS + GRAPH_VARIANTS + (LIGER,)
+GRAPH_READY_STEPS = 3  # reduce-overhead: compile + warm-up run, recording, first replay
 MODELS = {  # name: (layers, hidden, heads, vocab, batch, length)
     "gpt2": (12, 768, 12, 50257, 8, 1024),
     "bert": (12, 768, 12, 30522, 32, 128),
@@ -181,7 +187,8 @@ def apply_liger(model):
 
 
 def run_variant(args, name, variant, device, row):
-    use_lsmini, compiled = variant.startswith("lsmini"), variant.endswith("+compile")
+    use_lsmini, graphs = variant.startswith("lsmini"), variant.endswith("+compile-graphs")
+    compiled = graphs or variant.endswith("+compile")
     batches = make_batches(args, name, device)
     model = build_model(args, name).to(device)
     if variant == LIGER:
@@ -197,22 +204,24 @@ def run_variant(args, name, variant, device, row):
             return model(ids, labels=labels).loss
 
     if compiled:
-        loss_fn = torch.compile(loss_fn)
+        loss_fn = torch.compile(loss_fn, mode="reduce-overhead" if graphs else "default")
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
                             fused=device.type == "cuda")
 
     def step(ids, labels):
+        if graphs:  # a new iteration: the graphs may overwrite the previous step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(ids, labels)
         loss.backward()
         opt.step()
-        return loss.detach()
+        return loss.detach().clone()  # a graph's output is overwritten by its next replay
 
     torch.manual_seed(SEED)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    for i in range(max(args.warmup, 1)):
+    for i in range(max(args.warmup, GRAPH_READY_STEPS if graphs else 1)):
         loss = step(*batches[i % N_BATCHES])
         if i == 0:
             row["loss_first"] = loss.item()
@@ -253,6 +262,8 @@ def run(args, name, variant, device):
         reason = liger_skip_reason(name, device)
         if reason is not None:
             return {"model": name, "variant": variant, "skipped": reason}
+    if variant in GRAPH_VARIANTS and device.type != "cuda":
+        return {"model": name, "variant": variant, "skipped": "CUDA graphs need a CUDA device"}
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--models", name, "--variants", variant, "--iters",
            str(args.iters), "--warmup", str(args.warmup), "--attn", args.attn, "--device", args.device]
     done = subprocess.run(cmd + (["--tiny"] if args.tiny else []), stdout=subprocess.PIPE, text=True)
@@ -327,7 +338,7 @@ def main(argv=None):
                 outcome = f"{r['ms_step']:.2f} ms/step, {r['tokens_s']:,.0f} tokens/s"
             print(f"# {name} {variant}: {outcome}", flush=True)
     print()
-    # a skipped column only when a row was skipped (the liger variant asked for where it cannot run)
+    # a skipped column only when a row was skipped (a variant asked for where it cannot run)
     print(common.markdown_table(rows, COLUMNS + (["skipped"] if any("skipped" in r for r in rows) else [])))
     if device.type == "cuda":
         env = common.environment()

@@ -69,3 +69,10 @@ def test_arguments_are_checked():
     assert args.variants == list(bench_hf.VARIANTS)  # torch+liger only when asked for
     args = bench_hf.parse_args(["--models", "llama,llama", "--variants", "torch+liger,lsmini,torch,lsmini"])
     assert args.models == ["llama"] and args.variants == ["torch+liger", "lsmini", "torch"]
+
+
+def test_graph_variants_are_skipped_without_cuda():
+    rows = bench_hf.main(["--device", "cpu", "--tiny", "--steps", "1", "--models", "bert",
+                          "--variants", "torch+compile-graphs,lsmini+compile-graphs"])
+    assert [r["variant"] for r in rows] == ["torch+compile-graphs", "lsmini+compile-graphs"]
+    assert all(r["skipped"] == "CUDA graphs need a CUDA device" and "ms_step" not in r for r in rows)
