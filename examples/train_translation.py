@@ -178,49 +178,46 @@ def beam_search(model, src, beam, max_lens, lenpen=1.0):
     scores[:, 1:] = -math.inf  # all beams start identical: extend only the first
     finished = [[] for _ in range(b)]
     best = [None] * b
-    for t in range(max(max_lens) + 1):
-        limit = torch.tensor([max_lens[s] <= t for s in alive], device=device).repeat_interleave(beam)
+    max_lens = np.asarray(max_lens)
+    for t in range(int(max_lens.max()) + 1):
+        limit = torch.from_numpy(max_lens[alive] <= t).to(device).repeat_interleave(beam)
         lprobs = _next_log_probs(model, last, enc, enc_mask, cache, limit)
         enc = None  # its keys/values are in the cache now
         vocab = lprobs.size(1)
         n = len(alive)
         cand = (scores.view(-1, 1) + lprobs.double()).view(n, beam * vocab)
-        top_scores, top_index = (x.cpu() for x in cand.topk(2 * beam, dim=1))  # the step's one read-back
-        keep_rows, keep_tok, keep_scores, still = [], [], [], []
-        for j, s in enumerate(alive):
-            picked = []
-            for r in range(2 * beam):
-                sc = top_scores[j, r].item()
-                if sc == -math.inf:
-                    break
-                row = j * beam + top_index[j, r].item() // vocab
-                tok = top_index[j, r].item() % vocab
-                if tok == EOS:
-                    if r < beam:
-                        finished[s].append((sc / (t + 1) ** lenpen, history[row].tolist()))
-                elif len(picked) < beam:
-                    picked.append((row, tok, sc))
-            if len(finished[s]) >= beam or not picked:
-                best[s] = max(finished[s], key=lambda h: h[0])[1] if finished[s] else []
-                continue
-            while len(picked) < beam:  # fewer live extensions than beams: pad with dead copies
-                picked.append((picked[0][0], picked[0][1], -math.inf))
-            still.append(s)
-            for row, tok, sc in picked:
-                keep_rows.append(row)
-                keep_tok.append(tok)
-                keep_scores.append(sc)
-        if not still:
+        top_scores, top_index = (x.cpu().numpy() for x in cand.topk(2 * beam, dim=1))  # the step's one read-back
+        # candidates in score order: an EOS among the best `beam` finishes a hypothesis, the first `beam`
+        # others extend the live ones; -inf candidates (extensions of dead copies) are neither
+        tok = top_index % vocab
+        row = np.arange(n)[:, None] * beam + top_index // vocab
+        real = top_scores > -math.inf
+        eos = real & (tok == EOS)
+        for j, r in zip(*np.nonzero(eos[:, :beam])):
+            finished[alive[j]].append((float(top_scores[j, r]) / (t + 1) ** lenpen, history[int(row[j, r])].tolist()))
+        extend = real & ~eos
+        picked = extend & (np.cumsum(extend, axis=1) <= beam)
+        count = picked.sum(axis=1)
+        done = (count == 0) | (np.array([len(finished[s]) for s in alive]) >= beam)
+        for j in np.nonzero(done)[0]:
+            s = alive[j]
+            best[s] = max(finished[s], key=lambda h: h[0])[1] if finished[s] else []
+        go = np.nonzero(~done)[0]
+        if not len(go):
             break
-        order_cpu = torch.tensor(keep_rows)
+        # the picked columns in score order; fewer than `beam`: padded with dead copies of the first
+        col = np.argsort(~picked[go], axis=1, kind="stable")[:, :beam]
+        real_slot = np.arange(beam)[None, :] < count[go][:, None]
+        col = np.where(real_slot, col, col[:, :1])
+        order_cpu = torch.from_numpy(np.take_along_axis(row[go], col, 1).reshape(-1))
         order = order_cpu.to(device)
         model.reorder_cache(cache, order)
         enc_mask = enc_mask.index_select(0, order)
-        tok_cpu = torch.tensor(keep_tok)
+        tok_cpu = torch.from_numpy(np.take_along_axis(tok[go], col, 1).reshape(-1))
         history = torch.cat([history.index_select(0, order_cpu), tok_cpu[:, None]], dim=1)
         last = tok_cpu.to(device)[:, None]
-        scores = torch.tensor(keep_scores, dtype=torch.float64).view(len(still), beam).to(device)
-        alive = still
+        scores = torch.from_numpy(np.where(real_slot, np.take_along_axis(top_scores[go], col, 1), -math.inf)).to(device)
+        alive = [alive[j] for j in go]
     for s in alive:  # only reachable if the loop ran out of steps, which the forced EOS prevents
         if best[s] is None:
             best[s] = max(finished[s], key=lambda h: h[0])[1] if finished[s] else []
@@ -235,9 +232,10 @@ def translate_ids(model, src_ids, args, device, max_seq_len, shard=(0, 1)):
     lengths = np.array([len(x) + 1 for x in src_ids], dtype=np.int64)
     max_lens = np.minimum(max_seq_len - 1, (args.max_len_a * (lengths - 1) + args.max_len_b).astype(np.int64))
     max_lens = np.maximum(max_lens, 1)
-    # rows × beam × the wider of source and output must fit the model's batch budget
+    # rows × the wider of source and output within --max-tokens, as in training; the model's batch budget
+    # covers the `beam` copies of a batch that decoding runs (decoding_rows)
     width = np.maximum(lengths, max_lens + 1)
-    batch_tokens = max(args.max_tokens // args.beam, batching.round_up(int(width.max())))
+    batch_tokens = max(args.max_tokens, batching.round_up(int(width.max())))
     batches = batching.token_batches(width, batch_tokens, sort_keys=(width,))
     out = [None] * len(src_ids)
     for idx in batches[shard[0]::shard[1]]:

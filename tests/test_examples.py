@@ -291,6 +291,93 @@ def test_beam_1_equals_greedy():
     assert all(len(h) <= m for h, m in zip(greedy, max_lens))
 
 
+@torch.no_grad()
+def reference_beam_search(model, src, beam, max_lens, lenpen=1.0):
+    """beam_search's rules written as a plain loop over each sentence's 2·beam best extensions."""
+    EOS, PAD, BOS = tokenizer.EOS, tokenizer.PAD, tokenizer.BOS
+    b = src.size(0)
+    enc, enc_mask = model.encode(src)
+    rows = torch.arange(b).repeat_interleave(beam)
+    enc, enc_mask = enc.index_select(0, rows), enc_mask.index_select(0, rows)
+    cache, alive = {}, list(range(b))
+    history = torch.full((b * beam, 0), PAD, dtype=torch.long)
+    last = torch.full((b * beam, 1), BOS, dtype=torch.long)
+    scores = torch.zeros(b, beam, dtype=torch.float64)
+    scores[:, 1:] = -math.inf
+    finished, best = [[] for _ in range(b)], [None] * b
+    for t in range(max(max_lens) + 1):
+        limit = torch.tensor([max_lens[s] <= t for s in alive]).repeat_interleave(beam)
+        lprobs = train_translation._next_log_probs(model, last, enc, enc_mask, cache, limit)
+        enc, vocab, n = None, lprobs.size(1), len(alive)
+        top_scores, top_index = (scores.view(-1, 1) + lprobs.double()).view(n, beam * vocab).topk(2 * beam, dim=1)
+        keep_rows, keep_tok, keep_scores, still = [], [], [], []
+        for j, s in enumerate(alive):
+            picked = []
+            for r in range(2 * beam):
+                sc = top_scores[j, r].item()
+                if sc == -math.inf:
+                    break
+                row, tok = j * beam + top_index[j, r].item() // vocab, top_index[j, r].item() % vocab
+                if tok == EOS:
+                    if r < beam:
+                        finished[s].append((sc / (t + 1) ** lenpen, history[row].tolist()))
+                elif len(picked) < beam:
+                    picked.append((row, tok, sc))
+            if len(finished[s]) >= beam or not picked:
+                best[s] = max(finished[s], key=lambda h: h[0])[1] if finished[s] else []
+                continue
+            picked += [(picked[0][0], picked[0][1], -math.inf)] * (beam - len(picked))
+            still.append(s)
+            for row, tok, sc in picked:
+                keep_rows.append(row)
+                keep_tok.append(tok)
+                keep_scores.append(sc)
+        if not still:
+            break
+        order = torch.tensor(keep_rows)
+        model.reorder_cache(cache, order)
+        enc_mask = enc_mask.index_select(0, order)
+        history = torch.cat([history.index_select(0, order), torch.tensor(keep_tok)[:, None]], dim=1)
+        last = torch.tensor(keep_tok)[:, None]
+        scores = torch.tensor(keep_scores, dtype=torch.float64).view(len(still), beam)
+        alive = still
+    return best
+
+
+class EosBias(torch.nn.Module):
+    """A model whose end-of-sentence logit is raised by `bias`, so that EOS lands at every rank of the
+    candidates."""
+
+    def __init__(self, model, bias):
+        super().__init__()
+        self.model, self.bias = model, bias
+
+    def encode(self, src):
+        return self.model.encode(src)
+
+    def decode(self, tokens, enc, mask, cache):
+        logits = self.model.decode(tokens, enc, mask, cache).clone()
+        logits[..., tokenizer.EOS] += self.bias
+        return logits
+
+    def reorder_cache(self, cache, order):
+        return self.model.reorder_cache(cache, order)
+
+
+@pytest.mark.parametrize("beam,lenpen", [(2, 1.0), (3, 0.0), (4, 1.0), (5, 1.5)])
+def test_beam_search_matches_reference(beam, lenpen):
+    """Hypotheses as the per-candidate loop gives them, with EOS among the candidates at every rank (some
+    sentences then have fewer live extensions than beams) and short length limits forcing ends."""
+    for seed in range(3):
+        for bias in (0.0, 2.0, 4.0):
+            model = EosBias(small_model(seed), bias)
+            rows, src = random_sources(9, seed + 10)
+            max_lens = [max(1, len(r) + d) for r, d in zip(rows, [5, -3, 2, 0, 7, 1, -6, 4, 3])]
+            expect = reference_beam_search(model, src, beam, max_lens, lenpen)
+            assert train_translation.beam_search(model, src, beam, max_lens, lenpen) == expect, (seed, bias)
+            assert all(len(h) <= m for h, m in zip(expect, max_lens))
+
+
 def test_incremental_greedy_matches_full_recompute():
     """The decoder cache must give what decoding the whole prefix again gives."""
     model = small_model(3)

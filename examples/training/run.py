@@ -111,7 +111,7 @@ class Task:
 
     def decoding_rows(self, args):
         """How many sequences decoding runs side by side for one input (beams, samples): the model's batch
-        budget covers that many sequences of max_seq_len positions."""
+        budget covers that many batches of --max-tokens (or of one sequence of max_seq_len positions)."""
         raise NotImplementedError
 
     def infer(self, args, model, tokenizer, max_seq_len, device):
@@ -233,9 +233,7 @@ def run_task(task, argv=None):
         data = task.make_batches(args, lines, paths, sp, ids, log)
 
         model_config = task.model_config(args, sp.get_piece_size(), data.max_seq_len)
-        # the batch limit also covers decoding's rows (beams, samples) of up to max_seq_len positions
-        max_batch_tokens = max(args.max_tokens, task.decoding_rows(args) * data.max_seq_len)
-        model = task.build_model(model_config, max_batch_tokens, device, dtype)
+        model = task.build_model(model_config, batch_budget(task, args, data.max_seq_len), device, dtype)
         log(f"model: {args.arch} {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
             f"parameters, {args.precision} on {device}; backend {describe_backend(device)}" +
             (f"; {dist.world} processes" if dist.active else ""))
@@ -276,6 +274,12 @@ def run_task(task, argv=None):
             log(f"done: {trainer.step} steps, {task.summary(metrics)}, {metrics['wall_s']:.0f}s -> {path}")
         dist.close()
         return metrics
+
+
+def batch_budget(task, args, max_seq_len):
+    """The model's max_batch_tokens: a training batch (--max-tokens, at least one max_seq_len sequence), and
+    decoding's copies of one (beams, samples; Task.decoding_rows)."""
+    return max(1, task.decoding_rows(args)) * max(args.max_tokens, max_seq_len)
 
 
 def _checkpoint_warmup(ckpt):
@@ -350,8 +354,7 @@ def load_trained_model(task, args, mode, device, dtype):
     sp = load_sentencepiece(spm_path)
     model_config = ckpt["model_config"]
     max_seq_len = model_config["config"]["max_seq_len"]
-    model = task.build_model(model_config, max(args.max_tokens, task.decoding_rows(args) * max_seq_len), device,
-                             dtype)
+    model = task.build_model(model_config, batch_budget(task, args, max_seq_len), device, dtype)
     model.load_state_dict(ckpt["trainer"]["model"])
     model.eval()
     return model, sp, max_seq_len
