@@ -153,21 +153,28 @@ def default_epochs(args, steps_per_epoch, min_steps):
                     f"least {min_steps} steps, at {steps_per_epoch} per epoch here (--epochs or --max-steps sets it)")
 
 
-def adapt_warmup(args, planned_steps, arch_warmup):
+def adapt_warmup(args, planned_steps, arch_warmup, steps_per_epoch):
     """The warmup of a new run, and a line saying where it comes from. An explicit --warmup wins; otherwise
     the --arch value, capped at a third of the planned steps of an --epochs run (planned_steps None:
     --max-steps sets the length, the --arch value stays): the arch tables assume long runs (4000 steps), and
     a small corpus trained for tens of epochs would otherwise spend most of its run warming up and never
-    reach the decay the inverse-square-root schedule relies on."""
+    reach the decay the inverse-square-root schedule relies on. With early stopping (--patience) the planned
+    steps are only a ceiling: a small corpus reaches its best validation a few epochs in and the run stops
+    there, so the warmup is also capped at two epochs, for the peak to come before the best."""
     if args.warmup_given:
         return args.warmup, f"warmup {args.warmup} steps (--warmup)"
     if planned_steps is None:
         return arch_warmup, f"warmup {arch_warmup} steps (--arch {args.arch}; a --max-steps run keeps it)"
     cap = max(1, planned_steps // 3)
+    why = f"a third of the {planned_steps} planned steps"
+    if args.patience is not None and 2 * steps_per_epoch < cap:
+        cap = 2 * steps_per_epoch
+        why = (f"two epochs of {steps_per_epoch} steps: early stopping ends a small corpus's run a few epochs in, "
+               f"long before the {planned_steps} planned steps")
     if arch_warmup <= cap:
         return arch_warmup, f"warmup {arch_warmup} steps (--arch {args.arch}; {planned_steps} steps planned)"
-    return cap, (f"warmup {cap} steps: a third of the {planned_steps} planned steps (--arch {args.arch} gives "
-                 f"{arch_warmup}, too long for this run; --warmup sets it)")
+    return cap, f"warmup {cap} steps: {why} (--arch {args.arch} gives {arch_warmup}, too long for this run; " \
+                f"--warmup sets it)"
 
 
 def layer_config(args, arch, activation, max_seq_len):

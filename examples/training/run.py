@@ -253,7 +253,7 @@ def run_task(task, argv=None):
             log(f"schedule: peak lr {args.lr:g}" +
                 (f", warmup {warmup} steps (the checkpoint's run)" if warmup else ""))
         else:
-            args.warmup, how = cli.adapt_warmup(args, planned, task.archs[args.arch]["warmup"])
+            args.warmup, how = cli.adapt_warmup(args, planned, task.archs[args.arch]["warmup"], per_epoch)
             log(f"schedule: peak lr {args.lr:g}, {how}, then lr ∝ 1/sqrt(step)")
         trainer = start_trainer(args, model, model_config, ckpt, ckpt_path, device, dtype, log, dist)
         ckpt = None  # restored: free it
