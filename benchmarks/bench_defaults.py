@@ -4,7 +4,8 @@
                                         [--files NAME TRAIN_SRC TRAIN_TGT VALID_SRC VALID_TGT TEST_SRC TEST_TGT]
                                         [--lm-text NAME FILE] [--lm-arch small]
                                         [--tuned "FLAGS" ...] [--lm-tuned "FLAGS" ...] [--parallel 3]
-                                        [--skip-defaults] [--work DIR] [--json PATH] [--results DIR | --no-results]
+                                        [--skip-defaults | --skip-tuned] [--work DIR] [--json PATH]
+                                        [--results DIR | --no-results]
 
 Corpora (each one a table):
     --pairs N,..     the built-in en→zl translation task with N training pairs (valid and test: 500 pairs each;
@@ -189,10 +190,13 @@ def main():
                     help="flags of one tuned LM run (repeat; default: LM_TUNED)")
     ap.add_argument("--parallel", type=int, default=3, help="tuned runs at a time (default 3)")
     ap.add_argument("--skip-defaults", action="store_true", help="only the tuned runs")
+    ap.add_argument("--skip-tuned", action="store_true", help="only the defaults' runs")
     ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench_defaults"))
     ap.add_argument("--json", default=None, help="write all rows here")
     common.add_results_arguments(ap)
     a = ap.parse_args()
+    if a.skip_defaults and a.skip_tuned:
+        ap.error("--skip-defaults and --skip-tuned together leave nothing to run")
 
     corpora = [(translation_corpus(f"built-in task, {p} pairs", builtin_corpus(a.work, p)), a.arch)
                for p in (int(p) for p in a.pairs.split(",") if p.strip())]
@@ -205,7 +209,7 @@ def main():
 
     rows = []
     for corpus, arch in corpora:
-        tuned = (a.lm_tuned if a.lm_tuned is not None else LM_TUNED) if corpus.is_lm else \
+        tuned = [] if a.skip_tuned else (a.lm_tuned if a.lm_tuned is not None else LM_TUNED) if corpus.is_lm else \
             (a.tuned if a.tuned is not None else TRANSLATION_TUNED)
         base = os.path.join(a.work, re.sub(r"[^\w.-]+", "_", f"{corpus.example[:-3]}_{arch}_{corpus.label}"))
         corpus_rows = []
