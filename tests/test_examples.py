@@ -126,6 +126,16 @@ def test_lm_of_the_default_length_stops_when_validation_stops_improving(tmp_path
     out = capsys.readouterr().out
     assert "early stop: after 2 validations without a better valid_loss" in out
     assert m["stop_reason"].startswith("early stop") and m["best"]["step"] < m["steps"]
+    # --generate takes the best model, not the last one past it, and says so; --checkpoint picks another
+    d = str(tmp_path / "default")
+    generate = ["--save-dir", d, "--generate", "The dog", "--num-samples", "1", "--max-new-tokens", "3"]
+    run(train_lm.main, generate)
+    assert f"--generate: the model of {os.path.join(d, 'checkpoint_best.pt')} (step {m['best']['step']}, valid " \
+           f"loss {m['best']['valid_loss']:.3f}; --checkpoint picks another)" in capsys.readouterr().err
+    run(train_lm.main, generate + ["--checkpoint", "last"])
+    assert f"checkpoint_last.pt (step {m['steps']}, valid loss {m['valid_loss']:.3f})" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"--checkpoint average: no checkpoint_average.pt in .*--average-last N"):
+        run(train_lm.main, generate + ["--checkpoint", "average"])
     m = run(train_lm.main, common + ["--save-dir", str(tmp_path / "epochs"), "--epochs", "3"])
     assert "early stop" not in capsys.readouterr().out and m["stop_reason"] == "--epochs 3 done"
 
@@ -398,7 +408,8 @@ def test_incremental_greedy_matches_full_recompute():
 
 
 def test_translate_round_trip(trained, monkeypatch, capsys, corpus):
-    """--translate on the test sources reproduces the hypotheses the training run wrote."""
+    """--translate on the test sources reproduces the hypotheses the training run wrote with the model it
+    loads (the best checkpoint: its own file when it is not the last)."""
     save_dir, _ = trained
     with open(corpus["test"][0], "rb") as f:
         data = f.read()
@@ -407,7 +418,8 @@ def test_translate_round_trip(trained, monkeypatch, capsys, corpus):
     assert run(train_translation.main, ["--translate", "--save-dir", save_dir, "--beam", "2", "--max-tokens", "512"]) \
         is None
     out = capsys.readouterr().out
-    with open(os.path.join(save_dir, "hypotheses.test.txt"), encoding="utf-8") as f:
+    best = os.path.join(save_dir, "hypotheses.test.best.txt")
+    with open(best if os.path.exists(best) else os.path.join(save_dir, "hypotheses.test.txt"), encoding="utf-8") as f:
         assert out == f.read()
 
 

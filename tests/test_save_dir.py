@@ -148,7 +148,7 @@ def test_the_other_examples_save_dir_is_named(trained, tmp_path, monkeypatch):
                                             r"of one of its own runs$") as e:
             run(train_lm.main, ["--save-dir", d, "--generate", "The dog", "--num-samples", "1"])
         assert "\n" not in str(e.value)
-    with pytest.raises(DataError, match=r"^--translate: .*checkpoint_last.pt holds a language model, written by "
+    with pytest.raises(DataError, match=r"^--translate: .*checkpoint_best.pt holds a language model, written by "
                                         r"train_lm.py, not a translation model of train_translation.py: use it with "
                                         r"train_lm.py --generate"):
         translate(lm, monkeypatch)

@@ -95,6 +95,11 @@ def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
     g.add_argument("--average-last", type=int, default=None, metavar="N",
                    help="at the end, average the parameters of the last N periodic checkpoints (keeps at least "
                         "N of them) and score the average beside the last and the best checkpoint")
+    g.add_argument("--checkpoint", choices=("best", "last", "average"), default=None,
+                   help="the model the inference mode (--translate, --generate) loads from --save-dir: best "
+                        "(checkpoint_best.pt, the best validation; the default where the run wrote one), last "
+                        "(checkpoint_last.pt, the default otherwise) or average (checkpoint_average.pt, from "
+                        "--average-last)")
     g.add_argument("--log-every", type=int, default=50,
                    help="read the loss back from the device and refresh the progress bar every N steps (default 50)")
     g.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")

@@ -343,12 +343,26 @@ def score_other_checkpoints(task, args, model, data, device, dist, log, trainer,
 
 
 def load_trained_model(task, args, mode, device, dtype):
-    """(model in eval mode, tokenizer, max_seq_len) of the run in --save-dir, for the inference mode `mode`."""
-    ckpt_path = os.path.join(args.save_dir, CHECKPOINT_NAME)
+    """(model in eval mode, tokenizer, max_seq_len) of the run in --save-dir, for the inference mode `mode`:
+    the --checkpoint one, by default checkpoint_best.pt where the run wrote one (after an early stop the last
+    model is past the best), else checkpoint_last.pt. Says on stderr which it loaded."""
+    last_path = os.path.join(args.save_dir, CHECKPOINT_NAME)
+    if not os.path.isfile(last_path):
+        raise DataError(f"{mode}: no trained model at {last_path}; train one first (same --save-dir)")
+    names = {"best": BEST_NAME, "last": CHECKPOINT_NAME, "average": AVERAGE_NAME}
+    which = args.checkpoint or ("best" if os.path.isfile(os.path.join(args.save_dir, BEST_NAME)) else "last")
+    ckpt_path = os.path.join(args.save_dir, names[which])
     if not os.path.isfile(ckpt_path):
-        raise DataError(f"{mode}: no trained model at {ckpt_path}; train one first (same --save-dir)")
+        how = " (a run with --average-last N writes it)" if which == "average" else ""
+        raise DataError(f"{mode} --checkpoint {which}: no {names[which]} in {args.save_dir}{how}")
     ckpt = load_checkpoint(ckpt_path)
     check_task(ckpt, task.name, ckpt_path, mode)
+    state = ckpt["trainer"]
+    # the average's trainer state is the last checkpoint's: its valid loss is not the average's
+    valid = f", valid loss {state['valid_loss']:.3f}" if which != "average" and state.get("valid_loss") is not None \
+        else ""
+    print(f"{mode}: the model of {ckpt_path} (step {state['step']}{valid}" +
+          ("" if args.checkpoint else "; --checkpoint picks another") + ")", file=sys.stderr)
     spm_path = os.path.join(args.save_dir, SPM_NAME)
     check_tokenizer(ckpt, spm_path, ckpt_path, mode, lambda msg: print(msg, file=sys.stderr))
     sp = load_sentencepiece(spm_path)
