@@ -1,4 +1,5 @@
-"""Write benchmarks/RESULTS.md, and the README's table of headline numbers, from benchmarks/results/*.csv.
+"""Write benchmarks/RESULTS.md, and the README's tables of headline numbers and of the examples' defaults, from
+benchmarks/results/*.csv.
 
     python benchmarks/report.py [--results DIR] [--out PATH] [--readme PATH] [--check]
 
@@ -25,6 +26,8 @@ RESULTS_MD = os.path.join(ROOT, "benchmarks", "RESULTS.md")
 README = os.path.join(ROOT, "README.md")
 README_BEGIN = "<!-- headline results: written by benchmarks/report.py from benchmarks/results/*.csv -->"
 README_END = "<!-- end of headline results -->"
+DEFAULTS_BEGIN = "<!-- defaults: written by benchmarks/report.py from benchmarks/results/defaults.csv -->"
+DEFAULTS_END = "<!-- end of defaults -->"
 
 SECTIONS = {  # benchmark: (title, script, what a row is)
     "training": ("Whole training steps", "bench_training.py",
@@ -289,26 +292,53 @@ def headline_table(rows, headlines=HEADLINES):
     return table(["", "lsmini", "strongest PyTorch variant, same run", "lsmini vs PyTorch", "GPU", "date"], body)
 
 
-def with_headlines(readme, rows):
-    """The README's text with its headline block rewritten."""
-    begin, end = readme.find(README_BEGIN), readme.find(README_END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"README.md lacks the markers {README_BEGIN!r} ... {README_END!r}")
-    return readme[:begin] + README_BEGIN + "\n" + headline_table(rows) + "\n" + readme[end:]
+def defaults_table(rows):
+    """The README's table of the examples' defaults: per corpus and GPU, the latest run of the defaults beside
+    the best tuned run of the same corpus (bench_defaults.py): BLEU higher or perplexity lower is better."""
+    chosen = [r for r in latest(rows).values() if r["benchmark"] == "defaults"]
+    body = []
+    runs = sorted((r for r in chosen if r["variant"] == "defaults"), key=lambda r: (r["gpu"], natural(r["config"])))
+    for d in runs:
+        lm = bool(number(d.get("ppl")))
+        name, better = ("ppl", min) if lm else ("bleu", max)
+        tuned = [r for r in chosen if (r["config"], r["gpu"]) == (d["config"], d["gpu"]) and r["variant"] != "defaults"
+                 and number(r.get(name)) is not None]
+        best = better(tuned, key=lambda r: number(r[name]), default=None)
+        mine = f"{'perplexity' if lm else 'BLEU'} {fmt(d[name])}"
+        gap = ""
+        if best is not None:
+            x, y = number(d[name]), number(best[name])
+            gap = f"{(x / y - 1) * 100:+.1f}%" if lm else f"{x - y:+.2f}"
+        chose = f"{fmt(d['steps'])} steps, warmup {fmt(d['warmup'])}, lr {fmt(d['lr'])}"
+        body.append([fmt(d["config"]), chose, mine, f"{fmt(best[name])} (`{best['variant']}`)" if best else "—", gap,
+                     f"{fmt(d['command_s'])} s", d["gpu"], d["date"]])
+    return table(["example, corpus", "what the defaults chose", "defaults", "best tuned run", "gap", "whole command",
+                  "GPU", "date"], body)
+
+
+def with_tables(readme, rows):
+    """The README's text with its headline and defaults blocks rewritten."""
+    for (begin_marker, end_marker), make in (((README_BEGIN, README_END), headline_table),
+                                             ((DEFAULTS_BEGIN, DEFAULTS_END), defaults_table)):
+        begin, end = readme.find(begin_marker), readme.find(end_marker)
+        if begin < 0 or end < begin:
+            raise ValueError(f"README.md lacks the markers {begin_marker!r} ... {end_marker!r}")
+        readme = readme[:begin] + begin_marker + "\n" + make(rows) + "\n" + readme[end:]
+    return readme
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=RESULTS_DIR, help="the CSV directory (default benchmarks/results)")
     ap.add_argument("--out", default=RESULTS_MD, help="the file to write (default benchmarks/RESULTS.md)")
-    ap.add_argument("--readme", default=README, help="the README whose headline table to rewrite ('' for none)")
+    ap.add_argument("--readme", default=README, help="the README whose tables to rewrite ('' for none)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is not up to date")
     args = ap.parse_args(argv)
     rows = load(args.results)
     outputs = {args.out: render(rows)}
     if args.readme:
         with open(args.readme) as f:
-            outputs[args.readme] = with_headlines(f.read(), rows)
+            outputs[args.readme] = with_tables(f.read(), rows)
     stale = []
     for path, text in outputs.items():
         old = open(path).read() if os.path.exists(path) else None

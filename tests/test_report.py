@@ -1,7 +1,7 @@
 """benchmarks/report.py, the results record and the GPU test-suite record (CPU only).
 
-The committed RESULTS.md and the README's headline table must be exactly what report.py writes from the
-committed CSVs; report.py's selection (the latest row of each key) and its ratios (against the strongest
+The committed RESULTS.md and the README's tables (headlines, defaults) must be exactly what report.py writes
+from the committed CSVs; report.py's selection (the latest row of each key) and its ratios (against the strongest
 PyTorch variant of the same run) are checked on small CSVs written here; so are benchmarks/common's
 append_results and the parsing of pytest's output in benchmarks/gpu_tests.py."""
 import csv
@@ -24,11 +24,11 @@ def test_committed_results_md_is_what_report_writes():
         assert f.read() == report.render(rows), "run `python benchmarks/report.py` and commit RESULTS.md"
 
 
-def test_committed_readme_headlines_are_what_report_writes():
+def test_committed_readme_tables_are_what_report_writes():
     rows = report.load(common.RESULTS_DIR)
     with open(report.README) as f:
         readme = f.read()
-    assert report.with_headlines(readme, rows) == readme, "run `python benchmarks/report.py` and commit README.md"
+    assert report.with_tables(readme, rows) == readme, "run `python benchmarks/report.py` and commit README.md"
 
 
 def test_every_committed_row_is_the_latest_of_its_key():
@@ -109,7 +109,21 @@ def test_headline_table_and_readme_block(tmp_path):
     with pytest.raises(KeyError, match="not in the results"):
         report.headline_table(rows, [("training", "lm", "lsmini", "GPU A", "missing")])
     with pytest.raises(ValueError, match="markers"):
-        report.with_headlines("no markers here", rows)
+        report.with_tables("no markers here", rows)
+
+
+def test_defaults_table_sets_the_defaults_beside_the_best_tuned_run(tmp_path):
+    def run(config, variant, **figs):
+        return {"benchmark": "defaults", "config": config, "variant": variant, "kind": "lsmini", "steps": 100,
+                "warmup": 10, "lr": 0.001, "command_s": 20.5, **figs}
+
+    rows = write(tmp_path, "defaults", [("2026-01-01", "r1", [
+        run("mt", "defaults", bleu=40.25), run("mt", "--lr 2e-3", bleu=41.75), run("mt", "--lr 5e-4", bleu=39.5),
+        run("lm", "defaults", ppl=110.5), run("lm", "--warmup 5", ppl=100.5), run("lm", "--warmup 50", ppl=120.5),
+        run("lm", "--broken", note="failed")])])
+    table = report.defaults_table(rows)
+    assert "| mt | 100 steps, warmup 10, lr 0.001 | BLEU 40.25 | 41.75 (`--lr 2e-3`) | -1.50 | 20.5 s | GPU A |" in table
+    assert "| lm | 100 steps, warmup 10, lr 0.001 | perplexity 110.5 | 100.5 (`--warmup 5`) | +10.0% |" in table
 
 
 def test_append_results_stamps_rows_and_widens_the_header(tmp_path):
