@@ -136,6 +136,9 @@ def test_lm_of_the_default_length_stops_when_validation_stops_improving(tmp_path
     assert f"checkpoint_last.pt (step {m['steps']}, valid loss {m['valid_loss']:.3f})" in capsys.readouterr().err
     with pytest.raises(DataError, match=r"--checkpoint average: no checkpoint_average.pt in .*--average-last N"):
         run(train_lm.main, generate + ["--checkpoint", "average"])
+    with pytest.raises(SystemExit):  # a training run does not read it: refused, not ignored
+        train_lm.TASK.parse_args(["--save-dir", d, "--checkpoint", "best"])
+    assert "--checkpoint picks the model that --translate or --generate loads" in capsys.readouterr().err
     m = run(train_lm.main, common + ["--save-dir", str(tmp_path / "epochs"), "--epochs", "3"])
     assert "early stop" not in capsys.readouterr().out and m["stop_reason"] == "--epochs 3 done"
 

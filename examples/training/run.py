@@ -102,6 +102,9 @@ class Task:
         args.builtin = self.check_data_flags(parser, args)
         cli.resolve_common_args(parser, args, self.default_save_dir, args.builtin, self.archs[args.arch])
         self.check_args(parser, args)
+        if args.checkpoint is not None and self.inference_mode(args) is None:
+            parser.error("--checkpoint picks the model that --translate or --generate loads; a training run does "
+                         "not read it (--resume continues from checkpoint_last.pt)")
         return args
 
     # -- inference mode --
