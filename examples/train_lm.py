@@ -267,6 +267,13 @@ class LanguageModelTask(run.Task):
             print_samples(model, data.tokenizer, args, "", data.max_seq_len, device, log)
         return {}
 
+    def score(self, args, model, data, device, dist, log, label):
+        # the best checkpoint (after an early stop the last model is past it) and the average sample too
+        if dist.is_main and args.num_samples:
+            log(f"samples of the {label} checkpoint:")
+            print_samples(model, data.tokenizer, args, "", data.max_seq_len, device, log)
+        return {}
+
     def summary(self, metrics):
         tps = metrics["tokens_per_s"]
         return (f"valid loss {metrics['valid_loss']:.3f} (ppl {format_ppl(metrics['valid_loss'])})" +

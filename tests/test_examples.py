@@ -126,6 +126,9 @@ def test_lm_of_the_default_length_stops_when_validation_stops_improving(tmp_path
     out = capsys.readouterr().out
     assert "early stop: after 2 validations without a better valid_loss" in out
     assert m["stop_reason"].startswith("early stop") and m["best"]["step"] < m["steps"]
+    m = run(train_lm.main, common + ["--save-dir", str(tmp_path / "default"), "--overwrite", "--num-samples", "2"])
+    out = capsys.readouterr().out.split("samples of the best checkpoint:\n")  # the last model's, then the best's
+    assert len(out) == 2 and [len([s for s in part.splitlines() if s.startswith("sample: ")]) for part in out] == [2, 2]
     # --generate takes the best model, not the last one past it, and says so; --checkpoint picks another
     d = str(tmp_path / "default")
     generate = ["--save-dir", d, "--generate", "The dog", "--num-samples", "1", "--max-new-tokens", "3"]
