@@ -268,7 +268,8 @@ class LanguageModelTask(run.Task):
         return {}
 
     def score(self, args, model, data, device, dist, log, label):
-        # the best checkpoint (after an early stop the last model is past it) and the average sample too
+        # each other model the run scores samples too: the best checkpoint when it is not the last (after an
+        # early stop the last model is past it), and the average of --average-last
         if dist.is_main and args.num_samples:
             log(f"samples of the {label} checkpoint:")
             print_samples(model, data.tokenizer, args, "", data.max_seq_len, device, log)
