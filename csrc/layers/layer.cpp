@@ -951,13 +951,29 @@ std::array<at::Tensor, 3> norm_bwd(const at::Tensor& dy, const Slots& sv, const 
   return {dx, dweight, at::Tensor()};
 }
 
+// d input = grad·weight, added by the GEMM into accumulate when given (beta = 1: post-norm's residual path,
+// no separate add), else into out.
+at::Tensor input_grad(const at::Tensor& grad, const at::Tensor& weight, const OptTensor& accumulate,
+                      const OptTensor& out) {
+  if (accumulate) {
+    at::Tensor dst = *accumulate;
+    return at::addmm_out(dst, dst, grad, weight);
+  }
+  if (out) {
+    at::Tensor dst = *out;
+    return at::mm_out(dst, grad, weight);
+  }
+  return at::mm(grad, weight);
+}
+
 // Backward of an attention core: (d input, d weight_in, d bias_in, d weight_out). kv_grads: a cross block's
-// dK/dV destinations. input_of(out): the core's input (recomputed into out, or saved).
+// dK/dV destinations. input_of(out): the core's input (recomputed into out, or saved). accumulate: where d input
+// is added (input_grad), read by nothing else before.
 template <typename InputOf>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     Kind kind, const at::Tensor& grad_core, const Params& p, const Slots& sv, const PhiloxTuple& rng,
     const Options& o, const Shape& s, const Room& room, const InputOf& input_of,
-    const std::pair<OptTensor, OptTensor>& kv_grads, const Inputs& in) {
+    const std::pair<OptTensor, OptTensor>& kv_grads, const Inputs& in, const OptTensor& accumulate) {
   const bool self = kind == Kind::Self;
   const int64_t t = s.tokens;
   const at::Tensor& scratch = room.scratch;
@@ -984,8 +1000,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
   // d(context) is dead once the attention backward has read it: the recomputed input may go there
   at::Tensor grad_weight_in = weight_grad(transposed(grad_projection), input_of(region(scratch, 0, t, o.hidden)),
                                           s.weight_dtype, room.dest[0]);
-  at::Tensor grad_input = region(scratch, 0, t, o.hidden);  // so is a recomputed input, once that GEMM read it
-  at::mm_out(grad_input, grad_projection, p.weight_in);
+  // so is a recomputed input, once that GEMM read it
+  const at::Tensor grad_input = input_grad(grad_projection, p.weight_in, accumulate, region(scratch, 0, t, o.hidden));
   return {grad_input, grad_weight_in, grad_bias_in, grad_weight_out};
 }
 
@@ -993,7 +1009,8 @@ template <typename InputOf>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Tensor& grad_core, const Params& p,
                                                                    const Slots& sv, const PhiloxTuple& rng,
                                                                    const Options& o, const Shape& s,
-                                                                   const Room& room, const InputOf& input_of) {
+                                                                   const Room& room, const InputOf& input_of,
+                                                                   const OptTensor& accumulate) {
   // The scratch holds the activation (recomputed, unless kept), then its gradient, then (in place) the gradient
   // of the first GEMM's output. The [t, H] temporaries are fresh: that keeps the scratch at t·F, and they are
   // freed before the attention blocks' backward, where a layer's memory peaks.
@@ -1023,7 +1040,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Ten
     grad_bias_in = grad_bias.value_or(at::Tensor());
   }
   at::Tensor grad_weight_in = weight_grad(transposed(grad_pre), input_of(std::nullopt), s.weight_dtype, room.dest[0]);
-  return {at::mm(grad_pre, p.weight_in), grad_weight_in, grad_bias_in, grad_weight_out};
+  return {input_grad(grad_pre, p.weight_in, accumulate, std::nullopt), grad_weight_in, grad_bias_in, grad_weight_out};
 }
 
 struct Gradients {  // of one block: its input and its six parameters
@@ -1039,9 +1056,10 @@ Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Sl
   const OptTensor grad_core_out =
       kind == Kind::Ffn ? std::nullopt
                         : OptTensor(region(room.scratch, align(s.tokens * o.hidden), s.tokens, o.hidden));
-  auto core = [&](const at::Tensor& grad_core, auto input_of) {
-    return kind == Kind::Ffn ? ffn_bwd(grad_core, p, sv, rngs[0], o, s, room, input_of)
-                             : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, room, input_of, kv_grads, in);
+  auto core = [&](const at::Tensor& grad_core, auto input_of, const OptTensor& accumulate) {
+    return kind == Kind::Ffn
+               ? ffn_bwd(grad_core, p, sv, rngs[0], o, s, room, input_of, accumulate)
+               : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, room, input_of, kv_grads, in, accumulate);
   };
   const bool has_bias_out = p.bias_out.defined();
   const std::optional<at::ScalarType> bias_out_dtype =
@@ -1058,7 +1076,7 @@ Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Sl
         bias_dropout_residual_bwd(grad, o.dropout, rngs[1], has_bias_out, bias_out_dtype, grad_core_out, bias_out_room);
     g.bias_out = grad_bias_out.value_or(at::Tensor());
     at::Tensor grad_x;
-    std::tie(grad_x, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, input_of);
+    std::tie(grad_x, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, input_of, std::nullopt);
     // the residual path: grad added to the norm's input gradient in the same kernel, into grad when it is ours
     std::tie(g.input, g.norm_weight, g.norm_bias) =
         std::tuple_cat(norm_bwd(grad_x, sv, p, o, grad, grad_is_ours ? OptTensor(grad) : std::nullopt, room));
@@ -1066,14 +1084,13 @@ Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Sl
   }
   std::tie(g.input, g.norm_weight, g.norm_bias) =
       std::tuple_cat(norm_bwd(grad, sv, p, o, std::nullopt, std::nullopt, room));
-  // without dropout grad_core IS g.input; the core has finished reading it before the add below
+  // without dropout grad_core IS g.input; the core has finished reading it before its last GEMM adds the core
+  // input's gradient there (the residual path's sum)
   auto [grad_core, grad_bias_out] = bias_dropout_residual_bwd(g.input, o.dropout, rngs[1], has_bias_out,
                                                               bias_out_dtype, grad_core_out, bias_out_room);
   g.bias_out = grad_bias_out.value_or(at::Tensor());
-  at::Tensor grad_x;
   auto saved_input = [&](const OptTensor&) { return sv[kCoreInput]; };
-  std::tie(grad_x, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, saved_input);
-  g.input.add_(grad_x);
+  std::tie(std::ignore, g.weight_in, g.bias_in, g.weight_out) = core(grad_core, saved_input, g.input);
   return g;
 }
 
