@@ -1,5 +1,8 @@
 import copy
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -1070,3 +1073,16 @@ def test_cuda_state_dict_round_trip_bit_identical():
             _assert_equal(a[k][key], b[k][key], f"{key}[{k}]")
     assert float(a[0]["step"]) == 8  # nine steps, one skipped
     assert s2.get_scale() == scaler.get_scale()
+
+
+def test_building_the_optimizer_does_not_import_dynamo():
+    """FusedAdam's construction, zero_grad and state_dict leave torch._dynamo unimported (seconds of start-up in
+    a run that never compiles): the base class's add_param_group is called without its dynamo-disabling
+    wrapper."""
+    code = ("import sys, torch; from lsmini.optim import FusedAdam; "
+            "opt = FusedAdam(torch.nn.Linear(4, 4)); opt.zero_grad(); opt.state_dict(); "
+            "print('torch._dynamo' in sys.modules)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -143,7 +143,10 @@ class FusedAdam(torch.optim.Optimizer):
         if len(self.param_groups) >= MAX_GROUPS:
             raise ValueError(f"FusedAdam supports at most {MAX_GROUPS} param groups (their hyperparameters travel "
                              "to the kernel in a fixed-size table); merge groups with equal settings")
-        super().add_param_group(param_group)
+        # the base method undecorated: its torch._disable_dynamo wrapper imports torch._dynamo on first use
+        # (seconds of start-up) only to keep a compiled region from tracing it, which construction never is
+        base = torch.optim.Optimizer.add_param_group
+        getattr(base, "__wrapped__", base)(self, param_group)
         g = self.param_groups[-1]
         try:
             _check_hyper(f"FusedAdam (param group {len(self.param_groups) - 1})", _scalar(g["lr"]),
