@@ -136,12 +136,12 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_act_dropout_bwd(const at:
       T* gb = bc.defined() ? kptr<scalar_t>(*grad_bias) : nullptr;
       err = launch_bias_act_dropout_bwd<T, T>(kptr<scalar_t>(g), kptr<scalar_t>(xc), b, kptr<scalar_t>(grad_x), gb,
                                               part, slabs, rows, hidden, act_id, static_cast<float>(p), philox,
-                                              from_output, current_stream());
+                                              from_output, room.sums, current_stream());
     } else {
       err = launch_bias_act_dropout_bwd<T, float>(kptr<scalar_t>(g), kptr<scalar_t>(xc), bc.data_ptr<float>(),
                                                   kptr<scalar_t>(grad_x), grad_bias->data_ptr<float>(), part, slabs,
                                                   rows, hidden, act_id, static_cast<float>(p), philox,
-                                                  from_output, current_stream());
+                                                  from_output, room.sums, current_stream());
     }
   });
   check_launch(err, op);

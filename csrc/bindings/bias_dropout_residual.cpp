@@ -110,11 +110,11 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> bias_dropout_residual_bwd(
     if (!has_bias || bdt == g.scalar_type()) {
       T* gb = has_bias ? kptr<scalar_t>(*grad_bias) : nullptr;
       err = launch_bias_dropout_residual_bwd<T, T>(kptr<scalar_t>(g), gx, gb, part, slabs, rows, hidden,
-                                                   static_cast<float>(p), philox, current_stream());
+                                                   static_cast<float>(p), philox, room.sums, current_stream());
     } else {
       err = launch_bias_dropout_residual_bwd<T, float>(kptr<scalar_t>(g), gx, grad_bias->data_ptr<float>(), part,
                                                        slabs, rows, hidden, static_cast<float>(p), philox,
-                                                       current_stream());
+                                                       room.sums, current_stream());
     }
   });
   check_launch(err, op);

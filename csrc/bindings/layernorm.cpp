@@ -152,13 +152,13 @@ std::vector<c10::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy_in, co
       err = launch_layernorm_bwd<K, float>(kptr<scalar_t>(dy), kptr<scalar_t>(x), opt_ptr<float>(weight),
                                            m.data_ptr<float>(), r.data_ptr<float>(), static_cast<const K*>(add_ptr),
                                            kptr<scalar_t>(dx), out(dweight), out(dbias), part_ptr, rows, hidden,
-                                           current_stream());
+                                           room.sums, current_stream());
     } else {
       auto out = [](c10::optional<at::Tensor>& t) { return t ? reinterpret_cast<K*>(t->data_ptr()) : nullptr; };
       err = launch_layernorm_bwd<K, K>(kptr<scalar_t>(dy), kptr<scalar_t>(x), opt_ptr<K>(weight),
                                        m.data_ptr<float>(), r.data_ptr<float>(), static_cast<const K*>(add_ptr),
                                        kptr<scalar_t>(dx), out(dweight), out(dbias), part_ptr, rows, hidden,
-                                       current_stream());
+                                       room.sums, current_stream());
     }
     check_launch(err, op);
   });

@@ -2,6 +2,7 @@
 // kernels as the Python entry points of the same names, without a trip through Python.
 #pragma once
 
+#include "column_sums.h"
 #include "common.h"
 
 #include <optional>
@@ -13,9 +14,11 @@ namespace lsmini {
 // Room a caller (the layer runtime, from its one scratch buffer) gives a backward binding: its parameter
 // gradients go into grad_weight / grad_bias (vectors of the dtype the binding computes them in), its float32
 // temporaries (column partial sums, the attention's row terms) to the start of workspace. Whatever is not
-// given is allocated, as for the Python entry points.
+// given is allocated, as for the Python entry points. With sums, the second pass of its column sums is queued
+// there (column_sums.h) rather than launched: the caller launches it, after which the gradients are complete.
 struct BackwardRoom {
   std::optional<at::Tensor> grad_weight, grad_bias, workspace;
+  ColumnSums* sums = nullptr;
 };
 
 // module.cpp: the Philox state of one dropout call from torch's CUDA generator of that device (-1: current).

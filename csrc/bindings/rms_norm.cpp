@@ -130,7 +130,7 @@ std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_bwd(const at::Tensor&
         static_cast<const T*>(dy.data_ptr()), static_cast<const T*>(x.data_ptr()), opt_ptr<W>(weight),
         rstd.data_ptr<float>(), add ? static_cast<const T*>(add->data_ptr()) : nullptr, static_cast<T*>(dx.data_ptr()),
         dweight ? static_cast<W*>(dweight->data_ptr()) : nullptr, dweight ? partials.data_ptr<float>() : nullptr,
-        rows, hidden, current_stream());
+        rows, hidden, nullptr, current_stream());
     check_launch(err, op);
   });
   return {dx, dweight};

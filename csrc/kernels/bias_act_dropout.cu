@@ -229,7 +229,8 @@ int64_t bias_act_dropout_bwd_partial_slabs(int64_t rows, int64_t hidden) {
 template <typename T, typename BT>
 cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT* bias, T* grad_x, BT* grad_bias,
                                         float* partials, int64_t partial_slabs, int64_t rows, int64_t hidden,
-                                        int act, float p, PhiloxArgs rng, bool from_output, cudaStream_t stream) {
+                                        int act, float p, PhiloxArgs rng, bool from_output, ColumnSums* sums,
+                                        cudaStream_t stream) {
   if (act < 0 || act >= kBiasActCount || (from_output && act != int(BiasAct::Relu))) return cudaErrorInvalidValue;
   if (hidden <= 0) return cudaSuccess;
   if (grad_bias == nullptr) partials = nullptr;
@@ -261,7 +262,7 @@ cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT*
     }
     if (err != cudaSuccess) return err;
   }
-  if (grad_bias != nullptr) return sum_column_partials<BT>(partials, slabs, hidden, grad_bias, stream);
+  if (grad_bias != nullptr) return finish_column_partials<BT>(partials, slabs, hidden, grad_bias, sums, stream);
   return cudaSuccess;
 }
 
@@ -273,7 +274,7 @@ cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT*
                                                           PhiloxArgs, cudaStream_t);                            \
   template cudaError_t launch_bias_act_dropout_bwd<T, BT>(const T*, const T*, const BT*, T*, BT*, float*,        \
                                                           int64_t, int64_t, int64_t, int, float, PhiloxArgs,    \
-                                                          bool, cudaStream_t);
+                                                          bool, ColumnSums*, cudaStream_t);
 
 LSMINI_INSTANTIATE_BAD(float, float)
 LSMINI_INSTANTIATE_BAD(__half, __half)

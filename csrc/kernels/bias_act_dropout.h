@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "column_sums.h"
 #include "philox.h"
 
 namespace lsmini {
@@ -29,12 +30,14 @@ cudaError_t launch_bias_act_dropout_fwd(const T* x, const BT* bias, T* out, int6
 int64_t bias_act_dropout_bwd_partial_slabs(int64_t rows, int64_t hidden);
 
 // grad_x = act'(x + bias) · dropout backward of grad_out (mask regenerated from rng);
-// grad_bias[c] = sum over rows of grad_x[:, c] (skipped when grad_bias == nullptr).
+// grad_bias[c] = sum over rows of grad_x[:, c] (skipped when grad_bias == nullptr); its second pass queued on
+// sums when non-null (column_sums.h), else launched.
 // from_output (relu only, else cudaErrorInvalidValue): x is the forward's output instead of its input,
 // grad_x = grad_out / (1 − p) where x > 0, else 0; bias and rng are not read.
 template <typename T, typename BT>
 cudaError_t launch_bias_act_dropout_bwd(const T* grad_out, const T* x, const BT* bias, T* grad_x, BT* grad_bias,
                                         float* partials, int64_t partial_slabs, int64_t rows, int64_t hidden,
-                                        int act, float p, PhiloxArgs rng, bool from_output, cudaStream_t stream);
+                                        int act, float p, PhiloxArgs rng, bool from_output, ColumnSums* sums,
+                                        cudaStream_t stream);
 
 }  // namespace lsmini

@@ -165,7 +165,7 @@ int64_t bias_dropout_residual_bwd_partial_slabs(int64_t rows, int64_t hidden) {
 template <typename T, typename BT>
 cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* grad_bias, float* partials,
                                              int64_t partial_slabs, int64_t rows, int64_t hidden, float p,
-                                             PhiloxArgs rng, cudaStream_t stream) {
+                                             PhiloxArgs rng, ColumnSums* sums, cudaStream_t stream) {
   if (hidden <= 0) return cudaSuccess;
   // the mask must be applied somewhere (an empty tensor has a null data pointer: rows == 0 is fine)
   if (grad_x == nullptr && p > 0.f && rows > 0) return cudaErrorInvalidValue;
@@ -190,7 +190,7 @@ cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* g
     }
     if (err != cudaSuccess) return err;
   }
-  if (grad_bias != nullptr) return sum_column_partials<BT>(partials, slabs, hidden, grad_bias, stream);
+  if (grad_bias != nullptr) return finish_column_partials<BT>(partials, slabs, hidden, grad_bias, sums, stream);
   return cudaSuccess;
 }
 
@@ -201,7 +201,8 @@ cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* g
   template cudaError_t launch_bias_dropout_residual_fwd<T, BT>(const T*, const BT*, const T*, T*, int64_t,     \
                                                                int64_t, float, PhiloxArgs, cudaStream_t);      \
   template cudaError_t launch_bias_dropout_residual_bwd<T, BT>(const T*, T*, BT*, float*, int64_t, int64_t,    \
-                                                               int64_t, float, PhiloxArgs, cudaStream_t);
+                                                               int64_t, float, PhiloxArgs, ColumnSums*,        \
+                                                               cudaStream_t);
 
 LSMINI_INSTANTIATE_BDR(float, float)
 LSMINI_INSTANTIATE_BDR(__half, __half)

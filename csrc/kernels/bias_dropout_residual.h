@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "column_sums.h"
 #include "philox.h"
 
 namespace lsmini {
@@ -25,10 +26,11 @@ int64_t bias_dropout_residual_bwd_partial_slabs(int64_t rows, int64_t hidden);
 
 // grad_x = dropout backward of grad_out (mask regenerated from rng); grad_x may be nullptr only
 // when p == 0 (then grad_x is grad_out itself and only the column sums run).
-// grad_bias[c] = sum over rows of grad_x[:, c] (skipped when grad_bias == nullptr).
+// grad_bias[c] = sum over rows of grad_x[:, c] (skipped when grad_bias == nullptr); its second pass queued
+// on sums when non-null (column_sums.h), else launched.
 template <typename T, typename BT>
 cudaError_t launch_bias_dropout_residual_bwd(const T* grad_out, T* grad_x, BT* grad_bias, float* partials,
                                              int64_t partial_slabs, int64_t rows, int64_t hidden, float p,
-                                             PhiloxArgs rng, cudaStream_t stream);
+                                             PhiloxArgs rng, ColumnSums* sums, cudaStream_t stream);
 
 }  // namespace lsmini

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 
+#include "column_sums.h"
 #include "common.cuh"
 
 namespace lsmini {
@@ -182,6 +183,17 @@ cudaError_t sum_column_partials(const float* partials, int64_t slabs, int64_t co
   const unsigned blocks = unsigned((columns + kColsumCols - 1) / kColsumCols);
   return launch_dependent(column_sum_partials_kernel<BT>, dim3(blocks), dim3(kColsumCols, kColsumRows), 0, stream,
                           partials, slabs, columns, grad_bias);
+}
+
+// That second pass queued on `sums` when given (column_sums.h: one launch later for a layer's backward), else
+// launched now.
+template <typename BT>
+cudaError_t finish_column_partials(const float* partials, int64_t slabs, int64_t columns, BT* grad_bias,
+                                   ColumnSums* sums, cudaStream_t stream) {
+  if (sums != nullptr) {
+    return queue_column_sum(sums, partials, slabs, columns, grad_bias) ? cudaSuccess : cudaErrorInvalidValue;
+  }
+  return sum_column_partials<BT>(partials, slabs, columns, grad_bias, stream);
 }
 
 }  // namespace

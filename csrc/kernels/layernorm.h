@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "column_sums.h"
+
 namespace lsmini {
 
 // Largest hidden size the kernels hold in registers (32 fp32 values per thread × 1024 threads).
@@ -22,10 +24,11 @@ cudaError_t launch_layernorm_fwd(const T* x, const W* weight, const W* bias, T* 
 int64_t layernorm_bwd_partial_rows(int64_t rows);
 
 // dx (+ add when non-null; add may be dx, in place), and dweight/dbias (when non-null, type W) from dy, x
-// and the saved mean/rstd. weight may be null.
+// and the saved mean/rstd, their column sums' second pass queued on sums when non-null (column_sums.h), else
+// launched. weight may be null.
 template <typename T, typename W>
 cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const float* mean, const float* rstd,
                                  const T* add, T* dx, W* dweight, W* dbias, float* partials, int64_t rows,
-                                 int hidden, cudaStream_t stream);
+                                 int hidden, ColumnSums* sums, cudaStream_t stream);
 
 }  // namespace lsmini

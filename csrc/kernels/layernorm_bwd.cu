@@ -241,7 +241,7 @@ int64_t layernorm_bwd_partial_rows(int64_t rows) {
 template <typename T, typename W>
 cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const float* mean, const float* rstd,
                                  const T* add, T* dx, W* dweight, W* dbias, float* partials, int64_t rows, int hidden,
-                                 cudaStream_t stream) {
+                                 ColumnSums* sums, cudaStream_t stream) {
   if (hidden <= 0 || hidden > kLayerNormMaxHidden) return cudaErrorInvalidValue;
   const bool want_params = dweight || dbias;
   if (rows == 0) {  // empty batch: parameter gradients are zero
@@ -261,6 +261,11 @@ cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const
           : bwd_dispatch<T, W, 1>(dy, x, weight, mean, rstd, add, dx, part_g, part_b, rows, hidden, max_parts,
                                   &parts, stream);
   if (err != cudaSuccess || !want_params) return err;
+  if (sums != nullptr) {  // the reduce kernel's sums, in its order, queued (column_sums.h)
+    const bool queued = (!dweight || queue_column_sum(sums, part_g, parts, hidden, dweight)) &&
+                        (!dbias || queue_column_sum(sums, part_b, parts, hidden, dbias));
+    return queued ? cudaSuccess : cudaErrorInvalidValue;
+  }
   return launch_dependent(layernorm_bwd_reduce_kernel<W>, dim3((hidden + 31) / 32), dim3(32, 16), 0, stream,
                           static_cast<const float*>(part_g), static_cast<const float*>(part_b), parts, hidden, dweight,
                           dbias);
@@ -268,7 +273,8 @@ cudaError_t launch_layernorm_bwd(const T* dy, const T* x, const W* weight, const
 
 #define LSMINI_INSTANTIATE_LN_BWD(T, W)                                                                     \
   template cudaError_t launch_layernorm_bwd<T, W>(const T*, const T*, const W*, const float*, const float*, \
-                                                  const T*, T*, W*, W*, float*, int64_t, int, cudaStream_t);
+                                                  const T*, T*, W*, W*, float*, int64_t, int, ColumnSums*,   \
+                                                  cudaStream_t);
 LSMINI_FOR_LN_TYPES(LSMINI_INSTANTIATE_LN_BWD)
 
 }  // namespace lsmini

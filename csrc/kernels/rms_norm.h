@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "column_sums.h"
+
 namespace lsmini {
 
 // Largest hidden size the kernels hold in registers (32 fp32 values per thread × 1024 threads).
@@ -26,9 +28,11 @@ int64_t rms_norm_bwd_partial_rows(int64_t rows);
 // dx = RMSNorm's input gradient at x (the forward's normalized input: x, or the sum s of the residual form)
 // from dy and the saved rstd, plus add when non-null (the gradient of s from its other uses: dx is then
 // the gradient of both x and residual). dweight (type W, when non-null; weight must then be non-null) =
-// Σ_rows dy·x·rstd through `partials`. weight may be null (1).
+// Σ_rows dy·x·rstd through `partials`, its second pass queued on sums when non-null (column_sums.h), else
+// launched. weight may be null (1).
 template <typename T, typename W>
 cudaError_t launch_rms_norm_bwd(const T* dy, const T* x, const W* weight, const float* rstd, const T* add, T* dx,
-                                W* dweight, float* partials, int64_t rows, int hidden, cudaStream_t stream);
+                                W* dweight, float* partials, int64_t rows, int hidden, ColumnSums* sums,
+                                cudaStream_t stream);
 
 }  // namespace lsmini

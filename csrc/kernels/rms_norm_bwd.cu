@@ -162,7 +162,8 @@ int64_t rms_norm_bwd_partial_rows(int64_t rows) {
 
 template <typename T, typename W>
 cudaError_t launch_rms_norm_bwd(const T* dy, const T* x, const W* weight, const float* rstd, const T* add, T* dx,
-                                W* dweight, float* partials, int64_t rows, int hidden, cudaStream_t stream) {
+                                W* dweight, float* partials, int64_t rows, int hidden, ColumnSums* sums,
+                                cudaStream_t stream) {
   if (hidden <= 0 || hidden > kRmsNormMaxHidden) return cudaErrorInvalidValue;
   if (dweight && (!weight || (rows > 0 && !partials))) return cudaErrorInvalidValue;
   if (!dweight) partials = nullptr;
@@ -177,12 +178,12 @@ cudaError_t launch_rms_norm_bwd(const T* dy, const T* x, const W* weight, const 
     if (err != cudaSuccess) return err;
   }
   if (!dweight) return cudaSuccess;
-  return sum_column_partials<W>(partials, parts, hidden, dweight, stream);
+  return finish_column_partials<W>(partials, parts, hidden, dweight, sums, stream);
 }
 
 #define LSMINI_INSTANTIATE_RMS_NORM_BWD(T, W)                                                                   \
   template cudaError_t launch_rms_norm_bwd<T, W>(const T*, const T*, const W*, const float*, const T*, T*, W*, \
-                                                 float*, int64_t, int, cudaStream_t);
+                                                 float*, int64_t, int, ColumnSums*, cudaStream_t);
 LSMINI_FOR_RMS_NORM_TYPES(LSMINI_INSTANTIATE_RMS_NORM_BWD)
 
 }  // namespace lsmini

@@ -34,8 +34,9 @@
 // saves those instead. With relu the FFN keeps its activation (relu' and the mask are read off it).
 //
 // Backward temporaries are regions of one scratch buffer, laid out per core (regions overlap only where one
-// is dead before the other is written, in stream order), followed by a float32 workspace that the kernels'
-// small temporaries share one call after another (column partial sums, the attention's row terms):
+// is dead before the other is written, in stream order), followed by a float32 workspace: the attention
+// backward's row terms, then a region per column sum of a bias or norm gradient, whose kernels leave partial
+// rows there; one launch at the end sums them all (column_sums.h):
 //     self:   [0, TH) d(context), then the recomputed core input, then d(core input);
 //             [TH', TH' + T(H + 2W)) d(core output), then d(QKV)   (TH' = TH aligned to kAlign)
 //     cross:  [0, TH) as above; [TH', TH' + TH) d(core output), then d(Q). dK/dV go to their destinations.
@@ -427,18 +428,38 @@ int64_t scratch_numel(const Options& o, int64_t tokens) {
   return n;
 }
 
-// Float32 elements of the backward's workspace: the largest temporary one of its kernel calls takes (the
-// column partial sums of a bias or norm gradient, the attention backward's row terms).
-int64_t workspace_numel(const Options& o, int64_t batch, int64_t q_len) {
+// Float32 elements of the column partial sums of a block's norm gradients (both, or RMSNorm's weight's).
+int64_t norm_partials(const Options& o, int64_t tokens) {
+  return o.rms ? rms_norm_bwd_partial_rows(tokens) * o.hidden : 2 * layernorm_bwd_partial_rows(tokens) * o.hidden;
+}
+
+// Float32 elements of the column partial sums of a bias gradient over `columns`: bias_act_dropout's backward
+// (an FFN's input bias outside a gated GEMM), else bias_dropout_residual's (the output bias, and an input bias
+// added in its GEMM's epilogue).
+int64_t bias_partials(int64_t tokens, int64_t columns, bool act) {
+  return (act ? bias_act_dropout_bwd_partial_slabs(tokens, columns)
+              : bias_dropout_residual_bwd_partial_slabs(tokens, columns)) *
+         columns;
+}
+
+// Columns of a block's input bias.
+int64_t bias_in_columns(Kind kind, const Options& o) {
+  return kind == Kind::Ffn ? o.ffn_in : kind == Kind::Self ? o.qkv_width : o.hidden;
+}
+
+// Float32 elements of the backward's workspace: the attention backward's row terms at its start, then one region
+// per column sum of the whole backward (a norm's, an output bias's, an input bias's per block), each written by
+// its kernel and summed at the end of the backward with all the others in one launch (column_sums.h).
+int64_t workspace_numel(const Options& o, int64_t batch, int64_t q_len, at::TensorList params) {
   const int64_t t = batch * q_len;
-  const int64_t norm = o.rms ? rms_norm_bwd_partial_rows(t) * o.hidden : 2 * layernorm_bwd_partial_rows(t) * o.hidden;
-  int64_t n =
-      std::max({norm, bias_dropout_residual_bwd_partial_slabs(t, o.hidden) * o.hidden, batch * o.heads * q_len});
-  for (const Kind kind : o.kinds) {
-    const int64_t bias_in = kind == Kind::Ffn ? o.ffn_in : kind == Kind::Self ? o.qkv_width : o.hidden;
-    // the input bias's column sums: bias_act_dropout's backward, or (added in a GEMM's epilogue) bias_grad's
-    n = std::max(n, bias_in_gemm(kind, o) ? bias_dropout_residual_bwd_partial_slabs(t, bias_in) * bias_in
-                                          : bias_act_dropout_bwd_partial_slabs(t, bias_in) * bias_in);
+  int64_t n = align(batch * o.heads * q_len);
+  for (size_t i = 0; i < o.kinds.size(); ++i) {
+    const at::Tensor* p = params.data() + i * kParamsPerBlock;
+    if (p[4].defined() || p[5].defined()) n += align(norm_partials(o, t));
+    if (p[3].defined()) n += align(bias_partials(t, o.hidden, false));
+    if (p[1].defined()) {
+      n += align(bias_partials(t, bias_in_columns(o.kinds[i], o), !bias_in_gemm(o.kinds[i], o)));
+    }
   }
   return n;
 }
@@ -890,20 +911,40 @@ struct Slots {
   }
 };
 
+// The float32 regions of the backward's column partial sums (workspace_numel), handed out one per call in
+// order, and the second passes of those sums, queued there for one launch at the end of the backward.
+struct Partials {
+  at::Tensor buffer;
+  int64_t used = 0;
+  ColumnSums sums{};
+};
+
 // Where one block's backward puts things: regions of the scratch for its temporaries (the file's comment),
-// the float32 workspace that its kernels' small temporaries share (column partial sums, the attention's row
-// terms: the kernels run one after the other), and its six parameter gradients' destinations.
+// the float32 workspace for the attention backward's row terms, the column partial sums' regions, and its six
+// parameter gradients' destinations.
 struct Room {
   const at::Tensor& scratch;
   const at::Tensor& workspace;
   const GradDest* dest;
+  Partials& partials;
   // The destination of the vector gradient at `position` when a kernel computing it in `dtype` can write it
   // there itself: a write, not an add, of that dtype. Else none (the gradient is made and moved at the end).
   OptTensor vector(int position, at::ScalarType dtype) const {
     const GradDest& d = dest[position];
     return d.tensor && !d.add && d.tensor->scalar_type() == dtype ? d.tensor : std::nullopt;
   }
-  BackwardRoom vectors(OptTensor weight, OptTensor bias) const { return {std::move(weight), std::move(bias), workspace}; }
+  // The attention backward's room: its row terms at the workspace's start.
+  BackwardRoom attention() const { return {std::nullopt, std::nullopt, workspace}; }
+  // The room of a call whose column partial sums take `numel` floats: a region of their own, in use until the
+  // queued second pass has read it at the end of the backward.
+  BackwardRoom summed(OptTensor weight, OptTensor bias, int64_t numel) const {
+    const int64_t at = partials.used;
+    partials.used += align(numel);
+    LSMINI_CHECK(partials.used <= partials.buffer.numel(), "lsmini::layer_backward: the column partial sums need ",
+                 partials.used, " floats of room, the plan gave ", partials.buffer.numel());
+    return {std::move(weight), std::move(bias),
+            strided_view(partials.buffer, {numel}, {1}, partials.buffer.storage_offset() + at), &partials.sums};
+  }
 };
 
 at::Tensor bias_grad(const at::Tensor& grad2d, at::ScalarType dtype, const BackwardRoom& room) {
@@ -915,7 +956,8 @@ at::Tensor bias_grad(const at::Tensor& grad2d, at::ScalarType dtype, const Backw
 at::Tensor epilogue_bias_grad(const at::Tensor& grad2d, const Params& p, const Room& room) {
   if (!p.bias_in.defined()) return at::Tensor();
   const at::ScalarType dtype = p.bias_in_dtype == at::kFloat ? at::kFloat : grad2d.scalar_type();
-  return bias_grad(grad2d, dtype, room.vectors(std::nullopt, room.vector(1, dtype)));
+  const int64_t partials = bias_partials(grad2d.size(0), grad2d.size(1), false);
+  return bias_grad(grad2d, dtype, room.summed(std::nullopt, room.vector(1, dtype), partials));
 }
 
 // The norm's backward from dy: (dx, dweight, dbias), dx = the input gradient (+ add when given), into out when
@@ -926,7 +968,10 @@ std::array<at::Tensor, 3> norm_bwd(const at::Tensor& dy, const Slots& sv, const 
   const at::ScalarType w_dtype = dtype_of(p.norm_weight);
   if (!o.rms) {
     const auto r = layernorm_bwd(dy, sv[kNormX], opt(p.norm_weight), opt(p.norm_bias), sv[kMean], sv[kRstd], add, out,
-                                 room.vectors(room.vector(4, w_dtype), room.vector(5, dtype_of(p.norm_bias))));
+                                 room.summed(room.vector(4, w_dtype), room.vector(5, dtype_of(p.norm_bias)),
+                                             p.norm_weight.defined() || p.norm_bias.defined()
+                                                 ? norm_partials(o, dy.size(0))
+                                                 : 0));
     return {*r[0], r[1].value_or(at::Tensor()), r[2].value_or(at::Tensor())};
   }
   const char* op = "lsmini::layer_backward";
@@ -937,6 +982,8 @@ std::array<at::Tensor, 3> norm_bwd(const at::Tensor& dy, const Slots& sv, const 
     const OptTensor given = room.vector(4, w_dtype);
     dweight = given ? *given : at::empty({o.hidden}, p.norm_weight.options());
   }
+  const BackwardRoom sums =
+      room.summed(std::nullopt, std::nullopt, dweight.defined() ? norm_partials(o, x.size(0)) : 0);
   dispatch_norm_types(x.scalar_type(), p.norm_weight, op, [&](auto t, auto w) {
     using T = decltype(t);
     using W = decltype(w);
@@ -944,8 +991,8 @@ std::array<at::Tensor, 3> norm_bwd(const at::Tensor& dy, const Slots& sv, const 
                                            dweight.defined() ? ptr<const W>(p.norm_weight) : nullptr,
                                            ptr<const float>(sv[kRstd]), add ? ptr<const T>(*add) : nullptr, ptr<T>(dx),
                                            dweight.defined() ? ptr<W>(dweight) : nullptr,
-                                           dweight.defined() ? ptr<float>(room.workspace) : nullptr, x.size(0),
-                                           int(x.size(1)), current_stream()),
+                                           dweight.defined() ? ptr<float>(*sums.workspace) : nullptr, x.size(0),
+                                           int(x.size(1)), sums.sums, current_stream()),
                  op);
   });
   return {dx, dweight, at::Tensor()};
@@ -983,7 +1030,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
   at::Tensor grad_projection = region(scratch, align(t * o.hidden), t, self ? o.qkv_width : o.hidden);
   auto given = [&](int slot) { return sv[slot].defined() ? OptTensor(sv[slot]) : std::nullopt; };
   const OptTensor mask = given(kMask), bits = given(kBits);
-  const BackwardRoom workspace = room.vectors(std::nullopt, std::nullopt);
+  const BackwardRoom workspace = room.attention();
   if (self) {
     const auto qkv = qkv_views(sv[kProjection], s.batch, s.q_len, o);
     const auto grad_qkv = qkv_views(grad_projection, s.batch, s.q_len, o);
@@ -1030,7 +1077,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Ten
     glu_bwd_into(act_region, sv[kProjection], o, rng, grad_pre);
     grad_bias_in = epilogue_bias_grad(grad_pre, p, room);
   } else {
-    const BackwardRoom bias_room = room.vectors(std::nullopt, room.vector(1, dtype_of(p.bias_in)));
+    const BackwardRoom bias_room = room.summed(std::nullopt, room.vector(1, dtype_of(p.bias_in)),
+                                               p.bias_in.defined() ? bias_partials(s.tokens, o.ffn, true) : 0);
     auto [grad_hidden, grad_bias] =
         relu ? bias_act_dropout_bwd(act_region, sv[kHidden], opt(p.bias_in), o.act, o.act_dropout, kNoRng, act_region,
                                     true, bias_room)
@@ -1064,7 +1112,8 @@ Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Sl
   const bool has_bias_out = p.bias_out.defined();
   const std::optional<at::ScalarType> bias_out_dtype =
       has_bias_out ? std::optional<at::ScalarType>(p.bias_out.scalar_type()) : std::nullopt;
-  const BackwardRoom bias_out_room = room.vectors(std::nullopt, room.vector(3, dtype_of(p.bias_out)));
+  const BackwardRoom bias_out_room = room.summed(std::nullopt, room.vector(3, dtype_of(p.bias_out)),
+                                                 has_bias_out ? bias_partials(s.tokens, o.hidden, false) : 0);
   Gradients g;
   if (o.pre_ln) {
     // the core's input: saved, or norm(block input) recomputed when the core needs it
@@ -1106,13 +1155,18 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
   const size_t blocks = o.kinds.size();
   const Shape s{grad_in.size(0), grad_in.size(1), grad_in.size(0) * grad_in.size(1), weight_dtype};
   at::Tensor g = grad_in.view({s.tokens, o.hidden});
+  // the workspace: the attention backward's row terms, then the column partial sums (workspace_numel)
+  const int64_t row_terms = align(s.batch * o.heads * s.q_len);
+  const at::Tensor attention_room = strided_view(workspace, {row_terms}, {1}, workspace.storage_offset());
+  Partials partials{
+      strided_view(workspace, {workspace.numel() - row_terms}, {1}, workspace.storage_offset() + row_terms)};
   Tensors param_grads(params.size());
   for (size_t i = blocks; i-- > 0;) {
     const bool ours = i < blocks - 1;  // the incoming gradient is autograd's, the others ours
     const std::pair<OptTensor, OptTensor> kv_grads = o.kinds[i] == Kind::Cross
                                                          ? std::make_pair(grad_encoder_k, grad_encoder_v)
                                                          : std::make_pair(OptTensor(), OptTensor());
-    const Room room{scratch, workspace, dest.data() + i * kParamsPerBlock};
+    const Room room{scratch, attention_room, dest.data() + i * kParamsPerBlock, partials};
     Gradients r = block_bwd(o.kinds[i], g, block_params(params, i, param_dtypes[i * kParamsPerBlock + 1]),
                             Slots{saved.data() + i * kSlots}, rngs.data() + i * 2, o, s, room, ours, kv_grads, in);
     g = r.input;
@@ -1124,6 +1178,8 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
     out[4] = r.norm_weight;
     out[5] = r.norm_bias;
   }
+  // the second passes of every column sum above, in one launch: the vectors' gradients are complete after it
+  check_launch(launch_column_sums(partials.sums, current_stream()), "lsmini::layer_backward");
   // The vectors' gradients the kernels did not write into their destinations themselves: there in one
   // multi-tensor add and one copy (the GEMM weights' went there already), else returned in their parameters'
   // dtypes.
@@ -1395,7 +1451,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   // the scratch and the workspace in one buffer
   const int64_t scratch_n = scratch_numel(o, x.size(0) * x.size(1));
   const int64_t workspace_at = align_up<int64_t>(scratch_n * int64_t(grad.element_size()), kCastAlign);
-  const int64_t workspace_n = workspace_numel(o, x.size(0), x.size(1));
+  const int64_t workspace_n = workspace_numel(o, x.size(0), x.size(1), params);
   const at::Tensor buffer = at::empty({workspace_at + workspace_n * 4}, grad.options().dtype(at::kByte));
   const at::Tensor scratch = carve(buffer, 0, grad.scalar_type(), {scratch_n}, op);
   const at::Tensor workspace = carve(buffer, workspace_at, at::kFloat, {workspace_n}, op);
