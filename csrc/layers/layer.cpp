@@ -19,6 +19,8 @@
 // the projection (kv_heads K/V heads, each read by heads / kv_heads query heads) and writing the merged context,
 // the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every
 // step between GEMMs is an lsmini kernel, called through the bindings' functions (ops.h) or, where the layer hands it strided views or room of its own, its launcher.
+// Under RMSNorm a block without an output bias or dropout leaves its residual add to the RMSNorm kernel's residual
+// form, which writes the sum and normalizes it: the next block's norm (pre-norm) or its own (post-norm).
 //
 // The call's plan — where each tensor its backward needs lies in one saved-state byte buffer, where the
 // dropout states and the GEMM weights cast to the activations' dtype go, where each parameter gradient goes
@@ -668,9 +670,12 @@ void dispatch_norm_types(at::ScalarType dtype, const at::Tensor& w, const char* 
 
 // The block's norm of x [tokens, hidden] (contiguous): (y, mean, rstd), each into out / mean / rstd when given;
 // mean is undefined for RMSNorm.
+// With residual (RMSNorm only): x + residual is written over x and normalized, the add & norm in one kernel.
 std::array<at::Tensor, 3> norm_fwd(const at::Tensor& x, const Params& p, const Options& o, const OptTensor& out,
-                                   const OptTensor& mean = std::nullopt, const OptTensor& rstd = std::nullopt) {
+                                   const OptTensor& mean = std::nullopt, const OptTensor& rstd = std::nullopt,
+                                   const at::Tensor* residual = nullptr) {
   if (!o.rms) {
+    TORCH_CHECK(residual == nullptr, "lsmini::layer: the add & norm kernel is RMSNorm's");
     const Tensors r = layernorm_fwd(x, opt(p.norm_weight), opt(p.norm_bias), o.eps, out, mean, rstd);
     return {r[0], r[1], r[2]};
   }
@@ -680,10 +685,10 @@ std::array<at::Tensor, 3> norm_fwd(const at::Tensor& x, const Params& p, const O
   dispatch_norm_types(x.scalar_type(), p.norm_weight, op, [&](auto t, auto w) {
     using T = decltype(t);
     using W = decltype(w);
-    check_launch(launch_rms_norm_fwd<T, W>(ptr<const T>(x), nullptr,
-                                           p.norm_weight.defined() ? ptr<const W>(p.norm_weight) : nullptr, nullptr,
-                                           ptr<T>(y), ptr<float>(r), x.size(0), int(x.size(1)), float(o.eps),
-                                           current_stream()),
+    check_launch(launch_rms_norm_fwd<T, W>(ptr<const T>(x), residual ? ptr<const T>(*residual) : nullptr,
+                                           p.norm_weight.defined() ? ptr<const W>(p.norm_weight) : nullptr,
+                                           residual ? ptr<T>(x) : nullptr, ptr<T>(y), ptr<float>(r), x.size(0),
+                                           int(x.size(1)), float(o.eps), current_stream()),
                  op);
   });
   return {y, at::Tensor(), r};
@@ -823,12 +828,26 @@ at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, const
   return matmul_t(hidden, p.weight_out, out_core);
 }
 
+// Whether a block's residual add goes into the RMSNorm kernel after it (its residual form: x + residual, then
+// the norm of the sum, one kernel): a block without an output bias and without dropout, under RMSNorm.
+bool add_and_norm(const Options& o, const Params& p) { return o.rms && !p.bias_out.defined() && o.dropout == 0.0; }
+
+// The next block's norm, made by a pre-norm block with its residual add (add_and_norm): the next block's
+// parameters, where its norm output and statistics go (as its own norm_fwd would put them), and the result.
+struct NextNorm {
+  const Params& params;
+  OptTensor normed, rstd;
+  std::array<at::Tensor, 3>& norm;
+};
+
 // residual [tokens, hidden] → the block's output (into `output` when given: where the next block saves it);
 // fills the block's slots and its two Philox states. The core's output GEMM writes where the residual sum
 // goes, and the bias, dropout and residual add happen there in place: no buffer for the core's output.
+// given_norm: this block's norm of residual, made by the block before (NextNorm), or null; next: the next block's
+// norm to make with the residual add, or null.
 at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, const Options& o, const Shape& s,
                      const Inputs& in, at::Tensor* slots, PhiloxTuple* rngs, const Destinations& dest,
-                     const OptTensor& output) {
+                     const OptTensor& output, const std::array<at::Tensor, 3>* given_norm, const NextNorm* next) {
   auto core = [&](const at::Tensor& x, const OptTensor& out_core) {
     return kind == Kind::Ffn ? ffn_fwd(x, p, o, s, slots, rngs[0], dest, out_core)
                              : attention_core_fwd(kind, x, p, o, s, in, slots, rngs[0], dest, out_core);
@@ -837,11 +856,15 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
   const OptTensor mean = dest.at(kMean, {s.tokens}, at::kFloat), rstd = dest.at(kRstd, {s.tokens}, at::kFloat);
   if (o.pre_ln) {
     const OptTensor normed = dest.at(kCoreInput, {s.tokens, o.hidden}, dtype);
-    const auto norm = norm_fwd(residual, p, o, normed, mean, rstd);
+    const auto norm = given_norm ? *given_norm : norm_fwd(residual, p, o, normed, mean, rstd);
     const at::Tensor out = output ? *output : at::empty({s.tokens, o.hidden}, residual.options());
-    const at::Tensor out_core = core(norm[0], out);
+    const at::Tensor out_core = core(norm[0], out);  // written into out
     rngs[1] = draw(o.dropout);
-    bias_dropout_residual_fwd(out_core, opt(p.bias_out), residual, o.dropout, rngs[1], out);
+    if (next) {  // out = out_core + residual, and the next block's norm of it, in one kernel
+      next->norm = norm_fwd(out_core, next->params, o, next->normed, std::nullopt, next->rstd, &residual);
+    } else {
+      bias_dropout_residual_fwd(out_core, opt(p.bias_out), residual, o.dropout, rngs[1], out);
+    }
     slots[kNormX] = residual;
     slots[kMean] = norm[1];
     slots[kRstd] = norm[2];
@@ -854,8 +877,11 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
   const OptTensor sum = dest.at(kNormX, {s.tokens, o.hidden}, dtype);
   const at::Tensor out_core = core(residual, sum);
   rngs[1] = draw(o.dropout);
-  at::Tensor summed = bias_dropout_residual_fwd(out_core, opt(p.bias_out), residual, o.dropout, rngs[1], sum);
-  const auto norm = norm_fwd(summed, p, o, output, mean, rstd);
+  // the residual add and the norm in one kernel where they can be (add_and_norm), the sum over out_core
+  const bool fused = add_and_norm(o, p);
+  const at::Tensor summed =
+      fused ? out_core : bias_dropout_residual_fwd(out_core, opt(p.bias_out), residual, o.dropout, rngs[1], sum);
+  const auto norm = norm_fwd(summed, p, o, output, mean, rstd, fused ? &residual : nullptr);
   slots[kNormX] = summed;
   slots[kMean] = norm[1];
   slots[kRstd] = norm[2];
@@ -874,17 +900,31 @@ std::tuple<at::Tensor, std::vector<PhiloxTuple>> layer_fwd_impl(const Options& o
   Tensors saved(blocks * kSlots);
   std::vector<PhiloxTuple> rngs(blocks * 2, kNoRng);
   at::Tensor residual = x.view({s.tokens, o.hidden});
+  auto params_of = [&](size_t i) { return block_params(params, i, dtype_of(params[i * kParamsPerBlock + 1])); };
+  // a pre-norm block's norm made by the block before it, with that block's residual add (add_and_norm)
+  std::array<at::Tensor, 3> made_norm;
+  bool norm_made = false;
   for (size_t i = 0; i < blocks; ++i) {
+    const Params p = params_of(i);
     // a block's output is the next block's input, which that block saves as its norm input (pre-norm) or its
     // core's input (post-norm)
+    const Destinations next_dest(state, plan, (i + 1) * kSlots);
     const OptTensor output =
-        i + 1 < blocks
-            ? Destinations(state, plan, (i + 1) * kSlots).at(o.pre_ln ? kNormX : kCoreInput, {s.tokens, o.hidden},
-                                                             x.scalar_type())
-            : std::nullopt;
-    residual = block_fwd(o.kinds[i], residual, block_params(params, i, dtype_of(params[i * kParamsPerBlock + 1])),
-                         o, s, in, saved.data() + i * kSlots,
-                         rngs.data() + i * 2, Destinations(state, plan, i * kSlots), output);
+        i + 1 < blocks ? next_dest.at(o.pre_ln ? kNormX : kCoreInput, {s.tokens, o.hidden}, x.scalar_type())
+                       : std::nullopt;
+    const std::array<at::Tensor, 3> given = made_norm;
+    const bool make_next = o.pre_ln && i + 1 < blocks && add_and_norm(o, p);
+    std::optional<Params> next_params;
+    std::optional<NextNorm> next;
+    if (make_next) {  // where the next block's own norm_fwd would put its output and statistics
+      next_params.emplace(params_of(i + 1));
+      next.emplace(NextNorm{*next_params, next_dest.at(kCoreInput, {s.tokens, o.hidden}, x.scalar_type()),
+                            next_dest.at(kRstd, {s.tokens}, at::kFloat), made_norm});
+    }
+    residual = block_fwd(o.kinds[i], residual, p, o, s, in, saved.data() + i * kSlots, rngs.data() + i * 2,
+                         Destinations(state, plan, i * kSlots), output, norm_made ? &given : nullptr,
+                         next ? &*next : nullptr);
+    norm_made = make_next;
   }
   // every tensor backward rebuilds from the plan is where the plan puts it (else backward would read garbage)
   for (size_t i = 0; i < saved.size(); ++i) {
