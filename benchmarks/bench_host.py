@@ -12,16 +12,17 @@ Then the layer operators, ``lsmini::layer`` and ``lsmini::layer_backward`` (csrc
 directly through ``torch.ops.lsmini`` for a post-LN encoder layer (self, ffn) and decoder layer (self, cross,
 ffn) of the base shape (hidden 512, 8 heads, FFN 2048, dropout 0.1) on a [2, 8] bf16 input with float32
 parameters, as under autocast: the host time of one layer call, without autograd or any wrapper around it
-(both eager and compiled steps call these operators). The decoder layer's cross-attention K/V are the two
-[b, ls, H] column blocks of one [b, ls, 2H] tensor, as a decoder stack hands them over. Last, per layer, one
+(both eager and compiled steps call these operators), and the kernel launches one call makes (torch.profiler's
+count of launch calls: they are most of a layer call's host time). The decoder layer's cross-attention K/V are
+the two [b, ls, H] column blocks of one [b, ls, 2H] tensor, as a decoder stack hands them over. Last, per layer, one
 whole eager call through the module under autocast, forward and backward (input checks, autograd,
 ``LayerFunction``; for the standalone decoder layer its own cross-attention K/V GEMM too; the input requires
 grad, the gradients accumulate into .grad), synchronised after each: host and device time together, the
 host's where it is the longer, as on this tiny input.
 
 Every figure is also appended to benchmarks/results/host.csv (config: the op or call and its input; variant:
-with or without dropout; figures: us, and device_us for the ops), from which benchmarks/report.py writes
-RESULTS.md.
+with or without dropout; figures: us, device_us for the ops, launches for the layer operators), from which
+benchmarks/report.py writes RESULTS.md.
 """
 import argparse
 import os
@@ -40,6 +41,22 @@ from lsmini.ops import (attention, attention_softmax, bias_act_dropout, bias_dro
                         sinusoidal_positions)
 
 P = 0.1
+
+
+# The CUDA driver and runtime calls that launch work on a stream: a layer call's host time is mostly these.
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemsetAsync")
+
+
+def launches_per_call(fn, calls=10):
+    """The launches (LAUNCHES) one call of fn makes, counted by torch.profiler over `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.key in LAUNCHES) / calls
 
 
 def host_us(fn, calls):
@@ -89,8 +106,11 @@ def main():
     print(common.markdown_table(shown, ["op", "p 0.1 µs", "p 0 µs", "dropout's share", "device µs (p 0.1)"]))
     print()
     layers = layer_rows(dev, args.calls // 10)
-    print(common.markdown_table([{**r, "µs": f"{r['µs']:.1f}"} for r in layers], ["call", "layer", "µs"]))
-    results += [{"config": f"{r['call']} {r['layer']}", "variant": "lsmini", "us": r["µs"]} for r in layers]
+    layer_shown = [{**r, "µs": f"{r['µs']:.1f}", "launches": f"{r['launches']:g}" if "launches" in r else ""}
+                   for r in layers]
+    print(common.markdown_table(layer_shown, ["call", "layer", "µs", "launches"]))
+    results += [{"config": f"{r['call']} {r['layer']}", "variant": "lsmini", "us": r["µs"],
+                 "launches": r.get("launches")} for r in layers]
     common.append_results(args.results, "host", env,
                           [{"benchmark": "host", "kind": "lsmini", **r} for r in results])
 
@@ -117,6 +137,8 @@ def layer_rows(dev, calls):
             y, state = layer_op(*inputs, *options)  # backward reads this state every time
             forward = host_us(lambda: layer_op(*inputs, *options), calls)
             backward = host_us(lambda: backward_op(grad, state, *inputs, [], [], [], *options), calls)
+            forward_launches = launches_per_call(lambda: layer_op(*inputs, *options))
+            backward_launches = launches_per_call(lambda: backward_op(grad, state, *inputs, [], [], [], *options))
         x_leaf = x.detach().requires_grad_()
         args = (x_leaf, enc) if decoder else (x_leaf,)
 
@@ -126,8 +148,8 @@ def layer_rows(dev, calls):
             out.backward(grad)
             torch.cuda.synchronize()
 
-        rows += [{"call": "lsmini::layer", "layer": name, "µs": forward},
-                 {"call": "lsmini::layer_backward", "layer": name, "µs": backward},
+        rows += [{"call": "lsmini::layer", "layer": name, "µs": forward, "launches": forward_launches},
+                 {"call": "lsmini::layer_backward", "layer": name, "µs": backward, "launches": backward_launches},
                  {"call": "module forward + backward, synchronised", "layer": name, "µs": host_us(whole, calls)}]
     return rows
 
