@@ -3,7 +3,7 @@
     python benchmarks/bench_defaults.py [--pairs 30000,300000] [--arch small]
                                         [--files NAME TRAIN_SRC TRAIN_TGT VALID_SRC VALID_TGT TEST_SRC TEST_TGT]
                                         [--lm-text NAME FILE] [--lm-arch small]
-                                        [--tuned "FLAGS" ...] [--lm-tuned "FLAGS" ...] [--parallel 3]
+                                        [--tuned "FLAGS" ...] [--lm-tuned "FLAGS" ...] [--seeds 1] [--parallel 3]
                                         [--skip-defaults | --skip-tuned] [--work DIR] [--json PATH]
                                         [--results DIR | --no-results]
 
@@ -22,6 +22,11 @@ On each corpus:
     tuned     the same command plus each flag string of the grid (--tuned / --lm-tuned; default: the grids
               below), --parallel at a time on the same GPU: their quality is what the flags give, their wall
               times are not comparable with the defaults' run.
+
+Seeds (--seeds N): every configuration, the defaults too, runs at seeds 1..N (seed 1 is the examples' default
+and adds no flag; the others add --seed S, and the defaults' go with the tuned runs). Runs of one configuration
+differ by about a BLEU point from seed to seed on a small corpus, so with N > 1 a second table compares the
+configurations by their mean over the seeds, and the defaults with the best configuration on the seeds both ran.
 
 Every run gets its own --save-dir and --no-progress; its log goes beside it. Each table gives, per run: steps,
 the warmup and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4; LM:
@@ -152,6 +157,59 @@ def quality(corpus, row):
     return "BLEU", row.get("bleu"), True
 
 
+def mean(values):
+    return sum(values) / len(values)
+
+
+def seeded(flags, seed):
+    """flags at seed `seed`: seed 1 is the examples' default and adds nothing."""
+    return flags if seed == 1 else f"{flags} --seed {seed}".strip()
+
+
+def seed_means(corpus, rows):
+    """{configuration's flags: {seed: quality}} of the runs that scored ("" = the defaults), from rows that
+    carry "config_flags" and "seed"."""
+    out = {}
+    for r in rows:
+        q = quality(corpus, r)[1]
+        if q is not None:
+            out.setdefault(r["config_flags"], {})[r["seed"]] = q
+    return out
+
+
+def seed_table(corpus, rows):
+    """The configurations by their mean over the seeds, and the defaults against the best one on the seeds both
+    ran (paired: the same seed draws the same initialisation and batch order). Returns (flags, gap, seeds) of
+    that best configuration (gap: BLEU difference, or the perplexity's relative one), or None."""
+    name, _, higher = quality(corpus, rows[0])
+    by_config = seed_means(corpus, rows)
+    print(f"| flags | seeds | mean {name} | min | max |")
+    print("|---|---|---|---|---|")
+    order = sorted(by_config.items(), key=lambda kv: mean(list(kv[1].values())), reverse=higher)
+    for flags, qs in order:
+        v = list(qs.values())
+        print(f"| {flags or '(defaults)'} | {','.join(map(str, sorted(qs)))} | {mean(v):.2f} | {min(v):.2f} | "
+              f"{max(v):.2f} |")
+    mine = by_config.get("")
+    if not mine:
+        return None
+    best = None
+    for flags, qs in by_config.items():
+        both = sorted(set(qs) & set(mine))
+        if not flags or not both:
+            continue
+        ours, theirs = mean([mine[s] for s in both]), mean([qs[s] for s in both])
+        gap = ours / theirs - 1 if corpus.is_lm else ours - theirs
+        if best is None or (gap < best[1] if higher else gap > best[1]):
+            best = (flags, gap, both)
+    if best is not None:
+        flags, gap, both = best
+        shown = f"{gap * 100:+.1f}%" if corpus.is_lm else f"{gap:+.2f}"
+        print(f"defaults against the best configuration on the same seeds ({','.join(map(str, both))}): {shown} "
+              f"({flags})", flush=True)
+    return best
+
+
 def table(corpus, arch, rows, has_defaults):
     what = "perplexity" if corpus.is_lm else "BLEU"
     print(f"\n{corpus.example} --arch {arch}, {corpus.label}", flush=True)
@@ -163,7 +221,7 @@ def table(corpus, arch, rows, has_defaults):
         print(f"| {r['run']} | {r['flags'] or '(none)'} | {r.get('steps', '')} | {r.get('warmup', '')} | "
               f"{r.get('lr', '')} | {cell} | {r.get('valid_loss', '')} | {r['command_s']} | "
               f"{r.get('tokens_per_s', '')} |")
-    scored = [r for r in rows if r["run"] != "defaults" and quality(corpus, r)[1] is not None]
+    scored = [r for r in rows if r["config_flags"] and quality(corpus, r)[1] is not None]
     name, _, higher = quality(corpus, rows[0])
     best = (max if higher else min)(scored, key=lambda r: quality(corpus, r)[1], default=None)
     d = rows[0] if has_defaults else None
@@ -188,6 +246,7 @@ def main():
                     help="flags of one tuned translation run (repeat; default: TRANSLATION_TUNED)")
     ap.add_argument("--lm-tuned", action="append", default=None, metavar="FLAGS",
                     help="flags of one tuned LM run (repeat; default: LM_TUNED)")
+    ap.add_argument("--seeds", type=int, default=1, help="run every configuration at seeds 1..N (default 1)")
     ap.add_argument("--parallel", type=int, default=3, help="tuned runs at a time (default 3)")
     ap.add_argument("--skip-defaults", action="store_true", help="only the tuned runs")
     ap.add_argument("--skip-tuned", action="store_true", help="only the defaults' runs")
@@ -197,6 +256,9 @@ def main():
     a = ap.parse_args()
     if a.skip_defaults and a.skip_tuned:
         ap.error("--skip-defaults and --skip-tuned together leave nothing to run")
+    if a.seeds < 1:
+        ap.error(f"--seeds must be at least 1, got {a.seeds}")
+    seeds = range(1, a.seeds + 1)
 
     corpora = [(translation_corpus(f"built-in task, {p} pairs", builtin_corpus(a.work, p)), a.arch)
                for p in (int(p) for p in a.pairs.split(",") if p.strip())]
@@ -212,17 +274,24 @@ def main():
         tuned = [] if a.skip_tuned else (a.lm_tuned if a.lm_tuned is not None else LM_TUNED) if corpus.is_lm else \
             (a.tuned if a.tuned is not None else TRANSLATION_TUNED)
         base = os.path.join(a.work, re.sub(r"[^\w.-]+", "_", f"{corpus.example[:-3]}_{arch}_{corpus.label}"))
+        # (run name, configuration's flags, seed): the defaults' seed-1 run alone, the rest `--parallel` at a time
+        jobs = [(f"tuned{i}" + (f"_seed{s}" if s > 1 else ""), flags, s) for i, flags in enumerate(tuned) for s in seeds]
+        if not a.skip_defaults:
+            jobs = [(f"defaults_seed{s}", "", s) for s in seeds if s > 1] + jobs
         corpus_rows = []
         if not a.skip_defaults:
-            corpus_rows.append(run_one(corpus, "defaults", arch, "", base + "_defaults"))
+            corpus_rows.append({**run_one(corpus, "defaults", arch, "", base + "_defaults"), "config_flags": "",
+                                "seed": 1})
         with concurrent.futures.ThreadPoolExecutor(max(1, a.parallel)) as pool:
-            futures = [pool.submit(run_one, corpus, f"tuned{i}", arch, flags, f"{base}_tuned{i}")
-                       for i, flags in enumerate(tuned)]
-            corpus_rows += [f.result() for f in futures]
+            futures = [(flags, s, pool.submit(run_one, corpus, name, arch, seeded(flags, s), f"{base}_{name}"))
+                       for name, flags, s in jobs]
+            corpus_rows += [{**f.result(), "config_flags": flags, "seed": s} for flags, s, f in futures]
         table(corpus, arch, corpus_rows, not a.skip_defaults)
+        if a.seeds > 1:
+            seed_table(corpus, corpus_rows)
         for r in corpus_rows:
             r["config"] = f"{corpus.example} --arch {arch}, {corpus.label}"
-            if r["run"] != "defaults":
+            if r["run"] != "defaults":  # every run but the defaults' seed-1 one ran beside others
                 r["note"] = r.get("error") or f"run {a.parallel} at a time on the GPU: command_s not comparable"
         rows += corpus_rows
     if a.json:

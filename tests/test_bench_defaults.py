@@ -1,0 +1,54 @@
+"""benchmarks/bench_defaults.py's comparison over seeds (--seeds N), on rows as its runs return them."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import bench_defaults  # noqa: E402
+
+TRANSLATION = bench_defaults.Corpus("train_translation.py", "corpus", [])
+LM = bench_defaults.Corpus("train_lm.py", "text", [])
+
+
+def rows(results, figure="bleu"):
+    """Rows of runs from {flags: {seed: quality or None (a failed run)}}."""
+    return [{"run": f"r{i}", "config_flags": flags, "seed": seed, **({figure: q} if q is not None else {})}
+            for i, (flags, seeds) in enumerate(results.items()) for seed, q in seeds.items()]
+
+
+def test_seeded_flags():
+    assert bench_defaults.seeded("", 1) == ""
+    assert bench_defaults.seeded("", 2) == "--seed 2"
+    assert bench_defaults.seeded("--lr 1e-3", 3) == "--lr 1e-3 --seed 3"
+
+
+def test_defaults_against_the_best_mean_on_the_same_seeds(capsys):
+    """The best configuration is the one whose mean beats the defaults' most on the seeds both ran: a single
+    lucky seed of another configuration does not count against the defaults' other seeds."""
+    got = bench_defaults.seed_table(TRANSLATION, rows({
+        "": {1: 45.82, 2: 44.48, 3: 44.56},
+        "--lr 1e-3": {1: 46.68, 2: 45.65, 3: 45.70},
+        "--epochs 30": {1: 47.00, 2: 43.00, 3: 44.00},  # best single run, worse mean
+        "--lr 2e-3": {1: 46.50, 2: None},  # only seed 1 scored: compared on seed 1 alone (-0.68)
+        "--warmup 800": {1: 46.00, 4: 50.00},  # seed 4 has no defaults' run: compared on seed 1 alone (-0.18)
+    }))
+    flags, gap, seeds = got
+    assert flags == "--lr 1e-3" and seeds == [1, 2, 3]
+    assert abs(gap - ((45.82 + 44.48 + 44.56) - (46.68 + 45.65 + 45.70)) / 3) < 1e-9
+    out = capsys.readouterr().out
+    assert "| --lr 1e-3 | 1,2,3 | 46.01 | 45.65 | 46.68 |" in out
+    assert "| --lr 2e-3 | 1 | 46.50 | 46.50 | 46.50 |" in out
+    assert "(1,2,3): -1.06 (--lr 1e-3)" in out
+
+
+def test_perplexity_gap_is_relative_and_lower_is_better(capsys):
+    flags, gap, seeds = bench_defaults.seed_table(LM, rows({
+        "": {1: 165.0, 2: 167.0}, "--lr 1e-3": {1: 160.0, 2: 162.0}, "--lr 5e-4": {1: 170.0, 2: 171.0},
+    }, figure="ppl"))
+    assert flags == "--lr 1e-3" and seeds == [1, 2]
+    assert abs(gap - (166.0 / 161.0 - 1)) < 1e-12
+    assert "+3.1% (--lr 1e-3)" in capsys.readouterr().out
+
+
+def test_without_the_defaults_nothing_is_compared():
+    assert bench_defaults.seed_table(TRANSLATION, rows({"--lr 1e-3": {1: 46.0, 2: 45.0}})) is None
