@@ -131,6 +131,12 @@ def _next_log_probs(model, last, enc, enc_mask, cache, limit_reached):
     return lprobs
 
 
+# A decoding batch holds as many sentences as this many training batches: a decoding step's time is mostly
+# the host's (one token a sentence, launches and one read-back a step), so fewer, larger batches take fewer
+# steps; finished sentences leave the batch, so sentences of other lengths cost little.
+DECODE_BATCHES = 4
+
+
 @torch.no_grad()
 def greedy_search(model, src, max_lens):
     """Greedy decoding. src [b, ls] (EOS-terminated, PAD-padded); max_lens[i]: the most tokens sentence i may
@@ -232,10 +238,10 @@ def translate_ids(model, src_ids, args, device, max_seq_len, shard=(0, 1)):
     lengths = np.array([len(x) + 1 for x in src_ids], dtype=np.int64)
     max_lens = np.minimum(max_seq_len - 1, (args.max_len_a * (lengths - 1) + args.max_len_b).astype(np.int64))
     max_lens = np.maximum(max_lens, 1)
-    # rows × the wider of source and output within --max-tokens, as in training; the model's batch budget
-    # covers the `beam` copies of a batch that decoding runs (decoding_rows)
+    # rows × the wider of source and output within DECODE_BATCHES × --max-tokens; the model's batch budget
+    # covers the `beam` copies of such a batch that decoding runs (decoding_rows)
     width = np.maximum(lengths, max_lens + 1)
-    batch_tokens = max(args.max_tokens, batching.round_up(int(width.max())))
+    batch_tokens = max(DECODE_BATCHES * args.max_tokens, batching.round_up(int(width.max())))
     batches = batching.token_batches(width, batch_tokens, sort_keys=(width,))
     out = [None] * len(src_ids)
     for idx in batches[shard[0]::shard[1]]:
@@ -419,7 +425,7 @@ class TranslationTask(run.Task):
         return "--translate" if args.translate else None
 
     def decoding_rows(self, args):
-        return args.beam
+        return args.beam * DECODE_BATCHES
 
     def infer(self, args, model, sp, max_seq_len, device):
         translate_stdin(args, model, sp, max_seq_len, device, lambda m: print(m, file=sys.stderr))

@@ -12,8 +12,11 @@ kernels) in eager and compiled code alike.
   (reduce-overhead) functions whose replays draw fresh masks that their backward reuses.
 """
 import importlib
+import os
 import pkgutil
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ import lsmini.ops
 from lsmini.ops import (add_rms_norm, attention, attention_softmax, bias_act_dropout, bias_dropout_residual,
                         cross_entropy, embedding, geglu, layer_norm, merge_heads, rms_norm, rotary, split_heads,
                         swiglu)
+from lsmini.ops.library import Operator
 from util import assert_close_fp32, assert_dropout_keep_stats
 
 OPS = torch.ops.lsmini
@@ -444,8 +448,8 @@ def registered_operators():
     names = set()
     for module in pkgutil.iter_modules(lsmini.ops.__path__):
         for value in vars(importlib.import_module(f"lsmini.ops.{module.name}")).values():
-            if isinstance(value, torch.library.CustomOpDef):
-                names.add(value._qualname.removeprefix("lsmini::"))
+            if isinstance(value, Operator):
+                names.add(value.name)
     return names
 
 
@@ -472,6 +476,55 @@ def test_opcheck_on_cpu(dtype, p, sizes):
     float16/bfloat16 only and are left out for float32)."""
     for op, args in op_samples("cpu", dtype, p, SAMPLE_SIZES[sizes]):
         torch.library.opcheck(op, _with_grad(op, args))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_calling_the_operators_does_not_import_dynamo(device):
+    """A training step through the operators, forward and backward, leaves torch._dynamo unimported
+    (seconds of start-up in a run that never compiles): they are registered without custom_op's
+    dynamo-disabling wrapper."""
+    code = f"""
+import sys, torch
+from lsmini.ops import bias_dropout_residual, cross_entropy, layer_norm
+x = torch.randn(8, 16, device="{device}", requires_grad=True)
+y = bias_dropout_residual(layer_norm(x), None, x, 0.1)
+cross_entropy(y, torch.randint(0, 16, (8,), device="{device}"), 0.1, inplace_backward=True).backward()
+assert x.grad is not None
+print("torch._dynamo" in sys.modules)
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_backward_operator_refuses_a_second_backward(device):
+    """create_graph=True through an op whose backward is an operator: the second backward reaches the
+    backward operator, which says it is not differentiable (instead of a silently wrong gradient)."""
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    (gx,) = torch.autograd.grad(layer_norm(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="lsmini::layer_norm_backward is not differentiable"):
+        gx.square().sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_backward_bumps_the_logits_version(device):
+    """cross_entropy(inplace_backward=True) overwrites the logits in its backward: another backward that
+    saved them fails autograd's version check instead of using the overwritten values."""
+    w = torch.randn(8, 16, device=device, requires_grad=True)
+    logits = torch.randn(4, 8, device=device) @ w
+    target = torch.randint(0, 16, (4,), device=device)
+    # square saves the logits; created first, its backward runs after the cross entropy's
+    loss = logits.square().sum() + cross_entropy(logits, target, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+        torch.autograd.grad(cross_entropy(torch.randn(4, 8, device=device) @ w, target, inplace_backward=True),
+                            w, create_graph=True)
 
 
 # ---- kernel path on CUDA ----------------------------------------------------------------------------------

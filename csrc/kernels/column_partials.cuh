@@ -150,16 +150,13 @@ __device__ __forceinline__ void store_column_partials(const float (&acc)[V], flo
   }
 }
 
-// grad_bias[c] = Σ_s partials[s, c]: 32 columns per block (coalesced rows of partials), 16 threads
-// down the slabs of each column (thread y sums slabs y, y + 16, …), folded in shared memory in the order
-// y = 0 … 15. slabs == 0 writes zeros (0 rows).
-template <typename BT>
-__global__ void __launch_bounds__(kColsumCols* kColsumRows)
-    column_sum_partials_kernel(const float* __restrict__ partials, int64_t slabs, int64_t columns,
-                               BT* __restrict__ grad_bias) {
+// Σ_s partials[s, c] of a [slabs, columns] array for column c = tile · 32 + threadIdx.x, in a block of
+// kColsumCols × kColsumRows threads: 32 columns per block (coalesced rows of partials), 16 threads down the
+// slabs of each column (thread y sums slabs y, y + 16, …), folded in shared memory in the order y = 0 … 15.
+// The sum is valid in thread row 0 (threadIdx.y == 0) where c < columns. slabs == 0 gives zeros (0 rows).
+__device__ __forceinline__ float fold_column_sum(const float* __restrict__ partials, int64_t slabs,
+                                                 int64_t columns, int64_t c) {
   __shared__ float fold[kColsumRows][kColsumCols + 1];
-  const int64_t c = int64_t(blockIdx.x) * kColsumCols + threadIdx.x;
-  wait_for_previous_kernel();  // the pass that wrote the partials
   float s = 0.f;
   if (c < columns) {
 #pragma unroll 4
@@ -167,12 +164,23 @@ __global__ void __launch_bounds__(kColsumCols* kColsumRows)
   }
   fold[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
-  if (threadIdx.y == 0 && c < columns) {
-    float t = 0.f;
+  float t = 0.f;
+  if (threadIdx.y == 0) {
 #pragma unroll
     for (int y = 0; y < kColsumRows; ++y) t += fold[y][threadIdx.x];
-    grad_bias[c] = from_float<BT>(t);
   }
+  return t;
+}
+
+// grad_bias[c] = Σ_s partials[s, c] (fold_column_sum).
+template <typename BT>
+__global__ void __launch_bounds__(kColsumCols* kColsumRows)
+    column_sum_partials_kernel(const float* __restrict__ partials, int64_t slabs, int64_t columns,
+                               BT* __restrict__ grad_bias) {
+  const int64_t c = int64_t(blockIdx.x) * kColsumCols + threadIdx.x;
+  wait_for_previous_kernel();  // the pass that wrote the partials
+  const float t = fold_column_sum(partials, slabs, columns, c);
+  if (threadIdx.y == 0 && c < columns) grad_bias[c] = from_float<BT>(t);
 }
 
 // The second pass over the partials that store_column_partials wrote: [slabs, columns] → grad_bias, as a dependent

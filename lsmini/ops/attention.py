@@ -57,7 +57,7 @@ from lsmini.ops.checks import (check_causal_and_dropout, check_floating, check_k
                                check_tensor)
 from lsmini.ops.dropout import keep_mask
 from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
-                                state_rng)
+                                operator, state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -178,7 +178,7 @@ def attention_bwd(grad_out, saved, grad_q, grad_k, grad_v, fused):
         grad.copy_(result)
 
 
-@torch.library.custom_op("lsmini::attention", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+@operator("lsmini::attention", tags=RANDOM_TAGS)
 def _attention_op(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, causal: bool, p: float,
                   scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out, lse, dropout state, keep bits): out [b, h, lq, d] as the transposed view of a contiguous
@@ -213,7 +213,7 @@ def _(q, k, v, key_padding_mask, causal, p, scale):
             q.new_empty(0, dtype=torch.int32) if bits is None else bits)
 
 
-@torch.library.custom_op("lsmini::attention_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::attention_backward", differentiable=False)
 def _attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                            key_padding_mask: Tensor | None, state: Tensor, bits: Tensor, causal: bool, p: float,
                            scale: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -35,7 +35,7 @@ from lsmini import _backend, limits
 from lsmini.ops.checks import check_causal_and_dropout, check_floating, check_key_padding_mask, check_tensor
 from lsmini.ops.dropout import dropout_ref
 from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
-                                state_rng)
+                                operator, state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -76,7 +76,7 @@ def _masked_softmax_ref(scores, key_padding_mask, causal):
     return torch.softmax(x.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
 
 
-@torch.library.custom_op("lsmini::attention_softmax", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+@operator("lsmini::attention_softmax", tags=RANDOM_TAGS)
 def _attention_softmax_op(scores: Tensor, key_padding_mask: Tensor | None, causal: bool,
                           p: float) -> tuple[Tensor, Tensor, Tensor]:
     """(probs, softmax, dropout state) for scores [batch, heads, q_len, k_len]: probs and, when p > 0, the
@@ -103,7 +103,7 @@ def _(scores, key_padding_mask, causal, p):
     return scores.new_empty(scores.shape), softmax, fake_dropout_state(scores, scores.shape, p)
 
 
-@torch.library.custom_op("lsmini::attention_softmax_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::attention_softmax_backward", differentiable=False)
 def _attention_softmax_backward_op(grad_probs: Tensor, softmax: Tensor, state: Tensor, p: float) -> Tensor:
     """grad_scores (contiguous, like softmax) from grad_probs, the pre-dropout softmax and the forward's
     dropout state."""

@@ -37,7 +37,7 @@ from lsmini import _backend, limits
 from lsmini.ops.checks import check_bias, check_dropout_p, check_x
 from lsmini.ops.dropout import dropout_ref, keep_mask
 from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
-                                optional_outputs, state_rng)
+                                operator, optional_outputs, state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh")
@@ -109,7 +109,7 @@ def bias_act_dropout_bwd(grad2d, bias, activation, saved, kernels, out=None):
     return grad_x if out is None else out.copy_(grad_x), grad_bias
 
 
-@torch.library.custom_op("lsmini::bias_act_dropout", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+@operator("lsmini::bias_act_dropout", tags=RANDOM_TAGS)
 def _bias_act_dropout_op(x: Tensor, bias: Tensor | None, activation: str, p: float) -> tuple[Tensor, Tensor]:
     """(out [rows, hidden] contiguous like x, dropout state) for x [rows, hidden]. This function is the CUDA
     implementation (the kernel; the state is the call's Philox state)."""
@@ -129,7 +129,7 @@ def _(x, bias, activation, p):
     return x.new_empty(x.shape), fake_dropout_state(x, x.shape, p)
 
 
-@torch.library.custom_op("lsmini::bias_act_dropout_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::bias_act_dropout_backward", differentiable=False)
 def _bias_act_dropout_backward_op(grad: Tensor, x: Tensor, bias: Tensor | None, state: Tensor, activation: str,
                                   p: float) -> list[Tensor]:
     """[grad_x [rows, hidden] contiguous like x, grad_bias [hidden] in bias's dtype (only when bias is

@@ -35,7 +35,7 @@ from lsmini import _backend, limits
 from lsmini.ops.checks import check_bias, check_dropout_p, check_same_device, check_tensor, check_x
 from lsmini.ops.dropout import dropout_ref, keep_mask
 from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
-                                optional_outputs, state_rng)
+                                operator, optional_outputs, state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -91,7 +91,7 @@ def bias_grad(grad2d, dtype, kernels):
     return grad2d.float().sum(0).to(dtype)
 
 
-@torch.library.custom_op("lsmini::bias_dropout_residual", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+@operator("lsmini::bias_dropout_residual", tags=RANDOM_TAGS)
 def _bias_dropout_residual_op(x: Tensor, bias: Tensor | None, residual: Tensor, p: float) -> tuple[Tensor, Tensor]:
     """(out [rows, hidden] contiguous like x, dropout state) for x, residual [rows, hidden]. This function
     is the CUDA implementation (the kernel; the state is the call's Philox state)."""
@@ -111,7 +111,7 @@ def _(x, bias, residual, p):
     return x.new_empty(x.shape), fake_dropout_state(x, x.shape, p)
 
 
-@torch.library.custom_op("lsmini::bias_dropout_residual_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::bias_dropout_residual_backward", differentiable=False)
 def _bias_dropout_residual_backward_op(grad: Tensor, state: Tensor, p: float,
                                        bias_dtype: torch.dtype | None) -> list[Tensor]:
     """[grad_x (only when p > 0), grad_bias [hidden] in bias_dtype (only when bias_dtype is given)] from

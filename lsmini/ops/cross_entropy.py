@@ -39,6 +39,7 @@ from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_floating, check_same_device, check_tensor
+from lsmini.ops.library import operator
 from lsmini.ops.reference_grads import reference_grads
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -95,7 +96,7 @@ def _cross_entropy_rows_ref(logits, target, label_smoothing, ignore_index):
     return finish(loss), finish(nll), lse
 
 
-@torch.library.custom_op("lsmini::cross_entropy", mutates_args=(), device_types="cuda")
+@operator("lsmini::cross_entropy")
 def _cross_entropy_op(logits: Tensor, target: Tensor, label_smoothing: float, ignore_index: int,
                       inplace_backward: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(loss_rows, nll_rows, lse), each float32 [rows], for logits [rows, vocab] and target int64 [rows].
@@ -116,7 +117,7 @@ def _(logits, target, label_smoothing, ignore_index, inplace_backward):
     return tuple(logits.new_empty((rows,), dtype=torch.float32) for _ in range(3))
 
 
-@torch.library.custom_op("lsmini::cross_entropy_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::cross_entropy_backward", differentiable=False)
 def _cross_entropy_backward_op(grad_rows: Tensor, logits: Tensor, target: Tensor, lse: Tensor, label_smoothing: float,
                                ignore_index: int) -> Tensor:
     """grad_logits [rows, vocab] (fresh, contiguous, logits' dtype) from the float32 gradient of loss_rows."""
@@ -133,17 +134,21 @@ def _(grad_rows, logits, target, lse, label_smoothing, ignore_index):
     return logits.new_empty(logits.shape)
 
 
-@torch.library.custom_op("lsmini::cross_entropy_backward_", mutates_args=("logits",), device_types="cuda")
+@operator("lsmini::cross_entropy_backward_", mutates_args=("logits",), differentiable=False)
 def _cross_entropy_backward_inplace_op(grad_rows: Tensor, logits: Tensor, target: Tensor, lse: Tensor,
                                        label_smoothing: float, ignore_index: int) -> None:
     """``cross_entropy_backward`` written over the logits themselves (contiguous), which saves one
-    [rows, vocab] buffer: the backward of ``inplace_backward=True``."""
+    [rows, vocab] buffer: the backward of ``inplace_backward=True``. Bumps the logits' version, so that
+    autograd refuses a later backward that saved them (see ``library.Operator``)."""
     _backend.ext().cross_entropy_bwd(grad_rows, logits, target, lse, label_smoothing, ignore_index, True)
+    torch.autograd.graph.increment_version(logits)
 
 
 @_cross_entropy_backward_inplace_op.register_kernel("cpu")
 def _cross_entropy_backward_inplace_cpu(grad_rows, logits, target, lse, label_smoothing, ignore_index):
-    logits.copy_(_cross_entropy_grad_ref(grad_rows, logits, target, label_smoothing, ignore_index))
+    grad = _cross_entropy_grad_ref(grad_rows, logits, target, label_smoothing, ignore_index)
+    with torch.no_grad():
+        logits.copy_(grad)  # copy_ bumps the version itself
 
 
 @_cross_entropy_backward_inplace_op.register_fake
@@ -170,6 +175,9 @@ def _cross_entropy_setup_context(ctx, inputs, output):
 def _cross_entropy_backward(ctx, grad_loss_rows, _grad_nll_rows, _grad_lse):
     logits, target, lse = ctx.saved_tensors
     if ctx.inplace_backward:
+        if torch.is_grad_enabled():
+            raise RuntimeError("cross_entropy: a loss with inplace_backward=True cannot be differentiated twice "
+                               "(create_graph=True): its backward overwrites the logits")
         torch.ops.lsmini.cross_entropy_backward_.default(grad_loss_rows.float(), logits, target, lse,
                                                          ctx.label_smoothing, ctx.ignore_index)
         return logits.detach(), None, None, None, None

@@ -36,7 +36,7 @@ from lsmini import _backend, limits
 from lsmini.ops.checks import check_dropout_p, check_floating, check_same_device, check_tensor
 from lsmini.ops.dropout import dropout_ref
 from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
-                                optional_outputs, state_rng)
+                                operator, optional_outputs, state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
@@ -86,7 +86,7 @@ def embedding_ref(tokens, weight, pos_table, scale=None, padding_idx=None, step=
     return dropout_ref(x, dropout_p, training, mask).to(weight.dtype)
 
 
-@torch.library.custom_op("lsmini::embedding", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+@operator("lsmini::embedding", tags=RANDOM_TAGS)
 def _embedding_op(tokens: Tensor, weight: Tensor, pos_table: Tensor, scale: float, padding_idx: int, step: int,
                   dropout_p: float) -> tuple[Tensor, Tensor]:
     """(out [batch, len, hidden] contiguous in weight's dtype, dropout state); padding_idx -1 = none;
@@ -112,7 +112,7 @@ def _(tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
     return weight.new_empty(shape), fake_dropout_state(weight, shape, dropout_p)
 
 
-@torch.library.custom_op("lsmini::embedding_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::embedding_backward", differentiable=False)
 def _embedding_backward_op(grad_out: Tensor, tokens: Tensor, state: Tensor, vocab: int, max_positions: int,
                            need_weight_grad: bool, need_pos_grad: bool, scale: float, padding_idx: int, step: int,
                            dropout_p: float) -> list[Tensor]:

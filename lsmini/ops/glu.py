@@ -36,7 +36,7 @@ from lsmini import _backend, limits
 from lsmini.ops.checks import check_dropout_p, check_floating, check_same_device, check_tensor
 from lsmini.ops.dropout import dropout_ref
 from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
-                                optional_outputs, state_rng)
+                                operator, optional_outputs, state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # the operators' activation names
@@ -66,7 +66,7 @@ def _out_shape(gate, up):
 
 
 # ---- the registered operators ---------------------------------------------------------------------------
-@torch.library.custom_op("lsmini::glu", mutates_args=(), device_types="cuda", tags=RANDOM_TAGS)
+@operator("lsmini::glu", tags=RANDOM_TAGS)
 def _glu_op(gate: Tensor, up: Tensor | None, activation: str, p: float) -> tuple[Tensor, Tensor]:
     """(out [rows, ffn] contiguous, dropout state) for gate, up [rows, ffn], or up None and gate [rows, 2·ffn] =
     [gate | up]. This function is the CUDA implementation (the kernel; the state is the call's Philox state)."""
@@ -87,7 +87,7 @@ def _(gate, up, activation, p):
     return gate.new_empty(shape), fake_dropout_state(gate, shape, p)
 
 
-@torch.library.custom_op("lsmini::glu_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::glu_backward", differentiable=False)
 def _glu_backward_op(grad: Tensor, gate: Tensor, up: Tensor | None, state: Tensor, activation: str,
                      p: float) -> list[Tensor]:
     """[grad_gate like gate, grad_up like up (only when up is given)], contiguous; act and act' recomputed from

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_floating, check_last_dim_vector, check_same_device, check_tensor
-from lsmini.ops.library import optional_outputs
+from lsmini.ops.library import operator, optional_outputs
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -67,7 +67,7 @@ def merge_heads_ref(x):
 # ----------------------------------------------------------------------------------------------------
 # The registered operators: the kernels on CUDA, the references on CPU
 # ----------------------------------------------------------------------------------------------------
-@torch.library.custom_op("lsmini::split_heads", mutates_args=(), device_types="cuda")
+@operator("lsmini::split_heads")
 def _split_heads_op(x: Tensor, bias: Tensor | None, num_heads: int, parts: int) -> Tensor:
     """x [batch, len, parts·hidden] → one contiguous [parts, batch, num_heads, len, head_dim] tensor (the
     public op unbinds it). This function is the CUDA implementation (the kernel)."""
@@ -85,7 +85,7 @@ def _(x, bias, num_heads, parts):
     return x.new_empty((parts, batch, num_heads, length, width // (parts * num_heads)))
 
 
-@torch.library.custom_op("lsmini::split_heads_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::split_heads_backward", differentiable=False)
 def _split_heads_backward_op(grad: Tensor, has_bias: bool, bias_fp32: bool) -> list[Tensor]:
     """grad [parts, batch, num_heads, len, head_dim] → [grad_x [batch, len, parts·hidden], grad_bias
     [parts·hidden] (only when has_bias; float32 when bias_fp32, else grad's dtype)]."""
@@ -130,7 +130,7 @@ def _split_heads_backward(ctx, grad):
 _split_heads_op.register_autograd(_split_heads_backward, setup_context=_split_heads_setup_context)
 
 
-@torch.library.custom_op("lsmini::merge_heads", mutates_args=(), device_types="cuda")
+@operator("lsmini::merge_heads")
 def _merge_heads_op(x: Tensor) -> Tensor:
     """x [batch, num_heads, len, head_dim] (any strides) → contiguous [batch, len, num_heads·head_dim]. This
     function is the CUDA implementation (the kernel)."""
@@ -148,7 +148,7 @@ def _(x):
     return x.new_empty((batch, length, num_heads * head_dim))
 
 
-@torch.library.custom_op("lsmini::merge_heads_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::merge_heads_backward", differentiable=False)
 def _merge_heads_backward_op(grad: Tensor, num_heads: int) -> Tensor:
     """grad [batch, len, num_heads·head_dim] → contiguous [batch, num_heads, len, head_dim]."""
     return _backend.ext().merge_heads_bwd(grad, num_heads)

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_last_dim_vector, check_param_dtype, check_same_device, check_tensor, check_x
-from lsmini.ops.library import optional_outputs
+from lsmini.ops.library import operator, optional_outputs
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -69,7 +69,7 @@ def layer_norm_bwd(grad_y, weight, bias, eps, saved, kernels, add=None, out=None
     return grad_x if out is None else out.copy_(grad_x), grad_weight, grad_bias
 
 
-@torch.library.custom_op("lsmini::layer_norm", mutates_args=(), device_types="cuda")
+@operator("lsmini::layer_norm")
 def _layer_norm_op(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """LayerNorm of x [rows, hidden] → (y like x, contiguous; mean, rstd: float32 [rows]). This function
     is the CUDA implementation (the kernel), ``_layer_norm_cpu`` the CPU one."""
@@ -92,7 +92,7 @@ def _(x, weight, bias, eps):
     return x.new_empty(x.shape), x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("lsmini::layer_norm_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::layer_norm_backward", differentiable=False)
 def _layer_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor,
                             rstd: Tensor, eps: float) -> list[Tensor]:
     """[dx, dweight (when weight is given), dbias (when bias is given)]: dx like x, contiguous; the

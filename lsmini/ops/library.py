@@ -9,7 +9,7 @@ backward is an operator of its own), which eager and compiled code alike call:
 - ``register_autograd`` on the forward operator saves only what the backward needs.
 
 A custom operator is a pure function of its inputs, which shapes them:
-- Outputs are fresh tensors, never an input nor another output (torch refuses aliases): where a binding
+- Outputs are fresh tensors, never an input nor another output (opcheck checks it): where a binding
   would hand back an input, or one tensor twice, the operator returns something else or nothing there,
   as its docstring says. The one operator that writes into an input, ``lsmini::cross_entropy_backward_``
   (the in-place backward ``cross_entropy`` offers), declares it (``mutates_args``) and returns nothing.
@@ -32,6 +32,57 @@ from lsmini.ops.dropout import keep_mask
 
 # Tags of a forward operator that draws a dropout mask.
 RANDOM_TAGS = (torch.Tag.nondeterministic_seeded,)
+
+# The library the Python-defined operators of the lsmini namespace are registered in.
+_LIB = torch.library.Library("lsmini", "FRAGMENT")
+
+
+class Operator:
+    """One operator ``lsmini::<name>``, defined from its CUDA implementation's type hints, with the same
+    registration methods as ``torch.library.custom_op``'s result. It registers straight with
+    ``torch.library``: ``custom_op`` wraps each device implementation in a guard that imports
+    ``torch._dynamo`` at the operator's first call (seconds of a short run's start-up, even when nothing is
+    compiled) and checks the outputs for aliases on every call (host time each call). The aliasing rule
+    still holds (see above) and ``torch.library.opcheck`` checks it in the tests.
+
+    Every operator registers autograd: a formula (``register_autograd``) or ``differentiable=False``
+    (backward operators), whose gradient raises a clear error instead of being silently wrong.
+    ``torch.library`` has no autograd for an operator that mutates an input; such an operator is not
+    differentiable, and its implementations bump the mutated tensor's version (``increment_version``) so
+    that autograd catches a saved tensor it overwrote.
+    """
+
+    def __init__(self, qualname, fn, mutates_args, tags, differentiable):
+        self.qualname = qualname
+        self.name = qualname.split("::")[1]
+        schema = torch.library.infer_schema(fn, mutates_args=mutates_args)
+        _LIB.define(self.name + schema, tags=(*tags, torch.Tag.pt2_compliant_tag))
+        self.register_kernel("cuda")(fn)
+        if not differentiable and not mutates_args:
+            self.register_autograd(self._no_derivative)
+
+    def _no_derivative(self, ctx, *grads):
+        raise RuntimeError(f"lsmini::{self.name} is not differentiable: a backward of lsmini's ops cannot be "
+                           f"differentiated again (double backward, create_graph=True)")
+
+    def register_kernel(self, device_type):
+        def register(fn):
+            torch.library.impl(self.qualname, device_type, fn, lib=_LIB)
+            return fn
+        return register
+
+    def register_fake(self, fn):
+        torch.library.register_fake(self.qualname, fn, lib=_LIB)
+        return fn
+
+    def register_autograd(self, backward, *, setup_context=None):
+        torch.library.register_autograd(self.qualname, backward, setup_context=setup_context, lib=_LIB)
+
+
+def operator(qualname, *, mutates_args=(), tags=(), differentiable=True):
+    """Decorator: define ``qualname`` from the decorated function's signature and register that function as
+    its CUDA implementation; returns the ``Operator``."""
+    return lambda fn: Operator(qualname, fn, mutates_args, tags, differentiable)
 
 
 def draw_dropout_state(p, device):

@@ -36,6 +36,7 @@ from torch import Tensor
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_floating, check_same_device, check_tensor
 from lsmini.ops.cross_entropy import _check_smoothing_and_ignore_index, _check_target_values, cross_entropy_ref
+from lsmini.ops.library import operator
 from lsmini.ops.reference_grads import reference_grads
 
 REDUCTIONS = ("mean", "sum")
@@ -106,7 +107,7 @@ def _scaled(grad_sum, grad_loss, dtype):
     return grad_sum.mul(grad_loss.float()).to(dtype)
 
 
-@torch.library.custom_op("lsmini::linear_cross_entropy", mutates_args=(), device_types="cuda")
+@operator("lsmini::linear_cross_entropy")
 def _linear_cross_entropy_op(x: Tensor, weight: Tensor, target: Tensor, label_smoothing: float, ignore_index: int,
                              chunk_tokens: int, with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss_sum, nll_sum, grad_x, grad_weight), float32, for x [rows, H], weight [V, H], target int64

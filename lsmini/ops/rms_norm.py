@@ -36,7 +36,7 @@ from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_last_dim_vector, check_param_dtype, check_same_device, check_tensor, check_x
-from lsmini.ops.library import optional_outputs
+from lsmini.ops.library import operator, optional_outputs
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -67,7 +67,7 @@ def _rstd(x, eps):
 
 
 # ---- the registered operators ---------------------------------------------------------------------------
-@torch.library.custom_op("lsmini::rms_norm", mutates_args=(), device_types="cuda")
+@operator("lsmini::rms_norm")
 def _rms_norm_op(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     """RMSNorm of x [rows, hidden] → (y like x, contiguous; rstd float32 [rows]). This function is the CUDA
     implementation (the kernel), ``_rms_norm_cpu`` the CPU one."""
@@ -86,7 +86,7 @@ def _(x, weight, eps):
     return x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
-@torch.library.custom_op("lsmini::add_rms_norm", mutates_args=(), device_types="cuda")
+@operator("lsmini::add_rms_norm")
 def _add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """s = x + residual and RMSNorm of s, for x, residual [rows, hidden] → (s, y like x, contiguous; rstd
     float32 [rows]). This function is the CUDA implementation (the kernel)."""
@@ -105,7 +105,7 @@ def _(x, residual, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
-@torch.library.custom_op("lsmini::rms_norm_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::rms_norm_backward", differentiable=False)
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, add: Tensor | None,
                           eps: float) -> list[Tensor]:
     """[dx, dweight (when weight is given)] of RMSNorm at x (the normalized input: x, or s of the residual

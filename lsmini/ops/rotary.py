@@ -56,6 +56,7 @@ from torch import Tensor
 
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_floating, check_same_device, check_tensor
+from lsmini.ops.library import operator
 from lsmini.ops.reference_grads import reference_grads
 
 
@@ -136,7 +137,7 @@ def _table_grads(grad_q, grad_k, q, k, cos, interleaved):
 
 
 # ---- the registered operators ---------------------------------------------------------------------------
-@torch.library.custom_op("lsmini::rotary", mutates_args=(), device_types="cuda")
+@operator("lsmini::rotary")
 def _rotary_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
     """(q rotated, k rotated) for q [batch, heads, seq, head_dim], k [batch, kv_heads, seq, head_dim] and cos, sin
     [batch or 1, seq, rot_dim], each output in its input's memory order (``_empty_in_order``). This function is the
@@ -155,7 +156,7 @@ def _(q, k, cos, sin, interleaved):
     return _empty_in_order(q), _empty_in_order(k)
 
 
-@torch.library.custom_op("lsmini::rotary_backward", mutates_args=(), device_types="cuda")
+@operator("lsmini::rotary_backward", differentiable=False)
 def _rotary_backward_op(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor,
                         interleaved: bool) -> tuple[Tensor, Tensor]:
     """The gradients of q and k from those of the outputs (grad_q, grad_k): the transpose of the forward's map, in
