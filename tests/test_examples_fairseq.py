@@ -406,10 +406,10 @@ def test_default_length_gives_the_larger_archs_their_steps():
     archs = train_translation.ARCHS
     args = train_translation.TASK.parse_args(["--arch", "small"])
     assert args.default_length and args.epochs == cli.DEFAULT_EPOCHS
-    # a 30k-pair corpus in 101 batches: 20 epochs reach the 2000 steps; 300k pairs: 3 epochs already do
-    epochs, how = cli.default_epochs(args, 101, archs["small"]["min_steps"])
-    assert epochs == 20 and "2020 steps" in how and "at least 2000 steps" in how
-    assert cli.default_epochs(args, 1010, archs["small"]["min_steps"])[0] == cli.DEFAULT_EPOCHS
+    # a 30k-pair corpus in 51 batches of 8192 tokens: 30 epochs reach the 1500 steps; 300k pairs: 3 epochs do
+    epochs, how = cli.default_epochs(args, 51, archs["small"]["min_steps"])
+    assert epochs == 30 and "1530 steps" in how and "at least 1500 steps" in how
+    assert cli.default_epochs(args, 510, archs["small"]["min_steps"])[0] == cli.DEFAULT_EPOCHS
     # tiny keeps its 3 epochs however small the corpus
     args = train_translation.TASK.parse_args([])
     assert cli.default_epochs(args, 5, archs["tiny"]["min_steps"])[0] == cli.DEFAULT_EPOCHS

@@ -37,7 +37,7 @@ def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
 
     g = parser.add_argument_group("training")
     g.add_argument("--max-tokens", type=int, default=None,
-                   help="padded tokens per batch (default per --arch: 2048 for tiny, 4096 otherwise)")
+                   help="padded tokens per batch (default per --arch)")
     g.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (default: no limit)")
     g.add_argument("--update-freq", type=int, default=1,
