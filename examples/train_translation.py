@@ -30,12 +30,12 @@ from training.tokenizer import BOS, EOS, PAD, unknown_pieces_note  # noqa: E402
 from training.trainer import format_ppl  # noqa: E402
 
 # encoder+decoder layers, hidden, heads, FFN; defaults of --dropout --lr --warmup --max-tokens; the least
-# steps of a run without --epochs/--max-steps (tiny: 3 epochs, sized for a CPU run)
+# steps (and epochs, where not 3) of a run without --epochs/--max-steps (tiny: 3 epochs, sized for a CPU run)
 ARCHS = {
     "tiny": dict(layers=2, hidden=128, heads=4, ffn=512, dropout=0.1, lr=2e-3, warmup=200, max_tokens=2048,
                  min_steps=0),
-    "small": dict(layers=6, hidden=512, heads=4, ffn=1024, dropout=0.3, lr=5e-4, warmup=4000, max_tokens=4096,
-                  min_steps=2000),
+    "small": dict(layers=6, hidden=512, heads=4, ffn=1024, dropout=0.3, lr=1e-3, warmup=4000, max_tokens=8192,
+                  min_steps=1500, min_epochs=6),
     "base": dict(layers=6, hidden=512, heads=8, ffn=2048, dropout=0.1, lr=7e-4, warmup=4000, max_tokens=4096,
                  min_steps=2000),
     "big": dict(layers=6, hidden=1024, heads=16, ffn=4096, dropout=0.3, lr=5e-4, warmup=4000, max_tokens=4096,

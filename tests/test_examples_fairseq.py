@@ -406,13 +406,19 @@ def test_default_length_gives_the_larger_archs_their_steps():
     archs = train_translation.ARCHS
     args = train_translation.TASK.parse_args(["--arch", "small"])
     assert args.default_length and args.epochs == cli.DEFAULT_EPOCHS
-    # a 30k-pair corpus in 101 batches: 20 epochs reach the 2000 steps; 300k pairs: 3 epochs already do
-    epochs, how = cli.default_epochs(args, 101, archs["small"]["min_steps"])
-    assert epochs == 20 and "2020 steps" in how and "at least 2000 steps" in how
-    assert cli.default_epochs(args, 1010, archs["small"]["min_steps"])[0] == cli.DEFAULT_EPOCHS
+    small, tiny = archs["small"], archs["tiny"]
+    # a 30k-pair corpus in 51 batches of 8192 tokens: 30 epochs reach the 1500 steps
+    epochs, how = cli.default_epochs(args, 51, small)
+    assert epochs == 30 and "1530 steps" in how and "at least 6 epochs and 1500 steps" in how
+    # 300k pairs, 508 batches: 3 epochs would reach the steps, small still takes its 6 epochs
+    epochs, how = cli.default_epochs(args, 508, small)
+    assert epochs == small["min_epochs"] == 6 and "3048 steps" in how
+    # an arch row without min_epochs takes DEFAULT_EPOCHS
+    assert cli.default_epochs(args, 1010, dict(small, min_epochs=cli.DEFAULT_EPOCHS))[0] == cli.DEFAULT_EPOCHS
+    assert cli.default_epochs(args, 1010, {"min_steps": 2000})[0] == cli.DEFAULT_EPOCHS
     # tiny keeps its 3 epochs however small the corpus
     args = train_translation.TASK.parse_args([])
-    assert cli.default_epochs(args, 5, archs["tiny"]["min_steps"])[0] == cli.DEFAULT_EPOCHS
+    assert cli.default_epochs(args, 5, tiny)[0] == cli.DEFAULT_EPOCHS
     for flags in (["--epochs", "2"], ["--max-steps", "7"]):
         assert not train_translation.TASK.parse_args(flags).default_length
 

@@ -126,6 +126,25 @@ def test_defaults_table_sets_the_defaults_beside_the_best_tuned_run(tmp_path):
     assert "| lm | 100 steps, warmup 10, lr 0.001 | perplexity 110.5 | 100.5 (`--warmup 5`) | +10.0% |" in table
 
 
+def test_defaults_table_compares_means_over_the_defaults_seeds(tmp_path):
+    def run(variant, bleu, warmup=10):
+        return {"benchmark": "defaults", "config": "mt", "variant": variant, "kind": "lsmini", "steps": 100,
+                "warmup": warmup, "lr": 0.001, "command_s": 20.5, "bleu": bleu}
+
+    rows = write(tmp_path, "defaults", [("2026-01-01", "r1", [
+        run("--seed 3", 10.0, warmup=99),  # another schedule's defaults (an earlier commit's): not these
+        run("--lr 2e-3", 40.5),  # a later row of seed 1 of the same configuration wins
+        run("defaults", 40.0), run("--seed 2", 41.0),
+        run("--lr 2e-3 --seed 1", 41.5), run("--lr 2e-3 --seed 2", 42.5),
+        run("--lr 5e-4 --seed 2", 39.0), run("--lr 5e-4", 40.0),
+        run("--warmup 5", 45.0)])])  # one seed only: a lucky draw is not compared with a two-seed mean
+    assert report.configuration_and_seed("--lr 2e-3 --seed 12 --epochs 3") == ("--lr 2e-3 --epochs 3", 12)
+    assert report.configuration_and_seed("--seed 2") == ("", 2)
+    assert report.configuration_and_seed("defaults") == ("", 1)
+    table = report.defaults_table(rows)
+    assert "| BLEU 40.50 (mean of seeds 1-2) | 42.00 (`--lr 2e-3`) | -1.50 | 20.5 s |" in table
+
+
 def test_append_results_stamps_rows_and_widens_the_header(tmp_path):
     env = {**ENV, "date": "2026-01-01", "run": "r1"}
     path = common.append_results(str(tmp_path), "x", env, [step("base", "lsmini", 1.5)])

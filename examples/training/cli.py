@@ -37,15 +37,15 @@ def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
 
     g = parser.add_argument_group("training")
     g.add_argument("--max-tokens", type=int, default=None,
-                   help="padded tokens per batch (default per --arch: 2048 for tiny, 4096 otherwise)")
+                   help="padded tokens per batch (default per --arch)")
     g.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (default: no limit)")
     g.add_argument("--update-freq", type=int, default=1,
                    help="accumulate the gradients of N batches (per process) into each optimizer step (default 1)")
     g.add_argument("--epochs", type=int, default=None,
                    help=f"stop after this many passes over the training data (default unless --max-steps is "
-                        f"given: {DEFAULT_EPOCHS}, or more where the --arch needs more steps than {DEFAULT_EPOCHS} "
-                        "epochs give)")
+                        f"given: {DEFAULT_EPOCHS}, or more where the --arch asks for more epochs or more steps "
+                        f"than {DEFAULT_EPOCHS} epochs give)")
     g.add_argument("--max-time", type=float, default=None, metavar="SECONDS",
                    help="wall-clock budget of the training loop: stop at the first step boundary after it, "
                         "validate, save and still score the test set (default: none)")
@@ -146,16 +146,21 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
 
 
-def default_epochs(args, steps_per_epoch, min_steps):
-    """The --epochs of a run given neither --epochs nor --max-steps, and a line saying why: DEFAULT_EPOCHS,
-    or as many more as the --arch table's `min_steps` need at `steps_per_epoch`. Three epochs of a 30k-pair
-    corpus are ~300 steps of 4096 tokens: enough for the tiny model, far too few for the 6+6-layer ones,
-    which reach their quality after ~2000 (benchmarks/bench_defaults.py)."""
-    epochs = max(DEFAULT_EPOCHS, -(-min_steps // steps_per_epoch))
+def default_epochs(args, steps_per_epoch, arch):
+    """The --epochs of a run given neither --epochs nor --max-steps, and a line saying why: the --arch table
+    row's `min_epochs` (DEFAULT_EPOCHS where it has none), or as many more as its `min_steps` need at
+    `steps_per_epoch`. Three epochs of a 30k-pair corpus are ~150 steps of 8192 tokens: enough for the tiny
+    model, far too few for the 6+6-layer ones, which reach their quality after ~1500-2000 steps; a large
+    corpus reaches those steps within its first epochs but still gains from more passes (--arch small on
+    300k generated pairs: 6 epochs, not 3; benchmarks/bench_defaults.py)."""
+    min_epochs, min_steps = arch.get("min_epochs", DEFAULT_EPOCHS), arch["min_steps"]
+    epochs = max(min_epochs, -(-min_steps // steps_per_epoch))
     if epochs == DEFAULT_EPOCHS:
         return epochs, f"length: {epochs} epochs ({epochs * steps_per_epoch} steps; --epochs or --max-steps sets it)"
-    return epochs, (f"length: {epochs} epochs ({epochs * steps_per_epoch} steps): --arch {args.arch} trains for at "
-                    f"least {min_steps} steps, at {steps_per_epoch} per epoch here (--epochs or --max-steps sets it)")
+    least = f"at least {min_steps} steps" if min_epochs == DEFAULT_EPOCHS else \
+        f"at least {min_epochs} epochs and {min_steps} steps"
+    return epochs, (f"length: {epochs} epochs ({epochs * steps_per_epoch} steps): --arch {args.arch} trains for "
+                    f"{least}, at {steps_per_epoch} per epoch here (--epochs or --max-steps sets it)")
 
 
 def adapt_warmup(args, planned_steps, arch_warmup, steps_per_epoch):

@@ -53,7 +53,8 @@ class Task:
     name = None  # the example's name in its checkpoints ("task"; a key of checkpoints.TASKS)
     description = None  # what the script does, for --help
     # the --arch table: name -> layers, hidden, heads, ffn, the defaults of --dropout --lr --warmup --max-tokens,
-    # and min_steps, the least steps of a run without --epochs and --max-steps (cli.default_epochs)
+    # min_steps and (optional) min_epochs, the least steps and epochs of a run without --epochs and --max-steps
+    # (cli.default_epochs)
     archs = None
     arch_sizes = None  # the rows of the table in words, for --help
     label_smoothing = None  # the default of --label-smoothing
@@ -243,7 +244,7 @@ def run_task(task, argv=None):
         log(args.cuda_graph_note)
         per_epoch = steps_per_epoch(args, len(data.train), dist.world)
         if args.default_length:
-            args.epochs, how = cli.default_epochs(args, per_epoch, task.archs[args.arch]["min_steps"])
+            args.epochs, how = cli.default_epochs(args, per_epoch, task.archs[args.arch])
             log(how)
             if args.patience is None and task.default_patience is not None and args.eval_every is None:
                 args.patience = task.default_patience
