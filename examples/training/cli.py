@@ -14,19 +14,24 @@ def add_arch_arg(group, archs, sizes):
     group.add_argument("--arch", choices=sorted(archs), default="tiny", help="model size (default tiny): " + sizes)
 
 
-def add_layer_args(g, label_smoothing):
+def per_arch(archs, name):
+    """The --arch table's defaults of one flag, for --help: "tiny 2048, small 8192, ..."."""
+    return ", ".join(f"{arch} {row[name]:g}" for arch, row in archs.items())
+
+
+def add_layer_args(g, label_smoothing, archs):
     """The layer options both examples share, into the argument group g."""
     ln = g.add_mutually_exclusive_group()
     ln.add_argument("--pre-ln", dest="pre_ln", action="store_true", default=True,
                     help="LayerNorm before each block (default)")
     ln.add_argument("--post-ln", dest="pre_ln", action="store_false", help="LayerNorm after each residual add")
-    g.add_argument("--dropout", type=float, default=None, help="residual/embedding dropout (default per --arch)")
+    g.add_argument("--dropout", type=float, default=None, help=f"residual/embedding dropout (default per --arch: {per_arch(archs, 'dropout')})")
     g.add_argument("--attn-dropout", type=float, default=0.0, help="dropout on attention probabilities (default 0)")
     g.add_argument("--activation-dropout", type=float, default=0.0, help="dropout after the FFN activation (default 0)")
     g.add_argument("--label-smoothing", type=float, default=label_smoothing, help=f"(default {label_smoothing:g})")
 
 
-def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
+def add_common_args(parser, default_save_dir, archs, best_metrics=("valid_loss",)):
     """The tokenizer, training and progress/checkpoint options, each group in the parser."""
     g = parser.add_argument_group("tokenizer")
     g.add_argument("--vocab-size", type=int, default=None,
@@ -37,7 +42,7 @@ def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
 
     g = parser.add_argument_group("training")
     g.add_argument("--max-tokens", type=int, default=None,
-                   help="padded tokens per batch (default per --arch)")
+                   help=f"padded tokens per batch (default per --arch: {per_arch(archs, 'max_tokens')})")
     g.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps in total (default: no limit)")
     g.add_argument("--update-freq", type=int, default=1,
@@ -52,7 +57,7 @@ def add_common_args(parser, default_save_dir, best_metrics=("valid_loss",)):
     g.add_argument("--patience", type=int, default=None, metavar="N",
                    help="stop early after N validations in a row without improvement of --best-metric "
                         "(default: never)")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default per --arch)")
+    g.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default per --arch: {per_arch(archs, 'lr')})")
     g.add_argument("--warmup", type=int, default=None,
                    help="linear warmup steps, then lr ∝ 1/sqrt(step) (default: the --arch value; in a run "
                         "without --max-steps at most a third of the steps its --epochs plan)")

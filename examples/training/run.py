@@ -91,8 +91,8 @@ class Task:
         group = parser.add_argument_group("model")
         cli.add_arch_arg(group, self.archs, self.arch_sizes)
         self.add_model_args(group)
-        cli.add_layer_args(group, self.label_smoothing)
-        cli.add_common_args(parser, self.default_save_dir, self.best_metrics)
+        cli.add_layer_args(group, self.label_smoothing, self.archs)
+        cli.add_common_args(parser, self.default_save_dir, self.archs, self.best_metrics)
         self.add_mode_args(parser)
         return parser
 
