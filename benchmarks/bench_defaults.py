@@ -4,7 +4,7 @@
                                         [--files NAME TRAIN_SRC TRAIN_TGT VALID_SRC VALID_TGT TEST_SRC TEST_TGT]
                                         [--lm-text NAME FILE] [--lm-arch small]
                                         [--tuned "FLAGS" ...] [--lm-tuned "FLAGS" ...] [--seeds 1] [--parallel 3]
-                                        [--skip-defaults | --skip-tuned] [--work DIR] [--json PATH]
+                                        [--timed 1] [--skip-defaults | --skip-tuned] [--work DIR] [--json PATH]
                                         [--results DIR | --no-results]
 
 Corpora (each one a table):
@@ -18,7 +18,8 @@ Corpora (each one a table):
 On each corpus:
     defaults  the example with the data files and --arch only, as a new user runs it; run alone, so that its
               wall time is the whole command's (Python start, tokenizer, training, validation, checkpoints and,
-              for translation, the test set's beam search and BLEU).
+              for translation, the test set's beam search and BLEU). --timed N runs it N times, one after
+              another, and reports the median time (each run's time in the row's note).
     tuned     the same command plus each flag string of the grid (--tuned / --lm-tuned; default: the grids
               below), --parallel at a time on the same GPU: their quality is what the flags give, their wall
               times are not comparable with the defaults' run.
@@ -43,6 +44,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -150,6 +152,25 @@ def run_one(corpus, name, arch, extra, save_dir):
     return row
 
 
+def timed_row(corpus, runs):
+    """The defaults' row from `runs`, the rows of one command run alone one after another (--timed N): the
+    first run's figures with the median whole-command time, and a note giving each time (a run's time varies
+    by seconds with the machine's state: the first command on a fresh machine is the slowest) and each run's
+    quality where they differ. A failed run's row is returned as it is."""
+    failed = [r for r in runs if r["rc"] != 0]
+    if failed or len(runs) == 1:
+        return (failed or runs)[0]
+    row = dict(runs[0])
+    times = [r["command_s"] for r in runs]
+    row["command_s"] = round(statistics.median(times), 1)
+    row["note"] = f"whole command: median of {len(runs)} runs alone ({', '.join(f'{t:g}' for t in times)} s)"
+    name, _, _ = quality(corpus, row)
+    qualities = [quality(corpus, r)[1] for r in runs]
+    if len(set(qualities)) > 1:
+        row["note"] += f"; their {name}: {', '.join(f'{q:g}' for q in qualities)}"
+    return row
+
+
 def quality(corpus, row):
     """(name, value, better-is-higher) of a run's quality figure, value None when it failed."""
     if corpus.is_lm:
@@ -221,6 +242,8 @@ def table(corpus, arch, rows, has_defaults):
         print(f"| {r['run']} | {r['flags'] or '(none)'} | {r.get('steps', '')} | {r.get('warmup', '')} | "
               f"{r.get('lr', '')} | {cell} | {r.get('valid_loss', '')} | {r['command_s']} | "
               f"{r.get('tokens_per_s', '')} |")
+    if has_defaults and rows[0].get("note"):
+        print(f"defaults: {rows[0]['note']}")
     scored = [r for r in rows if r["config_flags"] and quality(corpus, r)[1] is not None]
     name, _, higher = quality(corpus, rows[0])
     best = (max if higher else min)(scored, key=lambda r: quality(corpus, r)[1], default=None)
@@ -248,6 +271,8 @@ def main():
                     help="flags of one tuned LM run (repeat; default: LM_TUNED)")
     ap.add_argument("--seeds", type=int, default=1, help="run every configuration at seeds 1..N (default 1)")
     ap.add_argument("--parallel", type=int, default=3, help="tuned runs at a time (default 3)")
+    ap.add_argument("--timed", type=int, default=1, metavar="N",
+                    help="run the defaults' seed-1 command N times alone; its row's time is their median (default 1)")
     ap.add_argument("--skip-defaults", action="store_true", help="only the tuned runs")
     ap.add_argument("--skip-tuned", action="store_true", help="only the defaults' runs")
     ap.add_argument("--work", default=os.path.join(ROOT, "runs", "bench_defaults"))
@@ -258,6 +283,8 @@ def main():
         ap.error("--skip-defaults and --skip-tuned together leave nothing to run")
     if a.seeds < 1:
         ap.error(f"--seeds must be at least 1, got {a.seeds}")
+    if a.timed < 1:
+        ap.error(f"--timed must be at least 1, got {a.timed}")
     seeds = range(1, a.seeds + 1)
 
     corpora = [(translation_corpus(f"built-in task, {p} pairs", builtin_corpus(a.work, p)), a.arch)
@@ -280,8 +307,8 @@ def main():
             jobs = [(f"defaults_seed{s}", "", s) for s in seeds if s > 1] + jobs
         corpus_rows = []
         if not a.skip_defaults:
-            corpus_rows.append({**run_one(corpus, "defaults", arch, "", base + "_defaults"), "config_flags": "",
-                                "seed": 1})
+            runs = [run_one(corpus, "defaults", arch, "", base + "_defaults") for _ in range(a.timed)]
+            corpus_rows.append({**timed_row(corpus, runs), "config_flags": "", "seed": 1})
         with concurrent.futures.ThreadPoolExecutor(max(1, a.parallel)) as pool:
             futures = [(flags, s, pool.submit(run_one, corpus, name, arch, seeded(flags, s), f"{base}_{name}"))
                        for name, flags, s in jobs]

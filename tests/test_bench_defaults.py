@@ -52,3 +52,18 @@ def test_perplexity_gap_is_relative_and_lower_is_better(capsys):
 
 def test_without_the_defaults_nothing_is_compared():
     assert bench_defaults.seed_table(TRANSLATION, rows({"--lr 1e-3": {1: 46.0, 2: 45.0}})) is None
+
+
+def test_timed_defaults_report_the_median_and_every_time():
+    def run(seconds, bleu=45.76, rc=0):
+        return {"run": "defaults", "rc": rc, "command_s": seconds, "bleu": bleu, "steps": 1500}
+
+    one = run(30.0)
+    assert bench_defaults.timed_row(TRANSLATION, [one]) is one
+    row = bench_defaults.timed_row(TRANSLATION, [run(32.5), run(28.1), run(31.2)])
+    assert row["command_s"] == 31.2 and row["bleu"] == 45.76 and row["steps"] == 1500
+    assert row["note"] == "whole command: median of 3 runs alone (32.5, 28.1, 31.2 s)"
+    row = bench_defaults.timed_row(TRANSLATION, [run(30.0), run(29.0, bleu=45.5)])
+    assert row["command_s"] == 29.5 and row["note"].endswith("; their BLEU: 45.76, 45.5")
+    failed = {"run": "defaults", "rc": 1, "command_s": 3.0, "error": "boom"}
+    assert bench_defaults.timed_row(TRANSLATION, [run(30.0), failed]) is failed
