@@ -303,7 +303,8 @@ def main():
             (a.tuned if a.tuned is not None else TRANSLATION_TUNED)
         base = os.path.join(a.work, re.sub(r"[^\w.-]+", "_", f"{corpus.example[:-3]}_{arch}_{corpus.label}"))
         # (run name, configuration's flags, seed): the defaults' seed-1 run alone, the rest `--parallel` at a time
-        jobs = [(f"tuned{i}" + (f"_seed{s}" if s > 1 else ""), flags, s) for i, flags in enumerate(tuned) for s in seeds]
+        jobs = [(f"tuned{i}" + (f"_seed{s}" if s > 1 else ""), flags, s)
+                for i, flags in enumerate(tuned) for s in seeds]
         if not a.skip_defaults:
             jobs = [(f"defaults_seed{s}", "", s) for s in seeds if s > 1] + jobs
         corpus_rows = []

@@ -25,7 +25,8 @@ def add_layer_args(g, label_smoothing, archs):
     ln.add_argument("--pre-ln", dest="pre_ln", action="store_true", default=True,
                     help="LayerNorm before each block (default)")
     ln.add_argument("--post-ln", dest="pre_ln", action="store_false", help="LayerNorm after each residual add")
-    g.add_argument("--dropout", type=float, default=None, help=f"residual/embedding dropout (default per --arch: {per_arch(archs, 'dropout')})")
+    g.add_argument("--dropout", type=float, default=None,
+                   help=f"residual/embedding dropout (default per --arch: {per_arch(archs, 'dropout')})")
     g.add_argument("--attn-dropout", type=float, default=0.0, help="dropout on attention probabilities (default 0)")
     g.add_argument("--activation-dropout", type=float, default=0.0, help="dropout after the FFN activation (default 0)")
     g.add_argument("--label-smoothing", type=float, default=label_smoothing, help=f"(default {label_smoothing:g})")
@@ -57,7 +58,8 @@ def add_common_args(parser, default_save_dir, archs, best_metrics=("valid_loss",
     g.add_argument("--patience", type=int, default=None, metavar="N",
                    help="stop early after N validations in a row without improvement of --best-metric "
                         "(default: never)")
-    g.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default per --arch: {per_arch(archs, 'lr')})")
+    g.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (default per --arch: {per_arch(archs, 'lr')})")
     g.add_argument("--warmup", type=int, default=None,
                    help="linear warmup steps, then lr ∝ 1/sqrt(step) (default: the --arch value; in a run "
                         "without --max-steps at most a third of the steps its --epochs plan)")
