@@ -687,8 +687,8 @@ def test_autocast_on_the_gpu_within_twice_the_unconverted_error(family, dtype, p
     cast, cast_grads = _cuda_run(copy.deepcopy(ref).to(dtype), ids, mask, labels)
     paths = []
 
-    def kernel_path(options, x, params):  # which path each layer call takes
-        paths.append(real_kernel_path(options, x, params))
+    def kernel_path(options, x):  # which path each layer call takes
+        paths.append(real_kernel_path(options, x))
         return paths[-1]
 
     real_kernel_path = runtime.kernel_path

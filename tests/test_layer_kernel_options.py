@@ -1,6 +1,6 @@
 """The layer operators (csrc/layers/layer.cpp) with the options of Llama-style blocks: RMSNorm (pre- and
 post-norm), gated FFNs (swiglu, geglu), absent biases, rotary positions on Q/K (full and partial rotary_dim,
-one table or one per batch row), grouped K/V heads, alone and together, in self/cross/ffn blocks. Each runs on the kernel path
+one table or one per batch row), grouped K/V heads, QK-norm, alone and together, in self/cross/ffn blocks. Each runs on the kernel path
 (lsmini.layers.runtime.run_layer) and is compared, forward and every gradient, with the reference layer
 (lsmini.layers.reference) in float64 from the same inputs: the kernel's error must be at most twice the
 reference's own error in the same low precision. Dropout: the same seed gives the same results, recompute on
@@ -43,6 +43,12 @@ CASES = {
     "llama_gqa": (("self", "ffn"), dict(norm="rms_norm", activation="swiglu", rotary_dim=16, causal=True, kv_heads=2),
                   "all", False),
     "decoder_mqa": (("self", "cross", "ffn"), dict(rotary_dim=8, causal=True, kv_heads=1), "", True),
+    # QK-norm on the self block's Q and K heads (before rotary): alone; in a Llama layer with float32 norm weights;
+    # in a decoder layer with grouped K/V heads
+    "qk_norm": (("self", "ffn"), dict(qk_norm=True), "", False),
+    "llama_qk_norm": (("self", "ffn"), dict(norm="rms_norm", activation="swiglu", rotary_dim=16, causal=True,
+                                            kv_heads=2, qk_norm=True), "all", False),
+    "decoder_qk_norm": (("self", "cross", "ffn"), dict(rotary_dim=8, kv_heads=2, qk_norm=True), "some", True),
 }
 
 
@@ -56,7 +62,8 @@ def _options(kinds, training=False, dropouts=(0.0, 0.0, 0.0), recompute=True, **
 
 
 def _params(options, absent, dtype, norm_dtype=None, seed=0):
-    """Every block's six parameters in the contract's shapes (None where absent), seeded, off their inits."""
+    """Every block's six parameters in the contract's shapes (None where absent), then with qk_norm the Q and K
+    norm weights [head_dim], seeded, off their inits."""
     gen = torch.Generator().manual_seed(seed)
     glu = options.activation in ("swiglu", "geglu")
     params = []
@@ -73,6 +80,9 @@ def _params(options, absent, dtype, norm_dtype=None, seed=0):
         for j, p in enumerate(block):
             vector_dtype = norm_dtype if j == 4 and norm_dtype is not None else dtype
             params.append(None if j in gone else p.to("cuda", dtype if j in (0, 2) else vector_dtype))
+    if options.qk_norm:
+        params += [(1 + 0.2 * torch.randn(options.head_dim, generator=gen)).to("cuda", norm_dtype or dtype)
+                   for _ in range(2)]
     return params
 
 
@@ -128,7 +138,8 @@ def _reference_fn(options, masks, rotary):
     def fn(x, k, v, *params):
         cast = [p for i in range(len(options.kinds))
                 for p in cast_block(params[PARAMS_PER_BLOCK * i:PARAMS_PER_BLOCK * (i + 1)], x.dtype)]
-        return reference_layer(options, x, masks[0], k, v, masks[1], cast, rotary=rotary)
+        n = PARAMS_PER_BLOCK * len(options.kinds)
+        return reference_layer(options, x, masks[0], k, v, masks[1], cast + list(params[n:]), rotary=rotary)
     return fn
 
 
@@ -138,7 +149,7 @@ def test_kernel_path_matches_reference(case, dtype):
     """Output and every gradient (x, encoder K/V, each parameter given) of the kernel path against the float64
     reference, at most twice the error of the reference run in dtype (atol: 1e-3 of the magnitude)."""
     options, x, params, rotary, kv, masks, grad = _setup(case, dtype)
-    assert kernel_path(options, x, params)
+    assert kernel_path(options, x)
     y_k, g_k = _run(_kernel_fn(options, masks, rotary), x, kv, params, grad)
     y_r, g_r = _run(_reference_fn(options, masks, rotary), x, kv, params, grad)
     y_o, g_o = _run(_reference_fn(options, masks, rotary), x, kv, params, grad, dtype=torch.float64)
@@ -149,7 +160,7 @@ def test_kernel_path_matches_reference(case, dtype):
         assert_lowp_rule(k.float(), o, r.float(), atol=1e-3 * max(1.0, o.abs().max().item()), name=name)
 
 
-@pytest.mark.parametrize("case", ["llama", "decoder", "llama_gqa"])
+@pytest.mark.parametrize("case", ["llama", "decoder", "llama_gqa", "decoder_qk_norm"])
 def test_dropout_reproducible_and_recompute_agrees(case):
     """With every dropout on: the same seed gives the same output and gradients, and backward recomputing the
     activations (recompute on) gives exactly what saving them gives (recompute off)."""
@@ -186,13 +197,15 @@ def test_gated_activation_dropout_keep_rate(activation):
 
 
 @pytest.mark.parametrize("dropout", [False, True])
-@pytest.mark.parametrize("case", ["llama", "decoder", "rms_post", "llama_gqa"])
+@pytest.mark.parametrize("case", ["llama", "decoder", "rms_post", "llama_gqa", "llama_qk_norm"])
 def test_compiled_matches_eager(case, dropout):
     """torch.compile(fullgraph=True) runs the same operators (their Meta implementations trace the shapes):
     the same output and gradients as eager, with dropout the same draws under the same seed."""
     train = dict(training=True, dropouts=(0.1, 0.15, 0.2)) if dropout else {}
     options, x, params, rotary, kv, masks, grad = _setup(case, torch.bfloat16, **train)
     fn = _kernel_fn(options, masks, rotary)
+    # every case compiles the same code object: without a reset the cases past dynamo's recompile limit fail
+    torch._dynamo.reset()
     torch.manual_seed(7)
     y_e, g_e = _run(fn, x, kv, params, grad)
     torch.manual_seed(7)
@@ -202,7 +215,7 @@ def test_compiled_matches_eager(case, dropout):
         torch.testing.assert_close(c, e, msg=lambda m: f"grad {i}: {m}")
 
 
-@pytest.mark.parametrize("case", ["llama", "decoder", "no_bias", "decoder_mqa"])
+@pytest.mark.parametrize("case", ["llama", "decoder", "no_bias", "decoder_mqa", "llama_qk_norm"])
 def test_opcheck_layer_ops_with_options(case):
     """Schema and Meta implementations of lsmini::layer and lsmini::layer_backward (shapes, dtypes and strides
     of every output under fake tensors and dynamic shapes) with absent parameters and rotary tables; the

@@ -8,7 +8,7 @@ import torch
 
 from layer_testing import DEVICES, _one_thread, _poison_freed_memory, padding_mask, perturb_  # noqa: F401  (fixtures)
 from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerEncoder, TransformerEncoderLayer
-from lsmini.layers.runtime import kernel_path, kernel_unsupported, run_layer
+from lsmini.layers.runtime import kernel_path, run_layer
 
 DROPOUTS = {"dropout": 0.1, "attn_dropout": 0.15, "activation_dropout": 0.2}
 
@@ -41,7 +41,7 @@ def _grads_set(layer, value=0.5):
 
 def _path_of(device):
     layer = _layer(device)
-    return kernel_path(layer.options(False), _input(layer), layer.layer_params())
+    return kernel_path(layer.options(False), _input(layer))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -51,22 +51,9 @@ def test_path_follows_the_arguments(device):
     assert _path_of(device) == (device == "cuda")
     if device == "cuda":
         layer = _layer("cuda").float()
-        assert not kernel_path(layer.options(False), _input(layer), layer.layer_params())
+        assert not kernel_path(layer.options(False), _input(layer))
         layer = TransformerEncoderLayer(TransformerConfig(60, 4, 128)).to("cuda", torch.float16)  # head_dim 15
-        assert not kernel_path(layer.options(False), torch.zeros(1, 2, 60, device="cuda", dtype=torch.float16),
-                               layer.layer_params())
-
-
-def test_kernel_unsupported_names_what_the_operators_lack():
-    """The operators take RMSNorm, gated FFNs, absent biases, rotary and grouped K/V heads; QK-norm they do
-    not, and kernel_unsupported names that."""
-    layer = _layer("cpu")
-    options, params = layer.options(False), layer.layer_params()
-    for fields in ({}, {"norm": "rms_norm"}, {"activation": "swiglu"}, {"activation": "geglu"}, {"rotary_dim": 8},
-                   {"kv_heads": 2}):
-        assert kernel_unsupported(options._replace(**fields), params) is None, fields
-    assert kernel_unsupported(options, [p if i % 2 == 0 else None for i, p in enumerate(params)]) is None
-    assert "qk_norm" in kernel_unsupported(options._replace(qk_norm=True), params)
+        assert not kernel_path(layer.options(False), torch.zeros(1, 2, 60, device="cuda", dtype=torch.float16))
 
 
 def test_run_layer_needs_rotary_tables_exactly_with_rotary_dim():
@@ -77,13 +64,6 @@ def test_run_layer_needs_rotary_tables_exactly_with_rotary_dim():
     tables = (torch.ones(9, 8), torch.zeros(9, 8))
     with pytest.raises(ValueError, match="rotary must be"):
         run_layer(layer.options(False), x, None, None, None, None, params, rotary=tables)
-
-
-@pytest.mark.cuda
-def test_unsupported_options_run_the_reference_with_a_warning():
-    layer = _layer("cuda")
-    with pytest.warns(UserWarning, match=r"do not support qk_norm"):
-        assert not kernel_path(layer.options(False)._replace(qk_norm=True), _input(layer), layer.layer_params())
 
 
 @pytest.mark.parametrize("device", DEVICES)

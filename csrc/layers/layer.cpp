@@ -14,11 +14,13 @@
 //             activation (swiglu, geglu) weight_in = [2F, H] = [gate | up] rows, bias_in in the GEMM's epilogue
 // norm: LayerNorm (weight, bias) or RMSNorm (weight; no bias). Any bias (bias_in, bias_out, norm_bias) may be
 // absent (None): no add, no gradient.
-// Attention core: QKV GEMM with the bias in its epilogue, rotary positions on Q and K of a self block (in place
-// in the projection, from the caller's cos/sin tables), the fused attention kernel reading Q/K/V as head views of
-// the projection (kv_heads K/V heads, each read by heads / kv_heads query heads) and writing the merged context,
-// the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every
-// step between GEMMs is an lsmini kernel, called through the bindings' functions (ops.h) or, where the layer hands it strided views or room of its own, its launcher.
+// Attention core: QKV GEMM with the bias in its epilogue, then on Q and K of a self block, in place in the
+// projection, QK-norm (qk_norm: an RMSNorm over head_dim of each head) and rotary positions (from the caller's
+// cos/sin tables), the fused attention kernel reading Q/K/V as head views of the projection (kv_heads K/V heads,
+// each read by heads / kv_heads query heads) and writing the merged context, the output GEMM. FFN core: GEMM,
+// bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every step between GEMMs is an lsmini
+// kernel, called through the bindings' functions (ops.h) or, where the layer hands it strided views or room of
+// its own, its launcher.
 // Under RMSNorm a block without an output bias or dropout leaves its residual add to the RMSNorm kernel's residual
 // form, which writes the sum and normalizes it: the next block's norm (pre-norm) or its own (post-norm).
 //
@@ -31,7 +33,8 @@
 // What forward saves (recompute = true, the default): each block's input, the Q/K/V projection, the
 // attention context and its row log-sum-exp (and, where they take no more memory than q, the attention's
 // dropout keep bits), the first FFN GEMM's output, the norm statistics (LayerNorm: mean and rstd; RMSNorm:
-// rstd), each dropout's Philox state; the self block's projection holds Q and K rotated;
+// rstd), each dropout's Philox state; the self block's projection holds Q and K normalized and rotated, and with
+// qk_norm its Q and K as the GEMM made them are saved too (the norm's backward reads them);
 // backward recomputes the FFN activation (same mask) and, pre-norm, the norm output. recompute = false
 // saves those instead. With relu the FFN keeps its activation (relu' and the mask are read off it).
 //
@@ -53,8 +56,8 @@
 //
 // Options: norm ("layer_norm", "rms_norm"), activation ("relu", "gelu", "gelu_tanh", "swiglu", "geglu"),
 // rotary_dim (0, or even in [2, head_dim]: the tables rotary_cos / rotary_sin, float32 [l, rotary_dim] or
-// [b, l, rotary_dim], are then arguments), kv_heads (dividing heads). The operators check them and say what is
-// not supported.
+// [b, l, rotary_dim], are then arguments), kv_heads (dividing heads), qk_norm (one self block; its two weights
+// [head_dim] follow the blocks' parameters). The operators check them and say what is not supported.
 #include "common.h"
 #include "ops.h"
 
@@ -64,6 +67,7 @@
 #include "cast_segments.h"
 #include "glu.h"
 #include "layernorm.h"
+#include "qk_norm.h"
 #include "rms_norm.h"
 #include "rotary.h"
 
@@ -112,6 +116,7 @@ enum Slot : int {
   kValues,
   kMask,        // attention: the key padding mask it used
   kBits,        // attention: the dropout keep bits its forward stored for its backward
+  kQKRaw,       // self-attention with qk_norm: its Q and K columns before the norm [tokens, (heads + kv_heads)·d]
   kSlots
 };
 
@@ -130,6 +135,7 @@ struct Options {
   int act;        // BiasAct, or GluAct with glu
   int64_t ffn_in; // rows of the FFN's first GEMM: ffn, or 2·ffn with glu
   int64_t rotary_dim;
+  bool qk_norm;   // RMSNorm over head_dim of the self block's Q and K heads (weights after the blocks' params)
 };
 
 // The operators' option arguments, as the schemas below take them.
@@ -143,19 +149,20 @@ struct OpArgs {
   double dropout, attn_dropout, act_dropout;
   bool causal, recompute;
   int64_t rotary_dim;
+  bool qk_norm;
 };
 #define LSMINI_LAYER_OPTION_ARGS                                                                             \
   "str kinds, int hidden, int ffn, int heads, int kv_heads, float scale, float eps, str norm, bool pre_ln, " \
   "str activation, float dropout, float attn_dropout, float activation_dropout, bool causal, bool recompute, " \
-  "int rotary_dim"
+  "int rotary_dim, bool qk_norm"
 #define LSMINI_LAYER_OPTION_PARAMS                                                                          \
   c10::string_view kinds, int64_t hidden, int64_t ffn, int64_t heads, int64_t kv_heads, double scale,      \
       double eps, c10::string_view norm, bool pre_ln, c10::string_view activation, double dropout,           \
-      double attn_dropout, double activation_dropout, bool causal, bool recompute, int64_t rotary_dim
+      double attn_dropout, double activation_dropout, bool causal, bool recompute, int64_t rotary_dim, bool qk_norm
 #define LSMINI_LAYER_OPTION_VALUES                                                                            \
   OpArgs {                                                                                                   \
     kinds, hidden, ffn, heads, kv_heads, scale, eps, norm, pre_ln, activation, dropout, attn_dropout,        \
-        activation_dropout, causal, recompute, rotary_dim                                                    \
+        activation_dropout, causal, recompute, rotary_dim, qk_norm                                           \
   }
 
 Options options_of(const OpArgs& a, const char* op) {
@@ -208,8 +215,20 @@ Options options_of(const OpArgs& a, const char* op) {
                 : int(act == "relu" ? BiasAct::Relu : act == "gelu" ? BiasAct::Gelu : BiasAct::GeluTanh);
   o.ffn_in = o.glu ? 2 * a.ffn : a.ffn;
   o.rotary_dim = a.rotary_dim;
+  o.qk_norm = a.qk_norm;
+  if (o.qk_norm) {  // one self block: the two norm weights are its own
+    int64_t selfs = 0;
+    for (const Kind k : o.kinds) selfs += k == Kind::Self;
+    LSMINI_CHECK(selfs == 1, op, ": qk_norm needs exactly one self-attention block, got ", selfs);
+    LSMINI_CHECK(o.head_dim <= kQkNormMaxHeadDim, op, ": qk_norm takes head_dim <= ", kQkNormMaxHeadDim, ", got ",
+                 o.head_dim);
+  }
   return o;
 }
+
+// The blocks' parameters (kParamsPerBlock each); with qk_norm the Q and K norm weights follow them.
+size_t block_param_count(const Options& o) { return o.kinds.size() * kParamsPerBlock; }
+size_t param_count(const Options& o) { return block_param_count(o) + (o.qk_norm ? 2 : 0); }
 
 // relu keeps its output for the backward (its derivative is read off it) instead of the GEMM output.
 bool keeps_relu_output(const Options& o) { return !o.glu && o.act == int(BiasAct::Relu); }
@@ -268,12 +287,14 @@ struct Plan {
 // Whether an input bias is added in its GEMM's epilogue (attention blocks, gated FFNs), so must be in x's dtype.
 bool bias_in_gemm(Kind kind, const Options& o) { return kind != Kind::Ffn || o.glu; }
 
-// Whether the call casts parameter i (position `position` in a block of `kind`) to dtype: the GEMM weights
-// and an input bias added in its GEMM's epilogue always, when not in dtype; the other vectors only when
+// Whether the call casts parameter i to dtype: the GEMM weights and an input bias added in its GEMM's epilogue
+// always, when not in dtype; the other vectors (the QK-norm weights after the blocks' parameters too) only when
 // neither float32 nor dtype (the kernels read float32 or dtype). Absent parameters never.
-bool needs_cast(Kind kind, const Options& o, int64_t position, const at::Tensor& p, at::ScalarType dtype) {
+bool needs_cast(const Options& o, size_t i, const at::Tensor& p, at::ScalarType dtype) {
   if (!p.defined()) return false;
-  const bool gemm = position == 0 || position == 2 || (position == 1 && bias_in_gemm(kind, o));
+  const int64_t position = int64_t(i % kParamsPerBlock);
+  const bool gemm = i < block_param_count(o) && (position == 0 || position == 2 ||
+                                                 (position == 1 && bias_in_gemm(o.kinds[i / kParamsPerBlock], o)));
   return p.scalar_type() != dtype && (gemm || p.scalar_type() != at::kFloat);
 }
 
@@ -318,6 +339,7 @@ Plan<Int> make_plan(const Options& o, const Int& batch, const Int& q_len, const 
     } else {
       const bool self = kind == Kind::Self;
       v[kProjection] = make({t, self ? o.qkv_width : h}, dtype);
+      if (self && o.qk_norm) v[kQKRaw] = make({t, (o.heads + o.kv_heads) * o.head_dim}, dtype);
       v[kContext] = make({t, h}, dtype);
       v[kLse] = make({batch, Int(o.heads), q_len}, at::kFloat);
       if (!self) {
@@ -385,9 +407,7 @@ Plan<Int> make_plan(const Options& o, const Int& batch, const Int& q_len, const 
   plan.cast_at = align_up<Int>(end + int64_t(2 * o.kinds.size() * 16), kCastAlign);
   Int cast_numel = 0;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!needs_cast(o.kinds[i / kParamsPerBlock], o, int64_t(i) % kParamsPerBlock, params[i], dtype)) {
-      continue;
-    }
+    if (!needs_cast(o, i, params[i], dtype)) continue;
     plan.cast_positions.push_back(int64_t(i));
     plan.cast_at_elements.push_back(cast_numel);
     cast_numel = cast_numel + align_up<Int>(numel(params[i]), kAlign);
@@ -463,6 +483,10 @@ int64_t workspace_numel(const Options& o, int64_t batch, int64_t q_len, at::Tens
       n += align(bias_partials(t, bias_in_columns(o.kinds[i], o), !bias_in_gemm(o.kinds[i], o)));
     }
   }
+  if (o.qk_norm) {  // the Q and K norm weights' gradients
+    n += align(qk_norm_bwd_partial_rows(t * o.heads) * o.head_dim) +
+         align(qk_norm_bwd_partial_rows(t * o.kv_heads) * o.head_dim);
+  }
   return n;
 }
 
@@ -484,7 +508,7 @@ std::shared_ptr<const Plan<int64_t>> call_plan(const OpArgs& a, const Options& o
   key += '|';
   for (const auto v : {a.hidden, a.ffn, a.heads, a.kv_heads, x.size(0), x.size(1), src_len}) put_bytes(key, v);
   for (const auto v : {a.dropout, a.attn_dropout, a.act_dropout}) put_bytes(key, v > 0);
-  for (const auto v : {a.pre_ln, a.recompute, has_mask, has_encoder_mask}) put_bytes(key, v);
+  for (const auto v : {a.pre_ln, a.recompute, a.qk_norm, has_mask, has_encoder_mask}) put_bytes(key, v);
   put_bytes(key, x.scalar_type());
   for (size_t i = 0; i < params.size(); ++i) {
     put_bytes(key, params[i].defined());
@@ -637,15 +661,23 @@ T* ptr(const at::Tensor& t) {
 }
 
 // One block's parameters, BLOCK_PARAMS order (GEMM weights and attention input biases cast to x's dtype),
-// and the dtype of its input bias as the module holds it (its gradient's).
+// the dtype of its input bias as the module holds it (its gradient's), and for the self block with qk_norm the
+// Q and K norm weights (else null).
 struct Params {
   const at::Tensor &weight_in, &bias_in, &weight_out, &bias_out, &norm_weight, &norm_bias;
   at::ScalarType bias_in_dtype;
+  const at::Tensor* q_norm_weight = nullptr;
+  const at::Tensor* k_norm_weight = nullptr;
 };
 
-Params block_params(const Tensors& params, size_t block, at::ScalarType bias_in_dtype) {
+Params block_params(const Tensors& params, size_t block, at::ScalarType bias_in_dtype, const Options& o) {
   const at::Tensor* p = params.data() + block * kParamsPerBlock;
-  return {p[0], p[1], p[2], p[3], p[4], p[5], bias_in_dtype};
+  Params out{p[0], p[1], p[2], p[3], p[4], p[5], bias_in_dtype};
+  if (o.qk_norm && o.kinds[block] == Kind::Self) {
+    out.q_norm_weight = params.data() + block_param_count(o);
+    out.k_norm_weight = out.q_norm_weight + 1;
+  }
+  return out;
 }
 
 // What the attention blocks read besides their parameters ([b, heads, ls, d] encoder K/V; the rotary tables,
@@ -717,6 +749,25 @@ void rotary_in_place(const at::Tensor& q, const at::Tensor& k, const Inputs& in,
   });
 }
 
+// QK-norm of a self block's projection [tokens, H + 2W] (contiguous), in place on its Q and on its K heads; raw
+// [tokens, H + W] receives them as they came, the Q rows [tokens·heads, d] then the K rows [tokens·kv_heads, d].
+void qk_norm_fwd(const at::Tensor& projection, const at::Tensor& raw, const Params& p, const Options& o) {
+  const char* op = "lsmini::layer";
+  const int64_t tokens = projection.size(0);
+  dispatch_norm_types(projection.scalar_type(), *p.q_norm_weight, op, [&](auto t, auto w) {
+    using T = decltype(t);
+    using W = decltype(w);
+    for (const bool k : {false, true}) {
+      check_launch(launch_qk_norm_fwd<T, W>(ptr<T>(projection) + (k ? o.hidden : 0), projection.stride(0),
+                                            ptr<T>(raw) + (k ? tokens * o.hidden : 0),
+                                            ptr<const W>(k ? *p.k_norm_weight : *p.q_norm_weight), tokens,
+                                            int(k ? o.kv_heads : o.heads), int(o.head_dim), float(o.eps),
+                                            current_stream()),
+                   op);
+    }
+  });
+}
+
 // dropout(act(gate)·up) of a contiguous [tokens, 2F] = [gate | up] projection, into out [tokens, F] when given.
 at::Tensor glu_fwd_into(const at::Tensor& projection, const Options& o, const PhiloxTuple& rng, const OptTensor& out) {
   const char* op = "lsmini::layer";
@@ -778,6 +829,11 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
       project(x, p.weight_in, p.bias_in, dest.at(kProjection, {s.tokens, self ? o.qkv_width : o.hidden}, dtype));
   const auto [q, k, v] = self ? qkv_views(projection, s.batch, s.q_len, o)
                                : std::array{split(projection, s, o), *in.encoder_k, *in.encoder_v};
+  if (self && o.qk_norm) {  // the saved projection holds Q and K normalized (and rotated), raw as they came
+    const OptTensor given = dest.at(kQKRaw, {s.tokens, (o.heads + o.kv_heads) * o.head_dim}, dtype);
+    slots[kQKRaw] = given ? *given : at::empty({s.tokens, (o.heads + o.kv_heads) * o.head_dim}, x.options());
+    qk_norm_fwd(projection, slots[kQKRaw], p, o);
+  }
   if (self && o.rotary_dim > 0) rotary_in_place(q, k, in, o, false);  // the saved projection holds them rotated
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
@@ -900,7 +956,7 @@ std::tuple<at::Tensor, std::vector<PhiloxTuple>> layer_fwd_impl(const Options& o
   Tensors saved(blocks * kSlots);
   std::vector<PhiloxTuple> rngs(blocks * 2, kNoRng);
   at::Tensor residual = x.view({s.tokens, o.hidden});
-  auto params_of = [&](size_t i) { return block_params(params, i, dtype_of(params[i * kParamsPerBlock + 1])); };
+  auto params_of = [&](size_t i) { return block_params(params, i, dtype_of(params[i * kParamsPerBlock + 1]), o); };
   // a pre-norm block's norm made by the block before it, with that block's residual add (add_and_norm)
   std::array<at::Tensor, 3> made_norm;
   bool norm_made = false;
@@ -967,12 +1023,15 @@ struct Room {
   const at::Tensor& workspace;
   const GradDest* dest;
   Partials& partials;
-  // The destination of the vector gradient at `position` when a kernel computing it in `dtype` can write it
-  // there itself: a write, not an add, of that dtype. Else none (the gradient is made and moved at the end).
-  OptTensor vector(int position, at::ScalarType dtype) const {
-    const GradDest& d = dest[position];
+  const GradDest* qk_dest;  // the self block with qk_norm: its Q and K norm weights' gradients' (else null)
+  // The destination of the vector gradient at `position` (of the Q / K norm weight: qk_vector(0 / 1, ...)) when a
+  // kernel computing it in `dtype` can write it there itself: a write, not an add, of that dtype. Else none (the
+  // gradient is made and moved at the end).
+  static OptTensor written(const GradDest& d, at::ScalarType dtype) {
     return d.tensor && !d.add && d.tensor->scalar_type() == dtype ? d.tensor : std::nullopt;
   }
+  OptTensor vector(int position, at::ScalarType dtype) const { return written(dest[position], dtype); }
+  OptTensor qk_vector(int which, at::ScalarType dtype) const { return written(qk_dest[which], dtype); }
   // The attention backward's room: its row terms at the workspace's start.
   BackwardRoom attention() const { return {std::nullopt, std::nullopt, workspace}; }
   // The room of a call whose column partial sums take `numel` floats: a region of their own, in use until the
@@ -1038,6 +1097,37 @@ std::array<at::Tensor, 3> norm_bwd(const at::Tensor& dy, const Slots& sv, const 
   return {dx, dweight, at::Tensor()};
 }
 
+// The backward of qk_norm_fwd on a self block's projection gradient [tokens, H + 2W], in place on its Q and K
+// columns, from the saved raw Q and K; returns the gradients of the Q and K norm weights (written where the room
+// names their destinations, else new), their column sums queued with the backward's others.
+std::array<at::Tensor, 2> qk_norm_bwd(const at::Tensor& grad_projection, const at::Tensor& raw, const Params& p,
+                                      const Options& o, const Room& room) {
+  const char* op = "lsmini::layer_backward";
+  const int64_t tokens = grad_projection.size(0);
+  std::array<at::Tensor, 2> grads;
+  for (const int k : {0, 1}) {
+    const at::Tensor& w = k ? *p.k_norm_weight : *p.q_norm_weight;
+    const OptTensor given = room.qk_vector(k, w.scalar_type());
+    grads[k] = given ? *given : at::empty({o.head_dim}, w.options());
+  }
+  dispatch_norm_types(grad_projection.scalar_type(), *p.q_norm_weight, op, [&](auto t, auto w) {
+    using T = decltype(t);
+    using W = decltype(w);
+    for (const int k : {0, 1}) {
+      const int64_t heads = k ? o.kv_heads : o.heads;
+      const BackwardRoom sums =
+          room.summed(std::nullopt, std::nullopt, qk_norm_bwd_partial_rows(tokens * heads) * o.head_dim);
+      check_launch(launch_qk_norm_bwd<T, W>(ptr<T>(grad_projection) + (k ? o.hidden : 0), grad_projection.stride(0),
+                                            ptr<const T>(raw) + (k ? tokens * o.hidden : 0),
+                                            ptr<const W>(k ? *p.k_norm_weight : *p.q_norm_weight), ptr<W>(grads[k]),
+                                            ptr<float>(*sums.workspace), tokens, int(heads), int(o.head_dim),
+                                            float(o.eps), sums.sums, current_stream()),
+                   op);
+    }
+  });
+  return grads;
+}
+
 // d input = grad·weight, added by the GEMM into accumulate when given (beta = 1: post-norm's residual path,
 // no separate add), else into out.
 at::Tensor input_grad(const at::Tensor& grad, const at::Tensor& weight, const OptTensor& accumulate,
@@ -1053,14 +1143,15 @@ at::Tensor input_grad(const at::Tensor& grad, const at::Tensor& weight, const Op
   return at::mm(grad, weight);
 }
 
-// Backward of an attention core: (d input, d weight_in, d bias_in, d weight_out). kv_grads: a cross block's
-// dK/dV destinations. input_of(out): the core's input (recomputed into out, or saved). accumulate: where d input
-// is added (input_grad), read by nothing else before.
+// Backward of an attention core: (d input, d weight_in, d bias_in, d weight_out); qk_grads: those of the Q and K
+// norm weights (qk_norm). kv_grads: a cross block's dK/dV destinations. input_of(out): the core's input (recomputed
+// into out, or saved). accumulate: where d input is added (input_grad), read by nothing else before.
 template <typename InputOf>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     Kind kind, const at::Tensor& grad_core, const Params& p, const Slots& sv, const PhiloxTuple& rng,
     const Options& o, const Shape& s, const Room& room, const InputOf& input_of,
-    const std::pair<OptTensor, OptTensor>& kv_grads, const Inputs& in, const OptTensor& accumulate) {
+    const std::pair<OptTensor, OptTensor>& kv_grads, const Inputs& in, const OptTensor& accumulate,
+    std::array<at::Tensor, 2>& qk_grads) {
   const bool self = kind == Kind::Self;
   const int64_t t = s.tokens;
   const at::Tensor& scratch = room.scratch;
@@ -1076,8 +1167,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     const auto grad_qkv = qkv_views(grad_projection, s.batch, s.q_len, o);
     attention_bwd(split(grad_context, s, o), qkv[0], qkv[1], qkv[2], split(sv[kContext], s, o), sv[kLse], mask,
                   o.causal, o.attn_dropout, o.scale, rng, grad_qkv[0], grad_qkv[1], grad_qkv[2], bits, workspace);
-    // the gradients of the rotated Q and K → those of the projection's Q and K
+    // the gradients of the rotated Q and K → those of the normalized Q and K → those of the projection's
     if (o.rotary_dim > 0) rotary_in_place(grad_qkv[0], grad_qkv[1], in, o, true);
+    if (o.qk_norm) qk_grads = qk_norm_bwd(grad_projection, sv[kQKRaw], p, o, room);
   } else {
     attention_bwd(split(grad_context, s, o), split(sv[kProjection], s, o), sv[kKeys], sv[kValues],
                   split(sv[kContext], s, o), sv[kLse], mask, false, o.attn_dropout, o.scale, rng,
@@ -1131,8 +1223,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ffn_bwd(const at::Ten
   return {input_grad(grad_pre, p.weight_in, accumulate, std::nullopt), grad_weight_in, grad_bias_in, grad_weight_out};
 }
 
-struct Gradients {  // of one block: its input and its six parameters
+struct Gradients {  // of one block: its input, its six parameters and (the self block with qk_norm) the Q/K norms'
   at::Tensor input, weight_in, bias_in, weight_out, bias_out, norm_weight, norm_bias;
+  std::array<at::Tensor, 2> qk_norm;
 };
 
 // grad: the gradient of the block output; grad_is_ours: it is this backward's own tensor, which may become
@@ -1144,17 +1237,17 @@ Gradients block_bwd(Kind kind, const at::Tensor& grad, const Params& p, const Sl
   const OptTensor grad_core_out =
       kind == Kind::Ffn ? std::nullopt
                         : OptTensor(region(room.scratch, align(s.tokens * o.hidden), s.tokens, o.hidden));
+  Gradients g;
   auto core = [&](const at::Tensor& grad_core, auto input_of, const OptTensor& accumulate) {
-    return kind == Kind::Ffn
-               ? ffn_bwd(grad_core, p, sv, rngs[0], o, s, room, input_of, accumulate)
-               : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, room, input_of, kv_grads, in, accumulate);
+    return kind == Kind::Ffn ? ffn_bwd(grad_core, p, sv, rngs[0], o, s, room, input_of, accumulate)
+                             : attention_core_bwd(kind, grad_core, p, sv, rngs[0], o, s, room, input_of, kv_grads, in,
+                                                  accumulate, g.qk_norm);
   };
   const bool has_bias_out = p.bias_out.defined();
   const std::optional<at::ScalarType> bias_out_dtype =
       has_bias_out ? std::optional<at::ScalarType>(p.bias_out.scalar_type()) : std::nullopt;
   const BackwardRoom bias_out_room = room.summed(std::nullopt, room.vector(3, dtype_of(p.bias_out)),
                                                  has_bias_out ? bias_partials(s.tokens, o.hidden, false) : 0);
-  Gradients g;
   if (o.pre_ln) {
     // the core's input: saved, or norm(block input) recomputed when the core needs it
     auto input_of = [&](const OptTensor& out) {
@@ -1206,8 +1299,10 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
     const std::pair<OptTensor, OptTensor> kv_grads = o.kinds[i] == Kind::Cross
                                                          ? std::make_pair(grad_encoder_k, grad_encoder_v)
                                                          : std::make_pair(OptTensor(), OptTensor());
-    const Room room{scratch, attention_room, dest.data() + i * kParamsPerBlock, partials};
-    Gradients r = block_bwd(o.kinds[i], g, block_params(params, i, param_dtypes[i * kParamsPerBlock + 1]),
+    const bool qk = o.qk_norm && o.kinds[i] == Kind::Self;
+    const Room room{scratch, attention_room, dest.data() + i * kParamsPerBlock, partials,
+                    qk ? dest.data() + block_param_count(o) : nullptr};
+    Gradients r = block_bwd(o.kinds[i], g, block_params(params, i, param_dtypes[i * kParamsPerBlock + 1], o),
                             Slots{saved.data() + i * kSlots}, rngs.data() + i * 2, o, s, room, ours, kv_grads, in);
     g = r.input;
     at::Tensor* out = param_grads.data() + i * kParamsPerBlock;
@@ -1217,6 +1312,10 @@ std::tuple<at::Tensor, Tensors> layer_bwd_impl(const Options& o, const at::Tenso
     out[3] = r.bias_out;
     out[4] = r.norm_weight;
     out[5] = r.norm_bias;
+    if (qk) {
+      param_grads[block_param_count(o)] = r.qk_norm[0];
+      param_grads[block_param_count(o) + 1] = r.qk_norm[1];
+    }
   }
   // the second passes of every column sum above, in one launch: the vectors' gradients are complete after it
   check_launch(launch_column_sums(partials.sums, current_stream()), "lsmini::layer_backward");
@@ -1311,9 +1410,19 @@ void check_inputs(const Options& o, const at::Tensor& x, const OptTensor& key_pa
                ": x must be a contiguous [batch, len, hidden=", o.hidden, "] tensor, got shape ", x.sizes());
   LSMINI_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, op,
                ": x must be float16 or bfloat16 (the fused attention's dtypes), got ", x.scalar_type());
-  LSMINI_CHECK(params.size() == blocks * kParamsPerBlock, op, ": expected ", int64_t(blocks * kParamsPerBlock),
-               " parameters for ", int64_t(blocks), " blocks, got ", int64_t(params.size()));
-  for (size_t i = 0; i < params.size(); ++i) {
+  LSMINI_CHECK(params.size() == param_count(o), op, ": expected ", int64_t(param_count(o)), " parameters for ",
+               int64_t(blocks), " blocks", o.qk_norm ? " and the Q and K norm weights" : "", ", got ",
+               int64_t(params.size()));
+  for (size_t i = block_param_count(o); i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& q = params[block_param_count(o)];
+    LSMINI_CHECK(p.defined() && p.sizes() == at::IntArrayRef({o.head_dim}) && p.device() == x.device() &&
+                     p.is_floating_point() && p.scalar_type() == q.scalar_type(),
+                 op, ": params[", int64_t(i), "] (the ", i == block_param_count(o) ? "Q" : "K",
+                 " norm weight) must be a [head_dim=", o.head_dim, "] floating tensor on ", x.device(),
+                 ", of the Q norm weight's dtype, got ", p.defined() ? p.sizes() : at::IntArrayRef({}));
+  }
+  for (size_t i = 0; i < block_param_count(o); ++i) {
     const at::Tensor& p = params[i];
     const int64_t block = int64_t(i) / kParamsPerBlock, position = int64_t(i) % kParamsPerBlock;
     // the GEMM weights and the norm weight are required; the biases may be absent, RMSNorm's is
@@ -1543,9 +1652,8 @@ std::tuple<at::Tensor, at::Tensor> layer_meta(const at::Tensor& x, const OptTens
   const Tensors params = param_list(param_args);
   LSMINI_CHECK(rotary_cos.has_value() == (o.rotary_dim > 0) && rotary_sin.has_value() == (o.rotary_dim > 0), op,
                ": rotary_cos and rotary_sin must be given exactly when rotary_dim > 0");
-  LSMINI_CHECK(x.dim() == 3 && params.size() == o.kinds.size() * kParamsPerBlock && params[0].defined(), op,
-               ": x must be [batch, len, hidden] with ", int64_t(o.kinds.size() * kParamsPerBlock),
-               " parameters, the first given");
+  LSMINI_CHECK(x.dim() == 3 && params.size() == param_count(o) && params[0].defined(), op,
+               ": x must be [batch, len, hidden] with ", int64_t(param_count(o)), " parameters, the first given");
   const c10::SymInt src_len = encoder_k ? encoder_k->sym_size(1) : c10::SymInt(0);
   const Plan<c10::SymInt> plan =
       make_plan<c10::SymInt>(o, x.sym_size(0), x.sym_size(1), src_len, key_padding_mask.has_value(),
@@ -1565,9 +1673,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   const Tensors params = param_list(param_args);
   LSMINI_CHECK(rotary_cos.has_value() == (o.rotary_dim > 0) && rotary_sin.has_value() == (o.rotary_dim > 0), op,
                ": rotary_cos and rotary_sin must be given exactly when rotary_dim > 0");
-  LSMINI_CHECK(x.dim() == 3 && params.size() == o.kinds.size() * kParamsPerBlock && params[0].defined(), op,
-               ": x must be [batch, len, hidden] with ", int64_t(o.kinds.size() * kParamsPerBlock),
-               " parameters, the first given");
+  LSMINI_CHECK(x.dim() == 3 && params.size() == param_count(o) && params[0].defined(), op,
+               ": x must be [batch, len, hidden] with ", int64_t(param_count(o)), " parameters, the first given");
   const std::vector<bool> into_at = into_mask(into_index, into, params.size(), op);
   const c10::SymInt src_len = encoder_k ? encoder_k->sym_size(1) : c10::SymInt(0);
   const Plan<c10::SymInt> plan =
@@ -1634,7 +1741,7 @@ LSMINI_REGISTER_OPS(register_layer);
 
 TORCH_LIBRARY_FRAGMENT(lsmini, m) {
   // (y [b, l, H], the call's state for backward in one uint8 buffer). params: every block's six (spec.py's
-  // BLOCK_PARAMS), None for an absent bias; rotary_cos / rotary_sin: float32 [l, rotary_dim] or [b, l, rotary_dim]
+  // BLOCK_PARAMS), None for an absent bias, then with qk_norm the Q and K norm weights; rotary_cos / rotary_sin: float32 [l, rotary_dim] or [b, l, rotary_dim]
   // tables (given exactly when rotary_dim > 0), applied to Q and K of the self-attention block.
   m.def("layer(Tensor x, Tensor? key_padding_mask, Tensor? encoder_k, Tensor? encoder_v, "
         "Tensor? encoder_padding_mask, Tensor?[] params, " LSMINI_LAYER_OPTION_ARGS

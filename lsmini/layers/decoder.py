@@ -53,7 +53,7 @@ def _check_padding_mask(owner, mask, y, cache):
 def _encoder_kv(layer, y, encoder_out, weight, bias, parts):
     """The [b, ls, W] K/V of every layer from one GEMM over the encoder output, and the slots their gradient
     is gathered in (eager kernel path; else None and plain PyTorch, whose backward autograd derives)."""
-    on_kernels = kernel_path(layer.options(True), y, layer.layer_params())
+    on_kernels = kernel_path(layer.options(True), y)
     slots = KVGradSlots(parts) if on_kernels and not torch.compiler.is_compiling() else None
     return cross_kv(encoder_out.to(y.dtype).contiguous(), weight, bias, parts, slots), slots
 

@@ -2,8 +2,7 @@
 (csrc/layers/layer.cpp: the whole forward and the whole backward, one call each, their plan computed there)
 under one autograd Function, ``LayerFunction``, in eager and compiled code alike; elsewhere the reference
 layer (reference.py), whose backward autograd derives. Which one runs depends only on the call's arguments:
-``kernel_path``; the options the operators do not implement yet are named by ``kernel_unsupported``, and such
-calls run the reference (with a warning on CUDA).
+``kernel_path``. The operators implement every option the reference does.
 
 Gradients only where autograd asks: the backward hands the operator the parameters' existing ``.grad``
 tensors to add their gradients into (a GEMM's beta = 1 instead of a fresh gradient that autograd then adds
@@ -18,8 +17,6 @@ one GEMM ([b·ls, H] × [H, L·2W], W = kv_heads·head_dim) gives them all, and 
 backward one stacked gradient that the layers' backward filled in place (``KVGradSlots``: each layer's operator
 writes its dK/dV into its columns). Compiled and reference code make the same GEMM as plain PyTorch.
 """
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -32,27 +29,10 @@ from lsmini.ops.attention import fused_attention_supported
 from lsmini.ops.bias_dropout_residual import bias_grad
 
 
-def kernel_unsupported(options, params):
-    """None when the operators (csrc/layers/layer.cpp) implement a layer call with these options and parameters
-    (every block's six, spec.BLOCK_PARAMS, None for an absent bias), else a short reason naming what they lack:
-    the call then runs the reference, which implements everything."""
-    if options.qk_norm:
-        return "qk_norm"
-    return None
-
-
-def kernel_path(options, x, params):
-    """True when a layer call on x with params runs the operators: CUDA, the extension built and not forced
-    off, a dtype and head_dim the fused attention kernel has, and every option supported there
-    (``kernel_unsupported``; on CUDA a warning names the option that sends the call to the reference)."""
-    if not (x.is_cuda and fused_attention_supported(x.dtype, options.head_dim) and _backend.use_kernels(x)):
-        return False
-    reason = kernel_unsupported(options, params)
-    if reason is not None:
-        warnings.warn(f"lsmini layer: the fused layer kernels do not support {reason} yet; this layer runs the "
-                      f"reference layer (plain PyTorch)", stacklevel=3)
-        return False
-    return True
+def kernel_path(options, x):
+    """True when a layer call on x runs the operators: CUDA, the extension built and not forced
+    off, and a dtype and head_dim the fused attention kernel has."""
+    return x.is_cuda and fused_attention_supported(x.dtype, options.head_dim) and _backend.use_kernels(x)
 
 
 class KVGradSlots:
@@ -216,7 +196,7 @@ def run_layer(options, x, key_padding_mask, encoder_k, encoder_v, encoder_paddin
     if (rotary is None and options.rotary_dim) or (rotary is not None and not options.rotary_dim):
         raise ValueError(f"run_layer: rotary must be (cos, sin) tables exactly when options.rotary_dim > 0; got "
                          f"rotary_dim {options.rotary_dim} and rotary {'None' if rotary is None else 'tables'}")
-    if cache is None and kernel_path(options, x, params):
+    if cache is None and kernel_path(options, x):
         cos, sin = rotary if rotary is not None else (None, None)
         return LayerFunction.apply(options, kv_slots, layer_index, x, key_padding_mask, encoder_k, encoder_v,
                                    encoder_padding_mask, cos, sin, *params)

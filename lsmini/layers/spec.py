@@ -12,8 +12,7 @@ weight of (heads + 2·kv_heads)·head_dim rows [Q | K | V], query head h reading
 kv_heads)), ``rotary_dim`` (0, or rotary positions, rotate-half, on the first rotary_dim dims of each head of the
 self-attention's Q and K, from cos/sin tables the caller passes), ``qk_norm`` (an RMSNorm over head_dim on each
 head of the self-attention's Q and K before rotary, its two weights [head_dim] after every block's parameters:
-``QK_NORM_PARAMS``) and absent biases (None entries). The kernel path names what it does not support
-(runtime.kernel_unsupported); the reference implements every option.
+``QK_NORM_PARAMS``) and absent biases (None entries). Both implementations implement every option.
 """
 import math
 from typing import NamedTuple
@@ -72,4 +71,4 @@ class LayerOptions(NamedTuple):
         """The options as the operators' schemas take them (after the tensors)."""
         return (",".join(self.kinds), self.hidden, self.ffn, self.heads, self.kv_heads, self.scale, self.eps,
                 self.norm, self.pre_ln, self.activation, self.dropout, self.attn_dropout, self.activation_dropout,
-                self.causal, self.recompute, self.rotary_dim)
+                self.causal, self.recompute, self.rotary_dim, self.qk_norm)
