@@ -9,9 +9,24 @@ from .checkpoints import CHECKPOINT_NAME
 DEFAULT_EPOCHS = 3
 
 
+# the --arch of a run that names none: the size the defaults were tuned at on real corpora where the run
+# trains on a GPU, the one that trains the built-in task in a few minutes on a CPU
+GPU_ARCH, CPU_ARCH = "small", "tiny"
+
+
 def add_arch_arg(group, archs, sizes):
     """--arch, one of the rows of the `archs` table; `sizes` describes them for --help."""
-    group.add_argument("--arch", choices=sorted(archs), default="tiny", help="model size (default tiny): " + sizes)
+    group.add_argument("--arch", choices=sorted(archs), default=None,
+                       help=f"model size (default {GPU_ARCH} on a CUDA device, {CPU_ARCH} on the CPU): " + sizes)
+
+
+def default_arch(device, cuda_available):
+    """(--arch, why) for a run that names none: GPU_ARCH where it trains on a CUDA device (`device`, the
+    --device string, or None for cuda when `cuda_available`), else CPU_ARCH."""
+    on_cuda = device.split(":")[0] == "cuda" if device is not None else cuda_available
+    if on_cuda:
+        return GPU_ARCH, f"the default --arch on a CUDA device; {CPU_ARCH} on the CPU, --arch sets it"
+    return CPU_ARCH, f"the default --arch on the CPU; {GPU_ARCH} on a CUDA device, --arch sets it"
 
 
 def per_arch(archs, name):

@@ -101,6 +101,9 @@ class Task:
         parser = self.build_parser()
         args = parser.parse_args(argv)
         args.builtin = self.check_data_flags(parser, args)
+        args.arch_why = None
+        if args.arch is None:
+            args.arch, args.arch_why = cli.default_arch(args.device, torch.cuda.is_available())
         cli.resolve_common_args(parser, args, self.default_save_dir, args.builtin, self.archs[args.arch])
         self.check_args(parser, args)
         if args.checkpoint is not None and self.inference_mode(args) is None:
@@ -238,9 +241,9 @@ def run_task(task, argv=None):
 
         model_config = task.model_config(args, sp.get_piece_size(), data.max_seq_len)
         model = task.build_model(model_config, batch_budget(task, args, data.max_seq_len), device, dtype)
-        log(f"model: {args.arch} {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-            f"parameters, {args.precision} on {device}; backend {describe_backend(device)}" +
-            (f"; {dist.world} processes" if dist.active else ""))
+        log(f"model: {args.arch} {type(model).__name__}" + (f" ({args.arch_why})" if args.arch_why else "") +
+            f", {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.precision} on {device}; "
+            f"backend {describe_backend(device)}" + (f"; {dist.world} processes" if dist.active else ""))
         log(args.cuda_graph_note)
         per_epoch = steps_per_epoch(args, len(data.train), dist.world)
         if args.default_length:
