@@ -269,7 +269,7 @@ def test_lm_resume_gives_the_same_parameters(tmp_path):
 
 def test_llama_tiny_trains_resumes_and_generates(tmp_path, capsys):
     """The Llama-style preset: its options reach the checkpoint, the loss falls, a resumed run ends where a
-    straight one does, and --generate samples from it."""
+    straight one does (resumed without --arch: it takes the checkpoint's), and --generate samples from it."""
     lines = [s for s, _ in builtin_data.generate_pairs(200, 203)]
     train = write_lines(tmp_path / "train.txt", lines[:180])
     valid = write_lines(tmp_path / "valid.txt", lines[180:])
@@ -281,7 +281,10 @@ def test_llama_tiny_trains_resumes_and_generates(tmp_path, capsys):
     m = run(train_lm.main, common + ["--save-dir", straight, "--max-steps", "12", "--resume"])
     assert m["valid_loss"] < first["valid_loss"]
     run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "6"])
-    run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "12", "--resume"])
+    capsys.readouterr()
+    run(train_lm.main, common[2:] + ["--save-dir", halves, "--max-steps", "12", "--resume"])
+    out = capsys.readouterr().out
+    assert "model: llama-tiny TransformerLM (the --arch of the checkpoint --resume continues)" in out
     assert_same_params(straight, halves, 12)
     ckpt = torch.load(os.path.join(halves, "checkpoint_last.pt"), map_location="cpu", weights_only=True)
     config = ckpt["model_config"]["config"]
