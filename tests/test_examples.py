@@ -18,12 +18,13 @@ from example_testing import EXAMPLES, builtin_pairs, run, write_corpus, write_li
 import builtin_data  # noqa: E402  (after example_testing, which puts examples/ on sys.path)
 import train_lm  # noqa: E402
 import train_translation  # noqa: E402
-from training import batching, tokenizer  # noqa: E402
+from training import batching, cli, tokenizer  # noqa: E402
 from training.data import DataError  # noqa: E402
 
 METRIC_KEYS = ("train_loss", "valid_loss", "valid_ppl", "bleu", "tokens_per_s", "steps", "wall_s")
 # tiny settings: a few hundred pairs, a small vocabulary, a few steps
-SMALL = ["--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "2", "--no-progress"]
+SMALL = ["--arch", "tiny", "--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "2",
+         "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +100,9 @@ def test_lm_short_run_writes_metrics_and_generates(tmp_path, capsys):
     train = write_lines(tmp_path / "train.txt", lines[:270])
     valid = write_lines(tmp_path / "valid.txt", lines[270:])
     d = str(tmp_path / "run")
-    argv = ["--train", train, "--valid", valid, "--save-dir", d, "--vocab-size", "300", "--block-size", "32",
-            "--max-tokens", "256", "--max-steps", "4", "--log-every", "2", "--no-progress", "--num-samples", "1",
-            "--max-new-tokens", "8"]
+    argv = ["--arch", "tiny", "--train", train, "--valid", valid, "--save-dir", d, "--vocab-size", "300",
+            "--block-size", "32", "--max-tokens", "256", "--max-steps", "4", "--log-every", "2", "--no-progress",
+            "--num-samples", "1", "--max-new-tokens", "8"]
     run(train_lm.main, argv)
     m = check_metrics(d, 4)
     assert m["bleu"] is None
@@ -120,8 +121,9 @@ def test_lm_of_the_default_length_stops_when_validation_stops_improving(tmp_path
     lines = [s for s, _ in builtin_data.generate_pairs(120, 7)]
     train = write_lines(tmp_path / "train.txt", lines[:100])
     valid = write_lines(tmp_path / "valid.txt", lines[100:])
-    common = ["--train", train, "--valid", valid, "--vocab-size", "200", "--block-size", "32", "--max-tokens",
-              "512", "--lr", "3e-3", "--warmup", "5", "--log-every", "50", "--no-progress", "--num-samples", "0"]
+    common = ["--arch", "tiny", "--train", train, "--valid", valid, "--vocab-size", "200", "--block-size", "32",
+              "--max-tokens", "512", "--lr", "3e-3", "--warmup", "5", "--log-every", "50", "--no-progress",
+              "--num-samples", "0"]
     m = run(train_lm.main, common + ["--save-dir", str(tmp_path / "default")])
     out = capsys.readouterr().out
     assert "early stop: after 2 validations without a better valid_loss" in out
@@ -180,10 +182,13 @@ def test_builtin_corpus_is_deterministic_and_disjoint():
     assert len({s for s, _ in a}) == 50
 
 
-def test_builtin_task_short_run(tmp_path):
-    """The no-argument path (built-in corpus written to <save-dir>/data), cut to two steps."""
+def test_builtin_task_short_run(tmp_path, capsys):
+    """The no-argument path (built-in corpus written to <save-dir>/data), cut to two steps; the model line says
+    which --arch the device chose."""
     d = str(tmp_path)
     m = run(train_translation.main, ["--save-dir", d, "--max-steps", "2", "--beam", "1", "--no-progress"])
+    arch, where = ("small", "a CUDA device") if torch.cuda.is_available() else ("tiny", "the CPU")
+    assert f"model: {arch} Transformer (the default --arch on {where};" in capsys.readouterr().out
     assert m["steps"] == 2 and m["bleu_split"] == "test"
     for split, n in (("train", 30000), ("valid", 500), ("test", 500)):
         with open(os.path.join(d, "data", f"{split}.zl"), encoding="utf-8") as f:
@@ -201,10 +206,25 @@ def test_builtin_lm_short_run(tmp_path):
 
 
 def test_default_arguments_pick_the_builtin_task():
-    args = train_translation.TASK.parse_args([])
+    args = train_translation.TASK.parse_args(["--device", "cpu"])
     assert args.builtin and args.arch == "tiny" and args.vocab_size == 2000 and args.epochs is not None
-    args = train_lm.TASK.parse_args([])
+    args = train_lm.TASK.parse_args(["--device", "cpu"])
     assert args.builtin and args.arch == "tiny"
+
+
+@pytest.mark.parametrize("example", [train_translation, train_lm])
+def test_arch_not_given_follows_the_device(example):
+    """Without --arch a run on a CUDA device takes small and its table row (batch, lr, dropout), one on the
+    CPU tiny; the reason goes into the run's model line. A given --arch is kept, with no reason."""
+    for device, arch in (("cpu", "tiny"), ("cuda", "small"), ("cuda:1", "small")):
+        args = example.TASK.parse_args(["--device", device])
+        row = example.ARCHS[arch]
+        assert (args.arch, args.max_tokens, args.lr, args.dropout) == \
+            (arch, row["max_tokens"], row["lr"], row["dropout"]), device
+        assert args.arch_why.startswith(f"the default --arch on {'a CUDA device' if arch == 'small' else 'the CPU'}")
+    args = example.TASK.parse_args(["--device", "cuda", "--arch", "tiny"])
+    assert args.arch == "tiny" and args.arch_why is None
+    assert cli.default_arch(None, True)[0] == "small" and cli.default_arch(None, False)[0] == "tiny"
 
 
 # ---- resume -------------------------------------------------------------------------------------------
@@ -238,8 +258,8 @@ def test_lm_resume_gives_the_same_parameters(tmp_path):
     lines = [s for s, _ in builtin_data.generate_pairs(200, 202)]
     train = write_lines(tmp_path / "train.txt", lines[:180])
     valid = write_lines(tmp_path / "valid.txt", lines[180:])
-    common = ["--train", train, "--valid", valid, "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256",
-              "--log-every", "2", "--no-progress", "--num-samples", "0", "--dropout", "0.3"]
+    common = ["--arch", "tiny", "--train", train, "--valid", valid, "--vocab-size", "300", "--block-size", "32",
+              "--max-tokens", "256", "--log-every", "2", "--no-progress", "--num-samples", "0", "--dropout", "0.3"]
     straight, halves = str(tmp_path / "straight"), str(tmp_path / "halves")
     run(train_lm.main, common + ["--save-dir", straight, "--max-steps", "6"])
     run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "3"])
@@ -249,7 +269,7 @@ def test_lm_resume_gives_the_same_parameters(tmp_path):
 
 def test_llama_tiny_trains_resumes_and_generates(tmp_path, capsys):
     """The Llama-style preset: its options reach the checkpoint, the loss falls, a resumed run ends where a
-    straight one does, and --generate samples from it."""
+    straight one does (resumed without --arch: it takes the checkpoint's), and --generate samples from it."""
     lines = [s for s, _ in builtin_data.generate_pairs(200, 203)]
     train = write_lines(tmp_path / "train.txt", lines[:180])
     valid = write_lines(tmp_path / "valid.txt", lines[180:])
@@ -261,7 +281,10 @@ def test_llama_tiny_trains_resumes_and_generates(tmp_path, capsys):
     m = run(train_lm.main, common + ["--save-dir", straight, "--max-steps", "12", "--resume"])
     assert m["valid_loss"] < first["valid_loss"]
     run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "6"])
-    run(train_lm.main, common + ["--save-dir", halves, "--max-steps", "12", "--resume"])
+    capsys.readouterr()
+    run(train_lm.main, common[2:] + ["--save-dir", halves, "--max-steps", "12", "--resume"])
+    out = capsys.readouterr().out
+    assert "model: llama-tiny TransformerLM (the --arch of the checkpoint --resume continues)" in out
     assert_same_params(straight, halves, 12)
     ckpt = torch.load(os.path.join(halves, "checkpoint_last.pt"), map_location="cpu", weights_only=True)
     config = ckpt["model_config"]["config"]
@@ -509,8 +532,8 @@ def test_text_of_one_huge_line_is_refused_naming_the_file(tmp_path, capsys):
     huge = " ".join(sentences)
     train = write_lines(tmp_path / "train.txt", [huge])
     valid = write_lines(tmp_path / "valid.txt", sentences[:20])
-    common = ["--valid", valid, "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
-              "--no-progress", "--num-samples", "0"]
+    common = ["--arch", "tiny", "--valid", valid, "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256",
+              "--max-steps", "1", "--no-progress", "--num-samples", "0"]
     with pytest.raises(DataError) as e:
         run(train_lm.main, ["--train", train, "--save-dir", str(tmp_path / "one"), *common])
     assert str(e.value) == (
@@ -532,8 +555,8 @@ def test_vocabulary_smaller_than_the_characters_says_how_large_it_must_be(tmp_pa
     lines = ["".join(chr(0x4E00 + c) for c in torch.randint(0, 1500, (30,), generator=g).tolist()) for _ in range(300)]
     train = write_lines(tmp_path / "train.txt", lines[:280])
     valid = write_lines(tmp_path / "valid.txt", lines[280:])
-    common = ["--train", train, "--valid", valid, "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
-              "--no-progress", "--num-samples", "0"]
+    common = ["--arch", "tiny", "--train", train, "--valid", valid, "--block-size", "32", "--max-tokens", "256",
+              "--max-steps", "1", "--no-progress", "--num-samples", "0"]
     with pytest.raises(DataError) as e:
         run(train_lm.main, common + ["--vocab-size", "300", "--save-dir", str(tmp_path / "small")])
     m = re.fullmatch(rf"--vocab-size 300 is too small for the training text \(--train {re.escape(train)}\): the "

@@ -22,8 +22,8 @@ from training.data import DataError  # noqa: E402
 from training.trainer import EXPLODE_WINDOWS, TrainingDiverged  # noqa: E402
 
 # ~13 batches per epoch of the 400-pair corpus
-SMALL = ["--vocab-size", "300", "--max-tokens", "1024", "--max-len", "64", "--log-every", "1", "--no-progress",
-         "--beam", "1"]
+SMALL = ["--arch", "tiny", "--vocab-size", "300", "--max-tokens", "1024", "--max-len", "64", "--log-every", "1",
+         "--no-progress", "--beam", "1"]
 
 
 def run(argv):

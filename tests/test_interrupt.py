@@ -104,8 +104,9 @@ def lm_text(tmp_path_factory):
 
 
 def lm_args(lm_text):
-    return lm_text + ["--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--log-every", "2",
-                      "--eval-every", "3", "--no-progress", "--num-samples", "0", "--dropout", "0.3"]
+    return lm_text + ["--arch", "tiny", "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256",
+                      "--log-every", "2", "--eval-every", "3", "--no-progress", "--num-samples", "0", "--dropout",
+                      "0.3"]
 
 
 # The script as a terminal starts it: with Python's own SIGINT handler even when pytest itself was started in
@@ -171,8 +172,8 @@ def mt_data(tmp_path_factory):
 
 
 def mt_args(mt_data, eval_every):
-    return mt_data + ["--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "4",
-                      "--no-progress", "--beam", "1", "--dropout", "0.3", "--update-freq", "2", "--keep-last", "3",
+    return mt_data + ["--arch", "tiny", "--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every",
+                      "4", "--no-progress", "--beam", "1", "--dropout", "0.3", "--update-freq", "2", "--keep-last", "3",
                       "--eval-every", str(eval_every)]
 
 

@@ -43,9 +43,12 @@ CASES = {
     "llama_gqa": (("self", "ffn"), dict(norm="rms_norm", activation="swiglu", rotary_dim=16, causal=True, kv_heads=2),
                   "all", False),
     "decoder_mqa": (("self", "cross", "ffn"), dict(rotary_dim=8, causal=True, kv_heads=1), "", True),
-    # QK-norm on the self block's Q and K heads (before rotary): alone; in a Llama layer with float32 norm weights;
-    # in a decoder layer with grouped K/V heads
+    # QK-norm on the self block's Q and K heads (before rotary, in the same pass): alone; in a Llama layer with
+    # float32 norm weights; in a decoder layer with grouped K/V heads; at head_dim 64 (two values a lane) with a
+    # partial rotary_dim whose pairs lie 20 apart (in other lanes)
     "qk_norm": (("self", "ffn"), dict(qk_norm=True), "", False),
+    "qk_norm_d64": (("self", "ffn"), dict(heads=1, kv_heads=1, head_dim=64, scale=0.125, rotary_dim=40, causal=True,
+                                          qk_norm=True), "", True),
     "llama_qk_norm": (("self", "ffn"), dict(norm="rms_norm", activation="swiglu", rotary_dim=16, causal=True,
                                             kv_heads=2, qk_norm=True), "all", False),
     "decoder_qk_norm": (("self", "cross", "ffn"), dict(rotary_dim=8, kv_heads=2, qk_norm=True), "some", True),

@@ -100,10 +100,11 @@ def test_op_on_cpu_without_grad_computes_the_loss_alone(monkeypatch):
     assert ops.names == [] and torch.equal(forced.detach(), loss)
 
 
-def test_default_chunk_keeps_a_chunk_of_logits_within_64_mib():
-    assert default_chunk_tokens(32000, torch.float16) == (64 << 20) // (32000 * 2)
-    assert default_chunk_tokens(32000, torch.float32) == (64 << 20) // (32000 * 4)
-    assert default_chunk_tokens(1 << 30, torch.float32) == 1
+def test_default_chunk_is_2048_rows_or_64_mib_of_logits_where_that_is_more():
+    assert default_chunk_tokens(32000, torch.float16) == 2048
+    assert default_chunk_tokens(128256, torch.bfloat16) == 2048
+    assert default_chunk_tokens(1 << 30, torch.float32) == 2048
+    assert default_chunk_tokens(8000, torch.float16) == (64 << 20) // (8000 * 2)  # 4194 rows
 
 
 @pytest.mark.parametrize("kind", ["seq2seq", "lm"])

@@ -19,8 +19,8 @@ import train_translation  # noqa: E402
 from training import checkpoints, run as training_run, tokenizer  # noqa: E402
 from training.data import DataError  # noqa: E402
 
-SMALL = ["--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "2", "--no-progress",
-         "--beam", "1"]
+SMALL = ["--arch", "tiny", "--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "2",
+         "--no-progress", "--beam", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def _one_step_lm(tmp_path, seed):
     """The save directory of a one-step train_lm.py run on generated sentences (tmp_path/lm)."""
     lines = [s for s, _ in builtin_data.generate_pairs(120, seed)]
     d = str(tmp_path / "lm")
-    run(train_lm.main, ["--train", write_lines(tmp_path / "train.txt", lines[:100]),
+    run(train_lm.main, ["--arch", "tiny", "--train", write_lines(tmp_path / "train.txt", lines[:100]),
                         "--valid", write_lines(tmp_path / "valid.txt", lines[100:]), "--save-dir", d,
                         "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1",
                         "--no-progress", "--num-samples", "0"])
@@ -171,8 +171,8 @@ def test_resume_on_other_data_says_what_changed_and_unknown_text_is_warned(train
     other_txt = write_lines(tmp_path / "other.txt", [s.translate(greek) for s in lines[:100]])
     valid_txt = write_lines(tmp_path / "valid.txt", lines[100:])
     d = str(tmp_path / "lm")
-    common = ["--valid", valid_txt, "--save-dir", d, "--vocab-size", "300", "--block-size", "32", "--max-tokens",
-              "256", "--no-progress", "--num-samples", "0"]
+    common = ["--arch", "tiny", "--valid", valid_txt, "--save-dir", d, "--vocab-size", "300", "--block-size", "32",
+              "--max-tokens", "256", "--no-progress", "--num-samples", "0"]
     run(train_lm.main, ["--train", train_txt, "--max-steps", "1"] + common)
     assert "warning" not in capsys.readouterr().out
     run(train_lm.main, ["--train", other_txt, "--max-steps", "2", "--resume"] + common)

@@ -1,9 +1,13 @@
 /*
- * qk_norm.cu — QK-norm: an RMSNorm over head_dim of each attention head of Q or K, in place.
+ * qk_norm.cu — QK-norm: an RMSNorm over head_dim of each attention head of Q or K, in place, and the rotary
+ * positions of the normalized rows in the same pass.
  *
- *   forward:  raw = x, then x = x·r·w,  r = 1/sqrt(mean(x²) + eps) per (token, head) row
- *   backward: r recomputed from raw, x̂ = raw·r, g = w·dy
- *             dx = r·(g − x̂·mean(g·x̂)), written over dy;  dw = Σ_rows dy·x̂
+ *   forward:  raw = x, then y = x·r·w,  r = 1/sqrt(mean(x²) + eps) per (token, head) row;
+ *             x = rot(y): y_c·cos_c − y_{c+h}·sin_c (c < h), y_c·cos_c + y_{c−h}·sin_c (h ≤ c < rot_dim), y_c
+ *             past rot_dim; h = rot_dim/2 (rotate-half, as rotary.cu; rot_dim 0: x = y)
+ *   backward: dy = rotᵀ(dout): dout_c·cos_c + dout_{c+h}·sin_{c+h} (c < h), dout_c·cos_c − dout_{c−h}·sin_{c−h}
+ *             (h ≤ c < rot_dim); r recomputed from raw, x̂ = raw·r, g = w·dy
+ *             dx = r·(g − x̂·mean(g·x̂)), written over dout;  dw = Σ_rows dy·x̂
  *
  * Layout: the rows lie in a projection [tokens, columns] (the Q or the K heads of a fused QKV projection, or of
  * its gradient): row (t, j) at t·token_stride + j·head_dim. raw is contiguous [tokens·heads, head_dim]. T is
@@ -11,12 +15,13 @@
  * value. The backward reads the rows as the forward received them (raw), not its output: the output is the
  * weighted x̂, from which x̂ could only be had by dividing by w.
  *
- * How: one warp a row, each lane holding head_dim/32 (at most 8) elements in registers, one warp reduction
- * forward and two backward. Backward walks the rows grid-stride over a fixed grid (qk_norm_bwd_partial_rows)
- * and keeps each lane's dw sums in registers; each block folds its warps' sums in shared memory, in warp order,
- * into one partial row, and column_partials.cuh sums those rows per column (no atomics: deterministic for a
- * given device). The pass moves (heads + kv_heads)·head_dim columns of a projection, small beside the GEMMs
- * around it, so it is plain scalar code.
+ * How: one warp a row, each lane holding head_dim/32 (at most 8) elements in registers, one warp reduction forward
+ * and two backward; a rotation exchanges the row's values through the warp's row of shared memory (the partner of
+ * element c is h away, in another lane unless h is a multiple of 32). Backward walks the rows grid-stride over a
+ * fixed grid (qk_norm_bwd_partial_rows) and keeps each lane's dw sums in registers; each block folds its warps'
+ * sums in shared memory, in warp order, into one partial row, and column_partials.cuh sums those rows per column
+ * (no atomics: deterministic for a given device). The pass moves (heads + kv_heads)·head_dim columns of a
+ * projection, small beside the GEMMs around it, so it is plain scalar code.
  */
 #include "qk_norm.h"
 
@@ -28,11 +33,43 @@ namespace {
 
 constexpr int kWarps = 8;                          // rows in flight per block, one warp each
 constexpr int kPerLane = kQkNormMaxHeadDim / 32;  // elements of a row per lane, at most
+constexpr int kBwdBlocksPerSm = 3;                // the backward's resident blocks: at most 80 registers a thread
+
+// The tables' row of the (token, head) row `row`: token t = b·seq + s.
+__device__ __forceinline__ int64_t table_offset(const QkRotary& rot, int64_t row, int heads) {
+  const int64_t t = row / heads;
+  return (t / rot.seq) * rot.stride_batch + (t % rot.seq) * rot.stride_seq;
+}
+
+// The rotation (transpose: its transpose) of the row whose element c = lane + 32k the lane holds in v[k], in place,
+// with the row's tables cs/sn (the formulas at the top). stage: the warp's row of shared memory.
+__device__ __forceinline__ void rotate_row(float (&v)[kPerLane], float* stage, const float* __restrict__ cs,
+                                           const float* __restrict__ sn, int rot_dim, int lane, bool transpose) {
+  const int h = rot_dim / 2;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int c = lane + 32 * k;
+    if (c < rot_dim) stage[c] = v[k];
+  }
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int c = lane + 32 * k;
+    if (c < rot_dim) {
+      const bool first = c < h;
+      const int p = first ? c + h : c - h;  // the pair's other element
+      const float sign = first != transpose ? -1.f : 1.f;
+      v[k] = v[k] * cs[c] + sign * stage[p] * sn[transpose ? p : c];
+    }
+  }
+  __syncwarp();  // the stage is free for the warp's next row
+}
 
 template <typename T, typename W>
 __global__ void __launch_bounds__(kWarps * 32)
 qk_norm_fwd_kernel(T* __restrict__ x, int64_t token_stride, T* __restrict__ raw, const W* __restrict__ weight,
-                   int64_t rows, int heads, int head_dim, float eps) {
+                   int64_t rows, int heads, int head_dim, float eps, QkRotary rot) {
+  __shared__ float stage[kWarps][kQkNormMaxHeadDim];
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.y;
   if (row >= rows) return;  // a whole warp: no shuffle is left without its partners
   const int lane = threadIdx.x;
@@ -55,15 +92,25 @@ qk_norm_fwd_kernel(T* __restrict__ x, int64_t token_stride, T* __restrict__ raw,
 #pragma unroll
   for (int k = 0; k < kPerLane; ++k) {
     const int c = lane + 32 * k;
-    if (c < head_dim) xr[c] = from_float<T>(v[k] * r * to_float(weight[c]));
+    if (c < head_dim) v[k] *= r * to_float(weight[c]);
+  }
+  if (rot.rot_dim) {
+    const int64_t at = table_offset(rot, row, heads);
+    rotate_row(v, stage[threadIdx.y], rot.cos + at, rot.sin + at, rot.rot_dim, lane, false);
+  }
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int c = lane + 32 * k;
+    if (c < head_dim) xr[c] = from_float<T>(v[k]);
   }
 }
 
 template <typename T, typename W>
-__global__ void __launch_bounds__(kWarps * 32)
-qk_norm_bwd_kernel(T* __restrict__ dy, int64_t token_stride, const T* __restrict__ raw, const W* __restrict__ weight,
-                   float* __restrict__ partials, int64_t rows, int heads, int head_dim, float eps) {
+__global__ void __launch_bounds__(kWarps * 32, kBwdBlocksPerSm)
+qk_norm_bwd_kernel(T* __restrict__ dout, int64_t token_stride, const T* __restrict__ raw, const W* __restrict__ weight,
+                   float* __restrict__ partials, int64_t rows, int heads, int head_dim, float eps, QkRotary rot) {
   __shared__ float fold[kWarps][kQkNormMaxHeadDim];
+  __shared__ float stage[kWarps][kQkNormMaxHeadDim];
   const int lane = threadIdx.x;
   float w[kPerLane], acc[kPerLane];
 #pragma unroll
@@ -74,7 +121,7 @@ qk_norm_bwd_kernel(T* __restrict__ dy, int64_t token_stride, const T* __restrict
   }
   const int64_t step = int64_t(gridDim.x) * kWarps;
   for (int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.y; row < rows; row += step) {
-    T* dr = dy + (row / heads) * token_stride + (row % heads) * int64_t(head_dim);
+    T* dr = dout + (row / heads) * token_stride + (row % heads) * int64_t(head_dim);
     const T* rr = raw + row * head_dim;
     float xv[kPerLane], gv[kPerLane];
     float ss = 0.f;
@@ -84,6 +131,10 @@ qk_norm_bwd_kernel(T* __restrict__ dy, int64_t token_stride, const T* __restrict
       xv[k] = c < head_dim ? to_float(rr[c]) : 0.f;
       gv[k] = c < head_dim ? to_float(dr[c]) : 0.f;
       ss += xv[k] * xv[k];
+    }
+    if (rot.rot_dim) {  // the gradient of the rotated rows → that of the normalized ones
+      const int64_t at = table_offset(rot, row, heads);
+      rotate_row(gv, stage[threadIdx.y], rot.cos + at, rot.sin + at, rot.rot_dim, lane, true);
     }
     const float r = rsqrtf(warp_sum(ss) / float(head_dim) + eps);
     float dot = 0.f;
@@ -116,41 +167,49 @@ qk_norm_bwd_kernel(T* __restrict__ dy, int64_t token_stride, const T* __restrict
   }
 }
 
+bool rotary_valid(const QkRotary& rot, int head_dim) {
+  return rot.rot_dim == 0 ||
+         (rot.rot_dim % 2 == 0 && rot.rot_dim >= 2 && rot.rot_dim <= head_dim && rot.cos && rot.sin && rot.seq > 0);
+}
+
 }  // namespace
 
 int64_t qk_norm_bwd_partial_rows(int64_t rows) {
   const int64_t blocks = (rows + kWarps - 1) / kWarps;
-  const int64_t cap = int64_t(4) * sm_count();  // a resident wave: 4 blocks of 256 threads an SM
+  const int64_t cap = int64_t(kBwdBlocksPerSm) * sm_count();  // one resident wave
   return blocks < cap ? blocks : cap;
 }
 
 template <typename T, typename W>
 cudaError_t launch_qk_norm_fwd(T* x, int64_t token_stride, T* raw, const W* weight, int64_t tokens, int heads,
-                               int head_dim, float eps, cudaStream_t stream) {
-  if (head_dim <= 0 || head_dim > kQkNormMaxHeadDim || heads <= 0 || tokens < 0 || !weight) {
+                               int head_dim, float eps, QkRotary rotary, cudaStream_t stream) {
+  if (head_dim <= 0 || head_dim > kQkNormMaxHeadDim || heads <= 0 || tokens < 0 || !weight ||
+      !rotary_valid(rotary, head_dim)) {
     return cudaErrorInvalidValue;
   }
   const int64_t rows = tokens * heads;
   if (rows == 0) return cudaSuccess;
   const int64_t blocks = (rows + kWarps - 1) / kWarps;
   qk_norm_fwd_kernel<T, W><<<unsigned(blocks), dim3(32, kWarps), 0, stream>>>(x, token_stride, raw, weight, rows,
-                                                                               heads, head_dim, eps);
+                                                                               heads, head_dim, eps, rotary);
   return cudaGetLastError();
 }
 
 template <typename T, typename W>
-cudaError_t launch_qk_norm_bwd(T* dy, int64_t token_stride, const T* raw, const W* weight, W* dweight,
-                               float* partials, int64_t tokens, int heads, int head_dim, float eps, ColumnSums* sums,
-                               cudaStream_t stream) {
-  if (head_dim <= 0 || head_dim > kQkNormMaxHeadDim || heads <= 0 || tokens < 0 || !weight || !dweight) {
+cudaError_t launch_qk_norm_bwd(T* dout, int64_t token_stride, const T* raw, const W* weight, W* dweight,
+                               float* partials, int64_t tokens, int heads, int head_dim, float eps, QkRotary rotary,
+                               ColumnSums* sums, cudaStream_t stream) {
+  if (head_dim <= 0 || head_dim > kQkNormMaxHeadDim || heads <= 0 || tokens < 0 || !weight || !dweight ||
+      !rotary_valid(rotary, head_dim)) {
     return cudaErrorInvalidValue;
   }
   const int64_t rows = tokens * heads;
   const int64_t parts = qk_norm_bwd_partial_rows(rows);  // 0 rows: none, and the column sums write zeros
   if (rows > 0) {
     if (!partials) return cudaErrorInvalidValue;
-    qk_norm_bwd_kernel<T, W><<<unsigned(parts), dim3(32, kWarps), 0, stream>>>(dy, token_stride, raw, weight,
-                                                                              partials, rows, heads, head_dim, eps);
+    qk_norm_bwd_kernel<T, W><<<unsigned(parts), dim3(32, kWarps), 0, stream>>>(dout, token_stride, raw, weight,
+                                                                              partials, rows, heads, head_dim, eps,
+                                                                              rotary);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -158,10 +217,10 @@ cudaError_t launch_qk_norm_bwd(T* dy, int64_t token_stride, const T* raw, const 
 }
 
 #define LSMINI_INSTANTIATE_QK_NORM(T, W)                                                                         \
-  template cudaError_t launch_qk_norm_fwd<T, W>(T*, int64_t, T*, const W*, int64_t, int, int, float,            \
+  template cudaError_t launch_qk_norm_fwd<T, W>(T*, int64_t, T*, const W*, int64_t, int, int, float, QkRotary, \
                                                 cudaStream_t);                                                   \
   template cudaError_t launch_qk_norm_bwd<T, W>(T*, int64_t, const T*, const W*, W*, float*, int64_t, int, int, \
-                                                float, ColumnSums*, cudaStream_t);
+                                                float, QkRotary, ColumnSums*, cudaStream_t);
 LSMINI_INSTANTIATE_QK_NORM(float, float)
 LSMINI_INSTANTIATE_QK_NORM(__half, __half)
 LSMINI_INSTANTIATE_QK_NORM(__half, float)

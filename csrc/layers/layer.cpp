@@ -15,12 +15,12 @@
 // norm: LayerNorm (weight, bias) or RMSNorm (weight; no bias). Any bias (bias_in, bias_out, norm_bias) may be
 // absent (None): no add, no gradient.
 // Attention core: QKV GEMM with the bias in its epilogue, then on Q and K of a self block, in place in the
-// projection, QK-norm (qk_norm: an RMSNorm over head_dim of each head) and rotary positions (from the caller's
-// cos/sin tables), the fused attention kernel reading Q/K/V as head views of the projection (kv_heads K/V heads,
-// each read by heads / kv_heads query heads) and writing the merged context, the output GEMM. FFN core: GEMM,
-// bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every step between GEMMs is an lsmini
-// kernel, called through the bindings' functions (ops.h) or, where the layer hands it strided views or room of
-// its own, its launcher.
+// projection, rotary positions (from the caller's cos/sin tables), with qk_norm (an RMSNorm over head_dim of
+// each head) before them in the same pass, the fused attention kernel reading Q/K/V as head views of the
+// projection (kv_heads K/V heads, each read by heads / kv_heads query heads) and writing the merged context,
+// the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every
+// step between GEMMs is an lsmini kernel, called through the bindings' functions (ops.h) or, where the layer
+// hands it strided views or room of its own, its launcher.
 // Under RMSNorm a block without an output bias or dropout leaves its residual add to the RMSNorm kernel's residual
 // form, which writes the sum and normalizes it: the next block's norm (pre-norm) or its own (post-norm).
 //
@@ -749,9 +749,25 @@ void rotary_in_place(const at::Tensor& q, const at::Tensor& k, const Inputs& in,
   });
 }
 
-// QK-norm of a self block's projection [tokens, H + 2W] (contiguous), in place on its Q and on its K heads; raw
-// [tokens, H + W] receives them as they came, the Q rows [tokens·heads, d] then the K rows [tokens·kv_heads, d].
-void qk_norm_fwd(const at::Tensor& projection, const at::Tensor& raw, const Params& p, const Options& o) {
+// The rotary tables as the QK-norm kernels read them, for tokens b·seq + s (none when rotary_dim is 0).
+QkRotary qk_rotary(const Inputs& in, const Options& o, int64_t seq) {
+  QkRotary r;
+  if (o.rotary_dim == 0) return r;
+  const at::Tensor &cos = *in.rotary_cos, &sin = *in.rotary_sin;
+  r.cos = ptr<const float>(cos);
+  r.sin = ptr<const float>(sin);
+  r.stride_batch = cos.size(0) == 1 ? 0 : cos.stride(0);
+  r.stride_seq = cos.stride(1);
+  r.seq = seq;
+  r.rot_dim = int(o.rotary_dim);
+  return r;
+}
+
+// QK-norm of a self block's projection [tokens, H + 2W] (contiguous), in place on its Q and on its K heads, then
+// their rotary positions in the same pass; raw [tokens, H + W] receives them as they came, the Q rows
+// [tokens·heads, d] then the K rows [tokens·kv_heads, d].
+void qk_norm_fwd(const at::Tensor& projection, const at::Tensor& raw, const Params& p, const Options& o,
+                 const QkRotary& rotary) {
   const char* op = "lsmini::layer";
   const int64_t tokens = projection.size(0);
   dispatch_norm_types(projection.scalar_type(), *p.q_norm_weight, op, [&](auto t, auto w) {
@@ -761,7 +777,7 @@ void qk_norm_fwd(const at::Tensor& projection, const at::Tensor& raw, const Para
       check_launch(launch_qk_norm_fwd<T, W>(ptr<T>(projection) + (k ? o.hidden : 0), projection.stride(0),
                                             ptr<T>(raw) + (k ? tokens * o.hidden : 0),
                                             ptr<const W>(k ? *p.k_norm_weight : *p.q_norm_weight), tokens,
-                                            int(k ? o.kv_heads : o.heads), int(o.head_dim), float(o.eps),
+                                            int(k ? o.kv_heads : o.heads), int(o.head_dim), float(o.eps), rotary,
                                             current_stream()),
                    op);
     }
@@ -829,12 +845,14 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
       project(x, p.weight_in, p.bias_in, dest.at(kProjection, {s.tokens, self ? o.qkv_width : o.hidden}, dtype));
   const auto [q, k, v] = self ? qkv_views(projection, s.batch, s.q_len, o)
                                : std::array{split(projection, s, o), *in.encoder_k, *in.encoder_v};
-  if (self && o.qk_norm) {  // the saved projection holds Q and K normalized (and rotated), raw as they came
+  // the saved projection holds Q and K normalized and rotated; with qk_norm kQKRaw holds them as they came
+  if (self && o.qk_norm) {
     const OptTensor given = dest.at(kQKRaw, {s.tokens, (o.heads + o.kv_heads) * o.head_dim}, dtype);
     slots[kQKRaw] = given ? *given : at::empty({s.tokens, (o.heads + o.kv_heads) * o.head_dim}, x.options());
-    qk_norm_fwd(projection, slots[kQKRaw], p, o);
+    qk_norm_fwd(projection, slots[kQKRaw], p, o, qk_rotary(in, o, s.q_len));
+  } else if (self && o.rotary_dim > 0) {
+    rotary_in_place(q, k, in, o, false);
   }
-  if (self && o.rotary_dim > 0) rotary_in_place(q, k, in, o, false);  // the saved projection holds them rotated
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
   const int64_t k_len = k.size(2);
@@ -1097,11 +1115,11 @@ std::array<at::Tensor, 3> norm_bwd(const at::Tensor& dy, const Slots& sv, const 
   return {dx, dweight, at::Tensor()};
 }
 
-// The backward of qk_norm_fwd on a self block's projection gradient [tokens, H + 2W], in place on its Q and K
-// columns, from the saved raw Q and K; returns the gradients of the Q and K norm weights (written where the room
-// names their destinations, else new), their column sums queued with the backward's others.
+// The backward of qk_norm_fwd (its rotation included) on a self block's projection gradient [tokens, H + 2W], in
+// place on its Q and K columns, from the saved raw Q and K; returns the gradients of the Q and K norm weights
+// (written where the room names their destinations, else new), their column sums queued with the backward's others.
 std::array<at::Tensor, 2> qk_norm_bwd(const at::Tensor& grad_projection, const at::Tensor& raw, const Params& p,
-                                      const Options& o, const Room& room) {
+                                      const Options& o, const QkRotary& rotary, const Room& room) {
   const char* op = "lsmini::layer_backward";
   const int64_t tokens = grad_projection.size(0);
   std::array<at::Tensor, 2> grads;
@@ -1121,7 +1139,7 @@ std::array<at::Tensor, 2> qk_norm_bwd(const at::Tensor& grad_projection, const a
                                             ptr<const T>(raw) + (k ? tokens * o.hidden : 0),
                                             ptr<const W>(k ? *p.k_norm_weight : *p.q_norm_weight), ptr<W>(grads[k]),
                                             ptr<float>(*sums.workspace), tokens, int(heads), int(o.head_dim),
-                                            float(o.eps), sums.sums, current_stream()),
+                                            float(o.eps), rotary, sums.sums, current_stream()),
                    op);
     }
   });
@@ -1167,9 +1185,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
     const auto grad_qkv = qkv_views(grad_projection, s.batch, s.q_len, o);
     attention_bwd(split(grad_context, s, o), qkv[0], qkv[1], qkv[2], split(sv[kContext], s, o), sv[kLse], mask,
                   o.causal, o.attn_dropout, o.scale, rng, grad_qkv[0], grad_qkv[1], grad_qkv[2], bits, workspace);
-    // the gradients of the rotated Q and K → those of the normalized Q and K → those of the projection's
-    if (o.rotary_dim > 0) rotary_in_place(grad_qkv[0], grad_qkv[1], in, o, true);
-    if (o.qk_norm) qk_grads = qk_norm_bwd(grad_projection, sv[kQKRaw], p, o, room);
+    // the gradients of the rotated (and normalized) Q and K → those of the projection's
+    if (o.qk_norm) {
+      qk_grads = qk_norm_bwd(grad_projection, sv[kQKRaw], p, o, qk_rotary(in, o, s.q_len), room);
+    } else if (o.rotary_dim > 0) {
+      rotary_in_place(grad_qkv[0], grad_qkv[1], in, o, true);
+    }
   } else {
     attention_bwd(split(grad_context, s, o), split(sv[kProjection], s, o), sv[kKeys], sv[kValues],
                   split(sv[kContext], s, o), sv[kLse], mask, false, o.attn_dropout, o.scale, rng,

@@ -388,6 +388,17 @@ def average_state_dicts(ckpts, paths):
     return out
 
 
+def checkpoint_arch(path):
+    """The --arch of the model a checkpoint holds; None where the file is missing or unreadable (resuming from it
+    then says why) or names none. The file is memory-mapped: its tensors' bytes are not read."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    config = ckpt.get("model_config") if isinstance(ckpt, dict) else None
+    return config.get("arch") if isinstance(config, dict) else None
+
+
 def load_checkpoint(path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)

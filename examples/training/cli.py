@@ -9,9 +9,31 @@ from .checkpoints import CHECKPOINT_NAME
 DEFAULT_EPOCHS = 3
 
 
+# the --arch of a run that names none: the size the defaults were tuned at on real corpora where the run
+# trains on a GPU, the one that trains the built-in task in a few minutes on a CPU
+GPU_ARCH, CPU_ARCH = "small", "tiny"
+
+
 def add_arch_arg(group, archs, sizes):
     """--arch, one of the rows of the `archs` table; `sizes` describes them for --help."""
-    group.add_argument("--arch", choices=sorted(archs), default="tiny", help="model size (default tiny): " + sizes)
+    group.add_argument("--arch", choices=sorted(archs), default=None,
+                       help=f"model size (default {GPU_ARCH} on a CUDA device, {CPU_ARCH} on the CPU): " + sizes)
+
+
+def save_dir(args, default_save_dir):
+    """--save-dir, or the example's default (with a _reference suffix under --reference)."""
+    if args.save_dir is not None:
+        return args.save_dir
+    return default_save_dir + ("_reference" if args.reference else "")
+
+
+def default_arch(device, cuda_available):
+    """(--arch, why) for a run that names none: GPU_ARCH where it trains on a CUDA device (`device`, the
+    --device string, or None for cuda when `cuda_available`), else CPU_ARCH."""
+    on_cuda = device.split(":")[0] == "cuda" if device is not None else cuda_available
+    if on_cuda:
+        return GPU_ARCH, f"the default --arch on a CUDA device; {CPU_ARCH} on the CPU, --arch sets it"
+    return CPU_ARCH, f"the default --arch on the CPU; {GPU_ARCH} on a CUDA device, --arch sets it"
 
 
 def per_arch(archs, name):
@@ -117,8 +139,7 @@ def resolve_common_args(parser, args, default_save_dir, builtin, arch):
     and max_tokens); reject values that make no sense (parser.error names the flag)."""
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --save-dir, --overwrite replaces it: give one of them")
-    if args.save_dir is None:
-        args.save_dir = default_save_dir + ("_reference" if args.reference else "")
+    args.save_dir = save_dir(args, default_save_dir)
     if args.vocab_size is None:
         args.vocab_size = 2000 if builtin else 8000
     # an explicit --warmup wins; the --arch value is capped once the planned steps are known (adapt_warmup)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from . import cli
 from .checkpoints import (AVERAGE_NAME, BEST_NAME, CHECKPOINT_NAME, SaveError, average_state_dicts, check_task,
-                          check_tokenizer, data_changes, data_record, load_checkpoint, os_error_cause,
+                          check_tokenizer, checkpoint_arch, data_changes, data_record, load_checkpoint, os_error_cause,
                           periodic_checkpoints, prepare_save_dir, save_checkpoint, tokenizer_record, write_atomically)
 from .data import DataError
 from .runtime import RunSettings, describe_backend, place_model, start_distributed
@@ -101,12 +101,24 @@ class Task:
         parser = self.build_parser()
         args = parser.parse_args(argv)
         args.builtin = self.check_data_flags(parser, args)
+        args.arch_why = None
+        if args.arch is None:
+            args.arch, args.arch_why = self.default_arch(args)
         cli.resolve_common_args(parser, args, self.default_save_dir, args.builtin, self.archs[args.arch])
         self.check_args(parser, args)
         if args.checkpoint is not None and self.inference_mode(args) is None:
             parser.error("--checkpoint picks the model that --translate or --generate loads; a training run does "
                          "not read it (--resume continues from checkpoint_last.pt)")
         return args
+
+    def default_arch(self, args):
+        """(--arch, why) of a run that names none: with --resume the checkpoint's, else by device
+        (cli.default_arch)."""
+        if args.resume:
+            arch = checkpoint_arch(os.path.join(cli.save_dir(args, self.default_save_dir), CHECKPOINT_NAME))
+            if arch in self.archs:
+                return arch, "the --arch of the checkpoint --resume continues"
+        return cli.default_arch(args.device, torch.cuda.is_available())
 
     # -- inference mode --
     def inference_mode(self, args):
@@ -238,9 +250,9 @@ def run_task(task, argv=None):
 
         model_config = task.model_config(args, sp.get_piece_size(), data.max_seq_len)
         model = task.build_model(model_config, batch_budget(task, args, data.max_seq_len), device, dtype)
-        log(f"model: {args.arch} {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-            f"parameters, {args.precision} on {device}; backend {describe_backend(device)}" +
-            (f"; {dist.world} processes" if dist.active else ""))
+        log(f"model: {args.arch} {type(model).__name__}" + (f" ({args.arch_why})" if args.arch_why else "") +
+            f", {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.precision} on {device}; "
+            f"backend {describe_backend(device)}" + (f"; {dist.world} processes" if dist.active else ""))
         log(args.cuda_graph_note)
         per_epoch = steps_per_epoch(args, len(data.train), dist.world)
         if args.default_length:

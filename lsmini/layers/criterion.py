@@ -58,8 +58,8 @@ class LinearCrossEntropyLoss(nn.Module):
     chunk). With lsmini's models: ``crit(model(src, tgt_in, features_only=True), model.output_weight(), tgt_out)``.
 
     forward(features, weight, target, return_nll=False) → loss, or (loss, nll). ``reduction`` is "mean" or
-    "sum" (per-row losses need the logits: CrossEntropyLoss); ``chunk_tokens`` rows per chunk (None: one
-    chunk's logits within 64 MiB); ``check_targets`` as in CrossEntropyLoss.
+    "sum" (per-row losses need the logits: CrossEntropyLoss); ``chunk_tokens`` rows per chunk (None:
+    ``lsmini.ops.linear_cross_entropy.default_chunk_tokens``); ``check_targets`` as in CrossEntropyLoss.
     """
 
     def __init__(self, label_smoothing=0.0, ignore_index=-100, reduction="mean", check_targets=True,

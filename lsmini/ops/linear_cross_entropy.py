@@ -8,19 +8,19 @@ embedding table) and class ids target [...] (int64), the loss is ``cross_entropy
 classes in fp16: 500 MB) and live from the end of the forward to the start of the backward, where the
 activation memory peaks. This op never holds more than one chunk of them.
 
-CUDA path (float32/float16/bfloat16): the rows go in chunks of ``chunk_tokens`` (default: as many as keep
-one chunk's logits within 64 MiB). Per chunk, in the forward: the logits GEMM (against the weight with zero
-rows appended up to a 16-byte multiple, so that every GEMM runs aligned), the cross-entropy kernel's forward
-(per-row losses and log-sum-exp), and — when a gradient will be needed — at once its backward, written into
-the chunk's logits, then the two gradient GEMMs: d x = d logits · W into the chunk's rows of
-a float32 [N, H] buffer, d W += d logitsᵀ · x into a float32 [V, H] buffer (cuBLAS accumulates in place,
-so the sum over chunks is rounded once, to float32). The logits' gradient is that of the *summed* loss;
-it is written scaled by ``GRAD_SCALE`` (2¹⁵: each entry is softmax − target distribution, in [−1, 1]),
-so that float16 keeps the small entries that an unscaled gradient would flush to zero, and the GEMMs
-divide it back out in their epilogue (alpha = 1/2¹⁵, exact). The backward only multiplies the two float32
-sums by the incoming gradient (÷ the row count for "mean") and rounds them to the parameters' dtypes:
-no GEMM runs there. The cost is the float32 sums, alive in place of the logits: [N, H] + [V, H] floats.
-Without a gradient (``torch.no_grad``, inputs that do not require grad) only the loss is computed.
+CUDA path (float32/float16/bfloat16): the rows go in chunks of ``chunk_tokens`` (default
+``default_chunk_tokens``: 2048 rows, more where the logits of more fit 64 MiB). Per chunk, in the forward: the
+logits GEMM (against the weight with zero rows appended up to a 16-byte multiple, so that every GEMM runs
+aligned), the cross-entropy kernel's forward (per-row losses and log-sum-exp), and — when a gradient will be
+needed — at once its backward, written into the chunk's logits, then the two gradient GEMMs: d x = d logits ·
+W into the chunk's rows of a float32 [N, H] buffer, d W += d logitsᵀ · x into a float32 [V, H] buffer (cuBLAS
+accumulates in place, so the sum over chunks is rounded once, to float32). The logits' gradient is that of the
+*summed* loss; it is written scaled by ``GRAD_SCALE`` (2¹⁵: each entry is softmax − target distribution, in
+[−1, 1]), so that float16 keeps the small entries that an unscaled gradient would flush to zero, and the GEMMs
+divide it back out in their epilogue (alpha = 1/2¹⁵, exact). The backward only multiplies the two float32 sums
+by the incoming gradient (÷ the row count for "mean") and rounds them to the parameters' dtypes: no GEMM runs
+there. The cost is the float32 sums, alive in place of the logits: [N, H] + [V, H] floats. Without a gradient
+(``torch.no_grad``, inputs that do not require grad) only the loss is computed.
 
 The op is registered once (see ``lsmini.ops.library``) as ``lsmini::linear_cross_entropy``, which returns
 the two sums and the two float32 gradients: the chunks above on CUDA; on CPU ``linear_cross_entropy_ref``
@@ -41,12 +41,18 @@ from lsmini.ops.reference_grads import reference_grads
 
 REDUCTIONS = ("mean", "sum")
 GRAD_SCALE = 2.0 ** 15  # |softmax − target distribution| <= 1, so the scaled gradient stays below 65504
-CHUNK_BYTES = 64 << 20  # one chunk's logits; the GEMMs run at full speed from ~1000 rows on
+# Each chunk adds its d W into the float32 [V, H] sum: 8·V·H bytes read and written, against its GEMMs' 6·rows·V·H
+# flops. From about 2048 rows on that traffic takes a tenth of the GEMMs' time or less on current GPUs (~4 TB/s
+# beside ~600 TFLOP/s), whatever V and H; fewer rows save memory but spend the time on the sum, and shrink the
+# d x GEMM ([rows, V] · [V, H]) below what fills the GPU.
+CHUNK_TOKENS = 2048
+CHUNK_BYTES = 64 << 20  # small vocabularies: rows up to this much logits a chunk
 
 
 def default_chunk_tokens(vocab, dtype):
-    """Rows per chunk when ``chunk_tokens`` is not given: one chunk's logits within CHUNK_BYTES."""
-    return max(1, CHUNK_BYTES // (vocab * dtype.itemsize))
+    """Rows per chunk when ``chunk_tokens`` is not given: CHUNK_TOKENS, or as many as keep a chunk's logits within
+    CHUNK_BYTES where that is more."""
+    return max(CHUNK_TOKENS, CHUNK_BYTES // (vocab * dtype.itemsize))
 
 
 def linear_cross_entropy_ref(x, weight, target, label_smoothing=0.0, ignore_index=-100, reduction="mean",
@@ -201,7 +207,7 @@ def linear_cross_entropy(x, weight, target, label_smoothing=0.0, ignore_index=-1
         reduction: "mean" (over non-ignored rows; NaN when every row is ignored) or "sum". Per-row losses
             ("none") need the logits: project and call ``cross_entropy``.
         return_nll: also return the plain negative log-likelihood, same reduction, detached.
-        chunk_tokens: rows per chunk (default: as many as keep one chunk's logits within 64 MiB).
+        chunk_tokens: rows per chunk (default: ``default_chunk_tokens``).
 
     Returns:
         the 0-d float32 loss (float64 for float64 inputs), or ``(loss, nll)`` with ``return_nll``.
