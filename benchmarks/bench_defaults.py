@@ -32,7 +32,7 @@ configurations by their mean over the seeds, and the defaults with the best conf
 Every run gets its own --save-dir and --no-progress; its log goes beside it. Each table gives, per run: steps,
 the warmup and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4; LM:
 validation perplexity of the run's best checkpoint, the model it leaves), the last step's valid loss, the whole
-command's wall seconds and the run's average tokens/s (metrics.json); then the defaults' quality against the best tuned run's. Every run is also appended to
+command's wall seconds, the part of them spent in training steps and the run's average tokens/s (metrics.json); then the defaults' quality against the best tuned run's. Every run is also appended to
 benchmarks/results/defaults.csv (config: the example, --arch and corpus; variant: "defaults" or the flags), from
 which benchmarks/report.py writes RESULTS.md.
 """
@@ -141,7 +141,7 @@ def run_one(corpus, name, arch, extra, save_dir):
         with open(os.path.join(save_dir, "metrics.json")) as f:
             metrics = json.load(f)
         row.update(steps=metrics["steps"], valid_loss=round(metrics["valid_loss"], 3),
-                   tokens_per_s=round(metrics["tokens_per_s"] or 0))
+                   tokens_per_s=round(metrics["tokens_per_s"] or 0), train_s=round(metrics["train_s"], 1))
         if corpus.is_lm:  # the model the run leaves to use: its best checkpoint
             best = (metrics.get("best") or {}).get("valid_loss", metrics["valid_loss"])
             row["ppl"] = round(math.exp(min(best, metrics["valid_loss"])), 2)
@@ -164,6 +164,7 @@ def timed_row(corpus, runs):
     row = dict(runs[0])
     times = [r["command_s"] for r in runs]
     row["command_s"] = round(statistics.median(times), 1)
+    row["train_s"] = round(statistics.median(r["train_s"] for r in runs), 1)
     row["note"] = f"whole command: median of {len(runs)} runs alone ({', '.join(f'{t:g}' for t in times)} s)"
     name, _, _ = quality(corpus, row)
     qualities = [quality(corpus, r)[1] for r in runs]
@@ -235,14 +236,14 @@ def seed_table(corpus, rows):
 def table(corpus, arch, rows, has_defaults):
     what = "perplexity" if corpus.is_lm else "BLEU"
     print(f"\n{corpus.example} --arch {arch}, {corpus.label}", flush=True)
-    print(f"| run | flags | steps | warmup | lr | {what} | valid loss | command s | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| run | flags | steps | warmup | lr | {what} | valid loss | command s | training s | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         _, q, _ = quality(corpus, r)
         cell = f"{q:.2f}" if q is not None else r.get("error", "")
         print(f"| {r['run']} | {r['flags'] or '(none)'} | {r.get('steps', '')} | {r.get('warmup', '')} | "
               f"{r.get('lr', '')} | {cell} | {r.get('valid_loss', '')} | {r['command_s']} | "
-              f"{r.get('tokens_per_s', '')} |")
+              f"{r.get('train_s', '')} | {r.get('tokens_per_s', '')} |")
     if has_defaults and rows[0].get("note"):
         print(f"defaults: {rows[0]['note']}")
     scored = [r for r in rows if r["config_flags"] and quality(corpus, r)[1] is not None]
@@ -334,7 +335,7 @@ def main():
          "variant": r["flags"] if r["run"] != "defaults" and r["flags"] else r["run"], "kind": "lsmini",
          "steps": r.get("steps"), "warmup": r.get("warmup"), "lr": r.get("lr"), "bleu": r.get("bleu"),
          "ppl": r.get("ppl"), "valid_loss": r.get("valid_loss"), "command_s": r["command_s"],
-         "tokens_s": r.get("tokens_per_s"), "note": r.get("note", r.get("error"))} for r in rows])
+         "train_s": r.get("train_s"), "tokens_s": r.get("tokens_per_s"), "note": r.get("note", r.get("error"))} for r in rows])
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ LABELS = {"ms": "ms", "tokens_s": "tokens/s", "peak_mb": "peak MB", "scaling": "
           "pct_copy": "% of copy", "copy_gbs": "copy GB/s", "fwd_ms": "fwd ms", "tflops": "TFLOP/s",
           "compile_s": "compile s", "tgt_tokens_s": "target tokens/s", "loss_first": "first loss",
           "loss_final": "final loss", "us": "µs", "device_us": "device µs", "valid_loss": "valid loss",
-          "command_s": "command s", "duration_s": "duration s", "bleu": "BLEU",
+          "command_s": "command s", "train_s": "training s", "duration_s": "duration s", "bleu": "BLEU",
           "ppl": "perplexity"}
 MS_LABELS = {"training": "ms/step", "training_multi_gpu": "ms/step", "convert": "ms/step", "hf": "ms/step",
              "attention": "fwd+bwd ms"}

@@ -56,14 +56,27 @@ def test_without_the_defaults_nothing_is_compared():
 
 def test_timed_defaults_report_the_median_and_every_time():
     def run(seconds, bleu=45.76, rc=0):
-        return {"run": "defaults", "rc": rc, "command_s": seconds, "bleu": bleu, "steps": 1500}
+        return {"run": "defaults", "rc": rc, "command_s": seconds, "train_s": seconds - 10, "bleu": bleu,
+                "steps": 1500}
 
     one = run(30.0)
     assert bench_defaults.timed_row(TRANSLATION, [one]) is one
     row = bench_defaults.timed_row(TRANSLATION, [run(32.5), run(28.1), run(31.2)])
-    assert row["command_s"] == 31.2 and row["bleu"] == 45.76 and row["steps"] == 1500
+    assert row["command_s"] == 31.2 and row["train_s"] == 21.2 and row["bleu"] == 45.76 and row["steps"] == 1500
     assert row["note"] == "whole command: median of 3 runs alone (32.5, 28.1, 31.2 s)"
     row = bench_defaults.timed_row(TRANSLATION, [run(30.0), run(29.0, bleu=45.5)])
     assert row["command_s"] == 29.5 and row["note"].endswith("; their BLEU: 45.76, 45.5")
     failed = {"run": "defaults", "rc": 1, "command_s": 3.0, "error": "boom"}
     assert bench_defaults.timed_row(TRANSLATION, [run(30.0), failed]) is failed
+
+
+def test_a_run_gives_its_row(tmp_path):
+    """One real command, sized for a CPU: the row carries what its log and metrics.json say, and the part of the
+    whole command's time its training steps took."""
+    corpus = bench_defaults.translation_corpus("tiny", bench_defaults.builtin_corpus(str(tmp_path), 300))
+    row = bench_defaults.run_one(corpus, "defaults", "tiny", "--max-steps 4 --eval-every 4 --beam 1",
+                                 str(tmp_path / "run"))
+    assert row["rc"] == 0, row
+    assert row["steps"] == 4 and row["lr"] == "0.002" and row["warmup"] == 200
+    assert isinstance(row["bleu"], float) and row["valid_loss"] > 0 and row["tokens_per_s"] > 0
+    assert 0 < row["train_s"] < row["command_s"]

@@ -21,7 +21,7 @@ import train_translation  # noqa: E402
 from training import batching, cli, tokenizer  # noqa: E402
 from training.data import DataError  # noqa: E402
 
-METRIC_KEYS = ("train_loss", "valid_loss", "valid_ppl", "bleu", "tokens_per_s", "steps", "wall_s")
+METRIC_KEYS = ("train_loss", "valid_loss", "valid_ppl", "bleu", "tokens_per_s", "steps", "wall_s", "train_s")
 # tiny settings: a few hundred pairs, a small vocabulary, a few steps
 SMALL = ["--arch", "tiny", "--vocab-size", "300", "--max-tokens", "512", "--max-len", "64", "--log-every", "2",
          "--no-progress"]
@@ -56,8 +56,9 @@ def check_metrics(save_dir, steps):
     for k in METRIC_KEYS:
         assert k in m, f"metrics.json lacks {k}"
     assert m["steps"] == steps
-    for k in ("train_loss", "valid_loss", "valid_ppl", "tokens_per_s", "wall_s"):
+    for k in ("train_loss", "valid_loss", "valid_ppl", "tokens_per_s", "wall_s", "train_s"):
         assert isinstance(m[k], float) and math.isfinite(m[k]) and m[k] > 0, (k, m[k])
+    assert m["train_s"] < m["wall_s"]
     assert m["valid_ppl"] == pytest.approx(math.exp(m["valid_loss"]))
     return m
 

@@ -287,7 +287,8 @@ def run_task(task, argv=None):
             metrics = run_metrics(trainer, args, device, start, **results)
             path = write_metrics(args.save_dir, metrics)
             plot_log(args.save_dir, log)
-            log(f"done: {trainer.step} steps, {task.summary(metrics)}, {metrics['wall_s']:.0f}s -> {path}")
+            log(f"done: {trainer.step} steps, {task.summary(metrics)}, {metrics['wall_s']:.0f}s "
+                f"(training steps {metrics['train_s']:.0f}s) -> {path}")
         dist.close()
         return metrics
 
@@ -398,6 +399,7 @@ def run_metrics(trainer, args, device, start, bleu=None, **extra):
         # the whole run's average: all training steps' target tokens over their time (validation excluded)
         "tokens_per_s": trainer.session_tokens / trainer.session_time if trainer.session_time > 0 else None,
         "steps": trainer.step, "wall_s": time.perf_counter() - start,
+        "train_s": trainer.session_time,  # of wall_s, the training steps' (the rest: start-up, validation, test)
         "best": (None if trainer.best is None
                  else {"step": trainer.best["step"], args.best_metric: trainer.best["value"]}),
         "stop_reason": trainer.stopped_by,
