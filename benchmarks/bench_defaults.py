@@ -32,7 +32,8 @@ configurations by their mean over the seeds, and the defaults with the best conf
 Every run gets its own --save-dir and --no-progress; its log goes beside it. Each table gives, per run: steps,
 the warmup and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4; LM:
 validation perplexity of the run's best checkpoint, the model it leaves), the last step's valid loss, the whole
-command's wall seconds, the part of them spent in training steps and the run's average tokens/s (metrics.json); then the defaults' quality against the best tuned run's. Every run is also appended to
+command's wall seconds, the part of them spent in training steps and the run's average tokens/s (metrics.json);
+then the defaults' quality against the best tuned run's. Every run is also appended to
 benchmarks/results/defaults.csv (config: the example, --arch and corpus; variant: "defaults" or the flags), from
 which benchmarks/report.py writes RESULTS.md.
 """
@@ -335,7 +336,8 @@ def main():
          "variant": r["flags"] if r["run"] != "defaults" and r["flags"] else r["run"], "kind": "lsmini",
          "steps": r.get("steps"), "warmup": r.get("warmup"), "lr": r.get("lr"), "bleu": r.get("bleu"),
          "ppl": r.get("ppl"), "valid_loss": r.get("valid_loss"), "command_s": r["command_s"],
-         "train_s": r.get("train_s"), "tokens_s": r.get("tokens_per_s"), "note": r.get("note", r.get("error"))} for r in rows])
+         "train_s": r.get("train_s"), "tokens_s": r.get("tokens_per_s"), "note": r.get("note", r.get("error"))}
+        for r in rows])
 
 
 if __name__ == "__main__":
