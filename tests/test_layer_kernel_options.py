@@ -1,7 +1,7 @@
 """The layer operators (csrc/layers/layer.cpp) with the options of Llama-style blocks: RMSNorm (pre- and
 post-norm), gated FFNs (swiglu, geglu), absent biases, rotary positions on Q/K (full and partial rotary_dim,
-one table or one per batch row), grouped K/V heads, QK-norm, alone and together, in self/cross/ffn blocks. Each runs on the kernel path
-(lsmini.layers.runtime.run_layer) and is compared, forward and every gradient, with the reference layer
+one table or one per batch row), grouped K/V heads, QK-norm, alone and together, in self/cross/ffn blocks.
+Each runs on the kernel path (lsmini.layers.runtime.run_layer) and is compared, forward and every gradient, with the reference layer
 (lsmini.layers.reference) in float64 from the same inputs: the kernel's error must be at most twice the
 reference's own error in the same low precision. Dropout: the same seed gives the same results, recompute on
 and off agree bit for bit, and the gated activation's mask keeps 1 − p. Eager and torch.compile. CUDA only."""
