@@ -30,10 +30,10 @@ differ by about a BLEU point from seed to seed on a small corpus, so with N > 1 
 configurations by their mean over the seeds, and the defaults with the best configuration on the seeds both ran.
 
 Every run gets its own --save-dir and --no-progress; its log goes beside it. Each table gives, per run: steps,
-the warmup, cooldown and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4; LM:
-validation perplexity of the run's best checkpoint, the model it leaves), the last step's valid loss, the whole
-command's wall seconds, the part of them spent in training steps and the run's average tokens/s (metrics.json);
-then the defaults' quality against the best tuned run's. Every run is also appended to
+the warmup, cooldown and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4;
+LM: validation perplexity of the run's best checkpoint, the model it leaves), the last step's valid loss, the
+whole command's wall seconds, the part of them spent in training steps and the run's average tokens/s
+(metrics.json); then the defaults' quality against the best tuned run's. Every run is also appended to
 benchmarks/results/defaults.csv (config: the example, --arch and corpus; variant: "defaults" or the flags), from
 which benchmarks/report.py writes RESULTS.md.
 """
@@ -240,14 +240,15 @@ def seed_table(corpus, rows):
 def table(corpus, arch, rows, has_defaults):
     what = "perplexity" if corpus.is_lm else "BLEU"
     print(f"\n{corpus.example} --arch {arch}, {corpus.label}", flush=True)
-    print(f"| run | flags | steps | warmup | cooldown | lr | {what} | valid loss | command s | training s | tokens/s |")
+    print(f"| run | flags | steps | warmup | cooldown | lr | {what} | valid loss | command s | training s | "
+          "tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         _, q, _ = quality(corpus, r)
         cell = f"{q:.2f}" if q is not None else r.get("error", "")
         print(f"| {r['run']} | {r['flags'] or '(none)'} | {r.get('steps', '')} | {r.get('warmup', '')} | "
-              f"{r.get('cooldown', '')} | {r.get('lr', '')} | {cell} | {r.get('valid_loss', '')} | {r['command_s']} | "
-              f"{r.get('train_s', '')} | {r.get('tokens_per_s', '')} |")
+              f"{r.get('cooldown', '')} | {r.get('lr', '')} | {cell} | {r.get('valid_loss', '')} | "
+              f"{r['command_s']} | {r.get('train_s', '')} | {r.get('tokens_per_s', '')} |")
     if has_defaults and rows[0].get("note"):
         print(f"defaults: {rows[0]['note']}")
     scored = [r for r in rows if r["config_flags"] and quality(corpus, r)[1] is not None]
@@ -339,7 +340,8 @@ def main():
          "variant": r["flags"] if r["run"] != "defaults" and r["flags"] else r["run"], "kind": "lsmini",
          "steps": r.get("steps"), "warmup": r.get("warmup"), "cooldown": r.get("cooldown"),
          "lr": r.get("lr"), "bleu": r.get("bleu"), "ppl": r.get("ppl"), "valid_loss": r.get("valid_loss"),
-         "command_s": r["command_s"], "train_s": r.get("train_s"), "tokens_s": r.get("tokens_per_s"), "note": r.get("note", r.get("error"))}
+         "command_s": r["command_s"], "train_s": r.get("train_s"), "tokens_s": r.get("tokens_per_s"),
+         "note": r.get("note", r.get("error"))}
         for r in rows])
 
 
