@@ -30,10 +30,10 @@ differ by about a BLEU point from seed to seed on a small corpus, so with N > 1 
 configurations by their mean over the seeds, and the defaults with the best configuration on the seeds both ran.
 
 Every run gets its own --save-dir and --no-progress; its log goes beside it. Each table gives, per run: steps,
-the warmup and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4; LM:
-validation perplexity of the run's best checkpoint, the model it leaves), the last step's valid loss, the whole
-command's wall seconds, the part of them spent in training steps and the run's average tokens/s (metrics.json);
-then the defaults' quality against the best tuned run's. Every run is also appended to
+the warmup, cooldown and peak lr it used (from its log), the quality (translation: test BLEU, sacreBLEU beam 4;
+LM: validation perplexity of the run's best checkpoint, the model it leaves), the last step's valid loss, the
+whole command's wall seconds, the part of them spent in training steps and the run's average tokens/s
+(metrics.json); then the defaults' quality against the best tuned run's. Every run is also appended to
 benchmarks/results/defaults.csv (config: the example, --arch and corpus; variant: "defaults" or the flags), from
 which benchmarks/report.py writes RESULTS.md.
 """
@@ -67,9 +67,10 @@ def grid(**axes):
 
 
 # learning rate, warmup and run length, then dropout and label smoothing around a run tuned by hand on a real
-# caption corpus (--lr 1e-3 --warmup 800 --epochs 20 at 4096 tokens a batch); each string adds to the --arch
-# defaults (small translation: 8192 tokens), and defaults.csv rows of runs at other defaults spell them out
-TRANSLATION_TUNED = grid(lr=("5e-4", "1e-3", "2e-3"), warmup=(400, 800), epochs=(10, 20)) + [
+# caption corpus (--lr 1e-3 --warmup 800 --epochs 20 at 4096 tokens a batch), and the schedule without its
+# cooldown; each string adds to the --arch defaults (small translation: 8192 tokens), and defaults.csv rows of
+# runs at other defaults spell them out
+TRANSLATION_TUNED = ["--cooldown 0"] + grid(lr=("5e-4", "1e-3", "2e-3"), warmup=(400, 800), epochs=(10, 20)) + [
     "--lr 1e-3 --warmup 800 --epochs 20 --dropout 0.1",
     "--lr 1e-3 --warmup 800 --epochs 20 --dropout 0.2",
     "--lr 1e-3 --warmup 800 --epochs 20 --label-smoothing 0.2",
@@ -138,6 +139,8 @@ def run_one(corpus, name, arch, extra, save_dir):
     m = re.search(r"schedule: peak lr (\S+), warmup (\d+)", text)
     if m:
         row.update(lr=m.group(1).rstrip(","), warmup=int(m.group(2)))
+        c = re.search(r"falling linearly to 0 over the last (\d+) steps", text)
+        row["cooldown"] = int(c.group(1)) if c else 0
     if rc == 0:
         with open(os.path.join(save_dir, "metrics.json")) as f:
             metrics = json.load(f)
@@ -237,14 +240,15 @@ def seed_table(corpus, rows):
 def table(corpus, arch, rows, has_defaults):
     what = "perplexity" if corpus.is_lm else "BLEU"
     print(f"\n{corpus.example} --arch {arch}, {corpus.label}", flush=True)
-    print(f"| run | flags | steps | warmup | lr | {what} | valid loss | command s | training s | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| run | flags | steps | warmup | cooldown | lr | {what} | valid loss | command s | training s | "
+          "tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         _, q, _ = quality(corpus, r)
         cell = f"{q:.2f}" if q is not None else r.get("error", "")
         print(f"| {r['run']} | {r['flags'] or '(none)'} | {r.get('steps', '')} | {r.get('warmup', '')} | "
-              f"{r.get('lr', '')} | {cell} | {r.get('valid_loss', '')} | {r['command_s']} | "
-              f"{r.get('train_s', '')} | {r.get('tokens_per_s', '')} |")
+              f"{r.get('cooldown', '')} | {r.get('lr', '')} | {cell} | {r.get('valid_loss', '')} | "
+              f"{r['command_s']} | {r.get('train_s', '')} | {r.get('tokens_per_s', '')} |")
     if has_defaults and rows[0].get("note"):
         print(f"defaults: {rows[0]['note']}")
     scored = [r for r in rows if r["config_flags"] and quality(corpus, r)[1] is not None]
@@ -334,9 +338,10 @@ def main():
     common.append_results(a.results, "defaults", env, [
         {"benchmark": "defaults", "config": r["config"],
          "variant": r["flags"] if r["run"] != "defaults" and r["flags"] else r["run"], "kind": "lsmini",
-         "steps": r.get("steps"), "warmup": r.get("warmup"), "lr": r.get("lr"), "bleu": r.get("bleu"),
-         "ppl": r.get("ppl"), "valid_loss": r.get("valid_loss"), "command_s": r["command_s"],
-         "train_s": r.get("train_s"), "tokens_s": r.get("tokens_per_s"), "note": r.get("note", r.get("error"))}
+         "steps": r.get("steps"), "warmup": r.get("warmup"), "cooldown": r.get("cooldown"),
+         "lr": r.get("lr"), "bleu": r.get("bleu"), "ppl": r.get("ppl"), "valid_loss": r.get("valid_loss"),
+         "command_s": r["command_s"], "train_s": r.get("train_s"), "tokens_s": r.get("tokens_per_s"),
+         "note": r.get("note", r.get("error"))}
         for r in rows])
 
 

@@ -306,10 +306,10 @@ def configuration_and_seed(variant):
 def defaults_table(rows):
     """The README's table of the examples' defaults: per corpus and GPU, the latest run of the defaults beside
     the best tuned configuration of the same corpus (bench_defaults.py): BLEU higher or perplexity lower is
-    better. Where the defaults also ran at other seeds (bench_defaults.py --seeds; runs with the warmup and lr
-    the latest defaults' run chose), both sides are the means over those seeds, and only configurations that ran
-    at all of them are compared: one configuration's runs differ by about a BLEU point from seed to seed, so
-    the best of many single runs would mostly measure the luck of its seed."""
+    better. Where the defaults also ran at other seeds (bench_defaults.py --seeds; runs with the warmup,
+    cooldown and lr the latest defaults' run chose), both sides are the means over those seeds, and only
+    configurations that ran at all of them are compared: one configuration's runs differ by about a BLEU point
+    from seed to seed, so the best of many single runs would mostly measure the luck of its seed."""
     chosen = sorted((r for r in latest(rows).values() if r["benchmark"] == "defaults"),
                     key=lambda r: (r["date"], r["_pos"]))
     body = []
@@ -317,7 +317,7 @@ def defaults_table(rows):
     for d in runs:
         lm = bool(number(d.get("ppl")))
         name, better = ("ppl", min) if lm else ("bleu", max)
-        schedule = lambda r: (r["warmup"], r["lr"])  # noqa: E731
+        schedule = lambda r: (r["warmup"], number(r.get("cooldown")) or 0, r["lr"])  # noqa: E731 (none: 0)
         by_config = {}  # flags -> {seed: quality}, the later row of two for one seed
         for r in chosen:
             q = number(r.get(name))
@@ -336,7 +336,8 @@ def defaults_table(rows):
         gap = ""
         if best is not None:
             gap = f"{(ours / best[1] - 1) * 100:+.1f}%" if lm else f"{ours - best[1]:+.2f}"
-        chose = f"{fmt(d['steps'])} steps, warmup {fmt(d['warmup'])}, lr {fmt(d['lr'])}"
+        cooldown = f", cooldown {fmt(d['cooldown'])}" if number(d.get("cooldown")) else ""
+        chose = f"{fmt(d['steps'])} steps, warmup {fmt(d['warmup'])}{cooldown}, lr {fmt(d['lr'])}"
         body.append([fmt(d["config"]), chose, f"{'perplexity' if lm else 'BLEU'} {show(ours)}{over}",
                      f"{show(best[1])} (`{best[0]}`)" if best else "—", gap, f"{fmt(d['command_s'])} s", d["gpu"],
                      d["date"]])

@@ -201,24 +201,36 @@ def _check_loss_weight(loss_weight):
 
 class InverseSqrt:
     """Learning-rate factor for the optimizer step that follows ``i`` completed steps: linear warmup to 1
-    over ``warmup`` steps, then sqrt(warmup / step). A callable object, not a lambda, so that
-    ``LambdaLR.state_dict()`` records it (as its ``__dict__``, ``{"warmup": ...}``) and checkpoints
+    over ``warmup`` steps, then sqrt(warmup / step). With ``cooldown`` > 0 the last ``cooldown`` steps of a
+    ``total``-step run also fall linearly towards 0: step ``total`` gets 1/cooldown of the inverse-sqrt
+    value, and any step after it keeps that fraction. A callable object, not a lambda, so that
+    ``LambdaLR.state_dict()`` records it (as its ``__dict__``: warmup, total, cooldown) and checkpoints
     restore it."""
 
-    def __init__(self, warmup):
+    def __init__(self, warmup, total=None, cooldown=0):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"InverseSqrt: warmup must be an int >= 1, got {warmup!r}")
+        if isinstance(cooldown, bool) or not isinstance(cooldown, int) or cooldown < 0:
+            raise ValueError(f"InverseSqrt: cooldown must be an int >= 0, got {cooldown!r}")
+        if cooldown and (isinstance(total, bool) or not isinstance(total, int) or total < cooldown):
+            raise ValueError(f"InverseSqrt: a cooldown of {cooldown} steps needs total, the run's steps, as an "
+                             f"int >= {cooldown}; got {total!r}")
         self.warmup = warmup
+        self.total = total
+        self.cooldown = cooldown
 
     def __call__(self, i):
         step = i + 1
-        return min(step / self.warmup, math.sqrt(self.warmup / step))
+        factor = min(step / self.warmup, math.sqrt(self.warmup / step))
+        if self.cooldown:
+            factor *= min(1.0, max(1, self.total - i) / self.cooldown)
+        return factor
 
     def __repr__(self):
-        return f"InverseSqrt(warmup={self.warmup})"
+        return f"InverseSqrt(warmup={self.warmup}, total={self.total}, cooldown={self.cooldown})"
 
 
-def inverse_sqrt_schedule(optimizer, warmup):
-    """``torch.optim.lr_scheduler.LambdaLR(optimizer, InverseSqrt(warmup))``: call its ``step()`` after
-    each optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, InverseSqrt(warmup))
+def inverse_sqrt_schedule(optimizer, warmup, total=None, cooldown=0):
+    """``torch.optim.lr_scheduler.LambdaLR(optimizer, InverseSqrt(warmup, total, cooldown))``: call its
+    ``step()`` after each optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, InverseSqrt(warmup, total, cooldown))

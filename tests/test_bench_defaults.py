@@ -74,9 +74,9 @@ def test_a_run_gives_its_row(tmp_path):
     """One real command, sized for a CPU: the row carries what its log and metrics.json say, and the part of the
     whole command's time its training steps took."""
     corpus = bench_defaults.translation_corpus("tiny", bench_defaults.builtin_corpus(str(tmp_path), 300))
-    row = bench_defaults.run_one(corpus, "defaults", "tiny", "--max-steps 4 --eval-every 4 --beam 1",
+    row = bench_defaults.run_one(corpus, "defaults", "tiny", "--max-steps 4 --eval-every 4 --beam 1 --cooldown 2",
                                  str(tmp_path / "run"))
     assert row["rc"] == 0, row
-    assert row["steps"] == 4 and row["lr"] == "0.002" and row["warmup"] == 200
+    assert row["steps"] == 4 and row["lr"] == "0.002" and row["warmup"] == 200 and row["cooldown"] == 2
     assert isinstance(row["bleu"], float) and row["valid_loss"] > 0 and row["tokens_per_s"] > 0
     assert 0 < row["train_s"] < row["command_s"]

@@ -244,15 +244,21 @@ def assert_same_params(a_dir, b_dir, steps):
 
 
 def test_translation_resume_gives_the_same_parameters(corpus, tmp_path):
-    # 400 pairs at 512 tokens make ~12 batches per epoch: 8 + 8 steps cross an epoch boundary
+    """A resumed run follows its own plan's cooldown: the first 11 steps (no cooldown; the straight run's
+    cooldown of 6 starts falling at step 12) then 5 more resumed with --cooldown 6 end where the straight run
+    does, the resumed step 12 included (its lr comes from the new plan, not the checkpoint's)."""
+    # 400 pairs at 1024 tokens make ~12 batches per epoch: 11 + 5 steps cross an epoch boundary
     common = data_args(corpus, test=False) + SMALL + ["--beam", "1", "--eval-every", "5", "--dropout", "0.3",
                                                        "--max-tokens", "1024"]
     straight, halves = str(tmp_path / "straight"), str(tmp_path / "halves")
-    run(train_translation.main, common + ["--save-dir", straight, "--max-steps", "16"])
-    run(train_translation.main, common + ["--save-dir", halves, "--max-steps", "8"])
-    m = run(train_translation.main, common + ["--save-dir", halves, "--max-steps", "16", "--resume"])
+    run(train_translation.main, common + ["--save-dir", straight, "--max-steps", "16", "--cooldown", "6"])
+    run(train_translation.main, common + ["--save-dir", halves, "--max-steps", "11"])
+    m = run(train_translation.main, common + ["--save-dir", halves, "--max-steps", "16", "--cooldown", "6",
+                                               "--resume"])
     assert m["steps"] == 16
     assert_same_params(straight, halves, 16)
+    ckpt = torch.load(os.path.join(halves, "checkpoint_last.pt"), map_location="cpu", weights_only=True)
+    assert ckpt["trainer"]["scheduler"]["lr_lambdas"] == [{"warmup": 200, "total": 16, "cooldown": 6}]
 
 
 def test_lm_resume_gives_the_same_parameters(tmp_path):
@@ -586,12 +592,13 @@ def test_partial_data_flags_are_a_usage_error(corpus, capsys):
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
     (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
     (["--clip-norm", "nan"], "--clip-norm must be a finite number >= 0, got nan"),
+    (["--cooldown", "-1"], "--cooldown must be >= 0, got -1"),
 ])
 def test_flags_that_make_no_sense_are_a_usage_error(corpus, capsys, flags, message):
     """Values decoding or training cannot use are refused up front with the flag named, in --translate mode
     too, instead of one-token translations or a traceback from the optimizer."""
     for extra in ([], ["--translate"]):
-        if extra and flags[0] in ("--lr", "--clip-norm"):
+        if extra and flags[0] in ("--lr", "--clip-norm", "--cooldown"):
             continue
         with pytest.raises(SystemExit):
             train_translation.TASK.parse_args(data_args(corpus) + flags + extra)

@@ -379,27 +379,52 @@ def test_warmup_adapts_to_planned_steps():
     args = train_translation.TASK.parse_args(["--arch", "small"])
     # 29k pairs in 143 batches per epoch, 20 epochs: 2860 steps; the --arch value 4000 is never reached
     warmup, how = cli.adapt_warmup(args, 20 * 143, 4000, 143)
-    assert warmup == 953 and "a third of the 2860 planned steps" in how
+    assert warmup == 572 and "a fifth of the 2860 planned steps" in how
     assert cli.adapt_warmup(args, 100_000, 4000, 5000)[0] == 4000
     assert cli.adapt_warmup(args, None, 4000, 143)[0] == 4000  # --max-steps runs keep the --arch value
     args = train_translation.TASK.parse_args(["--arch", "small", "--warmup", "3000"])
     assert cli.adapt_warmup(args, 2860, 4000, 143)[0] == 3000  # explicit wins
-    # the default runs keep their --arch warmup (200 of 654 planned steps)
+    # four epochs of 500 steps: one epoch, between the fifth (400) and the third (666)
+    args = train_translation.TASK.parse_args(["--arch", "small"])
+    warmup, how = cli.adapt_warmup(args, 2000, 4000, 500)
+    assert warmup == 500 and "one epoch of 500 steps" in how
+    # the CPU's default run, 3 epochs of 218 steps: a third (218), so it keeps the --arch value 200
     args = train_translation.TASK.parse_args([])
     assert cli.adapt_warmup(args, 654, 200, 218)[0] == 200
+    assert cli.adapt_warmup(args, 654, 300, 218)[0] == 218
 
 
 def test_warmup_of_an_early_stopped_run_is_at_most_two_epochs():
     """With --patience the planned steps are a ceiling: tinyshakespeare's 39 steps per epoch and 2028 planned
-    give 78 warmup steps, not a third of 2028 (676), which the run would stop before reaching."""
+    give 78 warmup steps, not a fifth of 2028 (405), which the run would stop before reaching."""
     args = train_lm.TASK.parse_args(["--arch", "llama-small", "--patience", "2"])
     warmup, how = cli.adapt_warmup(args, 2028, 2000, 39)
     assert warmup == 78 and "two epochs of 39 steps" in how and "2028 planned" in how
     assert cli.adapt_warmup(args, 2028, 50, 39)[0] == 50  # a shorter --arch value stays
     assert cli.adapt_warmup(args, 30_000, 2000, 5000)[0] == 2000  # a large corpus: the --arch value
-    assert cli.adapt_warmup(args, 300, 2000, 100)[0] == 100  # the third is the smaller cap
-    args = train_lm.TASK.parse_args(["--arch", "llama-small"])  # without early stopping: the third
-    assert cli.adapt_warmup(args, 2028, 2000, 39)[0] == 676
+    assert cli.adapt_warmup(args, 800, 2000, 100)[0] == 160  # the fifth is the smaller cap
+    args = train_lm.TASK.parse_args(["--arch", "llama-small"])  # without early stopping: the fifth
+    assert cli.adapt_warmup(args, 2028, 2000, 39)[0] == 405
+
+
+def test_cooldown_is_the_last_fifth_of_a_planned_run():
+    args = train_translation.TASK.parse_args(["--arch", "small"])
+    cooldown, how = cli.adapt_cooldown(args, 1530)
+    assert cooldown == 306 and "a fifth of the 1530 planned steps" in how
+    args = train_translation.TASK.parse_args(["--max-steps", "100"])
+    cooldown, how = cli.adapt_cooldown(args, None)
+    assert cooldown == 0 and "no cooldown in a --max-steps run" in how
+    args = train_lm.TASK.parse_args(["--patience", "2"])
+    cooldown, how = cli.adapt_cooldown(args, 2028)
+    assert cooldown == 0 and "early stopping" in how
+    for flags, planned, expected in ((["--cooldown", "50"], 1530, 50), (["--cooldown", "0"], 1530, 0),
+                                     (["--max-steps", "100", "--cooldown", "100"], None, 100),
+                                     (["--patience", "2", "--cooldown", "40"], 2028, 40)):
+        args = train_lm.TASK.parse_args(flags)
+        assert cli.adapt_cooldown(args, planned) == (expected, f"--cooldown {expected}")  # explicit wins
+    args = train_translation.TASK.parse_args(["--max-steps", "100", "--cooldown", "101"])
+    with pytest.raises(DataError, match="--cooldown 101 is longer than the run, 100 steps here"):
+        cli.adapt_cooldown(args, None)
 
 
 def test_default_length_gives_the_larger_archs_their_steps():
@@ -437,7 +462,7 @@ def test_default_length_is_printed_and_used(corpus, tmp_path, capsys, monkeypatc
 def test_warmup_is_printed_at_start(corpus, tmp_path, capsys):
     run(data_args(corpus["paths"]) + SMALL + ["--save-dir", str(tmp_path), "--epochs", "1", "--arch", "tiny"])
     out = capsys.readouterr().out
-    # 13 batches: 4 steps of warmup (a third), not the --arch value 200
+    # 13 batches, one epoch: 4 steps of warmup (a third), not the --arch value 200
     assert re.search(r"schedule: peak lr 0\.002, warmup \d+ steps: a third of the \d+ planned steps", out)
     ckpt = torch.load(os.path.join(str(tmp_path), "checkpoint_last.pt"), map_location="cpu", weights_only=True)
     assert ckpt["trainer"]["scheduler"]["lr_lambdas"][0]["warmup"] < 200

@@ -118,23 +118,25 @@ def test_defaults_table_sets_the_defaults_beside_the_best_tuned_run(tmp_path):
                 "warmup": 10, "lr": 0.001, "command_s": 20.5, **figs}
 
     rows = write(tmp_path, "defaults", [("2026-01-01", "r1", [
-        run("mt", "defaults", bleu=40.25), run("mt", "--lr 2e-3", bleu=41.75), run("mt", "--lr 5e-4", bleu=39.5),
-        run("lm", "defaults", ppl=110.5), run("lm", "--warmup 5", ppl=100.5), run("lm", "--warmup 50", ppl=120.5),
+        run("mt", "defaults", bleu=40.25, cooldown=20), run("mt", "--lr 2e-3", bleu=41.75),
+        run("mt", "--lr 5e-4", bleu=39.5), run("lm", "defaults", ppl=110.5, cooldown=0), run("lm", "--warmup 5", ppl=100.5), run("lm", "--warmup 50", ppl=120.5),
         run("lm", "--broken", note="failed")])])
     table = report.defaults_table(rows)
-    assert "| mt | 100 steps, warmup 10, lr 0.001 | BLEU 40.25 | 41.75 (`--lr 2e-3`) | -1.50 | 20.5 s | GPU A |" in table
+    assert "| mt | 100 steps, warmup 10, cooldown 20, lr 0.001 | BLEU 40.25 | 41.75 (`--lr 2e-3`) | -1.50 | 20.5 s |" \
+        in table
     assert "| lm | 100 steps, warmup 10, lr 0.001 | perplexity 110.5 | 100.5 (`--warmup 5`) | +10.0% |" in table
 
 
 def test_defaults_table_compares_means_over_the_defaults_seeds(tmp_path):
-    def run(variant, bleu, warmup=10):
+    def run(variant, bleu, warmup=10, cooldown=None):
         return {"benchmark": "defaults", "config": "mt", "variant": variant, "kind": "lsmini", "steps": 100,
-                "warmup": warmup, "lr": 0.001, "command_s": 20.5, "bleu": bleu}
+                "warmup": warmup, "cooldown": cooldown, "lr": 0.001, "command_s": 20.5, "bleu": bleu}
 
     rows = write(tmp_path, "defaults", [("2026-01-01", "r1", [
         run("--seed 3", 10.0, warmup=99),  # another schedule's defaults (an earlier commit's): not these
+        run("--seed 3", 10.0, cooldown=20),  # nor these (no cooldown and 0 are the same schedule)
         run("--lr 2e-3", 40.5),  # a later row of seed 1 of the same configuration wins
-        run("defaults", 40.0), run("--seed 2", 41.0),
+        run("defaults", 40.0, cooldown=0), run("--seed 2", 41.0),
         run("--lr 2e-3 --seed 1", 41.5), run("--lr 2e-3 --seed 2", 42.5),
         run("--lr 5e-4 --seed 2", 39.0), run("--lr 5e-4", 40.0),
         run("--warmup 5", 45.0)])])  # one seed only: a lucky draw is not compared with a two-seed mean

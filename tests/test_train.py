@@ -194,6 +194,22 @@ def test_inverse_sqrt_values():
     assert pickle.loads(pickle.dumps(schedule)).warmup == 4
 
 
+def test_inverse_sqrt_cooldown():
+    """The last `cooldown` steps of a `total`-step run fall linearly: step total gets 1/cooldown of the
+    inverse-sqrt factor, and so does every later step."""
+    plain, cooled = InverseSqrt(4), InverseSqrt(4, total=20, cooldown=5)
+    for i in range(15):  # steps 1..15: the cooldown has not started
+        assert cooled(i) == plain(i)
+    for i, fraction in zip(range(15, 25), (1, 0.8, 0.6, 0.4, 0.2, 0.2, 0.2, 0.2, 0.2, 0.2)):
+        assert cooled(i) == pytest.approx(plain(i) * fraction)
+    assert InverseSqrt(4, total=20)(19) == plain(19)  # cooldown 0: none
+    for total, cooldown, match in ((20, -1, "cooldown must be an int >= 0"), (20, 1.5, "cooldown must be an int"),
+                                   (20, True, "cooldown must be an int"), (None, 5, "needs total"),
+                                   (4, 5, "needs total, the run's steps, as an int >= 5; got 4")):
+        with pytest.raises(ValueError, match=match):
+            InverseSqrt(4, total=total, cooldown=cooldown)
+
+
 def test_inverse_sqrt_schedule_state_dict_round_trip(tmp_path):
     model = torch.nn.Linear(3, 2)
     optimizer = FusedAdam(model, lr=1e-3)
@@ -204,7 +220,7 @@ def test_inverse_sqrt_schedule_state_dict_round_trip(tmp_path):
         optimizer.step()
         scheduler.step()
     state = scheduler.state_dict()
-    assert state["lr_lambdas"] == [{"warmup": 10}]
+    assert state["lr_lambdas"] == [{"warmup": 10, "total": None, "cooldown": 0}]
     torch.save(state, tmp_path / "scheduler.pt")  # checkpoints load with weights_only=True
     state = torch.load(tmp_path / "scheduler.pt", weights_only=True)
 

@@ -264,13 +264,18 @@ def run_task(task, argv=None):
                     f"length above is a ceiling: a small corpus is memorised before it; --patience, --epochs or "
                     f"--max-steps sets it)")
         planned = None if args.max_steps is not None else args.epochs * per_epoch
-        if args.resume:  # the schedule (its warmup included) continues from the checkpoint
+        args.total_steps = args.max_steps if planned is None else planned
+        # the cooldown follows this run's plan, also on --resume (which may plan more steps than the checkpoint)
+        args.cooldown, cooldown_how = cli.adapt_cooldown(args, planned)
+        cooldown = (f", falling linearly to 0 over the last {args.cooldown} steps ({cooldown_how})" if args.cooldown
+                    else f"; {cooldown_how}")
+        if args.resume:  # the warmup continues from the checkpoint
             warmup = _checkpoint_warmup(ckpt)
             log(f"schedule: peak lr {args.lr:g}" +
-                (f", warmup {warmup} steps (the checkpoint's run)" if warmup else ""))
+                (f", warmup {warmup} steps (the checkpoint's run)" if warmup else "") + cooldown)
         else:
             args.warmup, how = cli.adapt_warmup(args, planned, task.archs[args.arch]["warmup"], per_epoch)
-            log(f"schedule: peak lr {args.lr:g}, {how}, then lr ∝ 1/sqrt(step)")
+            log(f"schedule: peak lr {args.lr:g}, {how}, then lr ∝ 1/sqrt(step){cooldown}")
         trainer = start_trainer(args, model, model_config, ckpt, ckpt_path, device, dtype, log, dist)
         ckpt = None  # restored: free it
         criterion, nll_criterion = make_criteria(args.label_smoothing)

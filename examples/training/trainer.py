@@ -45,7 +45,7 @@ class Trainer:
         self.dist = dist if dist is not None else Distributed()
         self.optimizer = FusedAdam(model, lr=args.lr, betas=(0.9, 0.98), eps=1e-8, weight_decay=args.weight_decay,
                                    adam_w_mode=True, max_grad_norm=args.clip_norm or None)
-        self.scheduler = inverse_sqrt_schedule(self.optimizer, args.warmup)
+        self.scheduler = inverse_sqrt_schedule(self.optimizer, args.warmup, args.total_steps, args.cooldown)
         self.scaler = LossScaler(enabled=dtype == torch.float16)
         if self.dist.active:
             from lsmini.distributed import GradientReducer
@@ -103,6 +103,11 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # the checkpoint's warmup, the cooldown of this run's plan (a resumed run may plan more steps)
+        schedule = self.scheduler.lr_lambdas[0]
+        schedule.total, schedule.cooldown = self.args.total_steps, self.args.cooldown
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * schedule(self.scheduler.last_epoch)
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
