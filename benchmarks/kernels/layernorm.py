@@ -6,7 +6,7 @@ import lsmini
 
 
 def bench(ctx):
-    shapes = [(65536, 512), (65536, 1024), (65536, 4096), (16384, 16384)]
+    shapes = [(65536, 512), (65536, 768), (65536, 1024), (65536, 4096), (16384, 16384)]
     # (activations, parameters): the last two are mixed precision's LayerNorm, fp32 parameters on 16-bit activations
     for dtype, param_dtype in ((torch.float16,) * 2, (torch.bfloat16,) * 2, (torch.float16, torch.float32),
                                (torch.bfloat16, torch.float32)):

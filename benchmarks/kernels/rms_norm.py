@@ -1,7 +1,8 @@
 """rms_norm_fwd / _bwd and add_rms_norm_fwd / _bwd beside PyTorch in the same run: eager
 ``F.rms_norm(x, (hidden,), weight, eps)`` (and ``s = x + residual`` before it for the residual form) and
 torch.compile of the same expression (outside --quick). 32768 rows, hidden 512-4096 (the widths of
-Llama-style models), the weight in the activations' dtype, as a Llama-style model in bf16 holds it.
+Llama-style models; 768: the 12-layer ones), the weight in the activations' dtype, as a Llama-style model in
+bf16 holds it.
 
 Bytes (the minimum each op must move; the weight and its gradient, [hidden], and the per-row rstd are left out):
   rms_norm fwd:      read x, write y                                      2 · rows · hidden · s
@@ -23,7 +24,7 @@ ROWS = 32768
 
 
 def bench(ctx):
-    hiddens = [1024, 4096] if ctx.quick else [512, 1024, 2048, 4096]
+    hiddens = [1024, 4096] if ctx.quick else [512, 768, 1024, 2048, 4096]
     dtypes = [torch.bfloat16] if ctx.quick else [torch.bfloat16, torch.float16]
     for dtype in dtypes:
         for hidden in hiddens:
