@@ -119,7 +119,8 @@ def test_defaults_table_sets_the_defaults_beside_the_best_tuned_run(tmp_path):
 
     rows = write(tmp_path, "defaults", [("2026-01-01", "r1", [
         run("mt", "defaults", bleu=40.25, cooldown=20), run("mt", "--lr 2e-3", bleu=41.75),
-        run("mt", "--lr 5e-4", bleu=39.5), run("lm", "defaults", ppl=110.5, cooldown=0), run("lm", "--warmup 5", ppl=100.5), run("lm", "--warmup 50", ppl=120.5),
+        run("mt", "--lr 5e-4", bleu=39.5), run("lm", "defaults", ppl=110.5, cooldown=0),
+        run("lm", "--warmup 5", ppl=100.5), run("lm", "--warmup 50", ppl=120.5),
         run("lm", "--broken", note="failed")])])
     table = report.defaults_table(rows)
     assert "| mt | 100 steps, warmup 10, cooldown 20, lr 0.001 | BLEU 40.25 | 41.75 (`--lr 2e-3`) | -1.50 | 20.5 s |" \
