@@ -409,22 +409,23 @@ def test_warmup_of_an_early_stopped_run_is_at_most_two_epochs():
 
 def test_cooldown_is_the_last_fifth_of_a_planned_run():
     args = train_translation.TASK.parse_args(["--arch", "small"])
-    cooldown, how = cli.adapt_cooldown(args, 1530)
+    cooldown, how = cli.adapt_cooldown(args, 1530, 1530)
     assert cooldown == 306 and "a fifth of the 1530 planned steps" in how
     args = train_translation.TASK.parse_args(["--max-steps", "100"])
-    cooldown, how = cli.adapt_cooldown(args, None)
+    cooldown, how = cli.adapt_cooldown(args, None, 100)
     assert cooldown == 0 and "no cooldown in a --max-steps run" in how
     args = train_lm.TASK.parse_args(["--patience", "2"])
-    cooldown, how = cli.adapt_cooldown(args, 2028)
+    cooldown, how = cli.adapt_cooldown(args, 2028, 2028)
     assert cooldown == 0 and "early stopping" in how
-    for flags, planned, expected in ((["--cooldown", "50"], 1530, 50), (["--cooldown", "0"], 1530, 0),
-                                     (["--max-steps", "100", "--cooldown", "100"], None, 100),
-                                     (["--patience", "2", "--cooldown", "40"], 2028, 40)):
+    for flags, planned, total, expected in ((["--cooldown", "50"], 1530, 1530, 50),
+                                            (["--cooldown", "0"], 1530, 1530, 0),
+                                            (["--max-steps", "100", "--cooldown", "100"], None, 100, 100),
+                                            (["--patience", "2", "--cooldown", "40"], 2028, 2028, 40)):
         args = train_lm.TASK.parse_args(flags)
-        assert cli.adapt_cooldown(args, planned) == (expected, f"--cooldown {expected}")  # explicit wins
+        assert cli.adapt_cooldown(args, planned, total) == (expected, f"--cooldown {expected}")  # explicit wins
     args = train_translation.TASK.parse_args(["--max-steps", "100", "--cooldown", "101"])
     with pytest.raises(DataError, match="--cooldown 101 is longer than the run, 100 steps here"):
-        cli.adapt_cooldown(args, None)
+        cli.adapt_cooldown(args, None, 100)
 
 
 def test_default_length_gives_the_larger_archs_their_steps():

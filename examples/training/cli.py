@@ -231,15 +231,14 @@ def adapt_warmup(args, planned_steps, arch_warmup, steps_per_epoch):
                 f"--warmup sets it)"
 
 
-def adapt_cooldown(args, planned):
-    """The cooldown of a run (its last steps, over which the lr falls linearly to 0) and a line saying where
-    it comes from. An explicit --cooldown wins (DataError when it is longer than the run); otherwise a fifth
-    of the planned steps. The inverse-square-root decay alone ends a run at about half its peak lr; falling
-    to 0 over the last fifth gained 0.15-0.17 BLEU on each corpus tried (the built-in 30k and 300k pairs, a
-    real 29k-pair one; benchmarks/bench_defaults.py) and 0.6 on the CPU's default run. None by default where
-    the plan is not the run's end: a --max-steps run (planned None; continued with --resume and a larger
+def adapt_cooldown(args, planned, total):
+    """The cooldown of a run of `total` steps (its last steps, over which the lr falls linearly to 0) and a
+    line saying where it comes from. An explicit --cooldown wins (DataError when it is longer than the run);
+    otherwise a fifth of the planned steps. The inverse-square-root decay alone ends a run at about half its
+    peak lr; falling to 0 over the last fifth gained 0.15-0.17 BLEU on each corpus tried (the built-in 30k and
+    300k pairs, a real 29k-pair one; benchmarks/bench_defaults.py) and 0.6 on the CPU's default run. None by
+    default where the plan is not the run's end: a --max-steps run (planned None; continued with --resume and a larger
     --max-steps) and an early-stopping one (--patience: the planned steps are only a ceiling)."""
-    total = args.max_steps if planned is None else planned
     if args.cooldown is not None:
         if args.cooldown > total:
             raise DataError(f"--cooldown {args.cooldown} is longer than the run, {total} steps here")

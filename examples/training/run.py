@@ -266,7 +266,7 @@ def run_task(task, argv=None):
         planned = None if args.max_steps is not None else args.epochs * per_epoch
         args.total_steps = args.max_steps if planned is None else planned
         # the cooldown follows this run's plan, also on --resume (which may plan more steps than the checkpoint)
-        args.cooldown, cooldown_how = cli.adapt_cooldown(args, planned)
+        args.cooldown, cooldown_how = cli.adapt_cooldown(args, planned, args.total_steps)
         cooldown = (f", falling linearly to 0 over the last {args.cooldown} steps ({cooldown_how})" if args.cooldown
                     else f"; {cooldown_how}")
         if args.resume:  # the warmup continues from the checkpoint
