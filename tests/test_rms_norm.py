@@ -321,9 +321,10 @@ def _cuda_case(shape, dtype, weight_dtype="same", residual=False, scale=1.0):
 
 
 # (rows, hidden): one row, odd row counts, the vector path from 8 to 16384 elements, the row sizes of the
-# issue's benchmark (512-4096), the largest hidden, and one row per warp and per block.
+# issue's benchmark (512-4096), the largest hidden, one row per warp and per block, and more rows than one
+# wave of the backward's blocks holds (each warp walks several rows).
 SHAPES = [(1, 8), (1, 1032), (7, 8), (31, 512), (127, 1024), (129, 4104), (257, 768), (3, 16384), (61, 2048),
-          (1000, 8), (65, 4096), (2, 8192), (2, 32768), (3, 5, 1032)]
+          (1000, 8), (65, 4096), (2, 8192), (2, 32768), (3, 5, 1032), (9001, 768), (5003, 2048)]
 # hidden sizes that are not a multiple of the vector width: the scalar path
 ODD_SHAPES = [(3, 7), (17, 33), (5, 1001), (2, 4097), (9, 12), (2, 20000), (3, 9001), (3, 20001), (1, 1), (2, 32767)]
 

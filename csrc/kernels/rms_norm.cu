@@ -23,9 +23,12 @@
  * Backward walks the rows grid-stride with a grid of one resident wave and keeps its dw column sums in
  * fp32 registers over the rows it visits; each block folds its R rows in shared memory into one fp32
  * partial row, and column_partials.cuh's sum_column_partials sums those rows per column (no atomics).
- * Short rows (≤ 16 elements a thread) load the next row before this row's reduction, so the loads overlap
- * it. A scalar variant (VEC = 1) serves hidden sizes that are not a multiple of the vector width or
- * pointers that are not 16-byte aligned.
+ * Backward rows of 32, 64, 96 or 128 vectors (hidden 256, 512, 768 or 1024 in 16-bit types) take one warp
+ * each, with as many vectors a thread as the row needs (768: 3), no bounds checks and the weight held in
+ * registers: each warp walks its rows with no block barrier, where a group of two warps or more waits on
+ * one a row for its sum. Short rows load the next row before this row's reduction, so the loads overlap it.
+ * A scalar variant (VEC = 1) serves hidden sizes that are not a multiple of the vector width or pointers
+ * that are not 16-byte aligned.
  *
  * Napkin math (H100, bf16, 32768 × 4096): forward moves 2 · 256 MiB (3 · in the residual form, 4 with s
  * written), backward 3 · 256 MiB (4 with add) — at ≈ 3 TB/s about 0.18 and 0.27 ms; the math is a few fp32

@@ -10,9 +10,18 @@
 namespace lsmini {
 namespace {
 
+// Rows of 32·VPT vectors, VPT ≤ kWarpRowMaxVpt, take one warp each (WARP below), kWarpRows rows a block. Longer
+// rows take groups: a warp holding 64 elements of x, dy, the weight and the dw sums spills its registers.
+constexpr int kWarpRowMaxVpt = 4;
+constexpr int kWarpRows = 8;
+
+// WARP: one warp a row (blockDim = (32, kWarpRows)) of exactly 32·VPT vectors, thread x owning vectors
+// x + 32·k: no bounds checks, the weight held in registers, and each warp walking its rows on its own with no
+// block barrier until the partials. Else a group of row_groups.cuh (blockDim.x ≥ 32 threads a row, VPT a power
+// of two, a block barrier a row when the group is wider than a warp). ADD: add is given (not null).
 // partials: [gridDim.x, hidden] fp32, or null when dw is not wanted.
-template <typename T, typename W, int VEC, int VPT>
-__global__ void __launch_bounds__(kRmsBwdMaxThreads)
+template <typename T, typename W, int VEC, int VPT, bool WARP, bool ADD>
+__global__ void __launch_bounds__(WARP ? 32 * kWarpRows : kRmsBwdMaxThreads)
 rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
                     const float* __restrict__ rstd, const T* __restrict__ add, T* __restrict__ dx,
                     float* __restrict__ partials, int64_t rows, int hidden) {
@@ -20,19 +29,36 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
   extern __shared__ float fold[];  // [R][hidden] when R > 1 and partials are wanted
   const int nvec = hidden / VEC;
   const float inv_h = 1.f / hidden;
+  const int G = WARP ? 32 : blockDim.x;
+  auto in_row = [&](int c) { return WARP || c < nvec; };
   // The scalar path's long rows (more than 16 elements a thread: hidden > 8192 not a multiple of the vector
   // width, or unaligned pointers, a rare fallback) keep their loops rolled: fully unrolled, their arrays
   // spill anyway, and those instantiations dominate this file's compile time.
   constexpr int kUnroll = (VEC == 1 && VPT > 16) ? 1 : VPT;
   // Short rows load the next row before this row's reduction, so that the loads overlap it; long rows keep
-  // enough bytes in flight on their own and would run out of registers.
-  constexpr bool kPrefetch = VPT * VEC <= 16;
+  // enough bytes in flight on their own and would run out of registers. Warp rows of 32 elements a thread
+  // prefetch too (they hold more than 128 registers either way), those of 24 do not: the prefetch would take
+  // them past 128 registers and halve the blocks an SM holds.
+  constexpr bool kPrefetch = VPT * VEC <= 16 || (WARP && VPT * VEC == 32);
 
   float acc[VPT][VEC];  // Σ dy·x̂ over the rows this thread visits, per owned column
 #pragma unroll kUnroll
   for (int k = 0; k < VPT; ++k)
 #pragma unroll
     for (int j = 0; j < VEC; ++j) acc[k][j] = 0.f;
+  float wr[WARP ? VPT : 1][VEC];  // the warp path's weight, in registers
+  if constexpr (WARP) {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) load_or<W, VEC>(weight, threadIdx.x + k * 32, 1.f, wr[k]);
+  }
+  auto weight_at = [&](int k, int c, float (&w)[VEC]) {
+    if constexpr (WARP) {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) w[j] = wr[k][j];
+    } else {
+      load_or<W, VEC>(weight, c, 1.f, w);
+    }
+  };
 
   Pack<T, VEC> xv[VPT], dv[VPT];
   float r = 0.f;
@@ -41,20 +67,23 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
     rs = rstd[row];
 #pragma unroll kUnroll
     for (int k = 0; k < VPT; ++k) {
-      const int c = threadIdx.x + k * blockDim.x;
-      if (c < nvec) {
+      const int c = threadIdx.x + k * G;
+      if (in_row(c)) {
         xs[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + row * hidden + c * VEC);
         ds[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + row * hidden + c * VEC);
       }
     }
   };
 
-  // The loop bound is uniform over the block (group_sum has barriers); rows past the end idle.
+  // Groups: the loop bound is uniform over the block (group_sum has barriers); rows past the end idle. Warps
+  // stop at their own last row.
   const int64_t stride = int64_t(gridDim.x) * blockDim.y;
-  if constexpr (kPrefetch) load_row(int64_t(blockIdx.x) * blockDim.y + threadIdx.y, xv, dv, r);
-  for (int64_t base = int64_t(blockIdx.x) * blockDim.y; base < rows; base += stride) {
+  const int64_t first = int64_t(blockIdx.x) * blockDim.y;
+  if constexpr (kPrefetch) load_row(first + threadIdx.y, xv, dv, r);
+  for (int64_t base = first; base < rows; base += stride) {
     const int64_t row = base + threadIdx.y;
     const bool valid = row < rows;
+    if (WARP && !valid) break;
     Pack<T, VEC> xn[VPT], dn[VPT];
     float rn = 0.f;
     if constexpr (kPrefetch) {
@@ -66,12 +95,12 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
     float s = 0.f;  // Σ g·x̂ over the thread's elements
 #pragma unroll kUnroll
     for (int k = 0; k < VPT; ++k) {
-      const int c = threadIdx.x + k * blockDim.x;
-      if (valid && c < nvec) {
+      const int c = threadIdx.x + k * G;
+      if (valid && in_row(c)) {
         float xf[VEC], df[VEC], w[VEC];
         unpack(xv[k], xf);
         unpack(dv[k], df);
-        load_or<W, VEC>(weight, c, 1.f, w);
+        weight_at(k, c, w);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           const float xh = xf[j] * r;
@@ -80,21 +109,25 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
         }
       }
     }
-    s = group_sum(s, smem);
+    s = WARP ? warp_sum(s) : group_sum(s, smem);
     if (valid) {
       // dx = r·g − x̂·(r·mean(g·x̂)) + add
       const float c_b = -r * s * inv_h;
-      const T* addr = add ? add + row * hidden : nullptr;
       T* dxr = dx + row * hidden;
 #pragma unroll kUnroll
       for (int k = 0; k < VPT; ++k) {
-        const int c = threadIdx.x + k * blockDim.x;
-        if (c < nvec) {
+        const int c = threadIdx.x + k * G;
+        if (in_row(c)) {
           float xf[VEC], df[VEC], w[VEC], out[VEC];
           unpack(xv[k], xf);
           unpack(dv[k], df);
-          load_or<W, VEC>(weight, c, 1.f, w);
-          load_or<T, VEC>(addr, c, 0.f, out);
+          weight_at(k, c, w);
+          if constexpr (ADD) {
+            load_pack<T, VEC>(add + row * hidden + c * VEC, out);
+          } else {
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) out[j] = 0.f;
+          }
 #pragma unroll
           for (int j = 0; j < VEC; ++j) out[j] += fmaf(r, df[j] * w[j], xf[j] * r * c_b);
           store_pack<T, VEC>(dxr + c * VEC, out);
@@ -120,36 +153,67 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
   float* dst = R == 1 ? prow : fold + threadIdx.y * hidden;
 #pragma unroll kUnroll
   for (int k = 0; k < VPT; ++k) {
-    const int c = threadIdx.x + k * blockDim.x;
-    if (c < nvec)
+    const int c = threadIdx.x + k * G;
+    if (in_row(c))
 #pragma unroll
       for (int j = 0; j < VEC; ++j) dst[c * VEC + j] = acc[k][j];
   }
   if (R == 1) return;
   __syncthreads();
-  for (int col = threadIdx.y * blockDim.x + threadIdx.x; col < hidden; col += blockDim.x * R) {
+  for (int col = threadIdx.y * G + threadIdx.x; col < hidden; col += G * R) {
     float t = 0.f;
     for (int y = 0; y < R; ++y) t += fold[y * hidden + col];
     prow[col] = t;
   }
 }
 
+// Calls f(std::integral_constant<int, N>) for the count n in [N, MAXN] (cudaErrorInvalidValue outside it).
+template <int N, int MAXN, typename F>
+inline cudaError_t with_count(int n, F&& f) {
+  if constexpr (N >= MAXN) {
+    return n == N ? f(std::integral_constant<int, N>{}) : cudaErrorInvalidValue;
+  } else {
+    return n == N ? f(std::integral_constant<int, N>{}) : with_count<N + 1, MAXN>(n, f);
+  }
+}
+
+template <typename T, typename W, int VEC, int VPT, bool WARP>
+cudaError_t bwd_launch(dim3 block, const T* dy, const T* x, const W* w, const float* rstd, const T* add, T* dx,
+                       float* partials, int64_t rows, int hidden, int64_t max_parts, int64_t* parts_used,
+                       cudaStream_t stream) {
+  auto launch = [&](auto kernel) {
+    const size_t fold_bytes = (partials && block.y > 1) ? size_t(block.y) * hidden * sizeof(float) : 0;  // ≤ 32 KB
+    // One resident wave of blocks, each walking its rows grid-stride; no more blocks than partial rows or rows.
+    int64_t grid = int64_t(sm_count()) * resident_blocks_per_sm(kernel, block.x * block.y, fold_bytes);
+    if (partials) grid = std::min(grid, max_parts);
+    grid = std::min(grid, (rows + block.y - 1) / block.y);
+    *parts_used = grid;
+    kernel<<<unsigned(grid), block, fold_bytes, stream>>>(dy, x, w, rstd, add, dx, partials, rows, hidden);
+    return cudaGetLastError();
+  };
+  return add ? launch(rms_norm_bwd_kernel<T, W, VEC, VPT, WARP, true>)
+             : launch(rms_norm_bwd_kernel<T, W, VEC, VPT, WARP, false>);
+}
+
 template <typename T, typename W, int VEC>
 cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* rstd, const T* add, T* dx,
                          float* partials, int64_t rows, int hidden, int64_t max_parts, int64_t* parts_used,
                          cudaStream_t stream) {
+  const int nvec = hidden / VEC;
+  // Warp rows on the vector path (the scalar fallback keeps to the groups: fewer instantiations).
+  if constexpr (VEC > 1) {
+    if (nvec % 32 == 0 && nvec <= 32 * kWarpRowMaxVpt) {
+      return with_count<1, kWarpRowMaxVpt>(nvec / 32, [&](auto vpt) {
+        return bwd_launch<T, W, VEC, decltype(vpt)::value, true>(dim3(32, kWarpRows), dy, x, w, rstd, add, dx,
+                                                                 partials, rows, hidden, max_parts, parts_used,
+                                                                 stream);
+      });
+    }
+  }
   const RowGroups cfg = row_groups(hidden, VEC, kRmsBwdMaxThreads, 16);
-  const dim3 block(cfg.G, cfg.R);
-  const size_t fold_bytes = (partials && cfg.R > 1) ? size_t(cfg.R) * hidden * sizeof(float) : 0;
   return with_vpt<1, (VEC == 1 ? 64 : 64 / VEC)>(cfg.vpt, [&](auto vpt) {
-    auto kernel = rms_norm_bwd_kernel<T, W, VEC, decltype(vpt)::value>;
-    // One resident wave of blocks, each walking its rows grid-stride; no more blocks than partial rows or rows.
-    int64_t grid = int64_t(sm_count()) * resident_blocks_per_sm(kernel, cfg.G * cfg.R, fold_bytes);
-    if (partials) grid = std::min(grid, max_parts);
-    grid = std::min(grid, (rows + cfg.R - 1) / cfg.R);
-    *parts_used = grid;
-    kernel<<<unsigned(grid), block, fold_bytes, stream>>>(dy, x, w, rstd, add, dx, partials, rows, hidden);
-    return cudaGetLastError();
+    return bwd_launch<T, W, VEC, decltype(vpt)::value, false>(dim3(cfg.G, cfg.R), dy, x, w, rstd, add, dx, partials,
+                                                              rows, hidden, max_parts, parts_used, stream);
   });
 }
 
