@@ -20,8 +20,8 @@ llama: pre-RMSNorm (eps 1e-6), rotary positions on Q and K (theta 10000, rotate-
 head), no biases, no dropout, no embedding scale, plain next-token cross-entropy (no label smoothing), an
 untied output projection (LlamaForCausalLM's default), bf16 (no loss scaling); the same AdamW.
 
-Variants (base … lm run the first six by default, llama its own list: lsmini, lsmini+graph, lsmini+compile,
-eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-liger):
+Variants (base … lm run the first six by default, llama its own list: lsmini, lsmini+graph, lsmini+graph+saved,
+lsmini+compile, eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-liger):
     lsmini    lsmini.models.Transformer / TransformerLM with fp16 parameters, FusedAdam (fp32 masters, the
               whole update in one launch), LossScaler, the fused label-smoothed criterion, stepped by
               lsmini.train.TrainStep (the training examples' step). llama: bf16 parameters, no LossScaler.
@@ -33,7 +33,8 @@ eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-liger):
     lsmini+graph  the lsmini variant with the whole step (forward, backward, FusedAdam, LossScaler) replayed
               as one CUDA graph (TrainStep with cuda_graph=True).
     lsmini+graph+saved  the same with the layers' ``recompute = False``: backward reads saved attention
-              probabilities, FFN activations and LayerNorm outputs instead of recomputing them.
+              probabilities, FFN activations and LayerNorm outputs instead of recomputing them (llama: the
+              SwiGLU products and the RMSNorm outputs), for more memory.
     lsmini+lce, lsmini+graph+lce  (extra) the output projection and the criterion as one op over chunks
               of tokens (LinearCrossEntropyLoss): the logits are never all in memory, for ~0.6–1 ms a step.
     lsmini+compile  (extra but for llama) the lsmini variant with the model and its criterion under
@@ -110,7 +111,8 @@ CONFIGS = {
 DEFAULT_CONFIGS = ("base", "base-long", "big", "lm")  # llama only when asked for: --configs llama
 VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "eager", "compiled", "compiled-graphs")
 HF_VARIANTS = ("hf-eager", "hf-compiled", "hf-liger")  # transformers' LlamaForCausalLM: the llama config only
-LLAMA_VARIANTS = ("lsmini", "lsmini+graph", "lsmini+compile", "eager", "compiled", "compiled-graphs") + HF_VARIANTS
+LLAMA_VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "lsmini+compile", "eager", "compiled",
+                  "compiled-graphs") + HF_VARIANTS
 # recompute off without a graph (e.g. for --nproc); the output projection and criterion over chunks of tokens
 # (LinearCrossEntropyLoss), never all the logits in memory; the lsmini model and criterion under torch.compile
 EXTRA_VARIANTS = ("lsmini+saved", "lsmini+lce", "lsmini+graph+lce", "lsmini+compile")
