@@ -40,10 +40,11 @@ for i in $(seq "$runs"); do
      python benchmarks/bench_training.py "${args[@]}" >"$log/${tree}_$i.txt" 2>&1) ||
       { tail -20 "$log/${tree}_$i.txt"; exit 1; }
     if [ "$steps" -gt 0 ]; then
+      ckpt=$(mktemp -d)  # the run's checkpoints: not kept, and not among the logs
       (cd "$dir" && python examples/train_translation.py --no-cuda-graph --max-steps "$steps" --no-progress \
-         --save-dir "$log/ckpt_${tree}_$i" >"$log/${tree}_${i}_example.txt" 2>&1) ||
+         --save-dir "$ckpt" >"$log/${tree}_${i}_example.txt" 2>&1) ||
         { tail -20 "$log/${tree}_${i}_example.txt"; exit 1; }
-      rm -rf "$log/ckpt_${tree}_$i"
+      rm -rf "$ckpt"
     fi
   done
 done
