@@ -13,27 +13,25 @@
 # runs' results rows too ($LOG_DIR/ab/results), not benchmarks/results: an A/B is not a result of this tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/ab_trees.sh
 base=$(cd "${1:?usage: scripts/ab_kernels.sh BASE_TREE [-- BENCH_KERNELS_ARGS...]}" && pwd)
 shift
 [ "${1:-}" = "--" ] && shift
 args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--quick)
-[ -f "$base/setup.py" ] && [ -d "$base/csrc" ] || { echo "$base is not a tree of the project" >&2; exit 2; }
+ab_check_tree "$base"
 log=${LOG_DIR:-${OUT:-gpu-logs}}/ab
 mkdir -p "$log"
 export MAX_JOBS=${MAX_JOBS:-16} LSMINI_CUDA_ARCHS=${AB_ARCH:-90a} LSMINI_RESULTS_DIR=$log/results
 runs=${AB_RUNS:-2}
 
-echo "== build, both trees (LSMINI_CUDA_ARCHS=$LSMINI_CUDA_ARCHS)"
-(cd "$base" && python setup.py build_ext --inplace >"$log/build_base.log" 2>&1) & pid=$!
-python setup.py build_ext --inplace >"$log/build_new.log" 2>&1 || { tail -30 "$log/build_new.log"; exit 1; }
-wait "$pid" || { tail -30 "$log/build_base.log"; exit 1; }
+ab_build "$base" "$log"
 
 # Each tree's benchmark runs from inside the tree, so its own lsmini (and _C) is the one imported.
 for i in $(seq "$runs"); do
   for tree in base new; do
     dir=$PWD; [ "$tree" = base ] && dir=$base
-    (cd "$dir" && python -c "import lsmini, lsmini._C, os; assert lsmini.__file__.startswith(os.getcwd())" &&
-     python benchmarks/bench_kernels.py "${args[@]}" --out "$log/${tree}_$i" >"$log/${tree}_$i.txt" 2>&1) ||
+    ab_in_tree "$dir" python benchmarks/bench_kernels.py "${args[@]}" --out "$log/${tree}_$i" \
+      >"$log/${tree}_$i.txt" 2>&1 ||
       { tail -20 "$log/${tree}_$i.txt"; exit 1; }
   done
 done
