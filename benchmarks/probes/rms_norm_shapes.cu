@@ -21,7 +21,7 @@
  *               resident wave walking the rows grid-stride with no block barrier in the walk; P: the next
  *               row loaded before this row's reduction; the same partials and column sums.
  * Forward shape: "fwd warp V prefetch", the same walk for the forward (hidden ≤ 2048), beside lsmini's
- * launch_rms_norm_fwd (one row a warp up to hidden 1024, one block of 8 rows each, no walk).
+ * launch_rms_norm_fwd.
  */
 #include "column_partials.cuh"
 #include "rms_norm.cuh"
