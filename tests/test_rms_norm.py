@@ -339,7 +339,7 @@ def test_kernel_matches_reference(shape, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 8), (7, 8), (31, 512), (129, 4104), (3, 16384), (2, 32768), (3, 7), (17, 33),
-                                   (5, 1001), (3, 20001), (3, 5, 1032)])
+                                   (5, 1001), (3, 20001), (3, 5, 1032), (9001, 768)])
 def test_add_kernel_matches_reference(shape, dtype):
     _cuda_case(shape, dtype, residual=True)
 
@@ -347,7 +347,7 @@ def test_add_kernel_matches_reference(shape, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 8), (67, 1032), (2, 16384), (9, 1001)])
+@pytest.mark.parametrize("shape", [(5, 8), (67, 1032), (2, 16384), (9, 1001), (2001, 1024)])
 def test_kernel_fp32_weight_with_low_precision_input(shape, dtype, residual):
     _cuda_case(shape, dtype, weight_dtype=torch.float32, residual=residual)
 

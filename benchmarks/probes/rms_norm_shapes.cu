@@ -20,8 +20,10 @@
  *   warp V P    one warp a row, V vectors of 16 bytes a thread (hidden = 32·8·V), 8 rows a block, one
  *               resident wave walking the rows grid-stride with no block barrier in the walk; P: the next
  *               row loaded before this row's reduction; the same partials and column sums.
+ *   bwd N warps a row, V vectors: rows of N·32·8·V elements held by N warps, which meet at a named barrier of
+ *               their own row (not the block's) for the row's sum, the same walk, weight and partials.
  * Forward shape: "fwd warp V prefetch", the same walk for the forward (hidden ≤ 2048), beside lsmini's
- * launch_rms_norm_fwd (one row a warp up to hidden 1024, one block of 8 rows each, no walk).
+ * launch_rms_norm_fwd.
  */
 #include "column_partials.cuh"
 #include "rms_norm.cuh"
@@ -160,6 +162,111 @@ void launch_warp(const T* dy, const T* x, const T* w, const float* rstd, T* dx, 
   int64_t grid = int64_t(sm_count()) * std::max(per_sm, 1);
   grid = std::min<int64_t>(grid, rms_norm_bwd_partial_rows(rows));
   kernel<<<unsigned(grid), dim3(32, kRowsPerBlock), smem, s>>>(dy, x, w, rstd, dx, partials, rows, hidden);
+  CK(cudaGetLastError());
+  CK(sum_column_partials<T>(partials, grid, hidden, dw, s));
+}
+
+// The backward with NW warps a row (rows longer than a warp holds), 256 / (32·NW) rows a block: each row's warps
+// meet at a named barrier of their own (bar.sync 1 + row, 32·NW threads), not the block's, and their partial
+// sums go through a slot of the row's own that alternates by row parity (one barrier a row). VPT vectors a
+// thread: hidden = 32·NW·8·VPT. The weight in registers, the next row loaded first, the partials as above.
+template <int NW, int VPT>
+__global__ void __launch_bounds__(256) bwd_group_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                                        const T* __restrict__ weight, const float* __restrict__ rstd,
+                                                        T* __restrict__ dx, float* __restrict__ partials,
+                                                        int64_t rows, int hidden) {
+  constexpr int VEC = 8, G = 32 * NW, R = 256 / G;
+  static_assert(R <= 4, "named barriers 1-4: one a row");
+  extern __shared__ float fold[];  // [R][hidden]
+  __shared__ float slot[2][R][NW];
+  const float inv_h = 1.f / hidden;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float acc[VPT][VEC] = {};
+  float w[VPT][VEC];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) load_pack<T, VEC>(weight + (threadIdx.x + k * G) * VEC, w[k]);
+  Pack<T, VEC> xv[VPT], dv[VPT];
+  float r = 0.f;
+  auto load_row = [&](int64_t row, Pack<T, VEC>(&xs)[VPT], Pack<T, VEC>(&ds)[VPT], float& rs) {
+    if (row >= rows) return;
+    rs = rstd[row];
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int64_t i = row * hidden + (threadIdx.x + k * G) * VEC;
+      xs[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + i);
+      ds[k] = *reinterpret_cast<const Pack<T, VEC>*>(dy + i);
+    }
+  };
+  const int64_t stride = int64_t(gridDim.x) * R;
+  int64_t row = int64_t(blockIdx.x) * R + threadIdx.y;
+  load_row(row, xv, dv, r);
+  for (int parity = 0; row < rows; row += stride, parity ^= 1) {
+    Pack<T, VEC> xn[VPT], dn[VPT];
+    float rn = 0.f;
+    load_row(row + stride, xn, dn, rn);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      float xf[VEC], df[VEC];
+      unpack(xv[k], xf);
+      unpack(dv[k], df);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const float xh = xf[j] * r;
+        s += df[j] * w[k][j] * xh;
+        acc[k][j] += df[j] * xh;
+      }
+    }
+    s = warp_sum(s);
+    if (lane == 0) slot[parity][threadIdx.y][warp] = s;
+    switch (threadIdx.y) {  // constant barrier ids: a runtime id makes ptxas reserve all 16
+      case 0: asm volatile("bar.sync 1, %0;" ::"n"(G) : "memory"); break;
+      case 1: asm volatile("bar.sync 2, %0;" ::"n"(G) : "memory"); break;
+      case 2: asm volatile("bar.sync 3, %0;" ::"n"(G) : "memory"); break;
+      default: asm volatile("bar.sync 4, %0;" ::"n"(G) : "memory"); break;
+    }
+    s = 0.f;
+#pragma unroll
+    for (int q = 0; q < NW; ++q) s += slot[parity][threadIdx.y][q];
+    const float c_b = -r * s * inv_h;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      float xf[VEC], df[VEC], out[VEC];
+      unpack(xv[k], xf);
+      unpack(dv[k], df);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out[j] = fmaf(r, df[j] * w[k][j], xf[j] * r * c_b);
+      store_pack<T, VEC>(dx + row * hidden + (threadIdx.x + k * G) * VEC, out);
+      xv[k] = xn[k];
+      dv[k] = dn[k];
+    }
+    r = rn;
+  }
+  float* dst = fold + threadIdx.y * hidden;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k)
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dst[(threadIdx.x + k * G) * VEC + j] = acc[k][j];
+  __syncthreads();
+  float* prow = partials + int64_t(blockIdx.x) * hidden;
+  for (int col = threadIdx.y * G + threadIdx.x; col < hidden; col += 256) {
+    float t = 0.f;
+    for (int y = 0; y < R; ++y) t += fold[y * hidden + col];
+    prow[col] = t;
+  }
+}
+
+template <int NW, int VPT>
+void launch_group(const T* dy, const T* x, const T* w, const float* rstd, T* dx, T* dw, float* partials, int64_t rows,
+                  int hidden, cudaStream_t s) {
+  constexpr int G = 32 * NW, R = 256 / G;
+  auto kernel = bwd_group_kernel<NW, VPT>;
+  const size_t smem = size_t(R) * hidden * sizeof(float);
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, smem));
+  const int64_t grid = std::min<int64_t>(int64_t(sm_count()) * std::max(per_sm, 1), rms_norm_bwd_partial_rows(rows));
+  kernel<<<unsigned(grid), dim3(G, R), smem, s>>>(dy, x, w, rstd, dx, partials, rows, hidden);
   CK(cudaGetLastError());
   CK(sum_column_partials<T>(partials, grid, hidden, dw, s));
 }
@@ -396,6 +503,21 @@ int main() {
       case 4: warp(std::integral_constant<int, 4>{}, F{}); warp(std::integral_constant<int, 4>{}, Tr{}); break;
       case 8: warp(std::integral_constant<int, 8>{}, F{}); break;
     }
+    // NW warps a row at 4 vectors a thread (2048: 2 warps, 4096: 4), and 2 vectors (1024: 2 warps, 2048: 4)
+    auto group = [&](auto nw, auto v) {
+      constexpr int NW = decltype(nw)::value, V = decltype(v)::value;
+      char label[40];
+      std::snprintf(label, sizeof(label), "bwd %d warps a row, %d vectors", NW, V);
+      variant(label, [&] { launch_group<NW, V>(dy, x, w, rstd, dx2, dw2, partials, rows, hidden, s); });
+    };
+    using I2 = std::integral_constant<int, 2>;
+    using I4 = std::integral_constant<int, 4>;
+    if (hidden == 1024) group(I2{}, I2{});
+    if (hidden == 2048) {
+      group(I2{}, I4{});
+      group(I4{}, I2{});
+    }
+    if (hidden == 4096) group(I4{}, I4{});
     for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)dx2, (void*)c0, (void*)c1, (void*)w, (void*)dw,
                     (void*)dw2, (void*)rstd, (void*)partials})
       CK(cudaFree(p));

@@ -10,11 +10,6 @@
 namespace lsmini {
 namespace {
 
-// Rows of 32·VPT vectors, VPT ≤ kWarpRowMaxVpt, take one warp each (WARP below), kWarpRows rows a block. Longer
-// rows take groups: a warp holding 64 elements of x, dy, the weight and the dw sums spills its registers.
-constexpr int kWarpRowMaxVpt = 4;
-constexpr int kWarpRows = 8;
-
 // WARP: one warp a row (blockDim = (32, kWarpRows)) of exactly 32·VPT vectors, thread x owning vectors
 // x + 32·k: no bounds checks, the weight held in registers, and each warp walking its rows on its own with no
 // block barrier until the partials. Else a group of row_groups.cuh (blockDim.x ≥ 32 threads a row, VPT a power
@@ -167,16 +162,6 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
   }
 }
 
-// Calls f(std::integral_constant<int, N>) for the count n in [N, MAXN] (cudaErrorInvalidValue outside it).
-template <int N, int MAXN, typename F>
-inline cudaError_t with_count(int n, F&& f) {
-  if constexpr (N >= MAXN) {
-    return n == N ? f(std::integral_constant<int, N>{}) : cudaErrorInvalidValue;
-  } else {
-    return n == N ? f(std::integral_constant<int, N>{}) : with_count<N + 1, MAXN>(n, f);
-  }
-}
-
 template <typename T, typename W, int VEC, int VPT, bool WARP>
 cudaError_t bwd_launch(dim3 block, const T* dy, const T* x, const W* w, const float* rstd, const T* add, T* dx,
                        float* partials, int64_t rows, int hidden, int64_t max_parts, int64_t* parts_used,
@@ -202,7 +187,7 @@ cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* rstd,
   const int nvec = hidden / VEC;
   // Warp rows on the vector path (the scalar fallback keeps to the groups: fewer instantiations).
   if constexpr (VEC > 1) {
-    if (nvec % 32 == 0 && nvec <= 32 * kWarpRowMaxVpt) {
+    if (is_warp_row(nvec)) {
       return with_count<1, kWarpRowMaxVpt>(nvec / 32, [&](auto vpt) {
         return bwd_launch<T, W, VEC, decltype(vpt)::value, true>(dim3(32, kWarpRows), dy, x, w, rstd, add, dx,
                                                                  partials, rows, hidden, max_parts, parts_used,

@@ -59,5 +59,15 @@ inline cudaError_t with_vpt(int vpt, F&& f) {
   }
 }
 
+// Calls f(std::integral_constant<int, N>) for the count n in [N, MAXN] (cudaErrorInvalidValue outside it).
+template <int N, int MAXN, typename F>
+inline cudaError_t with_count(int n, F&& f) {
+  if constexpr (N >= MAXN) {
+    return n == N ? f(std::integral_constant<int, N>{}) : cudaErrorInvalidValue;
+  } else {
+    return n == N ? f(std::integral_constant<int, N>{}) : with_count<N + 1, MAXN>(n, f);
+  }
+}
+
 }  // namespace
 }  // namespace lsmini
