@@ -2,7 +2,8 @@
 #   ab_check_tree DIR      exit 2 unless DIR is a tree of the project
 #   ab_build BASE LOG      build BASE and this tree in place side by side (LSMINI_CUDA_ARCHS, MAX_JOBS), logs in
 #                          LOG/build_base.log and LOG/build_new.log; exit 1 with the failing log's tail
-#   ab_in_tree DIR CMD...  run CMD inside DIR once DIR's own lsmini (and _C) is the one Python imports there
+#   ab_in_tree DIR CMD...  run CMD inside DIR with DIR first on PYTHONPATH (a script's own directory, not the
+#                          working directory, starts sys.path), once DIR's lsmini (and _C) is what imports there
 
 ab_check_tree() {
   [ -f "$1/setup.py" ] && [ -d "$1/csrc" ] || { echo "$1 is not a tree of the project" >&2; exit 2; }
@@ -19,5 +20,6 @@ ab_build() {
 ab_in_tree() {
   local dir=$1
   shift
-  (cd "$dir" && python -c "import lsmini, lsmini._C, os; assert lsmini.__file__.startswith(os.getcwd())" && "$@")
+  (cd "$dir" && export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" &&
+    python -c "import lsmini, lsmini._C, os; assert lsmini.__file__.startswith(os.getcwd())" && "$@")
 }
