@@ -8,7 +8,9 @@
 # (default 3), alternating base and this tree so that both see the same machine and clocks, each tree runs
 # benchmarks/bench_training.py with the arguments after `--` (default: --configs base --variants lsmini
 # lsmini+graph) and, unless AB_EXAMPLE_STEPS=0, the translation example on its built-in data without CUDA graphs
-# for AB_EXAMPLE_STEPS steps (default 300; its tok/s is the median of its progress lines after the first).
+# for AB_EXAMPLE_STEPS steps (default 300; its tok/s is the median of its progress lines after the first), with
+# AB_EXAMPLE_ARGS (default: --arch small --max-tokens 4096 --dropout 0.3, which both trees must accept: the
+# defaults of the example change between trees, and so would the work being timed).
 # Host-bound rows (no graph) are noisy: the medians of the runs are what to compare. Prints, per row, each
 # run's figure per tree and the ratio of the medians (base time / new time: above 1 this tree is faster).
 # Logs go to $LOG_DIR/ab_training (LOG_DIR defaults to $OUT when set, else ./gpu-logs); the benchmark's result
@@ -26,6 +28,8 @@ mkdir -p "$log"
 export MAX_JOBS=${MAX_JOBS:-16} LSMINI_CUDA_ARCHS=${AB_ARCH:-90a} LSMINI_RESULTS_DIR=$log/results PYTHONUNBUFFERED=1
 runs=${AB_RUNS:-3}
 steps=${AB_EXAMPLE_STEPS:-300}
+# The example's model and batches, named: its defaults differ between trees of different dates.
+read -r -a example <<< "${AB_EXAMPLE_ARGS:---arch small --max-tokens 4096 --dropout 0.3}"
 
 ab_build "$base" "$log"
 
@@ -38,8 +42,8 @@ for i in $(seq "$runs"); do
       { tail -20 "$log/${tree}_$i.txt"; exit 1; }
     if [ "$steps" -gt 0 ]; then
       ckpt=$(mktemp -d)  # the run's checkpoints: not kept, and not among the logs
-      ab_in_tree "$dir" python examples/train_translation.py --no-cuda-graph --max-steps "$steps" --no-progress \
-        --save-dir "$ckpt" >"$log/${tree}_${i}_example.txt" 2>&1 ||
+      ab_in_tree "$dir" python examples/train_translation.py "${example[@]}" --no-cuda-graph --max-steps "$steps" \
+        --no-progress --save-dir "$ckpt" >"$log/${tree}_${i}_example.txt" 2>&1 ||
         { tail -20 "$log/${tree}_${i}_example.txt"; exit 1; }
       rm -rf "$ckpt"
     fi
