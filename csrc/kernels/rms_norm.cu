@@ -23,11 +23,14 @@
  * Backward walks the rows grid-stride with a grid of one resident wave and keeps its dw column sums in
  * fp32 registers over the rows it visits; each block folds its R rows in shared memory into one fp32
  * partial row, and column_partials.cuh's sum_column_partials sums those rows per column (no atomics).
- * Rows of 32, 64, 96 or 128 vectors (hidden 256, 512, 768 or 1024 in 16-bit types) take warp rows both
- * ways (rms_norm.cuh): one warp a row, as many vectors a thread as the row needs (768: 3), no bounds
+ * Rows of 32, 64, 96 or 128 vectors (hidden 256, 512, 768 or 1024 in 16-bit types) take warp rows in the
+ * forward (rms_norm.cuh): one warp a row, as many vectors a thread as the row needs (768: 3), no bounds
  * checks, the weight held in registers, and a resident wave of blocks whose warps each walk their rows with
- * no block barrier (a backward group of two warps or more waits on one a row for its sum). Short rows load
- * the next row before this row's reduction, so the loads overlap it.
+ * no block barrier. The backward takes rows of warps in the same shape for rows of 1, 2 or 4 warps a row at
+ * up to 4 vectors a thread (bwd_row_warps: 512 and 768 one warp, 1024 two, 2048 and 4096 four), the warps of
+ * a row meeting at a named barrier of their own for its sum, not the block's (a row group wider than a warp
+ * waits on a block barrier a row). Short rows load the next row before this row's reduction, so the loads
+ * overlap it.
  * A scalar variant (VEC = 1) serves hidden sizes that are not a multiple of the vector width or pointers
  * that are not 16-byte aligned.
  *
