@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
   float* sBias = reinterpret_cast<float*>(sV + 2 * kTile);  // [2][kBlock]
 
   const int nqb = (a.q_len + kBlock - 1) / kBlock;
-  const int q0 = query_block(nqb) * kBlock;
+  const int q0 = (blockIdx.x % nqb) * kBlock;
   const Setup<T> st(a, blockIdx.x / nqb);
   const int warp = threadIdx.x >> 5;
   const int i0 = q0 + warp * 16;  // the warp's first query

@@ -373,12 +373,6 @@ struct TileDropout {
   }
 };
 
-// The query block of this CTA of a forward or dQ grid (blockIdx.x = (batch, head) · nqb + its place): each
-// head's blocks in reverse order, the last block first. Under a causal mask the last block has the most key
-// tiles; started first, the longest CTAs of each head run beside the shorter ones instead of after them at the
-// grid's end. The dK/dV grids need no such order: their first key block has the most query tiles.
-__device__ __forceinline__ int query_block(int nqb) { return nqb - 1 - int(blockIdx.x % nqb); }
-
 // What every kernel derives from the arguments: its (batch, query head), masks, dropout.
 template <typename T>
 struct Setup {

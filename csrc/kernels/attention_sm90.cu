@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_
   float* sBias = reinterpret_cast<float*>(smem + 5 * kTile);  // [2][kBlock]
 
   const int nqb = (a.q_len + kBlock - 1) / kBlock;
-  const int q0 = query_block(nqb) * kBlock;
+  const int q0 = (blockIdx.x % nqb) * kBlock;
   const Setup<T> st(a, blockIdx.x / nqb);
   const int i0 = q0 + (threadIdx.x >> 5) * 16;  // the warp's first query
 

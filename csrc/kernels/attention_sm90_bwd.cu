@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
   float* sBias = sLse + kBlock;  // [2][kBlock]
 
   const int nqb = (a.q_len + kBlock - 1) / kBlock;
-  const int q0 = query_block(nqb) * kBlock;
+  const int q0 = (blockIdx.x % nqb) * kBlock;
   const Setup<T> st(a, blockIdx.x / nqb);
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int i0 = q0 + warp * 16;
