@@ -15,9 +15,9 @@ namespace {
 constexpr int kRmsFwdMaxThreads = 1024;
 constexpr int kRmsBwdMaxThreads = 512;  // backward holds x, dy and the dweight sums per thread: cap G for registers
 
-// Warp rows: rows of 32·VPT vectors, VPT ≤ kWarpRowMaxVpt, take one warp each, kWarpRows rows a block, in one
-// resident wave of blocks whose warps walk the rows grid-stride. Longer rows take row groups: a warp holding 64
-// elements of x, dy, the weight and the dw sums spills its registers.
+// The backward's warp rows: rows of 32·VPT vectors, VPT ≤ kWarpRowMaxVpt, take one warp each, kWarpRows rows a
+// block, in one resident wave of blocks whose warps walk the rows grid-stride. Longer rows take rows of several
+// warps (below) or row groups: a warp holding 64 elements of x, dy, the weight and the dw sums spills.
 constexpr int kWarpRowMaxVpt = 4;
 constexpr int kWarpRows = 8;
 inline bool is_warp_row(int nvec) { return nvec % 32 == 0 && nvec <= 32 * kWarpRowMaxVpt; }
