@@ -158,13 +158,15 @@ def test_log_lines_reach_a_pipe_as_they_are_printed(tmp_path):
             "--vocab-size", "300", "--block-size", "32", "--max-tokens", "256", "--max-steps", "1000000",
             "--log-every", "100000", "--no-progress", "--num-samples", "0"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env)
     try:
         # generous: Python and torch start slowly on a loaded 2-core machine
         ready, _, _ = select.select([proc.stdout], [], [], 180)
         assert ready, "no output line within 180 s"
         first = proc.stdout.readline().decode()
-        assert first.endswith("\n") and first.strip(), first
+        assert first.endswith("\n") and first.strip(), f"{first!r}; stderr:\n{err_path.read_text()[-2000:]}"
         assert proc.poll() is None  # the line came while the run was still going
     finally:
         proc.kill()

@@ -324,7 +324,8 @@ def _cuda_case(shape, dtype, weight_dtype="same", residual=False, scale=1.0):
 # issue's benchmark (512-4096), the largest hidden, one row per warp and per block, and more rows than one
 # wave of the backward's blocks holds (each warp walks several rows).
 SHAPES = [(1, 8), (1, 1032), (7, 8), (31, 512), (127, 1024), (129, 4104), (257, 768), (3, 16384), (61, 2048),
-          (1000, 8), (65, 4096), (2, 8192), (2, 32768), (3, 5, 1032), (9001, 768), (5003, 2048)]
+          (1000, 8), (65, 4096), (2, 8192), (2, 32768), (3, 5, 1032), (9001, 768), (5003, 2048), (4001, 1024),
+          (1001, 1536), (3001, 3072), (4001, 4096)]
 # hidden sizes that are not a multiple of the vector width: the scalar path
 ODD_SHAPES = [(3, 7), (17, 33), (5, 1001), (2, 4097), (9, 12), (2, 20000), (3, 9001), (3, 20001), (1, 1), (2, 32767)]
 
@@ -339,7 +340,7 @@ def test_kernel_matches_reference(shape, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 8), (7, 8), (31, 512), (129, 4104), (3, 16384), (2, 32768), (3, 7), (17, 33),
-                                   (5, 1001), (3, 20001), (3, 5, 1032), (9001, 768)])
+                                   (5, 1001), (3, 20001), (3, 5, 1032), (9001, 768), (4001, 1024), (2003, 4096)])
 def test_add_kernel_matches_reference(shape, dtype):
     _cuda_case(shape, dtype, residual=True)
 
@@ -347,7 +348,7 @@ def test_add_kernel_matches_reference(shape, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 8), (67, 1032), (2, 16384), (9, 1001), (2001, 1024)])
+@pytest.mark.parametrize("shape", [(5, 8), (67, 1032), (2, 16384), (9, 1001), (2001, 1024), (5003, 2048)])
 def test_kernel_fp32_weight_with_low_precision_input(shape, dtype, residual):
     _cuda_case(shape, dtype, weight_dtype=torch.float32, residual=residual)
 
@@ -438,9 +439,10 @@ def test_kernel_writes_every_output():
 
 
 @pytest.mark.cuda
-def test_dweight_deterministic_over_many_rows():
+@pytest.mark.parametrize("hidden", [520, 1024])  # a row group; four warps a row
+def test_dweight_deterministic_over_many_rows(hidden):
     ext = lsmini._backend.ext()
-    x, _, w, dy, _ = _inputs((20000, 520), torch.float32, "cuda")
+    x, _, w, dy, _ = _inputs((20000, hidden), torch.float32, "cuda")
     _, _, rstd = ext.rms_norm_fwd(x, w, EPS)
     dx1, dw1 = ext.rms_norm_bwd(dy, x, w, rstd)
     dx2, dw2 = ext.rms_norm_bwd(dy, x, w, rstd)

@@ -23,8 +23,8 @@
  *   bwd N warps a row, V vectors: rows of N·32·8·V elements held by N warps, which meet at a named barrier of
  *               their own row (not the block's) for the row's sum, the same walk, weight and partials (one
  *               kernel, bwd_rows_kernel, holds both shapes).
- * Forward shape: "fwd warp V prefetch", the same walk for the forward (hidden ≤ 2048), beside lsmini's
- * launch_rms_norm_fwd.
+ * Forward shapes: "fwd warp V prefetch" and "fwd N warps a row, V vectors", the backward's row shapes and walk
+ * for the forward (fwd_rows_kernel), beside lsmini's launch_rms_norm_fwd.
  */
 #include "column_partials.cuh"
 #include "rms_norm.cuh"
@@ -55,8 +55,6 @@ __global__ void spin(long long cycles) {
   while (clock64() - t0 < cycles) {
   }
 }
-
-constexpr int kRowsPerBlock = 8;
 
 // Lane 0 of each of the NW warps of row y = threadIdx.y leaves its sum v in the row's slot; the row's warps meet
 // at named barrier 1 + y (32·NW threads, not the block's) and add the slots in warp order. The caller alternates
@@ -184,31 +182,32 @@ void launch_rows(const T* dy, const T* x, const T* w, const float* rstd, T* dx, 
   CK(sum_column_partials<T>(partials, grid, hidden, dw, s));
 }
 
-// Forward in the backward's warp shape: one warp a row, one resident wave walking the rows grid-stride, the
-// next row's x loaded before this row's reduction, the weight held in registers.
-template <int VPT>
-__global__ void __launch_bounds__(256) fwd_warp_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+// The forward in the backward's row shapes: NW warps a row (row_sum's barrier when NW > 1), 256 / (32·NW) rows a
+// block, one resident wave walking the rows grid-stride, the next row's x loaded before this row's sum, the weight
+// held in registers.
+template <int NW, int VPT>
+__global__ void __launch_bounds__(256) fwd_rows_kernel(const T* __restrict__ x, const T* __restrict__ weight,
                                                        T* __restrict__ y, float* __restrict__ rstd_out, int64_t rows,
                                                        int hidden, float eps) {
-  constexpr int VEC = 8;
+  constexpr int VEC = 8, G = 32 * NW, R = 256 / G;
+  static_assert(NW == 1 || R <= 4, "named barriers 1-4: one a row");
+  __shared__ float slot[2][R][NW];
   float w[VPT][VEC];
 #pragma unroll
-  for (int k = 0; k < VPT; ++k) load_pack<T, VEC>(weight + (threadIdx.x + k * 32) * VEC, w[k]);
-  const int64_t stride = int64_t(gridDim.x) * kRowsPerBlock;
-  int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.y;
-  Pack<T, VEC> xv[VPT];
-  if (row < rows) {
+  for (int k = 0; k < VPT; ++k) load_pack<T, VEC>(weight + (threadIdx.x + k * G) * VEC, w[k]);
+  auto load_row = [&](int64_t r, Pack<T, VEC>(&xs)[VPT]) {
+    if (r >= rows) return;
 #pragma unroll
     for (int k = 0; k < VPT; ++k)
-      xv[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + row * hidden + (threadIdx.x + k * 32) * VEC);
-  }
-  for (; row < rows; row += stride) {
+      xs[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + r * hidden + (threadIdx.x + k * G) * VEC);
+  };
+  const int64_t stride = int64_t(gridDim.x) * R;
+  int64_t row = int64_t(blockIdx.x) * R + threadIdx.y;
+  Pack<T, VEC> xv[VPT];
+  load_row(row, xv);
+  for (int parity = 0; row < rows; row += stride, parity ^= 1) {
     Pack<T, VEC> xn[VPT];
-    if (row + stride < rows) {
-#pragma unroll
-      for (int k = 0; k < VPT; ++k)
-        xn[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + (row + stride) * hidden + (threadIdx.x + k * 32) * VEC);
-    }
+    load_row(row + stride, xn);
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -218,6 +217,7 @@ __global__ void __launch_bounds__(256) fwd_warp_kernel(const T* __restrict__ x, 
       for (int j = 0; j < VEC; ++j) ss += f[j] * f[j];
     }
     ss = warp_sum(ss);
+    if constexpr (NW > 1) ss = row_sum<NW>(ss, slot[parity]);
     const float r = rsqrtf(ss * (1.f / hidden) + eps);
     if (threadIdx.x == 0) rstd_out[row] = r;
 #pragma unroll
@@ -226,19 +226,23 @@ __global__ void __launch_bounds__(256) fwd_warp_kernel(const T* __restrict__ x, 
       unpack(xv[k], f);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) f[j] = f[j] * r * w[k][j];
-      store_pack<T, VEC>(y + row * hidden + (threadIdx.x + k * 32) * VEC, f);
+      store_pack<T, VEC>(y + row * hidden + (threadIdx.x + k * G) * VEC, f);
       xv[k] = xn[k];
     }
   }
 }
 
-template <int VPT>
-void launch_fwd_warp(const T* x, const T* w, T* y, float* rstd, int64_t rows, int hidden, cudaStream_t s) {
-  auto kernel = fwd_warp_kernel<VPT>;
-  int per_sm = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0));
-  const int64_t grid = std::min<int64_t>(int64_t(sm_count()) * std::max(per_sm, 1), (rows + 7) / 8);
-  kernel<<<unsigned(grid), dim3(32, kRowsPerBlock), 0, s>>>(x, w, y, rstd, rows, hidden, 1e-6f);
+template <int NW, int VPT>
+void launch_fwd_rows(const T* x, const T* w, T* y, float* rstd, int64_t rows, int hidden, cudaStream_t s) {
+  constexpr int G = 32 * NW, R = 256 / G;
+  auto kernel = fwd_rows_kernel<NW, VPT>;
+  static int per_sm = 0;  // per instantiation, once
+  if (per_sm == 0) {
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, 0));
+    per_sm = std::max(per_sm, 1);
+  }
+  const int64_t grid = std::min<int64_t>(int64_t(sm_count()) * per_sm, (rows + R - 1) / R);
+  kernel<<<unsigned(grid), dim3(G, R), 0, s>>>(x, w, y, rstd, rows, hidden, 1e-6f);
   CK(cudaGetLastError());
 }
 
@@ -359,26 +363,35 @@ int main() {
         [&] { CK(cudaMemcpyAsync(c1, c0, n * sizeof(T) * 3 / 2, cudaMemcpyDeviceToDevice, s)); }, "");
     row("fwd lsmini", 2 * sz,
         [&] { CK(launch_rms_norm_fwd<T, T>(x, nullptr, w, nullptr, y, rstd, rows, hidden, 1e-6f, s)); }, "");
-    if (hidden <= 2048) {
+    {
       CK(launch_rms_norm_fwd<T, T>(x, nullptr, w, nullptr, y, rstd, rows, hidden, 1e-6f, s));
       CK(cudaStreamSynchronize(s));
       const std::vector<float> ref_y = to_host(y, n);
-      auto fwd_warp = [&](auto v) {
-        constexpr int V = decltype(v)::value;
-        auto f = [&] { launch_fwd_warp<V>(x, w, dx2, rstd, rows, hidden, s); };
+      auto fwd = [&](auto nw, auto v) {  // NW warps a row, V vectors a thread: hidden = NW·256·V
+        constexpr int NW = decltype(nw)::value, V = decltype(v)::value;
+        auto f = [&] { launch_fwd_rows<NW, V>(x, w, dx2, rstd, rows, hidden, s); };
         f();
         CK(cudaStreamSynchronize(s));
-        char check[64];
+        char check[64], label[40];
         std::snprintf(check, sizeof(check), "max|d y| %.3g", max_diff(to_host(dx2, n), ref_y));
-        char label[32];
-        std::snprintf(label, sizeof(label), "fwd warp %d prefetch", V);
+        if (NW == 1) {
+          std::snprintf(label, sizeof(label), "fwd warp %d prefetch", V);
+        } else {
+          std::snprintf(label, sizeof(label), "fwd %d warps a row, %d vectors", NW, V);
+        }
         row(label, 2 * sz, f, check);
       };
-      switch (hidden / 256) {
-        case 2: fwd_warp(std::integral_constant<int, 2>{}); break;
-        case 3: fwd_warp(std::integral_constant<int, 3>{}); break;
-        case 4: fwd_warp(std::integral_constant<int, 4>{}); break;
-        case 8: fwd_warp(std::integral_constant<int, 8>{}); break;
+      using J1 = std::integral_constant<int, 1>;
+      using J2 = std::integral_constant<int, 2>;
+      using J3 = std::integral_constant<int, 3>;
+      using J4 = std::integral_constant<int, 4>;
+      using J8 = std::integral_constant<int, 8>;
+      switch (hidden) {
+        case 512: fwd(J1{}, J2{}); fwd(J2{}, J1{}); break;
+        case 768: fwd(J1{}, J3{}); break;
+        case 1024: fwd(J1{}, J4{}); fwd(J2{}, J2{}); fwd(J4{}, J1{}); break;
+        case 2048: fwd(J1{}, J8{}); fwd(J2{}, J4{}); fwd(J4{}, J2{}); break;
+        case 4096: fwd(J4{}, J4{}); break;
       }
     }
     auto ours = [&] {
@@ -416,16 +429,22 @@ int main() {
       case 4: warp(std::integral_constant<int, 4>{}, F{}); warp(std::integral_constant<int, 4>{}, Tr{}); break;
       case 8: warp(std::integral_constant<int, 8>{}, F{}); break;
     }
-    // NW warps a row at 4 vectors a thread (2048: 2 warps, 4096: 4), and 2 vectors (1024: 2 warps, 2048: 4)
+    // NW warps a row at 4 vectors a thread (2048: 2 warps, 4096: 4), 2 vectors (1024: 2 warps, 2048: 4) and one
+    // vector (512: 2 warps, 1024: 4)
     auto group = [&](auto nw, auto v) {
       constexpr int NW = decltype(nw)::value, V = decltype(v)::value;
       char label[40];
       std::snprintf(label, sizeof(label), "bwd %d warps a row, %d vectors", NW, V);
       variant(label, [&] { launch_rows<NW, V, true>(dy, x, w, rstd, dx2, dw2, partials, rows, hidden, s); });
     };
+    using I1 = std::integral_constant<int, 1>;
     using I2 = std::integral_constant<int, 2>;
     using I4 = std::integral_constant<int, 4>;
-    if (hidden == 1024) group(I2{}, I2{});
+    if (hidden == 512) group(I2{}, I1{});
+    if (hidden == 1024) {
+      group(I2{}, I2{});
+      group(I4{}, I1{});
+    }
     if (hidden == 2048) {
       group(I2{}, I4{});
       group(I4{}, I2{});

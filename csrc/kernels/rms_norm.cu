@@ -23,10 +23,11 @@
  * Backward walks the rows grid-stride with a grid of one resident wave and keeps its dw column sums in
  * fp32 registers over the rows it visits; each block folds its R rows in shared memory into one fp32
  * partial row, and column_partials.cuh's sum_column_partials sums those rows per column (no atomics).
- * Rows of 32, 64, 96 or 128 vectors (hidden 256, 512, 768 or 1024 in 16-bit types) take warp rows both
- * ways (rms_norm.cuh): one warp a row, as many vectors a thread as the row needs (768: 3), no bounds
- * checks, the weight held in registers, and a resident wave of blocks whose warps each walk their rows with
- * no block barrier (a backward group of two warps or more waits on one a row for its sum). Short rows load
+ * Backward rows of 1, 2 or 4 warps at up to 4 vectors a thread take rows of warps (rms_norm.cuh,
+ * bwd_row_warps: hidden 512 and 768 one warp, 1024 two, 2048 and 4096 four in 16-bit types): as many vectors
+ * a thread as the row needs, no bounds checks, the weight held in registers, and a resident wave of blocks
+ * whose rows of warps each walk their rows, the warps of a row meeting at a named barrier of their own for
+ * its sum, not the block's (a row group wider than a warp waits on a block barrier a row). Short rows load
  * the next row before this row's reduction, so the loads overlap it.
  * A scalar variant (VEC = 1) serves hidden sizes that are not a multiple of the vector width or pointers
  * that are not 16-byte aligned.
@@ -37,8 +38,6 @@
  * enough loads are in flight.
  */
 #include "rms_norm.cuh"
-
-#include <algorithm>
 
 namespace lsmini {
 namespace {
@@ -110,83 +109,9 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, con
   }
 }
 
-// The forward on warp rows (rms_norm.cuh): each warp walks its rows of exactly 32·VPT vectors, loading the next
-// row's x (and residual) before this row's sum, with the weight in registers. ADD as rms_norm_fwd_kernel.
-template <typename T, typename W, int VEC, int VPT, bool ADD>
-__global__ void __launch_bounds__(32 * kWarpRows)
-rms_norm_fwd_warp_kernel(const T* __restrict__ x, const T* __restrict__ residual, const W* __restrict__ weight,
-                         T* __restrict__ sum, T* __restrict__ y, float* __restrict__ rstd_out, int64_t rows,
-                         int hidden, float eps) {
-  float w[VPT][VEC];
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) load_or<W, VEC>(weight, threadIdx.x + k * 32, 1.f, w[k]);
-  Pack<T, VEC> xv[VPT], rv[ADD ? VPT : 1];
-  auto load_row = [&](int64_t row, Pack<T, VEC>(&xs)[VPT], Pack<T, VEC>(&rs)[ADD ? VPT : 1]) {
-    if (row >= rows) return;
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int64_t i = row * hidden + (threadIdx.x + k * 32) * VEC;
-      xs[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + i);
-      if constexpr (ADD) rs[k] = *reinterpret_cast<const Pack<T, VEC>*>(residual + i);
-    }
-  };
-  const int64_t stride = int64_t(gridDim.x) * kWarpRows;
-  int64_t row = int64_t(blockIdx.x) * kWarpRows + threadIdx.y;
-  load_row(row, xv, rv);
-  for (; row < rows; row += stride) {
-    Pack<T, VEC> xn[VPT], rn[ADD ? VPT : 1];
-    load_row(row + stride, xn, rn);
-    float f[VPT][VEC];
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      unpack(xv[k], f[k]);
-      if constexpr (ADD) {
-        float b[VEC];
-        unpack(rv[k], b);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) f[k][j] += b[j];
-        xv[k] = pack<T, VEC>(f[k]);  // s rounded to T: what is stored is what is normalized
-        unpack(xv[k], f[k]);
-      }
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) ss += f[k][j] * f[k][j];
-    }
-    ss = warp_sum(ss);
-    const float rstd = rsqrtf(ss * (1.f / hidden) + eps);
-    if (threadIdx.x == 0) rstd_out[row] = rstd;
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int64_t i = row * hidden + (threadIdx.x + k * 32) * VEC;
-      if constexpr (ADD) *reinterpret_cast<Pack<T, VEC>*>(sum + i) = xv[k];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) f[k][j] = f[k][j] * rstd * w[k][j];
-      store_pack<T, VEC>(y + i, f[k]);
-      xv[k] = xn[k];
-      if constexpr (ADD) rv[k] = rn[k];
-    }
-  }
-}
-
 template <typename T, typename W, int VEC, bool ADD>
 cudaError_t fwd_dispatch(const T* x, const T* residual, const W* w, T* sum, T* y, float* rstd, int64_t rows,
                          int hidden, float eps, cudaStream_t stream) {
-  if constexpr (VEC > 1) {
-    if (is_warp_row(hidden / VEC)) {
-      return with_count<1, kWarpRowMaxVpt>(hidden / VEC / 32, [&](auto vpt) {
-        auto kernel = rms_norm_fwd_warp_kernel<T, W, VEC, decltype(vpt)::value, ADD>;
-        int per_sm = 1;
-        if (max_active_blocks(kernel, 32 * kWarpRows, 0, &per_sm) != cudaSuccess) {
-          (void)cudaGetLastError();  // not sticky; keep it from being reported as the launch's error
-          per_sm = 1;
-        }
-        const int64_t grid =
-            std::min<int64_t>(int64_t(sm_count()) * std::max(per_sm, 1), (rows + kWarpRows - 1) / kWarpRows);
-        kernel<<<unsigned(grid), dim3(32, kWarpRows), 0, stream>>>(x, residual, w, sum, y, rstd, rows, hidden, eps);
-        return cudaGetLastError();
-      });
-    }
-  }
   const RowGroups cfg = row_groups(hidden, VEC, kRmsFwdMaxThreads, 32);
   const dim3 block(cfg.G, cfg.R);
   const int64_t grid = (rows + cfg.R - 1) / cfg.R;

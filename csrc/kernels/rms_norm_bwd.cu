@@ -10,21 +10,46 @@
 namespace lsmini {
 namespace {
 
-// WARP: one warp a row (blockDim = (32, kWarpRows)) of exactly 32·VPT vectors, thread x owning vectors
-// x + 32·k: no bounds checks, the weight held in registers, and each warp walking its rows on its own with no
-// block barrier until the partials. Else a group of row_groups.cuh (blockDim.x ≥ 32 threads a row, VPT a power
-// of two, a block barrier a row when the group is wider than a warp). ADD: add is given (not null).
+// The sum over the NW warps of this thread's row (row y = threadIdx.y of the block) of each warp's sum v: lane 0
+// of each warp leaves v in the row's slot, the row's warps meet at named barrier 1 + y (32·NW threads, not the
+// block), and each thread adds the slots in warp order (the same sum in every thread, deterministic). The caller
+// alternates two slots by row: a slot is written again two rows later, after the next row's barrier, which no
+// warp passes before every warp of the row has read this one.
+template <int NW>
+__device__ __forceinline__ float row_warps_sum(float v, float (*slot)[NW]) {
+  if ((threadIdx.x & 31) == 0) slot[threadIdx.y][threadIdx.x >> 5] = v;
+  switch (threadIdx.y) {  // constant barrier ids: with a register id ptxas reserves all 16
+    case 0: asm volatile("bar.sync 1, %0;" ::"n"(32 * NW) : "memory"); break;
+    case 1: asm volatile("bar.sync 2, %0;" ::"n"(32 * NW) : "memory"); break;
+    case 2: asm volatile("bar.sync 3, %0;" ::"n"(32 * NW) : "memory"); break;
+    default: asm volatile("bar.sync 4, %0;" ::"n"(32 * NW) : "memory"); break;
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int q = 0; q < NW; ++q) s += slot[threadIdx.y][q];
+  return s;
+}
+
+// NW > 0: rows of warps (rms_norm.cuh): NW warps a row (blockDim = (32·NW, kWarpRows / NW)) of exactly 32·NW·VPT
+// vectors, thread x owning vectors x + 32·NW·k: no bounds checks, the weight held in registers, and each row's
+// warps walking their rows with no block barrier until the partials; two warps or more meet at a named barrier of
+// their own row for its sum. NW = 0: a group of row_groups.cuh (blockDim.x ≥ 32 threads a row, VPT a power of two,
+// a block barrier a row when the group is wider than a warp). ADD: add is given (not null).
 // partials: [gridDim.x, hidden] fp32, or null when dw is not wanted.
-template <typename T, typename W, int VEC, int VPT, bool WARP, bool ADD>
-__global__ void __launch_bounds__(WARP ? 32 * kWarpRows : kRmsBwdMaxThreads)
+template <typename T, typename W, int VEC, int VPT, int NW, bool ADD>
+__global__ void __launch_bounds__(NW > 0 ? 32 * kWarpRows : kRmsBwdMaxThreads)
 rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
                     const float* __restrict__ rstd, const T* __restrict__ add, T* __restrict__ dx,
                     float* __restrict__ partials, int64_t rows, int hidden) {
+  constexpr bool WARP = NW > 0;
+  static_assert(NW <= 1 || (NW <= 4 && kWarpRows <= 4 * NW), "named barriers 1-4: one a row");
   __shared__ float smem[32];
+  __shared__ float slot[2][NW > 1 ? kWarpRows / NW : 1][NW > 1 ? NW : 1];  // rows of warps: their sums, by row parity
+  int parity = 0;
   extern __shared__ float fold[];  // [R][hidden] when R > 1 and partials are wanted
   const int nvec = hidden / VEC;
   const float inv_h = 1.f / hidden;
-  const int G = WARP ? 32 : blockDim.x;
+  const int G = WARP ? 32 * NW : blockDim.x;
   auto in_row = [&](int c) { return WARP || c < nvec; };
   // The scalar path's long rows (more than 16 elements a thread: hidden > 8192 not a multiple of the vector
   // width, or unaligned pointers, a rare fallback) keep their loops rolled: fully unrolled, their arrays
@@ -44,7 +69,7 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
   float wr[WARP ? VPT : 1][VEC];  // the warp path's weight, in registers
   if constexpr (WARP) {
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) load_or<W, VEC>(weight, threadIdx.x + k * 32, 1.f, wr[k]);
+    for (int k = 0; k < VPT; ++k) load_or<W, VEC>(weight, threadIdx.x + k * G, 1.f, wr[k]);
   }
   auto weight_at = [&](int k, int c, float (&w)[VEC]) {
     if constexpr (WARP) {
@@ -104,7 +129,12 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
         }
       }
     }
-    s = WARP ? warp_sum(s) : group_sum(s, smem);
+    if constexpr (NW > 1) {
+      s = row_warps_sum<NW>(warp_sum(s), slot[parity]);
+      parity ^= 1;
+    } else {
+      s = WARP ? warp_sum(s) : group_sum(s, smem);
+    }
     if (valid) {
       // dx = r·g − x̂·(r·mean(g·x̂)) + add
       const float c_b = -r * s * inv_h;
@@ -162,7 +192,7 @@ rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* 
   }
 }
 
-template <typename T, typename W, int VEC, int VPT, bool WARP>
+template <typename T, typename W, int VEC, int VPT, int NW>
 cudaError_t bwd_launch(dim3 block, const T* dy, const T* x, const W* w, const float* rstd, const T* add, T* dx,
                        float* partials, int64_t rows, int hidden, int64_t max_parts, int64_t* parts_used,
                        cudaStream_t stream) {
@@ -176,8 +206,8 @@ cudaError_t bwd_launch(dim3 block, const T* dy, const T* x, const W* w, const fl
     kernel<<<unsigned(grid), block, fold_bytes, stream>>>(dy, x, w, rstd, add, dx, partials, rows, hidden);
     return cudaGetLastError();
   };
-  return add ? launch(rms_norm_bwd_kernel<T, W, VEC, VPT, WARP, true>)
-             : launch(rms_norm_bwd_kernel<T, W, VEC, VPT, WARP, false>);
+  return add ? launch(rms_norm_bwd_kernel<T, W, VEC, VPT, NW, true>)
+             : launch(rms_norm_bwd_kernel<T, W, VEC, VPT, NW, false>);
 }
 
 template <typename T, typename W, int VEC>
@@ -185,20 +215,27 @@ cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* rstd,
                          float* partials, int64_t rows, int hidden, int64_t max_parts, int64_t* parts_used,
                          cudaStream_t stream) {
   const int nvec = hidden / VEC;
-  // Warp rows on the vector path (the scalar fallback keeps to the groups: fewer instantiations).
+  // Rows of warps on the vector path (the scalar fallback keeps to the groups: fewer instantiations).
   if constexpr (VEC > 1) {
-    if (is_warp_row(nvec)) {
-      return with_count<1, kWarpRowMaxVpt>(nvec / 32, [&](auto vpt) {
-        return bwd_launch<T, W, VEC, decltype(vpt)::value, true>(dim3(32, kWarpRows), dy, x, w, rstd, add, dx,
-                                                                 partials, rows, hidden, max_parts, parts_used,
-                                                                 stream);
+    auto warps = [&](auto nw) {
+      constexpr int NW = decltype(nw)::value;
+      return with_count<(NW > 1 ? 2 : 1), kWarpRowMaxVpt>(nvec / (32 * NW), [&](auto vpt) {
+        return bwd_launch<T, W, VEC, decltype(vpt)::value, NW>(dim3(32 * NW, kWarpRows / NW), dy, x, w, rstd, add,
+                                                               dx, partials, rows, hidden, max_parts, parts_used,
+                                                               stream);
       });
+    };
+    switch (bwd_row_warps(nvec)) {
+      case 1: return warps(std::integral_constant<int, 1>{});
+      case 2: return warps(std::integral_constant<int, 2>{});
+      case 4: return warps(std::integral_constant<int, 4>{});
+      default: break;
     }
   }
   const RowGroups cfg = row_groups(hidden, VEC, kRmsBwdMaxThreads, 16);
   return with_vpt<1, (VEC == 1 ? 64 : 64 / VEC)>(cfg.vpt, [&](auto vpt) {
-    return bwd_launch<T, W, VEC, decltype(vpt)::value, false>(dim3(cfg.G, cfg.R), dy, x, w, rstd, add, dx, partials,
-                                                              rows, hidden, max_parts, parts_used, stream);
+    return bwd_launch<T, W, VEC, decltype(vpt)::value, 0>(dim3(cfg.G, cfg.R), dy, x, w, rstd, add, dx, partials,
+                                                          rows, hidden, max_parts, parts_used, stream);
   });
 }
 
