@@ -56,28 +56,10 @@ __global__ void spin(long long cycles) {
   }
 }
 
-// Lane 0 of each of the NW warps of row y = threadIdx.y leaves its sum v in the row's slot; the row's warps meet
-// at named barrier 1 + y (32·NW threads, not the block's) and add the slots in warp order. The caller alternates
-// two slots by row parity: one barrier a row.
-template <int NW>
-__device__ __forceinline__ float row_sum(float v, float (*slot)[NW]) {
-  if ((threadIdx.x & 31) == 0) slot[threadIdx.y][threadIdx.x >> 5] = v;
-  switch (threadIdx.y) {  // constant barrier ids: a runtime id makes ptxas reserve all 16
-    case 0: asm volatile("bar.sync 1, %0;" ::"n"(32 * NW) : "memory"); break;
-    case 1: asm volatile("bar.sync 2, %0;" ::"n"(32 * NW) : "memory"); break;
-    case 2: asm volatile("bar.sync 3, %0;" ::"n"(32 * NW) : "memory"); break;
-    default: asm volatile("bar.sync 4, %0;" ::"n"(32 * NW) : "memory"); break;
-  }
-  float s = 0.f;
-#pragma unroll
-  for (int q = 0; q < NW; ++q) s += slot[threadIdx.y][q];
-  return s;
-}
-
 // The backward with NW warps a row, 256 / (32·NW) rows a block, VPT vectors of 8 a thread (hidden = 32·NW·8·VPT):
-// each row's warps walk their rows grid-stride with no block barrier (NW = 1: none at all; NW > 1: row_sum's
-// barrier of their own row), the weight in registers; PREFETCH: the next row loaded before this row's sum. Each
-// block folds its rows' dweight sums into one partial row; sum_column_partials sums those.
+// each row's warps walk their rows grid-stride with no block barrier (NW = 1: none at all; NW > 1: the barrier
+// of their own row, rms_norm.cuh's row_warps_sum), the weight in registers; PREFETCH: the next row loaded before
+// this row's sum. Each block folds its rows' dweight sums into one partial row; sum_column_partials sums those.
 template <int NW, int VPT, bool PREFETCH>
 __global__ void __launch_bounds__(256) bwd_rows_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                        const T* __restrict__ weight, const float* __restrict__ rstd,
@@ -129,7 +111,7 @@ __global__ void __launch_bounds__(256) bwd_rows_kernel(const T* __restrict__ dy,
       }
     }
     s = warp_sum(s);
-    if constexpr (NW > 1) s = row_sum<NW>(s, slot[parity]);
+    if constexpr (NW > 1) s = row_warps_sum<NW>(s, slot[parity]);
     const float c_b = -r * s * inv_h;
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -182,9 +164,9 @@ void launch_rows(const T* dy, const T* x, const T* w, const float* rstd, T* dx, 
   CK(sum_column_partials<T>(partials, grid, hidden, dw, s));
 }
 
-// The forward in the backward's row shapes: NW warps a row (row_sum's barrier when NW > 1), 256 / (32·NW) rows a
-// block, one resident wave walking the rows grid-stride, the next row's x loaded before this row's sum, the weight
-// held in registers.
+// The forward in the backward's row shapes: NW warps a row (row_warps_sum's barrier when NW > 1), 256 / (32·NW)
+// rows a block, one resident wave walking the rows grid-stride, the next row's x loaded before this row's sum, the
+// weight held in registers.
 template <int NW, int VPT>
 __global__ void __launch_bounds__(256) fwd_rows_kernel(const T* __restrict__ x, const T* __restrict__ weight,
                                                        T* __restrict__ y, float* __restrict__ rstd_out, int64_t rows,
@@ -217,7 +199,7 @@ __global__ void __launch_bounds__(256) fwd_rows_kernel(const T* __restrict__ x, 
       for (int j = 0; j < VEC; ++j) ss += f[j] * f[j];
     }
     ss = warp_sum(ss);
-    if constexpr (NW > 1) ss = row_sum<NW>(ss, slot[parity]);
+    if constexpr (NW > 1) ss = row_warps_sum<NW>(ss, slot[parity]);
     const float r = rsqrtf(ss * (1.f / hidden) + eps);
     if (threadIdx.x == 0) rstd_out[row] = r;
 #pragma unroll

@@ -33,6 +33,26 @@ inline int bwd_row_warps(int nvec) {
   return is_warp_row(nvec) ? 1 : 0;
 }
 
+// The sum over the NW warps of this thread's row (row y = threadIdx.y of the block) of each warp's sum v: lane 0
+// of each warp leaves v in the row's slot, the row's warps meet at named barrier 1 + y (32·NW threads, not the
+// block), and each thread adds the slots in warp order (the same sum in every thread, deterministic). The caller
+// alternates two slots by row: a slot is written again two rows later, after the next row's barrier, which no
+// warp passes before every warp of the row has read this one.
+template <int NW>
+__device__ __forceinline__ float row_warps_sum(float v, float (*slot)[NW]) {
+  if ((threadIdx.x & 31) == 0) slot[threadIdx.y][threadIdx.x >> 5] = v;
+  switch (threadIdx.y) {  // constant barrier ids: with a register id ptxas reserves all 16
+    case 0: asm volatile("bar.sync 1, %0;" ::"n"(32 * NW) : "memory"); break;
+    case 1: asm volatile("bar.sync 2, %0;" ::"n"(32 * NW) : "memory"); break;
+    case 2: asm volatile("bar.sync 3, %0;" ::"n"(32 * NW) : "memory"); break;
+    default: asm volatile("bar.sync 4, %0;" ::"n"(32 * NW) : "memory"); break;
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int q = 0; q < NW; ++q) s += slot[threadIdx.y][q];
+  return s;
+}
+
 // The 16-byte path: hidden a multiple of the vector width, every row pointer 16-byte aligned (null ones
 // ignored), the weight aligned to its own vector of VEC elements.
 template <typename T, typename W>

@@ -10,26 +10,6 @@
 namespace lsmini {
 namespace {
 
-// The sum over the NW warps of this thread's row (row y = threadIdx.y of the block) of each warp's sum v: lane 0
-// of each warp leaves v in the row's slot, the row's warps meet at named barrier 1 + y (32·NW threads, not the
-// block), and each thread adds the slots in warp order (the same sum in every thread, deterministic). The caller
-// alternates two slots by row: a slot is written again two rows later, after the next row's barrier, which no
-// warp passes before every warp of the row has read this one.
-template <int NW>
-__device__ __forceinline__ float row_warps_sum(float v, float (*slot)[NW]) {
-  if ((threadIdx.x & 31) == 0) slot[threadIdx.y][threadIdx.x >> 5] = v;
-  switch (threadIdx.y) {  // constant barrier ids: with a register id ptxas reserves all 16
-    case 0: asm volatile("bar.sync 1, %0;" ::"n"(32 * NW) : "memory"); break;
-    case 1: asm volatile("bar.sync 2, %0;" ::"n"(32 * NW) : "memory"); break;
-    case 2: asm volatile("bar.sync 3, %0;" ::"n"(32 * NW) : "memory"); break;
-    default: asm volatile("bar.sync 4, %0;" ::"n"(32 * NW) : "memory"); break;
-  }
-  float s = 0.f;
-#pragma unroll
-  for (int q = 0; q < NW; ++q) s += slot[threadIdx.y][q];
-  return s;
-}
-
 // NW > 0: rows of warps (rms_norm.cuh): NW warps a row (blockDim = (32·NW, kWarpRows / NW)) of exactly 32·NW·VPT
 // vectors, thread x owning vectors x + 32·NW·k: no bounds checks, the weight held in registers, and each row's
 // warps walking their rows with no block barrier until the partials; two warps or more meet at a named barrier of
