@@ -14,11 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/ab_trees.sh
-base=$(cd "${1:?usage: scripts/ab_kernels.sh BASE_TREE [-- BENCH_KERNELS_ARGS...]}" && pwd)
-shift
-[ "${1:-}" = "--" ] && shift
-args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--quick)
-ab_check_tree "$base"
+ab_args "scripts/ab_kernels.sh BASE_TREE [-- BENCH_KERNELS_ARGS...]" "$@"
+[ ${#args[@]} -gt 0 ] || args=(--quick)
 log=${LOG_DIR:-${OUT:-gpu-logs}}/ab
 mkdir -p "$log"
 export MAX_JOBS=${MAX_JOBS:-16} LSMINI_CUDA_ARCHS=${AB_ARCH:-90a} LSMINI_RESULTS_DIR=$log/results
