@@ -100,15 +100,28 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
 #endif
 }
 
-// The CTAs of one key block of a K/V group under grouped K/V heads: a cluster of them, each walking
-// group / cluster of the group's query heads, their dK and dV summed in the cluster's shared memory at the end.
-// Without the split one CTA walks every head of the group: under a causal mask the first key block's CTA then
-// does `group` times the tiles of the longest ungrouped one, and the grid's tail waits for it. At most 8, the
-// portable cluster size; a group without a divisor in 2..8 (a prime above 7) keeps one CTA.
+// Under grouped K/V heads one CTA per key block walks all `group` query heads of its K/V head, so under a causal
+// mask the first key block's CTA does `group` times the tiles of the longest ungrouped one. When that walk is
+// longer than the tiles each resident CTA gets on average, the grid waits for it at its end: then the key
+// block's CTAs are a cluster, each walking group / cluster of the heads, their dK and dV summed in the cluster's
+// shared memory at the end (which costs more than the tail it saves otherwise). The cluster is the largest
+// divisor of the group up to 8, the portable cluster size (1: a prime group above 7 keeps one CTA).
 __host__ __device__ constexpr int dkv_cluster(int group) {
   for (int c = group < 8 ? group : 8; c > 1; --c)
     if (group % c == 0) return c;
   return 1;
+}
+
+template <typename T>
+bool dkv_tail_bound(const AttentionArgs<T>& a, int resident_ctas) {
+  const int nqb = (a.q_len + kBlock - 1) / kBlock, nkb = (a.k_len + kBlock - 1) / kBlock;
+  int64_t longest = 0, tiles = 0;  // query tiles a key block's CTA walks per query head
+  for (int kb = 0; kb < nkb; ++kb) {
+    const int begin = a.causal ? max(0, kb * kBlock - (a.k_len - a.q_len)) / kBlock : 0;
+    longest = std::max<int64_t>(longest, nqb - begin);
+    tiles += nqb - begin;
+  }
+  return longest * resident_ctas > tiles * a.batch * a.kv_heads;
 }
 
 #if defined(LSMINI_SM90A_DEVICE)
@@ -144,8 +157,8 @@ __device__ __forceinline__ void cluster_barrier() {
 }
 #endif
 
-// kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu, launched in clusters of
-// dkv_cluster(heads / kv_heads) CTAs.
+// kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu, launched one CTA or one cluster
+// (dkv_tail_bound) a key block.
 template <typename T, int D, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
@@ -162,9 +175,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   float* sDelta = sLse + kBlock;                                        // [kBlock]
   float* sBias = sDelta + kBlock;
 
-  // One CTA (one cluster when grouped) per key block of each (batch, K/V head); st is the CTA's first query
-  // head: the group's first plus rank · heads_per_cta.
-  const int cluster = kGrouped ? dkv_cluster(a.heads / a.kv_heads) : 1;
+  // One CTA (or cluster) per key block of each (batch, K/V head); st is the CTA's first query head: the
+  // group's first plus rank · heads_per_cta.
+  unsigned cluster = 1;
+  if (kGrouped) asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(cluster));
   const unsigned rank = blockIdx.x % cluster, block = blockIdx.x / cluster;
   const int heads_per_cta = kGrouped ? a.heads / a.kv_heads / cluster : 1;
   const int nkb = (a.k_len + kBlock - 1) / kBlock;
@@ -280,9 +294,13 @@ cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   static_assert(2 * kBlock * D * sizeof(float) <= 6 * kSwTileBytes<D>, "");
   const int64_t dkv_blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
   if (a.kv_heads != a.heads) {
-    const int cluster = dkv_cluster(a.heads / a.kv_heads);
-    return launch(attention_bwd_dkv_sm90_kernel<T, D, true>, dkv_blocks * cluster, dkv_bytes, a, stream, kThreads,
-                  cluster);
+    auto kernel = attention_bwd_dkv_sm90_kernel<T, D, true>;
+    int per_sm = 0;
+    err = allow_dynamic_smem(kernel, int(dkv_bytes));
+    if (err == cudaSuccess) err = max_active_blocks(kernel, kThreads, dkv_bytes, &per_sm);
+    if (err != cudaSuccess) return err;
+    const int cluster = dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
+    return launch(kernel, dkv_blocks * cluster, dkv_bytes, a, stream, kThreads, cluster);
   }
   return launch(attention_bwd_dkv_sm90_kernel<T, D, false>, dkv_blocks, dkv_bytes, a, stream);
 }
