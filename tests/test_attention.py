@@ -421,6 +421,38 @@ def test_kernel_grouped_kv_heads(h, hk, lq, lk, kind, d, dtype, family):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("d", [64, 128])
+# The Hopper dK/dV kernel splits a K/V group's heads over a cluster of CTAs when one CTA's walk over the group
+# would be the grid's tail: one sequence, causal, takes the clusters (groups of 3 and 8; 11 has no cluster
+# size), 32 sequences without a mask one CTA a key block (1024 CTAs, more than an H100 holds at once)
+@pytest.mark.parametrize("b,h,hk,kind", [(1, 6, 2, "causal"), (1, 16, 2, "causal"), (1, 11, 1, "causal"),
+                                         (32, 6, 2, "none")])
+def test_kernel_grouped_kv_heads_dkv_splits(b, h, hk, kind, d, family):
+    # dK/dV are the group sums of the call over explicitly repeated K/V heads, within one rounding of each
+    # part and of the sum (as in the dropout test below), and the same bits on a second call
+    ext = _backend.ext()
+    dtype, lq, g = torch.bfloat16, 1024, h // hk
+    q, k, v, dout, gen = _inputs(b, h, lq, lq, d, dtype, "cuda", seed=14, hk=hk)
+    kpm, causal, _ = attention_masks(b, lq, lq, kind, gen, "cuda")
+    scale = 1.0 / math.sqrt(d)
+
+    def call(k, v):
+        out, lse = ext.attention_fwd(q, k, v, kpm, causal, 0.0, scale, RNG, None)
+        return ext.attention_bwd(dout, q, k, v, out, lse, kpm, causal, 0.0, scale, RNG, keep=None)
+
+    _, dk, dv = call(k, v)
+    _, dk_r, dv_r = call(k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+    eps = torch.finfo(dtype).eps
+    for name, x, r in (("dk", dk, dk_r), ("dv", dv, dv_r)):
+        parts = r.float().view(b, hk, g, lq, d)
+        want = parts.sum(2)
+        excess = (x.float() - want).abs() - (eps * (parts.abs().sum(2) + want.abs()) + 1e-4)
+        assert excess.max() <= 0, f"{name}: off the group sum by {excess.max().item():.3g} past the rounding bound"
+    _, dk2, dv2 = call(k, v)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("lq,lk,kind", [(7, 9, "both"), (70, 200, "causal"), (129, 1031, "pad")])

@@ -518,17 +518,32 @@ __device__ __forceinline__ int group_first_head(const AttentionArgs<T>& a, int b
   return (bkv / a.kv_heads) * a.heads + (bkv % a.kv_heads) * (a.heads / a.kv_heads);
 }
 
-// Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed).
+// Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed), in clusters of
+// `cluster` consecutive CTAs when more than one (sm_90).
 template <typename Kernel, typename T>
 cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a, cudaStream_t stream,
-                   int threads = kThreads) {
+                   int threads = kThreads, int cluster = 1) {
   if (blocks == 0) return cudaSuccess;
   if (bytes > 48 * 1024) {
     const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(a);
-  return cudaGetLastError();
+  if (cluster == 1) {
+    kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(a);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster;
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, a);
 }
 
 }  // namespace

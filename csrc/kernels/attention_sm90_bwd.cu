@@ -100,7 +100,65 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
 #endif
 }
 
-// kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu.
+// Under grouped K/V heads one CTA per key block walks all `group` query heads of its K/V head, so under a causal
+// mask the first key block's CTA does `group` times the tiles of the longest ungrouped one. When that walk is
+// longer than the tiles each resident CTA gets on average, the grid waits for it at its end: then the key
+// block's CTAs are a cluster, each walking group / cluster of the heads, their dK and dV summed in the cluster's
+// shared memory at the end (which costs more than the tail it saves otherwise). The cluster is the largest
+// divisor of the group up to 8, the portable cluster size (1: a prime group above 7 keeps one CTA).
+__host__ __device__ constexpr int dkv_cluster(int group) {
+  for (int c = group < 8 ? group : 8; c > 1; --c)
+    if (group % c == 0) return c;
+  return 1;
+}
+
+template <typename T>
+bool dkv_tail_bound(const AttentionArgs<T>& a, int resident_ctas) {
+  const int nqb = (a.q_len + kBlock - 1) / kBlock, nkb = (a.k_len + kBlock - 1) / kBlock;
+  int64_t longest = 0, tiles = 0;  // query tiles a key block's CTA walks per query head
+  for (int kb = 0; kb < nkb; ++kb) {
+    const int begin = a.causal ? max(0, kb * kBlock - (a.k_len - a.q_len)) / kBlock : 0;
+    longest = std::max<int64_t>(longest, nqb - begin);
+    tiles += nqb - begin;
+  }
+  return longest * resident_ctas > tiles * a.batch * a.kv_heads;
+}
+
+#if defined(LSMINI_SM90A_DEVICE)
+// Sum the fp32 [64 × D] dK and dV each CTA of the cluster put at the same offset of its shared memory (dK then
+// dV, row-major), in rank order (so the result does not depend on timing); CTA `rank` of `n` takes every n-th
+// 4-element chunk from `rank` on, and writes the rows below k_len, dK times scale.
+template <typename T, int D>
+__device__ __forceinline__ void cluster_sum_dkv(uint32_t partial, int rank, int n, T* dk, int64_t dk_row, T* dv,
+                                                int64_t dv_row, int rows, float scale) {
+  constexpr int kChunks = 2 * kBlock * D / 4;
+  for (int i = rank * kThreads + threadIdx.x; i < kChunks; i += n * kThreads) {
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < n; ++q) {
+      uint32_t remote;
+      float4 v;
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(partial + 16 * i), "r"(q));
+      asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                   : "r"(remote)
+                   : "memory");
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    const int e = 4 * i, is_dv = e >= kBlock * D, r = (e % (kBlock * D)) / D, col = e % D;
+    if (r >= rows) continue;
+    const float f = is_dv ? 1.f : scale;
+    T* out = is_dv ? dv + int64_t(r) * dv_row + col : dk + int64_t(r) * dk_row + col;
+    *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(sum.x * f, sum.y * f), pack2<T>(sum.z * f, sum.w * f));
+  }
+}
+
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+#endif
+
+// kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu, launched one CTA or one cluster
+// (dkv_tail_bound) a key block.
 template <typename T, int D, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
@@ -117,10 +175,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   float* sDelta = sLse + kBlock;                                        // [kBlock]
   float* sBias = sDelta + kBlock;
 
-  // One CTA per key block of each (batch, K/V head); st is the group's first query head.
+  // One CTA (or cluster) per key block of each (batch, K/V head); st is the CTA's first query head: the
+  // group's first plus rank · heads_per_cta.
+  unsigned cluster = 1;
+  if (kGrouped) asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(cluster));
+  const unsigned rank = blockIdx.x % cluster, block = blockIdx.x / cluster;
+  const int heads_per_cta = kGrouped ? a.heads / a.kv_heads / cluster : 1;
   const int nkb = (a.k_len + kBlock - 1) / kBlock;
-  const int k0 = (blockIdx.x % nkb) * kBlock;
-  const Setup<T> st(a, kGrouped ? group_first_head(a, blockIdx.x / nkb) : int(blockIdx.x / nkb));
+  const int k0 = (block % nkb) * kBlock;
+  const Setup<T> st(a, kGrouped ? group_first_head(a, block / nkb) + rank * heads_per_cta : int(block / nkb));
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int r0 = warp * 16;  // the warp's query rows of a tile, then its key rows of the block
 
@@ -130,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   const int q_begin = st.vis.query_begin(k0);
   // Tile u: query tile u % q_tiles of query head st.h + u / q_tiles, as in attention_bwd.cu.
   const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
-  const int n_tiles = kGrouped ? q_tiles * (a.heads / a.kv_heads) : q_tiles;
+  const int n_tiles = kGrouped ? q_tiles * heads_per_cta : q_tiles;
   auto issue_q = [&](int u) {  // tile u into buffer u & 1
     const int j = kGrouped ? u / q_tiles : 0, qt = q_begin + (u - j * q_tiles) * kBlock, buf = u & 1;
     const int qvalid = min(kBlock, a.q_len - qt);
@@ -190,8 +253,27 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     pipeline_next<true>(t, n_tiles, issue_q);
   }
 
-  store_tile<T, D / 8>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
-  store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+  if (cluster == 1) {
+    store_tile<T, D / 8>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
+    store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+    return;
+  }
+  // This CTA's part of the group's dK and dV into its shared memory, once every warp is done with the tiles
+  // there; the cluster's sum once every CTA's part is in; no CTA exits while another may still read its part.
+  __syncthreads();
+  float* part = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int at = (r0 + g + 8 * r) * D + n * 8 + 2 * c;
+      *reinterpret_cast<float2*>(part + at) = make_float2(dk[n][2 * r], dk[n][2 * r + 1]);
+      *reinterpret_cast<float2*>(part + kBlock * D + at) = make_float2(dv[n][2 * r], dv[n][2 * r + 1]);
+    }
+  cluster_barrier();
+  cluster_sum_dkv<T, D>(smem_u32(smem), rank, cluster, st.at_kv(a.dk, a) + int64_t(k0) * a.dk.row, a.dk.row,
+                        st.at_kv(a.dv, a) + int64_t(k0) * a.dv.row, a.dv.row, a.k_len - k0, a.scale);
+  cluster_barrier();
 #else
   __trap();  // never launched: attention_sm90_runs is false without sm_90a code
 #endif
@@ -208,9 +290,17 @@ cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   // dkv: K + V + 2×Q + 2×dO tiles, P̃ and dS, lse, Δ, bias: D = 64 → 66 304 B, D = 128 → 115 456 B, under the
   // 115 712 B (half of 228 KB, less 1 KB reserved a CTA) that lets two CTAs share an SM.
   const size_t dkv_bytes = 6 * kSwTileBytes<D> + 2 * kSwTileBytes<kBlock> + 3 * kBlock * sizeof(float);
+  // The sum of a grouped cluster's parts takes 2 × 64 × D floats of it: 32 or 64 KB, within those bytes.
+  static_assert(2 * kBlock * D * sizeof(float) <= 6 * kSwTileBytes<D>, "");
   const int64_t dkv_blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
   if (a.kv_heads != a.heads) {
-    return launch(attention_bwd_dkv_sm90_kernel<T, D, true>, dkv_blocks, dkv_bytes, a, stream);
+    auto kernel = attention_bwd_dkv_sm90_kernel<T, D, true>;
+    int per_sm = 0;
+    err = allow_dynamic_smem(kernel, int(dkv_bytes));
+    if (err == cudaSuccess) err = max_active_blocks(kernel, kThreads, dkv_bytes, &per_sm);
+    if (err != cudaSuccess) return err;
+    const int cluster = dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
+    return launch(kernel, dkv_blocks * cluster, dkv_bytes, a, stream, kThreads, cluster);
   }
   return launch(attention_bwd_dkv_sm90_kernel<T, D, false>, dkv_blocks, dkv_bytes, a, stream);
 }
