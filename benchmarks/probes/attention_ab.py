@@ -1,0 +1,169 @@
+"""Same-process A/B of several trees' Hopper attention kernels (bf16, head dims 64 and 128, sm_90a):
+
+    scripts/ab_attention.sh DIR BASE_REV REV[,NVCC_FLAG...] ...     # here: one shared library a tree
+    python benchmarks/probes/attention_ab.py DIR/*.so                # on an H100/H200; the first is the base
+
+Not a benchmark of the op (benchmarks/bench_attention.py is, beside PyTorch): a measurement to steer changes to
+the kernels, without building the extension once per tree. Each library holds one tree's launchers
+(benchmarks/probes/attention_ab.cu), so every kernel runs on the same inputs, machine and clocks.
+
+Correctness, each library against the base on random inputs (causal or not, grouped K/V heads, partial
+blocks, dropout with the forward's bits kept): out, lse, Δ, the dropout bits, dQ and, without grouped K/V
+heads, dK and dV must be bitwise equal (a change to how the kernels schedule their work leaves each row's
+arithmetic alone); with grouped K/V heads dK and dV within 2% of the base's largest (the group's heads may
+be summed in another order) and bitwise equal on a second call. A loose check against fp32 SDPA guards against
+a bug the trees share. Timing: forward and backward (dQ and dK/dV kernels) of each library, CUDA events around
+20 calls, the median of 3 rounds that alternate the libraries; printed as ms and base / library.
+Exit status 1 when a check fails.
+"""
+import argparse
+import ctypes
+import os
+import sys
+
+import torch
+
+BF16 = torch.bfloat16
+# (batch, heads, kv_heads, q_len, k_len, head_dim), causal
+CHECKS = [((2, 4, 4, 200, 200, 64), True), ((2, 4, 4, 129, 1031, 64), False), ((1, 6, 2, 1031, 129, 128), True),
+          ((2, 4, 1, 70, 2053, 128), True), ((2, 3, 3, 64, 300, 64), False), ((1, 12, 4, 1000, 1000, 64), True),
+          ((3, 2, 2, 257, 257, 128), False), ((1, 2, 2, 130, 700, 64), True), ((1, 16, 1, 300, 300, 64), True),
+          ((1, 11, 1, 200, 200, 64), True), ((2, 14, 2, 333, 333, 128), True), ((2, 8, 4, 100, 500, 64), False)]
+DROPOUT_CHECKS = [((2, 4, 4, 200, 200, 64), True), ((1, 6, 2, 1031, 129, 128), True), ((2, 3, 3, 64, 300, 64), False)]
+TIMINGS = [((8, 12, 4, 1024, 1024, 64), True), ((8, 12, 4, 2048, 2048, 64), True), ((4, 12, 4, 4096, 4096, 64), True),
+           ((8, 12, 4, 2048, 2048, 128), True), ((8, 32, 8, 1024, 1024, 128), True), ((8, 14, 2, 1024, 1024, 64), True),
+           ((8, 16, 16, 2048, 2048, 64), True), ((8, 8, 8, 2048, 2048, 128), True), ((64, 16, 16, 256, 256, 64), True),
+           ((8, 12, 4, 2048, 2048, 64), False)]
+LABELS = ("out", "dq", "dk", "dv", "lse", "delta", "keep")
+
+
+def load(path):
+    lib = ctypes.CDLL(os.path.abspath(path))
+    lib.attn_run.restype = ctypes.c_int
+    lib.attn_run.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 10 + [ctypes.c_int] * 7 +
+                             [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
+    return lib
+
+
+def inputs(shape, seed):
+    b, h, hk, lq, lk, d = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, dout = (torch.randn(b, lq, h, d, device="cuda", dtype=BF16, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, lk, hk, d, device="cuda", dtype=BF16, generator=g) for _ in range(2))
+    return q, k, v, dout
+
+
+def outputs(q, k, shape, p):
+    """out, dq, dk, dv, lse, delta (NaN-filled: a value a kernel fails to write shows), keep (or None)."""
+    b, h, hk, lq, lk, d = shape
+    nan = float("nan")
+    keep = torch.zeros(b * h * ((lq + 63) // 64 * 4) * ((lk + 63) // 64) * 32, dtype=torch.int32, device="cuda") \
+        if p > 0 else None
+    return [torch.full_like(q, nan), torch.full_like(q, nan), torch.full_like(k, nan), torch.full_like(k, nan),
+            torch.full((b, h, lq), nan, device="cuda"), torch.full((b, h, lq), nan, device="cuda"), keep]
+
+
+def run(lib, backward, tensors, outs, shape, causal, p=0.0):
+    q, k, v, dout = tensors
+    out, dq, dk, dv, lse, delta, keep = outs
+    rc = lib.attn_run(backward, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
+                      dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), lse.data_ptr(), delta.data_ptr(), *shape,
+                      int(causal), torch.cuda.current_stream().cuda_stream, p,
+                      keep.data_ptr() if keep is not None else None)
+    if rc != 0:
+        raise RuntimeError(f"attn_run returned CUDA error {rc}")
+
+
+def forward_backward(lib, tensors, shape, causal, p):
+    outs = outputs(tensors[0], tensors[1], shape, p)
+    run(lib, 0, tensors, outs, shape, causal, p)
+    run(lib, 1, tensors, outs, shape, causal, p)
+    torch.cuda.synchronize()
+    return outs
+
+
+def check(base, lib, name, shape, causal, p):
+    tensors = inputs(shape, seed=1)
+    want, got = forward_backward(base, tensors, shape, causal, p), forward_backward(lib, tensors, shape, causal, p)
+    grouped = shape[1] != shape[2]
+    bad = []
+    for label, w, g in zip(LABELS, want, got):
+        if w is None:
+            continue
+        if torch.isnan(g.float()).any():
+            bad.append(f"{label} NaN")
+        elif grouped and label in ("dk", "dv"):
+            rel = ((w.float() - g.float()).abs().max() / w.float().abs().max()).item()
+            if not rel < 2e-2:
+                bad.append(f"{label} off by {rel:.2e} of its largest")
+        elif not torch.equal(w, g):
+            bad.append(f"{label} differs")
+    if grouped and not all(torch.equal(x, y) for x, y in zip(forward_backward(lib, tensors, shape, causal, p)[:6],
+                                                             got[:6])):
+        bad.append("a second call differs")
+    err = ""
+    b, h, hk, lq, lk, d = shape
+    if p == 0 and (lq == lk or not causal):  # SDPA's causal mask is top-left aligned, lsmini's bottom-right
+        qf, kf, vf = (t.float().transpose(1, 2) for t in tensors[:3])
+        ref = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, is_causal=causal, enable_gqa=h != hk)
+        dev = (got[0].float().transpose(1, 2) - ref).abs().max().item()
+        err = f"; |out − fp32 SDPA| {dev:.4f}"
+        if not dev < 0.05:
+            bad.append("out far from SDPA")
+    print(f"[{name}] {shape} causal={causal} p={p}: {'ok' if not bad else ', '.join(bad)}{err}", flush=True)
+    return not bad
+
+
+def timing(libs, shape, causal, iters=20, rounds=3):
+    tensors = inputs(shape, seed=2)
+    outs = outputs(tensors[0], tensors[1], shape, 0.0)
+    times = {}
+    for _ in range(rounds):
+        for name, lib in libs.items():
+            for backward in (0, 1):
+                for _ in range(3):
+                    run(lib, backward, tensors, outs, shape, causal)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    run(lib, backward, tensors, outs, shape, causal)
+                end.record()
+                end.synchronize()
+                times.setdefault((name, backward), []).append(start.elapsed_time(end) / iters)
+    med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    names = list(libs)
+    line = f"{shape} causal={causal}: {names[0]} fwd {med[names[0], 0]:.4f} bwd {med[names[0], 1]:.4f} ms"
+    for name in names[1:]:
+        line += (f" | {name} fwd {med[name, 0]:.4f} ({med[names[0], 0] / med[name, 0]:.3f}×) "
+                 f"bwd {med[name, 1]:.4f} ({med[names[0], 1] / med[name, 1]:.3f}×)")
+    print(line, flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("libs", nargs="+", help="shared libraries from scripts/ab_attention.sh; the first is the base")
+    ap.add_argument("--no-timing", action="store_true", help="the checks only")
+    args = ap.parse_args(argv)
+    if len(args.libs) < 2:
+        ap.error("give the base and at least one library to compare with it")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        sys.exit("attention_ab.py: the Hopper kernels need a compute capability 9.0 device")
+    libs = {os.path.splitext(os.path.basename(p))[0]: load(p) for p in args.libs}
+    if len(libs) != len(args.libs):
+        ap.error("give the libraries distinct file names: they name the columns")
+    names = list(libs)
+    ok = True
+    for name in names[1:]:
+        for shape, causal in CHECKS:
+            ok &= check(libs[names[0]], libs[name], name, shape, causal, 0.0)
+        for shape, causal in DROPOUT_CHECKS:
+            ok &= check(libs[names[0]], libs[name], name, shape, causal, 0.1)
+    print("checks:", "all passed" if ok else "FAILED", flush=True)
+    if not args.no_timing:
+        for shape, causal in TIMINGS:
+            timing(libs, shape, causal)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
