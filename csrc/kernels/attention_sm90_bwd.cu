@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
 // block's CTAs are a cluster, each walking group / cluster of the heads, their dK and dV summed in the cluster's
 // shared memory at the end (which costs more than the tail it saves otherwise). The cluster is the largest
 // divisor of the group up to 8, the portable cluster size (1: a prime group above 7 keeps one CTA).
-__host__ __device__ constexpr int dkv_cluster(int group) {
+constexpr int dkv_cluster(int group) {
   for (int c = group < 8 ? group : 8; c > 1; --c)
     if (group % c == 0) return c;
   return 1;
