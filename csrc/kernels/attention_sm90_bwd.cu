@@ -125,6 +125,21 @@ bool dkv_tail_bound(const AttentionArgs<T>& a, int resident_ctas) {
 }
 
 #if defined(LSMINI_SM90A_DEVICE)
+// The warp's 16×64 C tiles x (rows r0 + g, r0 + g + 8) as T into the swizzled 64×64 tile at `tile`, four 8×8
+// matrices a stmatrix (column tiles n and n + 1, both row halves); `row` is this lane's row of them (s_rows).
+template <typename T>
+__device__ __forceinline__ void store_c_tile(uint32_t tile, int row, const float (&x)[8][4]) {
+  const int col = ((threadIdx.x & 31) >> 4) * 8;
+#pragma unroll
+  for (int n = 0; n < 8; n += 2) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     tile + sw_offset(row, n * 8 + col)),
+                 "r"(pack2<T>(x[n][0], x[n][1])), "r"(pack2<T>(x[n][2], x[n][3])),
+                 "r"(pack2<T>(x[n + 1][0], x[n + 1][1])), "r"(pack2<T>(x[n + 1][2], x[n + 1][3]))
+                 : "memory");
+  }
+}
+
 // Sum the fp32 [64 × D] dK and dV each CTA of the cluster put at the same offset of its shared memory (dK then
 // dV, row-major), in rank order (so the result does not depend on timing); CTA `rank` of `n` takes every n-th
 // 4-element chunk from `rank` on, and writes the rows below k_len, dK times scale.
@@ -186,6 +201,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   const Setup<T> st(a, kGrouped ? group_first_head(a, block / nkb) + rank * heads_per_cta : int(block / nkb));
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int r0 = warp * 16;  // the warp's query rows of a tile, then its key rows of the block
+  // This lane's row of the 8×8 matrices store_c_tile writes: lanes 8m..8m+7 address matrix m, rows
+  // [0, 8) of the warp's 16 for m = 0, 2 and [8, 16) for m = 1, 3.
+  const int s_rows = r0 + (threadIdx.x & 7) + ((threadIdx.x >> 3) & 1) * 8;
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   const T* q = st.at(a.q);
@@ -231,14 +249,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     const float delta[2] = {sDelta[r0 + g], sDelta[r0 + g + 8]};
     tile_ds<T, true>(s, dp, st.head(j), sBias, lse2, delta, q_begin + (t - j * q_tiles) * kBlock + r0, k0);
     // P̃ and dS: the wgmmas of iteration t − 1 that read them were waited for before its closing barrier.
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const uint32_t off = sw_offset(r0 + g + 8 * r, n * 8) + 4 * c;
-        *reinterpret_cast<uint32_t*>(pP + off) = pack2<T>(dp[n][2 * r], dp[n][2 * r + 1]);
-        *reinterpret_cast<uint32_t*>(pdS + off) = pack2<T>(s[n][2 * r], s[n][2 * r + 1]);
-      }
+    store_c_tile<T>(sP, s_rows, dp);
+    store_c_tile<T>(sdS, s_rows, s);
     fence_async_shared();
     __syncthreads();  // every warp's rows of P̃ and dS are written, and its lse and Δ read
     // The next tile's lse and Δ: loaded while the MMAs below run, stored after them; pipeline_next's barrier
