@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import lsmini
 from lsmini.ops.layernorm import layer_norm, layer_norm_ref
-from util import LOWP, LsminiOps, assert_close_fp32, assert_lowp_rule, max_err
+from util import LOWP, LsminiOps, assert_close_fp32, assert_lowp_rule, assert_same_up_to_sum_order, max_err
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -407,3 +407,46 @@ def test_config_reference(monkeypatch):
         y = layer_norm(x.requires_grad_(), w, b)
     assert ops.names == [] and y.grad_fn is not None
     torch.testing.assert_close(y, layer_norm_ref(x, w, b))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,param_dtype", [(d, w) for d in DTYPES for w in [None, torch.float32] if w != d])
+@pytest.mark.parametrize("rows,hidden", [(257, 1032), (9, 1001), (33, 512), (5, 8192)])  # vector and scalar paths
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_kernel_residual_form_is_bias_dropout_residual_then_norm(dtype, param_dtype, rows, hidden, p, has_bias):
+    """The residual form, s = residual + dropout(x + x_bias) normalized in one kernel, gives the same bits of s as
+    bias_dropout_residual_fwd, and y, mean and rstd as layernorm_fwd of that s up to the order of the row's fp32
+    sums (the residual form gives a thread at most 16 elements of the row, the plain kernel 32, so they may split
+    a row over different thread counts): within one rounding of T; into sum_out and over x itself too."""
+    ext = lsmini._backend.ext()
+    x, w, b, residual = _inputs(rows, hidden, dtype, "cuda", param_dtype=param_dtype)
+    x_bias = (0.5 * torch.randn(hidden, device="cuda")).to(param_dtype or dtype) if has_bias else None
+    rng = (1234, 56, 0, 0)
+    s_ref = ext.bias_dropout_residual_fwd(x, x_bias, residual, p, rng)
+    y_ref, mean_ref, rstd_ref = ext.layernorm_fwd(s_ref, w, b, 1e-5)
+    y, mean, rstd, s = ext.layernorm_fwd(x, w, b, 1e-5, residual=residual, x_bias=x_bias, p=p, rng=rng)
+    assert torch.equal(s, s_ref)
+    assert_same_up_to_sum_order(y, y_ref, mean, mean_ref, rstd, rstd_ref)
+    over_x = x.clone()
+    y2, _, _, s2 = ext.layernorm_fwd(over_x, w, b, 1e-5, residual=residual, x_bias=x_bias, p=p, rng=rng,
+                                     sum_out=over_x)
+    assert s2.data_ptr() == over_x.data_ptr() and torch.equal(over_x, s_ref) and torch.equal(y2, y)
+
+
+
+@pytest.mark.cuda
+def test_kernel_residual_form_bad_input_errors():
+    ext = lsmini._backend.ext()
+    x, w, b, residual = _inputs(4, 64, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="layernorm_fwd: x_bias, p and sum_out are those of the residual form"):
+        ext.layernorm_fwd(x, w, b, 1e-5, p=0.1, rng=(1, 2, 0, 0))
+    with pytest.raises(RuntimeError, match="layernorm_fwd: x_bias must have the weight and bias's dtype"):
+        ext.layernorm_fwd(x, w, b, 1e-5, residual=residual, x_bias=torch.zeros(64, device="cuda"))
+    with pytest.raises(RuntimeError, match="layernorm_fwd: residual must"):
+        ext.layernorm_fwd(x, w, b, 1e-5, residual=residual[:, :32])
+    rows_5 = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="layernorm_fwd: sum_out partially overlaps x"):
+        ext.layernorm_fwd(rows_5[:4], w, b, 1e-5, residual=residual, sum_out=rows_5[1:])
+    with pytest.raises(RuntimeError, match="layernorm_fwd: sum_out overlaps residual"):
+        ext.layernorm_fwd(x, w, b, 1e-5, residual=residual, sum_out=residual)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import lsmini
 from lsmini import limits
 from lsmini.ops import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref
-from util import LOWP, LsminiOps, assert_close_fp32, assert_column_sum_close, assert_lowp_rule, max_err
+from util import (LOWP, LsminiOps, assert_close_fp32, assert_column_sum_close, assert_lowp_rule,
+                  assert_same_up_to_sum_order, max_err)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 EPS = 1e-6
@@ -526,3 +527,26 @@ def test_config_reference(monkeypatch):
         y = rms_norm(x.requires_grad_(), w)
     assert ops.names == [] and y.grad_fn is not None
     torch.testing.assert_close(y, rms_norm_ref(x, w))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,weight_dtype", [(d, w) for d in DTYPES for w in ["same", torch.float32] if w != d])
+@pytest.mark.parametrize("rows,hidden", [(257, 1032), (9, 1001), (33, 512), (5, 8192)])  # vector and scalar paths
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_kernel_residual_form_is_bias_dropout_residual_then_norm(dtype, weight_dtype, rows, hidden, p, has_bias):
+    """The residual form with a bias and dropout, s = residual + dropout(x + x_bias) normalized in one kernel,
+    gives the same bits of s as bias_dropout_residual_fwd, and y and rstd as rms_norm_fwd of that s up to the
+    order of the row's fp32 sum (with dropout the residual form gives a thread at most 16 elements of the row, the
+    plain kernel 32, so they may split a row over different thread counts)."""
+    ext = lsmini._backend.ext()
+    x, residual, w = _inputs((rows, hidden), dtype, "cuda", weight_dtype)[:3]
+    x_bias = (0.5 * torch.randn(hidden, device="cuda")).to(w.dtype) if has_bias else None
+    rng = (4321, 65, 0, 0)
+    s_ref = ext.bias_dropout_residual_fwd(x, x_bias, residual, p, rng)
+    _, y_ref, rstd_ref = ext.rms_norm_fwd(s_ref, w, EPS)
+    s, y, rstd = ext.rms_norm_fwd(x, w, EPS, residual, x_bias, p, rng)
+    assert torch.equal(s, s_ref)
+    assert_same_up_to_sum_order(y, y_ref, rstd, rstd_ref)
+    with pytest.raises(ValueError, match="rms_norm_fwd: x_bias and p are those of the residual form"):
+        ext.rms_norm_fwd(x, w, EPS, None, x_bias, 0.1, rng)

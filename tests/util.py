@@ -192,3 +192,13 @@ def amp_train_step(model, crit, opt, scaler):
         return loss.detach()
 
     return step
+
+
+def assert_same_up_to_sum_order(y, y_ref, *stats):
+    """Each fp32 statistic within a few fp32 roundings (sums of about 10^3 terms in another order), y within
+    those carried through plus one rounding of its dtype (a last-bit change of the statistics can move y across
+    a rounding boundary)."""
+    for ours, ref in zip(stats[::2], stats[1::2]):
+        torch.testing.assert_close(ours, ref, rtol=2e-6, atol=1e-6)
+    eps = torch.finfo(y.dtype).eps
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=eps + 4e-6, atol=4 * eps + 4e-6)

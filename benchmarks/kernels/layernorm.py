@@ -1,7 +1,10 @@
-"""layernorm_fwd / layernorm_bwd beside torch.nn.functional.layer_norm (same run)."""
+"""layernorm_fwd / layernorm_bwd beside torch.nn.functional.layer_norm (same run), and layernorm_fwd's residual
+form (s = residual + dropout(x + bias), then LayerNorm(s): a post-norm block's add & norm) beside the same
+expression in PyTorch, eager and compiled."""
 import torch
 import torch.nn.functional as F
 
+import common
 import lsmini
 
 
@@ -43,3 +46,34 @@ def bench(ctx):
                                                                        (True, True, True)),
                     nbytes=bwd_bytes, note=note)
             del x, w, b, dy, tx, tdy, mean, rstd, tmean, trstd
+    residual_form(ctx)
+
+
+def residual_form(ctx):
+    """65536 rows, dropout 0.1, the bias and norm parameters in the activations' dtype or (autocast) float32.
+    Bytes: read x and residual, write s and y (4 · rows · hidden · s; the bias, the parameters and mean/rstd left
+    out)."""
+    if not ctx.wanted("layernorm_fwd"):
+        return
+    ext = lsmini._backend.ext()
+    rows, p = 65536, 0.1
+    for dtype, param_dtype in ((torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)):
+        for hidden in ([1024] if ctx.quick else [512, 768, 1024, 4096]):
+            shape = f"{rows}x{hidden} residual form p={p}" + ("" if param_dtype == dtype else " fp32 params")
+            x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+            res = torch.randn_like(x)
+            w, b, xb = (torch.randn(hidden, device="cuda", dtype=param_dtype) for _ in range(3))
+            rng = lsmini._backend.philox_seed_offset()
+            mixed = param_dtype != dtype
+
+            def torch_fwd():
+                with torch.autocast("cuda", dtype=dtype, enabled=mixed):
+                    s = res + F.dropout(x + xb, p)
+                    return s, F.layer_norm(s, (hidden,), w, b, 1e-5)
+
+            compiled = None if ctx.quick else common.compiled_or_none(torch_fwd, "layernorm_fwd residual form")
+            ctx.row("layernorm_fwd", dtype, shape,
+                    lambda: ext.layernorm_fwd(x, w, b, 1e-5, residual=res, x_bias=xb, p=p, rng=rng), torch_fwd,
+                    nbytes=4 * x.numel() * x.element_size(), compiled_fn=compiled,
+                    note="torch: autocast" if mixed else "")
+            del x, res, w, b, xb

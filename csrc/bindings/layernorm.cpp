@@ -44,16 +44,29 @@ const W* opt_ptr(const c10::optional<at::Tensor>& t) {
 
 }  // namespace
 
-// Returns (y, mean, rstd); y written into `out` when given.
+// Returns (y, mean, rstd), and s after them in the residual form (with residual: s = residual + dropout_p(x +
+// x_bias), norm_residual.h, normalized instead of x; x_bias in the parameters' dtype). y written into `out`,
+// s into `sum_out` when given (which may be x itself).
 std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& weight_in,
                                       const c10::optional<at::Tensor>& bias_in, double eps,
                                       const c10::optional<at::Tensor>& out,
                                       const c10::optional<at::Tensor>& mean_out,
-                                      const c10::optional<at::Tensor>& rstd_out) {
+                                      const c10::optional<at::Tensor>& rstd_out,
+                                      const c10::optional<at::Tensor>& residual_in,
+                                      const c10::optional<at::Tensor>& x_bias_in, double p, const PhiloxTuple& rng,
+                                      const c10::optional<at::Tensor>& sum_out) {
   const char* op = "layernorm_fwd";
   check_x(x_in, op, "x");
   LSMINI_CHECK(eps >= 0, op, ": eps must be >= 0, got ", eps);
   const at::ScalarType pt = param_dtype(x_in, weight_in, bias_in, op);
+  check_probability(p, op, "p");
+  LSMINI_CHECK(residual_in || (!x_bias_in && p == 0.0 && !sum_out), op,
+               ": x_bias, p and sum_out are those of the residual form: they need a residual");
+  if (residual_in) check_like(*residual_in, x_in, x_in.scalar_type(), x_in.sizes(), op, "residual", "x");
+  if (x_bias_in) {  // [hidden] on x's device (param_dtype checks it) in the weight and bias's dtype
+    LSMINI_CHECK(param_dtype(x_in, x_bias_in, c10::nullopt, op) == pt, op,
+                 ": x_bias must have the weight and bias's dtype (", pt, "), got ", x_bias_in->scalar_type());
+  }
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   c10::optional<at::Tensor> weight, bias;
@@ -76,21 +89,32 @@ std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x_in, const c10::optiona
     return *given;
   };
   at::Tensor mean = stats(mean_out, "mean_out"), rstd = stats(rstd_out, "rstd_out");
+  c10::optional<at::Tensor> residual, x_bias, sum;
+  if (residual_in) {
+    residual = residual_in->contiguous();
+    if (x_bias_in) x_bias = x_bias_in->contiguous();
+    if (sum_out) {
+      check_written(*sum_out, x, op, "sum_out");
+      check_overlap(*sum_out, x, true, op, "sum_out", "x");  // x itself: s over x, in place
+      check_overlap(*sum_out, *residual, false, op, "sum_out", "residual");
+    }
+    sum = sum_out ? *sum_out : at::empty_like(x);
+  }
   dispatch_float(x.scalar_type(), op, [&](auto tag) {
     using scalar_t = decltype(tag);
     using K = typename KernelType<scalar_t>::type;
-    cudaError_t err;
-    if (pt == at::kFloat) {
-      err = launch_layernorm_fwd<K, float>(kptr<scalar_t>(x), opt_ptr<float>(weight), opt_ptr<float>(bias),
-                                           kptr<scalar_t>(y), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows,
-                                           hidden, static_cast<float>(eps), current_stream());
-    } else {
-      err = launch_layernorm_fwd<K, K>(kptr<scalar_t>(x), opt_ptr<K>(weight), opt_ptr<K>(bias), kptr<scalar_t>(y),
-                                       mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, hidden,
-                                       static_cast<float>(eps), current_stream());
-    }
-    check_launch(err, op);
+    auto run = [&](auto w) {
+      using W = decltype(w);
+      const NormResidual<K, W> add{residual ? kptr<scalar_t>(*residual) : nullptr, opt_ptr<W>(x_bias),
+                                   sum ? kptr<scalar_t>(*sum) : nullptr, static_cast<float>(p),
+                                   p > 0.0 ? philox_args(rng, op) : PhiloxArgs{}};
+      return launch_layernorm_fwd<K, W>(kptr<scalar_t>(x), opt_ptr<W>(weight), opt_ptr<W>(bias), kptr<scalar_t>(y),
+                                        mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, hidden,
+                                        static_cast<float>(eps), residual ? &add : nullptr, current_stream());
+    };
+    check_launch(pt == at::kFloat ? run(float{}) : run(K{}), op);
   });
+  if (sum) return {y, mean, rstd, *sum};
   return {y, mean, rstd};
 }
 
@@ -169,10 +193,13 @@ namespace {
 
 void register_layernorm(pybind11::module_& m) {
   m.def("layernorm_fwd", &layernorm_fwd,
-        "LayerNorm forward: (y, mean, rstd), each into out / mean_out / rstd_out when given",
+        "LayerNorm forward: (y, mean, rstd), each into out / mean_out / rstd_out when given; with residual also s = "
+        "residual + dropout_p(x + x_bias), normalized instead of x and returned last (into sum_out when given)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("eps"),
         pybind11::arg("out") = pybind11::none(), pybind11::arg("mean_out") = pybind11::none(),
-        pybind11::arg("rstd_out") = pybind11::none());
+        pybind11::arg("rstd_out") = pybind11::none(), pybind11::arg("residual") = pybind11::none(),
+        pybind11::arg("x_bias") = pybind11::none(), pybind11::arg("p") = 0.0,
+        pybind11::arg("rng") = PhiloxTuple{0, 0, 0, 0}, pybind11::arg("sum_out") = pybind11::none());
   m.def("layernorm_bwd",
         [](const at::Tensor& dy, const at::Tensor& x, const c10::optional<at::Tensor>& weight,
            const c10::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,

@@ -26,12 +26,17 @@ PhiloxTuple philox_seed_offset(c10::DeviceIndex device_index = -1);
 // philox_state.cpp: rngs → out, an int64 CUDA tensor [len(rngs), 2] of resolved (seed, offset).
 void philox_state_fwd(const std::vector<PhiloxTuple>& rngs, const at::Tensor& out);
 
-// layernorm.cpp: (y, mean, rstd), each into out / mean_out / rstd_out when given.
+// layernorm.cpp: (y, mean, rstd), each into out / mean_out / rstd_out when given; with residual (the residual
+// form, norm_residual.h) also s, normalized instead of x, into sum_out when given (x itself allowed).
 std::vector<at::Tensor> layernorm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                       const std::optional<at::Tensor>& bias, double eps,
                                       const std::optional<at::Tensor>& out,
                                       const std::optional<at::Tensor>& mean_out = std::nullopt,
-                                      const std::optional<at::Tensor>& rstd_out = std::nullopt);
+                                      const std::optional<at::Tensor>& rstd_out = std::nullopt,
+                                      const std::optional<at::Tensor>& residual = std::nullopt,
+                                      const std::optional<at::Tensor>& x_bias = std::nullopt, double p = 0.0,
+                                      const PhiloxTuple& rng = {0, 0, 0, 0},
+                                      const std::optional<at::Tensor>& sum_out = std::nullopt);
 // (dx, dweight, dbias); with add, dx = input gradient + add; dx into out when given (out may be add).
 std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                                      const std::optional<at::Tensor>& weight,
@@ -43,7 +48,8 @@ std::vector<std::optional<at::Tensor>> layernorm_bwd(const at::Tensor& dy, const
 // rms_norm.cpp: (s or None, y, rstd); with residual, s = x + residual is normalized instead of x.
 std::tuple<std::optional<at::Tensor>, at::Tensor, at::Tensor> rms_norm_fwd(
     const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps,
-    const std::optional<at::Tensor>& residual = std::nullopt);
+    const std::optional<at::Tensor>& residual = std::nullopt, const std::optional<at::Tensor>& x_bias = std::nullopt,
+    double p = 0.0, const PhiloxTuple& rng = {0, 0, 0, 0});
 // (dx, dweight or None) from the normalized input x (s of the residual form); with add, dx + add.
 std::tuple<at::Tensor, std::optional<at::Tensor>> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
                                                               const std::optional<at::Tensor>& weight,

@@ -1,6 +1,7 @@
 // RMSNorm bindings (kernels in csrc/kernels/rms_norm.cu and rms_norm_bwd.cu):
-//   rms_norm_fwd(x, weight|None, eps, residual=None) -> (s|None, y, rstd)
-//     y = x·rstd·weight, rstd = 1/sqrt(mean(x²) + eps) per row (float32); with residual, s = x + residual
+//   rms_norm_fwd(x, weight|None, eps, residual=None, x_bias=None, p=0, rng) -> (s|None, y, rstd)
+//     y = x·rstd·weight, rstd = 1/sqrt(mean(x²) + eps) per row (float32); with residual, s = residual +
+//     dropout_p(x + x_bias) (norm_residual.h; x_bias in the weight's dtype, rng as bias_dropout_residual_fwd's)
 //     is returned and normalized instead of x (the "add & norm" of a pre-norm block)
 //   rms_norm_bwd(dy, x, weight|None, rstd, add=None) -> (dx, dweight|None)
 //     x: the tensor the forward normalized (s in the residual form); dx + add when add is given
@@ -68,17 +69,28 @@ void dispatch_types(const at::Tensor& x, const std::optional<at::Tensor>& weight
 
 std::tuple<std::optional<at::Tensor>, at::Tensor, at::Tensor> rms_norm_fwd(
     const at::Tensor& x_in, const std::optional<at::Tensor>& weight_in, double eps,
-    const std::optional<at::Tensor>& residual_in) {
+    const std::optional<at::Tensor>& residual_in, const std::optional<at::Tensor>& x_bias_in, double p,
+    const PhiloxTuple& rng) {
   const char* op = "rms_norm_fwd";
   check_rows(x_in, op);
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, msg(op, ": eps must be a finite float > 0, got ", float_text(eps)));
   if (weight_in) check_weight(*weight_in, x_in, op);
   if (residual_in) check_like(*residual_in, x_in, x_in.scalar_type(), x_in.sizes(), op, "residual", "x");
+  check_probability(p, op, "p");
+  TORCH_CHECK_VALUE(residual_in || (!x_bias_in && p == 0.0),
+                    msg(op, ": x_bias and p are those of the residual form: they need a residual"));
+  if (x_bias_in) {
+    check_weight(*x_bias_in, x_in, op);
+    const at::ScalarType w = weight_in ? weight_in->scalar_type() : x_in.scalar_type();
+    TORCH_CHECK_TYPE(x_bias_in->scalar_type() == w,
+                     msg(op, ": x_bias must have the weight's dtype (", w, "), got ", x_bias_in->scalar_type()));
+  }
 
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
-  std::optional<at::Tensor> weight, residual, sum;
+  std::optional<at::Tensor> weight, residual, sum, x_bias;
   if (weight_in) weight = weight_in->contiguous();
+  if (x_bias_in) x_bias = x_bias_in->contiguous();
   if (residual_in) {
     residual = residual_in->contiguous();
     sum = at::empty_like(x);
@@ -90,10 +102,13 @@ std::tuple<std::optional<at::Tensor>, at::Tensor, at::Tensor> rms_norm_fwd(
   dispatch_types(x, weight, op, [&](auto t, auto w) {
     using T = decltype(t);
     using W = decltype(w);
-    const cudaError_t err = launch_rms_norm_fwd<T, W>(
-        static_cast<const T*>(x.data_ptr()), residual ? static_cast<const T*>(residual->data_ptr()) : nullptr,
-        opt_ptr<W>(weight), sum ? static_cast<T*>(sum->data_ptr()) : nullptr, static_cast<T*>(y.data_ptr()),
-        rstd.data_ptr<float>(), rows, hidden, static_cast<float>(eps), current_stream());
+    const NormResidual<T, W> add{residual ? static_cast<const T*>(residual->data_ptr()) : nullptr,
+                                 opt_ptr<W>(x_bias), sum ? static_cast<T*>(sum->data_ptr()) : nullptr,
+                                 static_cast<float>(p), p > 0.0 ? philox_args(rng, op) : PhiloxArgs{}};
+    const cudaError_t err = launch_rms_norm_fwd<T, W>(static_cast<const T*>(x.data_ptr()), opt_ptr<W>(weight),
+                                                      static_cast<T*>(y.data_ptr()), rstd.data_ptr<float>(), rows,
+                                                      hidden, static_cast<float>(eps), residual ? &add : nullptr,
+                                                      current_stream());
     check_launch(err, op);
   });
   return {sum, y, rstd};
@@ -142,8 +157,9 @@ void register_rms_norm(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("rms_norm_fwd", &rms_norm_fwd,
         "RMSNorm forward: (s or None, y, rstd); y = x·rstd·weight, rstd = 1/sqrt(mean(x²) + eps) (float32 [rows]); "
-        "with residual, s = x + residual is returned and normalized instead of x",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+        "with residual, s = residual + dropout_p(x + x_bias) is returned and normalized instead of x",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none(),
+        py::arg("x_bias") = py::none(), py::arg("p") = 0.0, py::arg("rng") = PhiloxTuple{0, 0, 0, 0});
   m.def("rms_norm_bwd", &rms_norm_bwd,
         "RMSNorm backward: (dx, dweight or None) from dy, the normalized input x, weight and the forward's rstd; "
         "with add, dx = the input gradient + add (rounded once)",

@@ -66,12 +66,6 @@ int resident_blocks_per_sm(Kernel kernel, int threads, size_t smem) {
   return std::max(n, 1);
 }
 
-// p → (threshold, scale). p ≥ 1 keeps nothing: scale 0 makes even a passing word contribute 0.
-void dropout_params(float p, uint32_t* threshold, float* scale) {
-  *threshold = dropout_threshold(p);
-  *scale = p < 1.f ? 1.f / (1.f - p) : 0.f;
-}
-
 // Raw 16-byte (or 1-element) load, kept packed until use (common.cuh's unpack) so a prefetched
 // row costs V·sizeof(T) bytes of registers, not V floats.
 template <typename T, int V>

@@ -279,6 +279,12 @@ __host__ __device__ __forceinline__ uint32_t dropout_threshold(float p) {
   return t <= 0.0 ? 0u : t >= 65536.0 ? 65536u : static_cast<uint32_t>(t);
 }
 
+// p → (threshold, scale) of dropout_apply. p ≥ 1 keeps nothing: scale 0 makes even a passing word contribute 0.
+inline void dropout_params(float p, uint32_t* threshold, float* scale) {
+  *threshold = dropout_threshold(p);
+  *scale = p < 1.f ? 1.f / (1.f - p) : 0.f;
+}
+
 // Single element (slow paths and tails).
 __device__ __forceinline__ bool dropout_keep(uint64_t seed, uint64_t offset, uint64_t i, uint32_t threshold) {
   const uint32_t v = word_of(dropout_bits(seed, offset, i / 8), int(i % 8) / 2);

@@ -2,6 +2,8 @@
  * layernorm.cu — LayerNorm over the last dimension, forward and backward.
  *
  *   forward:  y = (x − μ)·r·γ + β,  r = 1/sqrt(σ² + eps)  (biased σ²), saves μ and r (fp32) per row
+ *             residual form (norm_residual.h): s = residual + dropout(x + bias) (rounded to T, written
+ *             out), then y = LayerNorm(s) — the add & norm between two blocks
  *   backward: x̂ = (x − μ)·r,  g = γ·dy
  *             dx = r·(g − mean(g) − x̂·mean(g·x̂)) [+ add, a residual branch's gradient, when given]
  *             dγ = Σ_rows dy·x̂,  dβ = Σ_rows dy
@@ -33,16 +35,20 @@
 namespace lsmini {
 namespace {
 
-template <typename T, typename W, int VEC, int VPT>
+// ADD: the residual form (norm_residual.h: residual read, s written and normalized); DROPOUT: its p > 0.
+template <typename T, typename W, int VEC, int VPT, bool ADD, bool DROPOUT>
 __device__ __forceinline__ void layernorm_fwd_rows(const T* __restrict__ x, const W* __restrict__ weight,
                                                    const W* __restrict__ bias, T* __restrict__ y,
                                                    float* __restrict__ mean_out, float* __restrict__ rstd_out,
-                                                   int64_t rows, int hidden, float eps) {
+                                                   int64_t rows, int hidden, float eps, const NormResidual<T, W>& add,
+                                                   uint32_t threshold, float scale) {
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(add.rng) : PhiloxSeedOffset{0, 0};
   __shared__ float2 smem[32];
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool valid = row < rows;
   const int nvec = hidden / VEC;
-  const T* xr = x + (valid ? row : 0) * hidden;
+  const int64_t first = (valid ? row : 0) * hidden;
+  const T* xr = x + first;
 
   // All of the row's loads are issued before the first sum waits on one. Indices past the row are clamped
   // onto its last vector (and not counted) rather than guarded: a guarded load is a branch, and the compiler
@@ -53,7 +59,18 @@ __device__ __forceinline__ void layernorm_fwd_rows(const T* __restrict__ x, cons
     const int c = min(int(threadIdx.x + k * blockDim.x), nvec - 1);
     xv[k] = *reinterpret_cast<const Pack<T, VEC>*>(xr + c * VEC);
   }
-  const float shift = to_float(xr[0]);
+  // The shift: the row's first element (of s in the residual form, which every thread computes for itself).
+  float shift;
+  if constexpr (ADD) {
+    residual_sum<T, W, VEC, VPT, DROPOUT>(xv, add.residual, add.bias, first, nvec, threshold, scale, philox);
+    float s0[1] = {to_float(xr[0]) + (add.bias != nullptr ? to_float(add.bias[0]) : 0.f)};
+    if constexpr (DROPOUT) dropout_apply<1>(s0, philox.seed, philox.offset, uint64_t(first), threshold, scale);
+    s0[0] += to_float(add.residual[first]);
+    unpack(pack<T, 1>(s0), s0);
+    shift = s0[0];
+  } else {
+    shift = to_float(xr[0]);
+  }
   float2 s = make_float2(0.f, 0.f);
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
@@ -78,11 +95,12 @@ __device__ __forceinline__ void layernorm_fwd_rows(const T* __restrict__ x, cons
     mean_out[row] = shift + mu_s;
     rstd_out[row] = rstd;
   }
-  T* yr = y + row * hidden;
+  T* yr = y + first;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
     if (c < nvec) {
+      if constexpr (ADD) *reinterpret_cast<Pack<T, VEC>*>(add.sum + first + c * VEC) = xv[k];
       float f[VEC], w[VEC], b[VEC];
       unpack(xv[k], f);
       load_or<W, VEC>(weight, c, 1.f, w);
@@ -94,18 +112,19 @@ __device__ __forceinline__ void layernorm_fwd_rows(const T* __restrict__ x, cons
   }
 }
 
-template <typename T, typename W, int VEC, int VPT>
+template <typename T, typename W, int VEC, int VPT, bool ADD, bool DROPOUT>
 __global__ void __launch_bounds__(kFwdMaxThreads)
 layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, const W* __restrict__ bias,
                      T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
-                     int hidden, float eps) {
-  layernorm_fwd_rows<T, W, VEC, VPT>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps);
+                     int hidden, float eps, NormResidual<T, W> add, uint32_t threshold, float scale) {
+  layernorm_fwd_rows<T, W, VEC, VPT, ADD, DROPOUT>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps, add,
+                                                   threshold, scale);
 }
 
 // 16-bit rows of 16 elements a thread: at most 40 registers, so that six blocks of 256 threads fit an SM instead of
 // four or five at the 42-52 the compiler picks on its own; that helps most at hidden 512 with fp32 weights. At 32
 // elements a thread the same cap spills hundreds of bytes and runs at less than half the speed, so there, and
-// everywhere else, the kernel above runs.
+// everywhere else (the residual form too), the kernel above runs.
 // __maxnreg__ exists from CUDA 12.4 on; older toolkits build this kernel at the registers the compiler picks.
 #if __CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 4)
 #define LSMINI_FWD_40_REGISTERS __maxnreg__(40)
@@ -117,42 +136,61 @@ __global__ void LSMINI_FWD_40_REGISTERS
 layernorm_fwd_kernel_40_registers(const T* __restrict__ x, const W* __restrict__ weight,
                                   const W* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
                                   float* __restrict__ rstd_out, int64_t rows, int hidden, float eps) {
-  layernorm_fwd_rows<T, W, VEC, VPT>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps);
+  layernorm_fwd_rows<T, W, VEC, VPT, false, false>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps,
+                                                   NormResidual<T, W>{}, 0u, 1.f);
 }
 
-template <typename T, typename W, int VEC>
+template <typename T, typename W, int VEC, bool ADD, bool DROPOUT>
 cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, float* rstd, int64_t rows,
-                         int hidden, float eps, cudaStream_t stream) {
-  const RowGroups cfg = row_groups(hidden, VEC, kFwdMaxThreads, 32);
+                         int hidden, float eps, const NormResidual<T, W>& add, cudaStream_t stream) {
+  // the residual form holds x's and the residual's vectors at once: half as many elements a thread
+  const RowGroups cfg = row_groups(hidden, VEC, kFwdMaxThreads, ADD ? 16 : 32);
   const dim3 block(cfg.G, cfg.R);
   const int64_t grid = (rows + cfg.R - 1) / cfg.R;
+  uint32_t threshold = 0;
+  float scale = 1.f;
+  if (DROPOUT) dropout_params(add.p, &threshold, &scale);
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {
     constexpr int V = decltype(vpt)::value;
-    if constexpr (VEC == 8 && V == 2) {  // 16-bit T, 16 elements a thread
+    if constexpr (VEC == 8 && V == 2 && !ADD) {  // 16-bit T, 16 elements a thread
       layernorm_fwd_kernel_40_registers<T, W, VEC, V><<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows,
                                                                                  hidden, eps);
     } else {
-      layernorm_fwd_kernel<T, W, VEC, V><<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows, hidden, eps);
+      layernorm_fwd_kernel<T, W, VEC, V, ADD, DROPOUT>
+          <<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows, hidden, eps, add, threshold, scale);
     }
     return cudaGetLastError();
   });
+}
+
+template <typename T, typename W, bool ADD, bool DROPOUT>
+cudaError_t fwd_path(const T* x, const W* w, const W* b, T* y, float* mean, float* rstd, int64_t rows, int hidden,
+                     float eps, const NormResidual<T, W>& add, cudaStream_t stream) {
+  if (vectorizable<T, W>(x, y, w, b, hidden) && (!ADD || (vectorizable<T, W>(add.residual, add.sum, add.bias,
+                                                                              nullptr, hidden))))
+    return fwd_dispatch<T, W, Vec16<T>::value, ADD, DROPOUT>(x, w, b, y, mean, rstd, rows, hidden, eps, add, stream);
+  return fwd_dispatch<T, W, 1, ADD, DROPOUT>(x, w, b, y, mean, rstd, rows, hidden, eps, add, stream);
 }
 
 }  // namespace
 
 template <typename T, typename W>
 cudaError_t launch_layernorm_fwd(const T* x, const W* weight, const W* bias, T* y, float* mean, float* rstd,
-                                 int64_t rows, int hidden, float eps, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
-  if (hidden <= 0 || hidden > kLayerNormMaxHidden) return cudaErrorInvalidValue;
-  if (vectorizable<T, W>(x, y, weight, bias, hidden))
-    return fwd_dispatch<T, W, Vec16<T>::value>(x, weight, bias, y, mean, rstd, rows, hidden, eps, stream);
-  return fwd_dispatch<T, W, 1>(x, weight, bias, y, mean, rstd, rows, hidden, eps, stream);
+                                 int64_t rows, int hidden, float eps, const NormResidual<T, W>* add,
+                                 cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;  // before the pointer checks: an empty tensor's data pointer may be null
+  if (hidden <= 0 || hidden > kLayerNormMaxHidden || (add && (!add->residual || !add->sum)))
+    return cudaErrorInvalidValue;
+  if (add && add->p > 0.f)
+    return fwd_path<T, W, true, true>(x, weight, bias, y, mean, rstd, rows, hidden, eps, *add, stream);
+  if (add) return fwd_path<T, W, true, false>(x, weight, bias, y, mean, rstd, rows, hidden, eps, *add, stream);
+  return fwd_path<T, W, false, false>(x, weight, bias, y, mean, rstd, rows, hidden, eps, NormResidual<T, W>{},
+                                      stream);
 }
 
 #define LSMINI_INSTANTIATE_LN_FWD(T, W)                                                                      \
   template cudaError_t launch_layernorm_fwd<T, W>(const T*, const W*, const W*, T*, float*, float*, int64_t, \
-                                                  int, float, cudaStream_t);
+                                                  int, float, const NormResidual<T, W>*, cudaStream_t);
 LSMINI_FOR_LN_TYPES(LSMINI_INSTANTIATE_LN_FWD)
 
 }  // namespace lsmini

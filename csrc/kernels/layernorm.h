@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "column_sums.h"
+#include "norm_residual.h"
 
 namespace lsmini {
 
@@ -14,10 +15,12 @@ namespace lsmini {
 constexpr int kLayerNormMaxHidden = 32768;
 
 // y = (x − mean)·rstd·weight + bias over rows of `hidden`; writes mean/rstd (fp32, one per row).
-// weight/bias may be null (1 and 0). T: float, __half, __nv_bfloat16; W: float or T.
+// weight/bias may be null (1 and 0). With add (non-null): its residual form (norm_residual.h), s normalized
+// instead of x; add->residual and add->sum must then be non-null. T: float, __half, __nv_bfloat16; W: float or T.
 template <typename T, typename W>
 cudaError_t launch_layernorm_fwd(const T* x, const W* weight, const W* bias, T* y, float* mean, float* rstd,
-                                 int64_t rows, int hidden, float eps, cudaStream_t stream);
+                                 int64_t rows, int hidden, float eps, const NormResidual<T, W>* add,
+                                 cudaStream_t stream);
 
 // Rows of fp32 dγ/dβ partials launch_layernorm_bwd may write: its scratch holds
 // 2·layernorm_bwd_partial_rows(rows)·hidden floats.

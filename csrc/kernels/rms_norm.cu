@@ -2,15 +2,16 @@
  * rms_norm.cu — RMSNorm over the last dimension, forward (this file) and backward (rms_norm_bwd.cu).
  *
  *   forward:  y = x·r·w,  r = 1/sqrt(mean(x²) + eps), saves r (fp32) per row
- *             residual form: s = x + residual (rounded to T, written out), then y = RMSNorm(s)
+ *             residual form: s = residual + dropout(x + bias) (rounded to T, written out), y = RMSNorm(s)
  *   backward: x̂ = x·r,  g = w·dy
  *             dx = r·(g − x̂·mean(g·x̂)) [+ add, the gradient of s from its other uses]
  *             dw = Σ_rows dy·x̂
  *
- * The residual form is the "add & norm" of a pre-norm block: s is the new residual stream, y the input of
- * the next sub-block. Its backward is the plain backward at x = s with add = the gradient of s, and its dx
- * is then the gradient of both x and residual. The statistics of the residual form come from s as stored
- * (rounded to T), so the forward normalizes exactly the tensor its backward reads.
+ * The residual form (norm_residual.h) is the "add & norm" of a pre-norm block: s is the new residual stream, y
+ * the input of the next sub-block. Its backward is the plain backward at x = s with add = the gradient of s,
+ * whose dx is then the gradient of residual, and bias_dropout_residual's backward of it that of x and bias. The
+ * statistics of the residual form come from s as stored (rounded to T), so the forward normalizes exactly the
+ * tensor its backward reads.
  *
  * Layout: x, residual, s, y, dy, dx, add are row-major [rows, hidden] in T (float, __half,
  * __nv_bfloat16); w/dw are [hidden] of type W (float or T), w may be null (1). Math in fp32, one rounding
@@ -42,12 +43,13 @@
 namespace lsmini {
 namespace {
 
-// ADD: the residual form (residual read, s written and normalized).
-template <typename T, typename W, int VEC, int VPT, bool ADD>
+// ADD: the residual form (norm_residual.h: residual read, s written and normalized); DROPOUT: its p > 0.
+template <typename T, typename W, int VEC, int VPT, bool ADD, bool DROPOUT>
 __global__ void __launch_bounds__(kRmsFwdMaxThreads)
-rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, const W* __restrict__ weight,
-                    T* __restrict__ sum, T* __restrict__ y, float* __restrict__ rstd_out, int64_t rows, int hidden,
-                    float eps) {
+rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, T* __restrict__ y,
+                    float* __restrict__ rstd_out, int64_t rows, int hidden, float eps, NormResidual<T, W> add,
+                    uint32_t threshold, float scale) {
+  const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(add.rng) : PhiloxSeedOffset{0, 0};
   __shared__ float smem[32];
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool valid = row < rows;
@@ -63,23 +65,8 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, con
     const int c = min(int(threadIdx.x + k * blockDim.x), nvec - 1);
     sv[k] = *reinterpret_cast<const Pack<T, VEC>*>(x + first + c * VEC);
   }
-  if constexpr (ADD) {
-    Pack<T, VEC> rv[VPT];
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      const int c = min(int(threadIdx.x + k * blockDim.x), nvec - 1);
-      rv[k] = *reinterpret_cast<const Pack<T, VEC>*>(residual + first + c * VEC);
-    }
-#pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-      float a[VEC], b[VEC];
-      unpack(sv[k], a);
-      unpack(rv[k], b);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) a[j] += b[j];
-      sv[k] = pack<T, VEC>(a);  // s rounded to T: what is stored is what is normalized
-    }
-  }
+  if constexpr (ADD) residual_sum<T, W, VEC, VPT, DROPOUT>(sv, add.residual, add.bias, first, nvec, threshold, scale,
+                                                         philox);
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
@@ -98,7 +85,7 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, con
   for (int k = 0; k < VPT; ++k) {
     const int c = threadIdx.x + k * blockDim.x;
     if (c < nvec) {
-      if constexpr (ADD) *reinterpret_cast<Pack<T, VEC>*>(sum + first + c * VEC) = sv[k];
+      if constexpr (ADD) *reinterpret_cast<Pack<T, VEC>*>(add.sum + first + c * VEC) = sv[k];
       float f[VEC], w[VEC];
       unpack(sv[k], f);
       load_or<W, VEC>(weight, c, 1.f, w);
@@ -109,41 +96,48 @@ rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ residual, con
   }
 }
 
-template <typename T, typename W, int VEC, bool ADD>
-cudaError_t fwd_dispatch(const T* x, const T* residual, const W* w, T* sum, T* y, float* rstd, int64_t rows,
-                         int hidden, float eps, cudaStream_t stream) {
-  const RowGroups cfg = row_groups(hidden, VEC, kRmsFwdMaxThreads, 32);
+template <typename T, typename W, int VEC, bool ADD, bool DROPOUT>
+cudaError_t fwd_dispatch(const T* x, const W* w, T* y, float* rstd, int64_t rows, int hidden, float eps,
+                         const NormResidual<T, W>& add, cudaStream_t stream) {
+  // with dropout the residual form holds x's and the residual's vectors and Philox's state at once: half as many
+  // elements a thread
+  const RowGroups cfg = row_groups(hidden, VEC, kRmsFwdMaxThreads, DROPOUT ? 16 : 32);
   const dim3 block(cfg.G, cfg.R);
   const int64_t grid = (rows + cfg.R - 1) / cfg.R;
+  uint32_t threshold = 0;
+  float scale = 1.f;
+  if (DROPOUT) dropout_params(add.p, &threshold, &scale);
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {
-    rms_norm_fwd_kernel<T, W, VEC, decltype(vpt)::value, ADD>
-        <<<grid, block, 0, stream>>>(x, residual, w, sum, y, rstd, rows, hidden, eps);
+    rms_norm_fwd_kernel<T, W, VEC, decltype(vpt)::value, ADD, DROPOUT>
+        <<<grid, block, 0, stream>>>(x, w, y, rstd, rows, hidden, eps, add, threshold, scale);
     return cudaGetLastError();
   });
 }
 
-template <typename T, typename W, bool ADD>
-cudaError_t fwd_path(const T* x, const T* residual, const W* w, T* sum, T* y, float* rstd, int64_t rows,
-                     int hidden, float eps, cudaStream_t stream) {
-  if (rms_norm_vectorizable<T, W>(hidden, w, {x, residual, sum, y}))
-    return fwd_dispatch<T, W, Vec16<T>::value, ADD>(x, residual, w, sum, y, rstd, rows, hidden, eps, stream);
-  return fwd_dispatch<T, W, 1, ADD>(x, residual, w, sum, y, rstd, rows, hidden, eps, stream);
+template <typename T, typename W, bool ADD, bool DROPOUT>
+cudaError_t fwd_path(const T* x, const W* w, T* y, float* rstd, int64_t rows, int hidden, float eps,
+                     const NormResidual<T, W>& add, cudaStream_t stream) {
+  if (rms_norm_vectorizable<T, W>(hidden, w, {x, add.residual, add.sum, y}) &&
+      rms_norm_vectorizable<T, W>(hidden, add.bias, {}))
+    return fwd_dispatch<T, W, Vec16<T>::value, ADD, DROPOUT>(x, w, y, rstd, rows, hidden, eps, add, stream);
+  return fwd_dispatch<T, W, 1, ADD, DROPOUT>(x, w, y, rstd, rows, hidden, eps, add, stream);
 }
 
 }  // namespace
 
 template <typename T, typename W>
-cudaError_t launch_rms_norm_fwd(const T* x, const T* residual, const W* weight, T* sum, T* y, float* rstd,
-                                int64_t rows, int hidden, float eps, cudaStream_t stream) {
-  if (hidden <= 0 || hidden > kRmsNormMaxHidden || (residual && !sum)) return cudaErrorInvalidValue;
-  if (rows == 0) return cudaSuccess;
-  if (residual) return fwd_path<T, W, true>(x, residual, weight, sum, y, rstd, rows, hidden, eps, stream);
-  return fwd_path<T, W, false>(x, nullptr, weight, nullptr, y, rstd, rows, hidden, eps, stream);
+cudaError_t launch_rms_norm_fwd(const T* x, const W* weight, T* y, float* rstd, int64_t rows, int hidden, float eps,
+                                const NormResidual<T, W>* add, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;  // before the pointer checks: an empty tensor's data pointer may be null
+  if (hidden <= 0 || hidden > kRmsNormMaxHidden || (add && (!add->residual || !add->sum))) return cudaErrorInvalidValue;
+  if (add && add->p > 0.f) return fwd_path<T, W, true, true>(x, weight, y, rstd, rows, hidden, eps, *add, stream);
+  if (add) return fwd_path<T, W, true, false>(x, weight, y, rstd, rows, hidden, eps, *add, stream);
+  return fwd_path<T, W, false, false>(x, weight, y, rstd, rows, hidden, eps, NormResidual<T, W>{}, stream);
 }
 
-#define LSMINI_INSTANTIATE_RMS_NORM_FWD(T, W)                                                                 \
-  template cudaError_t launch_rms_norm_fwd<T, W>(const T*, const T*, const W*, T*, T*, float*, int64_t, int, \
-                                                 float, cudaStream_t);
+#define LSMINI_INSTANTIATE_RMS_NORM_FWD(T, W)                                                                  \
+  template cudaError_t launch_rms_norm_fwd<T, W>(const T*, const W*, T*, float*, int64_t, int, float,          \
+                                                 const NormResidual<T, W>*, cudaStream_t);
 LSMINI_FOR_RMS_NORM_TYPES(LSMINI_INSTANTIATE_RMS_NORM_FWD)
 
 }  // namespace lsmini

@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "column_sums.h"
+#include "norm_residual.h"
 
 namespace lsmini {
 
@@ -14,12 +15,11 @@ namespace lsmini {
 constexpr int kRmsNormMaxHidden = 32768;
 
 // y = x·rstd·weight over rows of `hidden`, rstd = 1/sqrt(mean(x²) + eps) written per row (fp32).
-// With residual (non-null): s = x + residual (rounded to T) is written to `sum` and normalized instead of x
-// (the "add & norm" of a pre-norm block); sum must then be non-null. weight may be null (1).
-// T: float, __half, __nv_bfloat16; W: float or T.
+// With add (non-null): its residual form (norm_residual.h), s normalized instead of x; add->residual and add->sum
+// must then be non-null. weight may be null (1). T: float, __half, __nv_bfloat16; W: float or T.
 template <typename T, typename W>
-cudaError_t launch_rms_norm_fwd(const T* x, const T* residual, const W* weight, T* sum, T* y, float* rstd,
-                                int64_t rows, int hidden, float eps, cudaStream_t stream);
+cudaError_t launch_rms_norm_fwd(const T* x, const W* weight, T* y, float* rstd, int64_t rows, int hidden, float eps,
+                                const NormResidual<T, W>* add, cudaStream_t stream);
 
 // Rows of fp32 dweight partials launch_rms_norm_bwd may write: its scratch holds
 // rms_norm_bwd_partial_rows(rows)·hidden floats.

@@ -48,6 +48,36 @@ __device__ __forceinline__ void load_or(const W* p, int c, float fill, float (&o
   }
 }
 
+// The residual form's s (norm_residual.h) in place of the thread's packs of x: `first` is the row's first element,
+// threshold/scale dropout_params's of p (DROPOUT: p > 0), philox resolved. Vectors past the row (clamped onto its
+// last one, as the loads are) compute a value no one reads.
+template <typename T, typename W, int VEC, int VPT, bool DROPOUT>
+__device__ __forceinline__ void residual_sum(Pack<T, VEC> (&xv)[VPT], const T* __restrict__ residual,
+                                             const W* __restrict__ bias, int64_t first, int nvec, uint32_t threshold,
+                                             float scale, PhiloxSeedOffset philox) {
+  Pack<T, VEC> rv[VPT];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = min(int(threadIdx.x + k * blockDim.x), nvec - 1);
+    rv[k] = *reinterpret_cast<const Pack<T, VEC>*>(residual + first + c * VEC);
+  }
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = min(int(threadIdx.x + k * blockDim.x), nvec - 1);
+    float a[VEC], r[VEC], b[VEC];
+    unpack(xv[k], a);
+    unpack(rv[k], r);
+    load_or<W, VEC>(bias, c, 0.f, b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) a[j] += b[j];
+    if constexpr (DROPOUT)
+      dropout_apply<VEC>(a, philox.seed, philox.offset, uint64_t(first + c * VEC), threshold, scale);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) a[j] += r[j];
+    xv[k] = pack<T, VEC>(a);  // s rounded to T: what is stored is what is normalized
+  }
+}
+
 // Calls f(std::integral_constant<int, VPT>) for the power of two vpt ≤ MAXV (cudaErrorInvalidValue for any
 // other vpt), so that each vectors-per-thread count is its own kernel with its row in registers.
 template <int VPT, int MAXV, typename F>

@@ -21,8 +21,10 @@
 // the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every
 // step between GEMMs is an lsmini kernel, called through the bindings' functions (ops.h) or, where the layer
 // hands it strided views or room of its own, its launcher.
-// Under RMSNorm a block without an output bias or dropout leaves its residual add to the RMSNorm kernel's residual
-// form, which writes the sum and normalizes it: the next block's norm (pre-norm) or its own (post-norm).
+// A block leaves its output bias, dropout and residual add to the norm kernel's residual form (norm_residual.h),
+// which writes the sum and normalizes it: the next block's norm (pre-norm) or its own (post-norm); only the last
+// pre-norm block, and a block whose output bias differs in dtype from that norm's parameters, run
+// bias_dropout_residual instead. The backward is the same either way.
 //
 // The call's plan — where each tensor its backward needs lies in one saved-state byte buffer, where the
 // dropout states and the GEMM weights cast to the activations' dtype go, where each parameter gradient goes
@@ -700,15 +702,37 @@ void dispatch_norm_types(at::ScalarType dtype, const at::Tensor& w, const char* 
   });
 }
 
+// The residual form of a norm (norm_residual.h): a block's output x, its output bias and dropout, and the residual
+// stream it is added to.
+struct AddNorm {
+  const at::Tensor& residual;
+  const at::Tensor& bias;  // undefined: none
+  double p;
+  const PhiloxTuple& rng;
+};
+
+// The dtype the norm kernels take a block's norm parameters in: the weight's or the bias's, else x's.
+at::ScalarType norm_param_dtype(const Params& p, at::ScalarType x) {
+  return p.norm_weight.defined() ? p.norm_weight.scalar_type()
+                                 : p.norm_bias.defined() ? p.norm_bias.scalar_type() : x;
+}
+
+// Whether a block's output bias, dropout and residual add go into the norm kernel that follows it (the residual
+// form): where the bias, if any, has that norm's parameters' dtype.
+bool add_and_norm(const Params& block, const Params& norm, at::ScalarType x) {
+  return !block.bias_out.defined() || block.bias_out.scalar_type() == norm_param_dtype(norm, x);
+}
+
 // The block's norm of x [tokens, hidden] (contiguous): (y, mean, rstd), each into out / mean / rstd when given;
-// mean is undefined for RMSNorm.
-// With residual (RMSNorm only): x + residual is written over x and normalized, the add & norm in one kernel.
+// mean is undefined for RMSNorm. With add, the residual form: s = residual + dropout(x + bias) is written over x
+// and normalized, the add & norm in one kernel.
 std::array<at::Tensor, 3> norm_fwd(const at::Tensor& x, const Params& p, const Options& o, const OptTensor& out,
                                    const OptTensor& mean = std::nullopt, const OptTensor& rstd = std::nullopt,
-                                   const at::Tensor* residual = nullptr) {
+                                   const AddNorm* add = nullptr) {
   if (!o.rms) {
-    TORCH_CHECK(residual == nullptr, "lsmini::layer: the add & norm kernel is RMSNorm's");
-    const Tensors r = layernorm_fwd(x, opt(p.norm_weight), opt(p.norm_bias), o.eps, out, mean, rstd);
+    const Tensors r = add ? layernorm_fwd(x, opt(p.norm_weight), opt(p.norm_bias), o.eps, out, mean, rstd,
+                                          add->residual, opt(add->bias), add->p, add->rng, x)
+                          : layernorm_fwd(x, opt(p.norm_weight), opt(p.norm_bias), o.eps, out, mean, rstd);
     return {r[0], r[1], r[2]};
   }
   const char* op = "lsmini::layer";
@@ -717,10 +741,14 @@ std::array<at::Tensor, 3> norm_fwd(const at::Tensor& x, const Params& p, const O
   dispatch_norm_types(x.scalar_type(), p.norm_weight, op, [&](auto t, auto w) {
     using T = decltype(t);
     using W = decltype(w);
-    check_launch(launch_rms_norm_fwd<T, W>(ptr<const T>(x), residual ? ptr<const T>(*residual) : nullptr,
-                                           p.norm_weight.defined() ? ptr<const W>(p.norm_weight) : nullptr,
-                                           residual ? ptr<T>(x) : nullptr, ptr<T>(y), ptr<float>(r), x.size(0),
-                                           int(x.size(1)), float(o.eps), current_stream()),
+    const NormResidual<T, W> residual_form{
+        add ? ptr<const T>(add->residual) : nullptr, add && add->bias.defined() ? ptr<const W>(add->bias) : nullptr,
+        add ? ptr<T>(x) : nullptr, add ? float(add->p) : 0.f,
+        add && add->p > 0.0 ? philox_args(add->rng, op) : PhiloxArgs{}};
+    check_launch(launch_rms_norm_fwd<T, W>(ptr<const T>(x), p.norm_weight.defined() ? ptr<const W>(p.norm_weight)
+                                                                                   : nullptr,
+                                           ptr<T>(y), ptr<float>(r), x.size(0), int(x.size(1)), float(o.eps),
+                                           add ? &residual_form : nullptr, current_stream()),
                  op);
   });
   return {y, at::Tensor(), r};
@@ -902,15 +930,11 @@ at::Tensor ffn_fwd(const at::Tensor& x, const Params& p, const Options& o, const
   return matmul_t(hidden, p.weight_out, out_core);
 }
 
-// Whether a block's residual add goes into the RMSNorm kernel after it (its residual form: x + residual, then
-// the norm of the sum, one kernel): a block without an output bias and without dropout, under RMSNorm.
-bool add_and_norm(const Options& o, const Params& p) { return o.rms && !p.bias_out.defined() && o.dropout == 0.0; }
-
 // The next block's norm, made by a pre-norm block with its residual add (add_and_norm): the next block's
 // parameters, where its norm output and statistics go (as its own norm_fwd would put them), and the result.
 struct NextNorm {
   const Params& params;
-  OptTensor normed, rstd;
+  OptTensor normed, mean, rstd;
   std::array<at::Tensor, 3>& norm;
 };
 
@@ -934,8 +958,9 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
     const at::Tensor out = output ? *output : at::empty({s.tokens, o.hidden}, residual.options());
     const at::Tensor out_core = core(norm[0], out);  // written into out
     rngs[1] = draw(o.dropout);
-    if (next) {  // out = out_core + residual, and the next block's norm of it, in one kernel
-      next->norm = norm_fwd(out_core, next->params, o, next->normed, std::nullopt, next->rstd, &residual);
+    if (next) {  // out = residual + dropout(out_core + bias), and the next block's norm of it, in one kernel
+      const AddNorm add{residual, p.bias_out, o.dropout, rngs[1]};
+      next->norm = norm_fwd(out_core, next->params, o, next->normed, next->mean, next->rstd, &add);
     } else {
       bias_dropout_residual_fwd(out_core, opt(p.bias_out), residual, o.dropout, rngs[1], out);
     }
@@ -951,11 +976,13 @@ at::Tensor block_fwd(Kind kind, const at::Tensor& residual, const Params& p, con
   const OptTensor sum = dest.at(kNormX, {s.tokens, o.hidden}, dtype);
   const at::Tensor out_core = core(residual, sum);
   rngs[1] = draw(o.dropout);
-  // the residual add and the norm in one kernel where they can be (add_and_norm), the sum over out_core
-  const bool fused = add_and_norm(o, p);
+  // the bias, dropout, residual add and the norm in one kernel where they can be (add_and_norm), the sum over
+  // out_core
+  const bool fused = add_and_norm(p, p, dtype);
   const at::Tensor summed =
       fused ? out_core : bias_dropout_residual_fwd(out_core, opt(p.bias_out), residual, o.dropout, rngs[1], sum);
-  const auto norm = norm_fwd(summed, p, o, output, mean, rstd, fused ? &residual : nullptr);
+  const AddNorm add{residual, p.bias_out, o.dropout, rngs[1]};
+  const auto norm = norm_fwd(summed, p, o, output, mean, rstd, fused ? &add : nullptr);
   slots[kNormX] = summed;
   slots[kMean] = norm[1];
   slots[kRstd] = norm[2];
@@ -987,13 +1014,14 @@ std::tuple<at::Tensor, std::vector<PhiloxTuple>> layer_fwd_impl(const Options& o
         i + 1 < blocks ? next_dest.at(o.pre_ln ? kNormX : kCoreInput, {s.tokens, o.hidden}, x.scalar_type())
                        : std::nullopt;
     const std::array<at::Tensor, 3> given = made_norm;
-    const bool make_next = o.pre_ln && i + 1 < blocks && add_and_norm(o, p);
     std::optional<Params> next_params;
+    if (o.pre_ln && i + 1 < blocks) next_params.emplace(params_of(i + 1));
+    const bool make_next = next_params && add_and_norm(p, *next_params, x.scalar_type());
     std::optional<NextNorm> next;
     if (make_next) {  // where the next block's own norm_fwd would put its output and statistics
-      next_params.emplace(params_of(i + 1));
       next.emplace(NextNorm{*next_params, next_dest.at(kCoreInput, {s.tokens, o.hidden}, x.scalar_type()),
-                            next_dest.at(kRstd, {s.tokens}, at::kFloat), made_norm});
+                            next_dest.at(kMean, {s.tokens}, at::kFloat), next_dest.at(kRstd, {s.tokens}, at::kFloat),
+                            made_norm});
     }
     residual = block_fwd(o.kinds[i], residual, p, o, s, in, saved.data() + i * kSlots, rngs.data() + i * 2,
                          Destinations(state, plan, i * kSlots), output, norm_made ? &given : nullptr,
