@@ -2,7 +2,8 @@
 BertForMaskedLM (BERT base) and LlamaForCausalLM (a small Llama), each eager and under torch.compile.
 
     python benchmarks/bench_hf.py [--models gpt2,bert,llama] [--variants torch,torch+compile,lsmini,lsmini+compile]
-                                  [--iters 20] [--warmup 5] [--attn sdpa|eager] [--results DIR | --no-results]
+                                  [--iters 20] [--warmup 5] [--attn sdpa|eager] [--profile]
+                                  [--results DIR | --no-results]
     python benchmarks/bench_hf.py --models llama --variants torch,torch+compile,lsmini,lsmini+compile,torch+liger
     python benchmarks/bench_hf.py --variants torch+compile-graphs,lsmini+compile-graphs   # CUDA graphs
     python benchmarks/bench_hf.py --device cpu --tiny --steps 1      # a smoke run: a tiny model, one step
@@ -39,6 +40,9 @@ Reported per variant: ms_step (median over --iters steps after --warmup, CUDA ev
 host running ahead, as in bench_convert.py; wall time on CPU), tokens_s (batch × length / ms_step), peak_mb
 (torch.cuda.max_memory_allocated from the first step on), compile_s (the first step's wall time), the first and
 last losses (variants start from the same weights; their dropout draws differ) and the report's replaced/kept.
+--profile (CUDA) adds, per variant, where the time of a step goes, as bench_training.py --profile reports it:
+kernel time by category (GEMMs, attention, lsmini's fused kernels, ...), the idle gaps between kernels and the
+host's own time by operator.
 On CUDA the rows are appended to benchmarks/results/hf.csv (benchmarks/report.py writes RESULTS.md from it;
 torch+liger is of kind "pytorch" there, a baseline, and skipped rows are not recorded); CPU runs are smoke runs
 and record nothing.
@@ -238,6 +242,8 @@ def run_variant(args, name, variant, device, row):
     if device.type == "cuda":
         row["peak_mb"] = torch.cuda.max_memory_allocated() / 2 ** 20
     row["loss_final"] = torch.stack(losses).float().mean().item()
+    if args.profile and device.type == "cuda":
+        row["profile"] = common.profile_step(step, batches)
 
 
 ROW_MARK = "bench_hf row: "  # how a variant's process hands its row back (one stdout line, JSON)
@@ -266,7 +272,8 @@ def run(args, name, variant, device):
         return {"model": name, "variant": variant, "skipped": "CUDA graphs need a CUDA device"}
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--models", name, "--variants", variant, "--iters",
            str(args.iters), "--warmup", str(args.warmup), "--attn", args.attn, "--device", args.device]
-    done = subprocess.run(cmd + (["--tiny"] if args.tiny else []), stdout=subprocess.PIPE, text=True)
+    cmd += (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     row = None
     for line in done.stdout.splitlines():
         if line.startswith(ROW_MARK):
@@ -290,6 +297,9 @@ def parse_args(argv=None):
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="the models' attention implementation")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="two-layer models of width 64 on 2 × 16 tokens (smoke runs)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile where a step's time goes (CUDA): kernel time by category, the idle gaps "
+                         "between kernels, the host's own time by operator")
     ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a variant's own process (see run)
     common.add_results_arguments(ap)
     args = ap.parse_args(argv)
@@ -340,6 +350,8 @@ def main(argv=None):
     print()
     # a skipped column only when a row was skipped (a variant asked for where it cannot run)
     print(common.markdown_table(rows, COLUMNS + (["skipped"] if any("skipped" in r for r in rows) else [])))
+    if any("profile" in r for r in rows):
+        print("\n" + common.profile_report(rows))
     if device.type == "cuda":
         env = common.environment()
         common.append_results(args.results, "hf", env, [

@@ -76,7 +76,6 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -594,67 +593,6 @@ def make_trainer(cfg, variant, lr_lambda=None, data_parallel=False):
     return torch_trainer(cfg, tm, modes[variant], lr_lambda)
 
 
-# ---- profile: where a step's time goes --------------------------------------------------------------------
-_CATEGORIES = [  # first match wins; names as the profiler reports the kernels
-    ("optimizer", re.compile(r"adam|multi_tensor|amp_|unscale|grad_scale|non_finite|inf_and_scale", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d+_.*tensorop|s\d+gemm|ampere_|hopper_", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention_kernel|efficient_attention|sdpa", re.I)),
-    ("lsmini fused", re.compile(r"lsmini::", re.I)),
-    ("copy/fill", re.compile(r"memcpy|memset|copy_kernel|fill_kernel|CatArray", re.I)),
-]
-
-
-def _category(name):
-    for cat, rx in _CATEGORIES:
-        if rx.search(name):
-            return cat
-    return "other kernels"
-
-
-def profile_step(step, batches, steps=5):
-    """Kernel time per category, kernel count and the idle share of the GPU timeline over `steps` steps."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(*batches[i % len(batches)])
-        torch.cuda.synchronize()
-    return kernel_summary(prof, steps)
-
-
-def kernel_summary(prof, steps):
-    """profile_step's report from a finished torch.profiler `prof` that spanned `steps` steps; with the host's
-    ATen operators and CUDA runtime calls by own CPU time (what a C++ layer call spends its time in)."""
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Optimizer.", "ProfilerStep"))]  # annotations, not kernels
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:  # union of kernel intervals (overlapping streams count once)
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    wall = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    cats, names = {}, {}
-    for e in kernels:
-        dur = e.time_range.end - e.time_range.start
-        c = _category(e.name)
-        cats[c] = cats.get(c, 0.0) + dur
-        names[e.name] = names.get(e.name, 0.0) + dur
-    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
-    host = sorted(((e.key[:80], e.count / steps, e.self_cpu_time_total / 1e3 / steps) for e in prof.key_averages()),
-                  key=lambda r: -r[2])[:30]
-    return {"steps": steps, "kernels_per_step": len(kernels) / steps, "gpu_span_ms": wall / 1e3 / steps,
-            "busy_ms": busy / 1e3 / steps, "idle_ms": (wall - busy) / 1e3 / steps,
-            "categories_ms": {k: v / 1e3 / steps for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [(n[:110], v / 1e3 / steps) for n, v in top], "host_ops_ms": host}
-
-
 # ---- memory: what is allocated at the peak ------------------------------------------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_TRACE_ENTRIES = 2_000_000  # allocator events kept; a big step makes ~20k
@@ -741,7 +679,7 @@ def run_worker(config, variant, steps, warmup, check, profile, memory=False):
     if memory:
         r["memory_sites"], r["memory_trace_peak_mb"] = peak_breakdown(trace)
     if profile:
-        r["profile"] = profile_step(step, batches)
+        r["profile"] = common.profile_step(step, batches)
     if world > 1:
         # Different data on every rank: only a working all-reduce leaves the replicas identical.
         ws = step.optimizer.workspace
@@ -790,29 +728,6 @@ def speed_rows(results):
             row["mem_vs_eager"] = r["peak_mb"] / e["peak_mb"]
         rows.append(row)
     return rows
-
-
-def profile_report(results):
-    out = []
-    for r in results:
-        p = r.get("profile")
-        if not p:
-            continue
-        out.append(f"### {r['config']} / {r['variant']}: {r['ms_step']:.2f} ms per step, "
-                   f"{p['kernels_per_step']:.0f} kernels per step")
-        out.append(f"GPU timeline per step {p['gpu_span_ms']:.2f} ms: busy {p['busy_ms']:.2f} ms, idle between "
-                   f"kernels {p['idle_ms']:.2f} ms\n")
-        out.append("| where | ms per step | share of busy |\n|---|---|---|")
-        for k, v in p["categories_ms"].items():
-            out.append(f"| {k} | {v:.2f} | {100 * v / max(p['busy_ms'], 1e-9):.0f}% |")
-        out.append("\n| top kernels | ms per step |\n|---|---|")
-        for n, v in p["top_kernels_ms"]:
-            out.append(f"| `{n}` | {v:.3f} |")
-        out.append("\n| host: ATen operators, CUDA runtime calls | calls per step | own ms per step |\n|---|---|---|")
-        for n, calls, v in p["host_ops_ms"][:15]:
-            out.append(f"| `{n}` | {calls:.1f} | {v:.3f} |")
-        out.append("")
-    return "\n".join(out)
 
 
 def memory_report(results):
@@ -942,7 +857,7 @@ def main():
         name = "training_check.md"
     else:
         rows = speed_rows(results)
-        text = common.markdown_table(rows, COLUMNS) + "\n\n" + profile_report(results) + memory_report(results)
+        text = common.markdown_table(rows, COLUMNS) + "\n\n" + common.profile_report(results) + memory_report(results)
         common.append_results(args.results, "training", env, [
             {"benchmark": "training", "config": r["config"], "variant": r["variant"],
              "kind": "lsmini" if r["variant"].startswith("lsmini") else "pytorch", "ms": r["ms_step"],

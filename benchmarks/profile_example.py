@@ -29,7 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-from bench_training import kernel_summary  # noqa: E402
+from common import kernel_summary  # noqa: E402
 
 DEFAULT_FLAGS = {name: ["--arch", "small", "--no-cuda-graph", "--max-steps", "400", "--eval-every", "1000000",
                         "--no-progress", "--overwrite", "--save-dir", f"/tmp/profile_example/{name}"]
