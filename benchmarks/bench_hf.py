@@ -30,6 +30,9 @@ touch another's timing):
                     call), eager.
     lsmini+compile  convert, then torch.compile.
     lsmini+compile-graphs  only when asked for: convert, then torch.compile(mode="reduce-overhead").
+    lsmini+saved, lsmini+compile+saved, lsmini+compile-graphs+saved  only when asked for: the lsmini variants with
+                    every converted block's recompute = False (its backward reads the FFN activation and the
+                    pre-norm outputs saved, as the Hugging Face block's does, instead of recomputing them).
     torch+liger     only when asked for in --variants: the model with Liger's Triton kernels, eager —
                     liger_kernel.transformers.apply_liger_kernel_to_llama(model=model) with its defaults (RMSNorm,
                     SwiGLU MLP, rotary embedding, and lm_head + loss as one fused linear cross entropy, the logits
@@ -70,8 +73,10 @@ MASK_FRACTION = 0.15
 LR, BETAS, WEIGHT_DECAY = 1e-4, (0.9, 0.999), 0.01
 VARIANTS = ("torch", "torch+compile", "lsmini", "lsmini+compile")  # the default --variants
 GRAPH_VARIANTS = ("torch+compile-graphs", "lsmini+compile-graphs")  # asked for by name: CUDA only
+# asked for by name: the converted blocks with recompute = False (lsmini.convert_hf's "Memory")
+SAVED_VARIANTS = ("lsmini+saved", "lsmini+compile+saved", "lsmini+compile-graphs+saved")
 LIGER = "torch+liger"  # asked for by name only; see the module docstring
-KNOWN_VARIANTS = VARIANTS + GRAPH_VARIANTS + (LIGER,)
+KNOWN_VARIANTS = VARIANTS + GRAPH_VARIANTS + SAVED_VARIANTS + (LIGER,)
 GRAPH_READY_STEPS = 3  # reduce-overhead: compile + warm-up run, recording, first replay
 MODELS = {  # name: (layers, hidden, heads, vocab, batch, length)
     "gpt2": (12, 768, 12, 50257, 8, 1024),
@@ -191,8 +196,9 @@ def apply_liger(model):
 
 
 def run_variant(args, name, variant, device, row):
-    use_lsmini, graphs = variant.startswith("lsmini"), variant.endswith("+compile-graphs")
-    compiled = graphs or variant.endswith("+compile")
+    parts = variant.split("+")
+    use_lsmini, graphs = parts[0] == "lsmini", "compile-graphs" in parts
+    compiled = graphs or "compile" in parts
     batches = make_batches(args, name, device)
     model = build_model(args, name).to(device)
     if variant == LIGER:
@@ -202,6 +208,10 @@ def run_variant(args, name, variant, device, row):
         row["replaced"], row["kept"] = len(report.replaced), len(report.kept)
         if report.kept:
             print(report)
+        if "saved" in parts:
+            for block in model.modules():
+                if lsmini.convert_hf.is_converted(block):
+                    block.recompute = False
 
     def loss_fn(ids, labels):
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -268,7 +278,7 @@ def run(args, name, variant, device):
         reason = liger_skip_reason(name, device)
         if reason is not None:
             return {"model": name, "variant": variant, "skipped": reason}
-    if variant in GRAPH_VARIANTS and device.type != "cuda":
+    if "compile-graphs" in variant.split("+") and device.type != "cuda":
         return {"model": name, "variant": variant, "skipped": "CUDA graphs need a CUDA device"}
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--models", name, "--variants", variant, "--iters",
            str(args.iters), "--warmup", str(args.warmup), "--attn", args.attn, "--device", args.device]

@@ -36,6 +36,11 @@ logits are never all in memory, and the output's ``logits`` is None (call withou
 ``num_items_in_batch``, ``shift_labels``). Otherwise, with ``return_dict=False``, ``logits_to_keep`` or another
 loss_type, it is the model's own forward. ``lsmini.unconvert`` removes it.
 
+Memory: as lsmini's own layers, a converted block keeps for its backward the tensors the fused kernels need and
+recomputes the FFN activation (gelu, SwiGLU) and the pre-norm outputs there (``recompute = True``, a class
+attribute); ``block.recompute = False`` saves those instead, as the Hugging Face block does: more memory, a
+little less time.
+
 KV cache (``use_cache=True``, ``generate()``): a DynamicCache only. A block with no cached positions yet runs
 the layer as usual and also writes its K/V into the cache (computed apart, without gradient: no gradient
 flows through a cache); later calls (one new token at a time in generate) run the reference layer over the
@@ -259,10 +264,16 @@ def _dropouts(owner, residual, attention):
     return values[0], attention, 0.0
 
 
-def _options(config, kinds, training, causal, scale, dropouts):
-    """LayerOptions of a Hugging Face block (config: a _LayerShape)."""
-    return LayerOptions.of(kinds, config, training, causal, True, dropouts if training else None)._replace(
-        scale=float(scale))
+def _options(block, config, kinds, causal, scale, dropouts):
+    """LayerOptions of a Hugging Face block (config: a _LayerShape), with its training mode and recompute."""
+    return LayerOptions.of(kinds, config, block.training, causal, block.recompute,
+                           dropouts if block.training else None)._replace(scale=float(scale))
+
+
+class _Recompute:
+    """What a converted block's backward recomputes (the module docstring's "Memory")."""
+
+    recompute = True
 
 
 class _LayerShape:
@@ -277,7 +288,7 @@ class _LayerShape:
 
 
 # ---- GPT-2 ----------------------------------------------------------------------------------------------------
-class _GPT2Forward:
+class _GPT2Forward(_Recompute):
     """A transformers GPT2Block whose forward is one lsmini layer call (lsmini.convert_hf): same submodules,
     parameters and state_dict; forward(hidden_states, cache=None, attention_mask=None, ...) → hidden_states.
     No cross-attention, no output_attentions; the cache must be a DynamicCache."""
@@ -315,7 +326,7 @@ class _GPT2Forward:
         if self.training:
             dropouts = _dropouts(type(self).__name__, {"attn.resid_dropout.p": a.resid_dropout.p,
                                                        "mlp.dropout.p": self.mlp.dropout.p}, a.attn_dropout.p)
-        return _options(shape, ("self", "ffn"), self.training, True, scale, dropouts)
+        return _options(self, shape, ("self", "ffn"), True, scale, dropouts)
 
 
 def _check_gpt2(block, hf):
@@ -343,7 +354,7 @@ def _check_gpt2(block, hf):
 
 
 # ---- BERT ---------------------------------------------------------------------------------------------------------
-class _BertForward:
+class _BertForward(_Recompute):
     """A transformers BertLayer whose forward is one lsmini layer call (lsmini.convert_hf): same submodules,
     parameters and state_dict; forward(hidden_states, attention_mask=None, ...) → hidden_states. An encoder
     layer only (no cross-attention, no cache), no output_attentions."""
@@ -382,7 +393,7 @@ class _BertForward:
         if self.training:
             dropouts = _dropouts(type(self).__name__, {"attention.output.dropout.p": self.attention.output.dropout.p,
                                                        "output.dropout.p": self.output.dropout.p}, s.dropout.p)
-        return _options(shape, ("self", "ffn"), self.training, False, s.attention_head_size ** -0.5, dropouts)
+        return _options(self, shape, ("self", "ffn"), False, s.attention_head_size ** -0.5, dropouts)
 
 
 def _check_bert(layer, hf):
@@ -419,7 +430,7 @@ def _check_bert(layer, hf):
 
 
 # ---- Llama, Mistral, Qwen2 ----------------------------------------------------------------------------------------
-class _DecoderForward:
+class _DecoderForward(_Recompute):
     """A transformers Llama / Mistral / Qwen2 decoder layer whose forward is one lsmini layer call
     (lsmini.convert_hf): same submodules, parameters and state_dict; forward(hidden_states, attention_mask=None,
     position_ids=None, cache=None, use_cache=False, position_embeddings=(cos, sin), ...) → hidden_states. No
@@ -459,7 +470,7 @@ class _DecoderForward:
                             kv_heads=a.k_proj.out_features // a.head_dim, norm="rmsnorm",
                             rotary_dims=a.head_dim if rotary_dim is None else rotary_dim)
         dropouts = (0.0, float(a.attention_dropout), 0.0) if self.training else None
-        return _options(shape, ("self", "ffn"), self.training, True, a.scaling, dropouts)
+        return _options(self, shape, ("self", "ffn"), True, a.scaling, dropouts)
 
 
 def _rotary_tables(owner, position_embeddings, x, head_dim):

@@ -98,3 +98,11 @@ def test_profile_on_cuda():
                           "--no-results"])
     p = rows[0]["profile"]
     assert p["kernels_per_step"] > 0 and p["busy_ms"] > 0 and "gemm" in p["categories_ms"]
+
+
+def test_saved_variants_run_and_match_the_default():
+    rows = bench_hf.main(["--device", "cpu", "--tiny", "--steps", "1", "--models", "llama",
+                          "--variants", "lsmini,lsmini+saved,lsmini+compile-graphs+saved"])
+    assert all("error" not in r for r in rows), rows
+    assert rows[1]["loss_first"] == rows[0]["loss_first"]  # no dropout in Llama: recompute changes no value
+    assert rows[2]["skipped"] == "CUDA graphs need a CUDA device"

@@ -497,6 +497,21 @@ def test_convert_reuses_the_parameters_and_skips_converted_blocks():
     assert len(again) == 0 and not again.kept
 
 
+def test_recompute_is_a_block_attribute():
+    """A converted block recomputes by default; recompute = False, set on one block, reaches that block's layer
+    options only, and unconvert leaves the Hugging Face block working."""
+    for model in (build(GPT2LMHeadModel, gpt2_config()), build(BertForMaskedLM, bert_config()),
+                  build(LlamaForCausalLM, decoder_config("llama"))):
+        lsmini.convert(model)
+        blocks = [m for m in model.modules() if convert_hf.is_converted(m)]
+        assert len(blocks) == 2 and all(b.recompute and b._lsmini_options().recompute for b in blocks)
+        blocks[0].recompute = False
+        assert [b._lsmini_options().recompute for b in blocks] == [False, True]
+        lsmini.unconvert(model)
+        ids, mask = batch("right")
+        model(ids, attention_mask=mask)
+
+
 # ---- what is kept, what raises, the report --------------------------------------------------------------------
 def _kept(model):
     report = lsmini.convert(model)
@@ -748,6 +763,34 @@ def test_torch_compile_on_the_gpu(family, padding):
     torch.testing.assert_close(logits[real], eager_logits[real], rtol=2e-2, atol=2e-2)
     norm = _grad_error(eager_grads, {n: torch.zeros_like(g) for n, g in eager_grads.items()})
     assert _grad_error(grads_, eager_grads) <= 2e-2 * norm
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["gpt2", "bert", "llama-gqa"])
+def test_saved_activations_give_the_same_bits_on_the_gpu(family):
+    """recompute = False (the FFN activation and the pre-norm outputs saved, not recomputed) gives the same
+    loss and gradients, bit for bit, as the default: the backward reads what the same kernels computed. With
+    dropout: both runs draw from the same seed."""
+    ref, make_labels = _cuda_models(family)
+    for m in ref.modules():  # the blocks' dropouts (Llama has none)
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    ids, mask = batch("right", b=4, l=24)
+    ids, mask = ids.cuda(), mask.cuda()
+    labels = make_labels(ids, mask)
+    runs = []
+    for recompute in (True, False):
+        model, report = converted_copy(ref.cuda())
+        assert not report.kept
+        for block in model.modules():
+            if convert_hf.is_converted(block):
+                block.recompute = recompute
+        model.train()
+        torch.manual_seed(5)
+        runs.append(_cuda_run(model, ids, mask, labels, torch.bfloat16))
+    (logits, grads_), (saved_logits, saved_grads) = runs
+    assert torch.equal(saved_logits, logits)
+    assert saved_grads.keys() == grads_.keys() and all(torch.equal(saved_grads[n], g) for n, g in grads_.items())
 
 
 @pytest.mark.cuda
