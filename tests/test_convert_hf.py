@@ -794,6 +794,23 @@ def test_saved_activations_give_the_same_bits_on_the_gpu(family):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("autocast", [True, False])
+def test_gpt2_conv1d_gradients_reach_the_parameters_uncopied(autocast):
+    """GPT-2's Conv1D weights go to the layer as weight.t(); their gradients come back in the weights' own
+    layout, so that autograd hands the layer's gradient buffer to .grad as it is: a block's four weight
+    gradients lie in one buffer (with float32 parameters under autocast, and with bf16 parameters)."""
+    ref = build(GPT2LMHeadModel, gpt2_config(n_embd=CUDA_H, n_head=CUDA_HEADS)).cuda()
+    model, _ = converted_copy(ref if autocast else ref.to(torch.bfloat16))
+    ids, mask = batch("none", b=4, l=24)
+    _cuda_run(model, ids.cuda(), mask.cuda(), causal_labels(ids, mask).cuda(), torch.bfloat16 if autocast else None)
+    for block in model.transformer.h:
+        a, m = block.attn, block.mlp
+        params = [a.c_attn.weight, a.c_proj.weight, m.c_fc.weight, m.c_proj.weight]
+        assert all(p.grad.is_contiguous() for p in params)
+        assert len({p.grad.untyped_storage().data_ptr() for p in params}) == 1
+
+
+@pytest.mark.cuda
 def test_gpt2_generate_on_the_gpu_is_token_identical_in_float32():
     ref = build(GPT2LMHeadModel, gpt2_config(n_embd=CUDA_H, n_head=CUDA_HEADS)).cuda().eval()
     model, _ = converted_copy(ref)

@@ -168,6 +168,22 @@ def test_grads_added_into_workspace_views():
         assert p.grad is grads[n] and p.grad.any(), n
 
 
+def test_param_grads_keep_a_transposed_parameter_layout():
+    """The operator's flat gradient buffers → one gradient a parameter: contiguous, except for a transposed
+    view of a contiguous 2-D tensor (GPT-2's Conv1D weight as weight.t()), whose gradient has the parameter's
+    own layout, so that weight.grad is the buffer's memory as it is. Each starts at a multiple of 64
+    elements."""
+    from lsmini.layers.runtime import _param_grads
+    conv1d = torch.randn(6, 10)  # [in, out]
+    w, bias, plain = conv1d.t(), torch.randn(10), torch.randn(3, 5)
+    grads = torch.arange(64 * 3, dtype=torch.float32)
+    out = _param_grads([w, bias, None, plain], [None] * 4, grads, None)
+    assert out[0].shape == (10, 6) and out[0].stride() == (1, 10) and out[0].storage_offset() == 0
+    assert torch.equal(out[0].t().contiguous().flatten(), grads[:60])  # the memory in the parameter's order
+    assert out[1].stride() == (1,) and out[1].storage_offset() == 64 and out[2] is None
+    assert out[3].stride() == (5, 1) and out[3].storage_offset() == 128
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("pre", [True, False])
 @pytest.mark.parametrize("act", ["relu", "gelu"])

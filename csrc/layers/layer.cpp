@@ -556,6 +556,22 @@ at::Tensor carve(const at::Tensor& base, int64_t byte_offset, at::ScalarType dty
   return t;
 }
 
+// Whether a parameter is a transposed view of a contiguous 2-D tensor (GPT-2's Conv1D weights, which the layer
+// takes as weight.t()). The copy the layer casts such a weight into and the gradient it writes for it keep that
+// layout: the cast runs element by element over the same memory order, and the gradient reaches the parameter
+// without autograd copying it into the parameter's layout. runtime.py's _param_grads makes the same choice.
+bool transposed_layout(const at::Tensor& p) {
+  return p.dim() == 2 && !p.is_contiguous() && p.stride(0) == 1 && p.stride(1) == p.size(0);
+}
+
+// carve of p's sizes, in p's layout where transposed_layout(p), else contiguous.
+at::Tensor carve_like(const at::Tensor& base, int64_t byte_offset, at::ScalarType dtype, const at::Tensor& p,
+                      const char* op) {
+  at::Tensor t = carve(base, byte_offset, dtype, p.sizes(), op);
+  if (transposed_layout(p)) t.unsafeGetTensorImpl()->set_sizes_and_strides(p.sizes(), p.strides());
+  return t;
+}
+
 // What base.as_strided(sizes, strides, offset) makes (offset: elements of base's dtype from its storage's
 // start), made directly on the storage. Nothing here needs autograd's view tracking: the operators run below
 // autograd.
@@ -1430,11 +1446,12 @@ Tensors cast_weights(at::TensorList params, const at::Tensor& state, const Plan<
   Tensors copies, sources;
   for (size_t j = 0; j < plan.cast_positions.size(); ++j) {
     const at::Tensor& p = params[plan.cast_positions[j]];
-    at::Tensor copy = carve(state, plan.cast_at + plan.cast_at_elements[j] * item, dtype, p.sizes(), "lsmini::layer");
+    at::Tensor copy = carve_like(state, plan.cast_at + plan.cast_at_elements[j] * item, dtype, p, "lsmini::layer");
     weights[plan.cast_positions[j]] = copy;
-    const bool kernel = p.is_contiguous() && (p.scalar_type() == at::kFloat || p.scalar_type() == at::kHalf ||
-                                              p.scalar_type() == at::kBFloat16);
-    if (cast && !kernel) copy.copy_(p);  // a strided view or another dtype: rare, converted on its own
+    const bool kernel = (p.is_contiguous() || transposed_layout(p)) &&
+                        (p.scalar_type() == at::kFloat || p.scalar_type() == at::kHalf ||
+                         p.scalar_type() == at::kBFloat16);
+    if (cast && !kernel) copy.copy_(p);  // another strided view or dtype: rare, converted on its own
     if (cast && kernel) {
       copies.push_back(std::move(copy));
       sources.push_back(p);
@@ -1670,8 +1687,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_bac
   for (size_t i = 0; i < params.size(); ++i) {
     const int b = plan->grad_buffer[i];
     if (b == kGradInto || b == kGradNone) continue;
-    dest[i] = GradDest{carve(grads[b], plan->grad_offsets[i] * int64_t(grads[b].element_size()),
-                             grads[b].scalar_type(), params[i].sizes(), op),
+    dest[i] = GradDest{carve_like(grads[b], plan->grad_offsets[i] * int64_t(grads[b].element_size()),
+                                  grads[b].scalar_type(), params[i], op),
                        false};
   }
   // dK/dV [b, ls, W] each, as the keys and values came in, into kv_into when given; the kernels write them
@@ -1797,8 +1814,9 @@ TORCH_LIBRARY_FRAGMENT(lsmini, m) {
         ", Tensor? rotary_cos=None, Tensor? rotary_sin=None) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag, at::Tag::nondeterministic_seeded});
   // (grad_x [b, l, H], grads, grads_other, grad_encoder_k, grad_encoder_v). grads holds the gradients of the
-  // parameters of params[0]'s dtype, in order, each starting at the next multiple of 64 elements; grads_other
-  // those of the parameters of one other dtype, the same way; absent (None) parameters and the parameters
+  // parameters of params[0]'s dtype, in order, each starting at the next multiple of 64 elements (contiguous, or
+  // in a transposed 2-D parameter's layout: transposed_layout); grads_other those of the parameters of one other
+  // dtype, the same way; absent (None) parameters and the parameters
   // params[into_index] are in neither: the latter's gradients are added into `into` (their .grad).
   // grad_encoder_k/v [b, ls, H] for a layer with a cross block and no kv_into (where they go instead), else
   // empty. (Outputs are plain tensors, never lists: that keeps the operator auto-functionalizable for

@@ -126,17 +126,25 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+def _transposed_layout(p):
+    """A transposed view of a contiguous 2-D tensor (GPT-2's Conv1D weights, as weight.t()): the operator writes
+    its gradient in that layout (layer.cpp's transposed_layout), so that it reaches the parameter without a copy."""
+    return p.dim() == 2 and not p.is_contiguous() and p.stride() == (1, p.shape[0])
+
+
 def _param_grads(params, into, grads, grads_other):
     """Each parameter's gradient as lsmini::layer_backward returns them (its schema's comment): in order, those
     of params[0]'s dtype in grads and those of the other dtype in grads_other, each at the next multiple of 64
-    elements; None for the absent parameters (None) and those whose gradient went into their .grad."""
+    elements, contiguous or (_transposed_layout) in the parameter's layout; None for the absent parameters
+    (None) and those whose gradient went into their .grad."""
     out, ends = [], [0, 0]
     for p, g in zip(params, into):
         if p is None or g is not None:
             out.append(None)
             continue
         b = 0 if p.dtype == params[0].dtype else 1
-        out.append((grads, grads_other)[b].as_strided(p.shape, _contiguous_strides(p.shape), ends[b]))
+        strides = p.stride() if _transposed_layout(p) else _contiguous_strides(p.shape)
+        out.append((grads, grads_other)[b].as_strided(p.shape, strides, ends[b]))
         ends[b] += (p.numel() + 63) // 64 * 64
     return out
 
