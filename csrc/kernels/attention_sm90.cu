@@ -5,13 +5,16 @@
  * shared tiles instead of mma.sync reading register fragments. Head dims 64 and 128 (the swizzle's rows are
  * 64 elements); 16 and 32 stay on the sm_80 kernels.
  *
- * How: a CTA of one warpgroup (4 warps) owns a 64-query block, each warp 16 rows (the rows of its
+ * How (head dim 64): a CTA of one warpgroup (4 warps) owns a 64-query block, each warp 16 rows (the rows of its
  * wgmma accumulators, in the mma.m16n8 layout the shared score-tile code expects). Per key tile:
  *   S = Q·Kᵀ     m64n64k16 × D/16, A = Q and B = K from shared memory (both K-major);
  *   online softmax, masks and dropout on S in registers (softmax_step, as the sm_80 kernel);
  *   O += P̃·V     m64nDk16 × 4, A = P̃ from registers, B = V from shared memory (N-major).
  * K and V stream through two buffers by cp.async as in attention.cu; a proxy fence after each tile's
  * copies lands makes them visible to the tensor cores' (async proxy) reads.
+ * Head dim 128 over more than 512 keys: the same per-tile steps in a warp-specialized kernel (below): two such
+ * warpgroups a CTA, each with its own 64 queries, fed by a third that only copies K/V tiles into a ring of
+ * shared-memory stages.
  */
 #include "attention_sm90.cuh"
 
@@ -21,7 +24,7 @@ namespace lsmini {
 namespace {
 
 template <typename T, int D, bool kKeep>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, 4) attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
   // Q, then K and V double-buffered (swizzled tiles), then the key bias of each buffer.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -71,10 +74,161 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_
 #endif
 }
 
+// ---- head dim 128: the warp-specialized forward ------------------------------------------------------------
+// At head dim 128 the one-warpgroup kernel holds two CTAs an SM, too few to hide each CTA's waits for its tiles and
+// its MMAs behind the other's softmax; this kernel splits the work by role instead: a producer warpgroup that only
+// copies and kWsConsumers warpgroups that only compute, one CTA an SM. (At head dim 64 the one-warpgroup kernel
+// holds four CTAs an SM and is the faster.)
+constexpr int kWsConsumers = 2, kWsStages = 3, kWsQueries = kWsConsumers * kBlock;
+// Head dim 128 takes the warp-specialized kernel past this many keys (the switch below).
+constexpr int kWsMinKeys = 512;
+// Registers a thread of the producer and of a consumer warpgroup holds after setmaxnreg (multiples of 8, the CTA's
+// within the SM's 64 K).
+constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;
+static_assert(kThreads * (kWsProducerRegs + kWsConsumers * kWsConsumerRegs) <= 65536, "");
+static_assert(kWsConsumers <= kWsStages, "");
+
+// The shared memory: Q of each consumer, the stages' K, V and key bias, then a full and an empty barrier a stage.
+template <int D>
+struct WsSmem {
+  static constexpr int kTile = kSwTileBytes<D>;
+  static constexpr int q = 0, k = q + kWsConsumers * kTile, v = k + kWsStages * kTile, bias = v + kWsStages * kTile,
+                       full = bias + kWsStages * kBlock * 4, empty = full + kWsStages * 8, bytes = empty + kWsStages * 8;
+};
+
+// Warp-specialized: warpgroup 0 (the producer) streams Q and the K/V tiles into a ring of kWsStages stages by
+// cp.async, and publishes each with the stage's full barrier once its copies have landed; the other warpgroups (the
+// consumers) each own 64 of the CTA's queries and run the loop of the one-warpgroup kernel on every stage, then
+// free it with the stage's empty barrier. No __syncthreads couples the consumers: each waits only for the
+// data it reads, and one's softmax runs while the other's products do.
+template <typename T, int D, bool kKeep>
+__global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
+    attention_fwd_ws_sm90_kernel(const AttentionArgs<T> a) {
+#if defined(LSMINI_SM90A_DEVICE)
+  using L = WsSmem<D>;
+  constexpr int kStages = kWsStages, kTile = L::kTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_1k(smem_raw);
+  const uint32_t base = smem_u32(smem);
+  float* const sBias = reinterpret_cast<float*>(smem + L::bias);  // [kStages][kBlock]
+  const uint32_t full = base + L::full, empty = base + L::empty;
+
+  // The query blocks from the last (under a causal mask the longest walk) to the first, each over all heads: the
+  // one CTA an SM holds takes a long walk first and a short one at the grid's end.
+  const int nqb = (a.q_len + kWsQueries - 1) / kWsQueries, bh = a.batch * a.heads;
+  const int q0 = (nqb - 1 - int(blockIdx.x) / bh) * kWsQueries;
+  const Setup<T> st(a, int(blockIdx.x) % bh);
+  // The key tiles each consumer reads (none for one whose queries start past q_len); the producer loads the most.
+  auto tiles_of = [&](int c) {
+    const int qc = q0 + c * kBlock;
+    return qc < a.q_len ? (st.vis.key_end(qc) + kBlock - 1) / kBlock : 0;
+  };
+  int n_tiles = 0;
+#pragma unroll
+  for (int c = 0; c < kWsConsumers; ++c) n_tiles = max(n_tiles, tiles_of(c));
+
+  // Every consumer with queries frees every stage it reads. A consumer reads a prefix of the key tiles, at most
+  // kWsConsumers − 1 fewer than the producer loads (its queries end 64 before the next one's), so every tile
+  // whose stage the producer reuses has been read by all of them.
+  if (threadIdx.x == 0) {
+    const int consumers = min(kWsConsumers, (a.q_len - q0 + kBlock - 1) / kBlock);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full + 8 * s, kThreads);  // every producer thread, once its copies of the stage have landed
+      mbar_init(empty + 8 * s, consumers * kThreads);
+    }
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / kThreads;
+  if (wg == 0) {  // ---- the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
+    const int tid = threadIdx.x;
+    const T* k = st.at_kv(a.k, a);
+    const T* v = st.at_kv(a.v, a);
+    if (n_tiles > 0) {  // Q goes with key tile 0
+      const T* q = st.at(a.q);
+#pragma unroll
+      for (int c = 0; c < kWsConsumers; ++c) {
+        const int qc = q0 + c * kBlock;
+        if (qc < a.q_len)
+          load_tile_sw<T, D>(base + L::q + c * kTile, q + int64_t(qc) * a.q.row, a.q.row, min(kBlock, a.q_len - qc),
+                             tid);
+      }
+    }
+    // Tile t into stage t % kStages once the consumers are done with tile t − kStages; tile t − 1 published once
+    // its copies have landed (one tile in flight behind the one being issued).
+    auto publish = [&](int t) {
+      fence_async_shared();  // this thread's copies, now landed, visible to the tensor cores
+      mbar_arrive(full + 8 * (t % kStages));
+    };
+    for (int t = 0; t < n_tiles; ++t) {
+      const int s = t % kStages, kt = t * kBlock;
+      if (t >= kStages) mbar_wait(empty + 8 * s, (t / kStages - 1) & 1);
+      load_tile_sw<T, D>(base + L::k + s * kTile, k + int64_t(kt) * a.k.row, a.k.row, min(kBlock, a.k_len - kt),
+                         tid);
+      load_tile_sw<T, D>(base + L::v + s * kTile, v + int64_t(kt) * a.v.row, a.v.row, min(kBlock, a.k_len - kt),
+                         tid);
+      cp_async_commit();
+      if (tid < kBlock) sBias[s * kBlock + tid] = st.vis.key_bias(kt + tid);
+      if (t > 0) {
+        cp_async_wait<1>();
+        publish(t - 1);
+      }
+    }
+    if (n_tiles > 0) {
+      cp_async_wait<0>();
+      publish(n_tiles - 1);
+    }
+    return;
+  }
+
+  // ---- a consumer: queries [qc, qc + 64) of the CTA's block
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
+  const int c = wg - 1, qc = q0 + c * kBlock;
+  const int i0 = qc + ((threadIdx.x >> 5) & 3) * 16;  // the warp's first query
+  const int my_tiles = tiles_of(c);
+  if (qc >= a.q_len) return;
+  const uint32_t sQ = base + L::q + c * kTile;
+  uint32_t* const keep_row = kKeep ? st.keep_word(i0, 0) : nullptr;
+  float o[D / 8][4] = {};
+  float m[2] = {-kInf, -kInf};
+  float l[2] = {0.f, 0.f};
+  for (int t = 0; t < my_tiles; ++t) {
+    const int s = t % kStages;
+    mbar_wait(full + 8 * s, (t / kStages) & 1);
+    float sc[8][4];
+    wg_abt<T, D>(sc, sQ, base + L::k + s * kTile);
+    wgmma_sync(sc);
+    softmax_step<T, D, kKeep>(sc, o, m, l, st, sBias + s * kBlock, i0, t * kBlock,
+                              kKeep ? keep_row + 32 * t : nullptr);
+    wg_xb<T, D>(o, sc, base + L::v + s * kTile);
+    wgmma_sync(o);
+    mbar_arrive(empty + 8 * s);
+  }
+  store_out_lse<T, D>(a, st, i0, o, m, l);
+#else
+  __trap();  // never launched: attention_sm90_runs is false without sm_90a code
+#endif
+}
+
+template <typename T>
+cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
+  constexpr int D = 128;
+  const int64_t blocks = int64_t(a.batch) * a.heads * ((a.q_len + kWsQueries - 1) / kWsQueries);
+  // a Q tile a consumer, kWsStages × (K, V, key bias), the barriers: 131 632 B.
+  const size_t bytes = WsSmem<D>::bytes;
+  const int threads = kThreads * (1 + kWsConsumers);
+  if (a.keep != nullptr && a.dropout_p > 0.f) {
+    return launch(attention_fwd_ws_sm90_kernel<T, D, true>, blocks, bytes, a, stream, threads);
+  }
+  return launch(attention_fwd_ws_sm90_kernel<T, D, false>, blocks, bytes, a, stream, threads);
+}
+
 template <typename T, int D>
 cudaError_t fwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const int64_t blocks = int64_t(a.batch) * a.heads * ((a.q_len + kBlock - 1) / kBlock);
-  // Q + 2×K + 2×V tiles + 2 bias arrays: D = 64 → 41 472 B, D = 128 → 82 432 B.
+  // Q + 2×K + 2×V tiles + 2 bias arrays: 41 472 B at D = 64.
   const size_t bytes = 5 * kSwTileBytes<D> + 2 * kBlock * sizeof(float);
   if (a.keep != nullptr && a.dropout_p > 0.f) {
     return launch(attention_fwd_sm90_kernel<T, D, true>, blocks, bytes, a, stream);
@@ -105,7 +259,9 @@ template <typename T>
 cudaError_t launch_attention_fwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   switch (a.head_dim) {
     case 64: return fwd_sm90<T, 64>(a, stream);
-    case 128: return fwd_sm90<T, 128>(a, stream);
+    // Over few key tiles the warp-specialized kernel's pipeline does not fill: the one-warpgroup kernel is
+    // the faster up to kWsMinKeys keys.
+    case 128: return a.k_len > kWsMinKeys ? fwd_ws_sm90<T>(a, stream) : fwd_sm90<T, 128>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -189,6 +189,22 @@ __device__ __forceinline__ void wg_atb(float (&acc)[D / 8][4], uint32_t a, uint3
 #pragma unroll
   for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template ss<1, 1>(acc, desc_mn(a, kk), desc_mn(b, kk), 1);
 }
+// ---- mbarriers (PTX ISA, "mbarrier"): the hand-off of shared tiles between warpgroups -----------------
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Wait for the completion of the barrier's phase of this parity (phase k has parity k & 1).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 #endif  // LSMINI_SM90A_DEVICE
 
 // The dynamic shared memory, which the swizzled tiles need on the swizzle's 1 KB period. The kernels declare it
