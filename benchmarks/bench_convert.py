@@ -39,6 +39,9 @@ this one, where the first compiled variant pays several seconds of compiler star
     lsmini                 lsmini.convert(model) after building the model, eager.
     lsmini+compile         convert, then torch.compile(loss_fn).
     lsmini+compile-graphs  convert, then torch.compile(loss_fn, mode="reduce-overhead").
+    lsmini+adam, lsmini+compile+adam, lsmini+compile-graphs+adam  only when asked for: the same with AdamW
+                           swapped for lsmini.optim.FusedAdam too (and GradScaler for lsmini.optim.LossScaler
+                           with --dtype fp16), the script's second changed line.
 What is compiled is loss_fn(src, tgt_in, tgt_out, masks): autocast, the model's forward and the loss. The
 backward runs as torch.compile produces it; the optimizer step stays outside, as in most scripts. The lsmini
 variants compile with fullgraph=True (--no-fullgraph turns it off), so that a graph break fails loudly; any
@@ -104,6 +107,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 import lsmini  # noqa: E402
+from lsmini.optim import FusedAdam, LossScaler  # noqa: E402
 
 PAD, MASK, BOS = 0, 1, 2
 MASK_FRACTION = 0.15  # --model encoder: the share of tokens hidden for the model to predict
@@ -117,6 +121,9 @@ LOSS_WINDOW = 10  # timed steps averaged into loss_final
 GRAPH_READY_STEPS = 3  # reduce-overhead: compile + warm-up run, recording, first replay
 
 VARIANTS = ("torch", "torch+compile", "torch+compile-graphs", "lsmini", "lsmini+compile", "lsmini+compile-graphs")
+# asked for by name: the lsmini variants with the optimizer swapped too (lsmini.optim.FusedAdam)
+ADAM_VARIANTS = ("lsmini+adam", "lsmini+compile+adam", "lsmini+compile-graphs+adam")
+KNOWN_VARIANTS = VARIANTS + ADAM_VARIANTS
 COMPILE_MODES = {"": None, "compile": "default", "compile-graphs": "reduce-overhead"}
 COLUMNS = ["variant", "masks", "compile_s", "ms_step", "tgt_tokens_s", "peak_mb", "loss_first", "loss_final",
            "graphs", "captured", "replaced", "kept", "x_torch_compile", "x_same_mode", "mem_vs_torch",
@@ -127,9 +134,14 @@ FORMATS = {"compile_s": "{:.2f}", "ms_step": "{:.2f}", "tgt_tokens_s": "{:,.0f}"
 
 
 def split_variant(variant):
-    """'lsmini+compile-graphs' → (True, 'reduce-overhead'); 'torch' → (False, None)."""
-    base, _, mode = variant.partition("+")
+    """'lsmini+compile-graphs' → (True, 'reduce-overhead'); 'torch' → (False, None); a +adam suffix aside."""
+    base, _, mode = fused_adam_aside(variant).partition("+")
     return base == "lsmini", COMPILE_MODES[mode]
+
+
+def fused_adam_aside(variant):
+    """The variant without its +adam suffix: 'lsmini+compile+adam' → 'lsmini+compile'."""
+    return variant.removesuffix("+adam")
 
 
 # ---- the user's model -------------------------------------------------------------------------------------
@@ -314,8 +326,12 @@ def run_variant(variant, args, device, row):
     loss_fn = loss_function(model, device, torch.float16 if args.dtype == "fp16" else torch.bfloat16)
     if mode is not None:
         loss_fn = torch.compile(loss_fn, mode=mode, fullgraph=use_lsmini and args.fullgraph)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True)
-    scaler = torch.amp.GradScaler(device.type) if args.dtype == "fp16" else None
+    if variant.endswith("+adam"):  # the optimizer swapped too: the converted parameters move into its workspace
+        opt = FusedAdam(model, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+        scaler = LossScaler() if args.dtype == "fp16" else None
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY, fused=True)
+        scaler = torch.amp.GradScaler(device.type) if args.dtype == "fp16" else None
     graphs = mode == "reduce-overhead"
 
     def step(inputs, targets):
@@ -432,7 +448,7 @@ def add_ratios(rows):
         if use_lsmini:
             if "torch+compile" in by:
                 r["x_torch_compile"] = r["tgt_tokens_s"] / by["torch+compile"]["tgt_tokens_s"]
-            same = by.get(r["variant"].replace("lsmini", "torch", 1))
+            same = by.get(fused_adam_aside(r["variant"]).replace("lsmini", "torch", 1))
             if same is not None:
                 r["x_same_mode"] = r["tgt_tokens_s"] / same["tgt_tokens_s"]
         if "peak_mb" in r and "torch" in by and "peak_mb" in by["torch"]:
@@ -478,7 +494,8 @@ def header_line(args, device):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated subset of " + ",".join(KNOWN_VARIANTS) + " (the +adam ones only when named)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"],
                     help="autocast dtype; fp16 adds a GradScaler")
@@ -526,9 +543,9 @@ def parse_args(argv=None):
     if args.quick:
         args.warmup, args.iters = 3, 10
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
+    unknown = [v for v in args.variants if v not in KNOWN_VARIANTS]
     if unknown:
-        ap.error(f"unknown variants {unknown}; choose from {','.join(VARIANTS)}")
+        ap.error(f"unknown variants {unknown}; choose from {','.join(KNOWN_VARIANTS)}")
     if args.iters < 1:
         ap.error("--iters must be at least 1")
     if args.repeats < 1:

@@ -33,6 +33,8 @@ touch another's timing):
     lsmini+saved, lsmini+compile+saved, lsmini+compile-graphs+saved  only when asked for: the lsmini variants with
                     every converted block's recompute = False (its backward reads the FFN activation and the
                     pre-norm outputs saved, as the Hugging Face block's does, instead of recomputing them).
+    lsmini+adam, lsmini+compile+adam, lsmini+compile-graphs+adam  only when asked for: the lsmini variants with
+                    AdamW swapped for lsmini.optim.FusedAdam too.
     torch+liger     only when asked for in --variants: the model with Liger's Triton kernels, eager —
                     liger_kernel.transformers.apply_liger_kernel_to_llama(model=model) with its defaults (RMSNorm,
                     SwiGLU MLP, rotary embedding, and lm_head + loss as one fused linear cross entropy, the logits
@@ -66,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import common  # noqa: E402
 import lsmini  # noqa: E402
+from lsmini.optim import FusedAdam  # noqa: E402
 
 SEED, DATA_SEED = 1234, 7
 N_BATCHES = 4
@@ -75,8 +78,10 @@ VARIANTS = ("torch", "torch+compile", "lsmini", "lsmini+compile")  # the default
 GRAPH_VARIANTS = ("torch+compile-graphs", "lsmini+compile-graphs")  # asked for by name: CUDA only
 # asked for by name: the converted blocks with recompute = False (lsmini.convert_hf's "Memory")
 SAVED_VARIANTS = ("lsmini+saved", "lsmini+compile+saved", "lsmini+compile-graphs+saved")
+# asked for by name: the optimizer swapped too (lsmini.optim.FusedAdam)
+ADAM_VARIANTS = ("lsmini+adam", "lsmini+compile+adam", "lsmini+compile-graphs+adam")
 LIGER = "torch+liger"  # asked for by name only; see the module docstring
-KNOWN_VARIANTS = VARIANTS + GRAPH_VARIANTS + SAVED_VARIANTS + (LIGER,)
+KNOWN_VARIANTS = VARIANTS + GRAPH_VARIANTS + SAVED_VARIANTS + ADAM_VARIANTS + (LIGER,)
 GRAPH_READY_STEPS = 3  # reduce-overhead: compile + warm-up run, recording, first replay
 MODELS = {  # name: (layers, hidden, heads, vocab, batch, length)
     "gpt2": (12, 768, 12, 50257, 8, 1024),
@@ -219,8 +224,11 @@ def run_variant(args, name, variant, device, row):
 
     if compiled:
         loss_fn = torch.compile(loss_fn, mode="reduce-overhead" if graphs else "default")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
-                            fused=device.type == "cuda")
+    if "adam" in parts:  # the converted model's parameters move into the optimizer's workspace
+        opt = FusedAdam(model, lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
+                                fused=device.type == "cuda")
 
     def step(ids, labels):
         if graphs:  # a new iteration: the graphs may overwrite the previous step's outputs

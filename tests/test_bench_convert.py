@@ -23,7 +23,7 @@ def table_rows(text):
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("|") and cells[0] in bench_convert.VARIANTS:
+        if line.startswith("|") and cells[0] in bench_convert.KNOWN_VARIANTS:
             rows[cells[0]] = cells
     return rows
 
@@ -101,3 +101,17 @@ def test_encoder_model_rows(capsys):
     with_bool = bench_convert.main(TINY + ["--variants", "torch", "--model", "encoder", "--padding-masks", "bool",
                                            "--no-isolate"])[0]
     assert with_bool["loss_first"] == pytest.approx(by["torch"]["loss_first"], rel=1e-5)
+
+
+def test_fused_adam_variant_trains_as_adamw(capsys):
+    """lsmini+adam: the converted model with AdamW swapped for lsmini.optim.FusedAdam. Same weights and dropout
+    draws as lsmini, so the same first loss; after the optimizer steps the losses agree within the two
+    optimizers' rounding (float32 updates summed in another order); its same-mode ratio is against torch."""
+    rows = bench_convert.main(TINY + ["--variants", "torch,lsmini,lsmini+adam", "--no-isolate"])
+    by = {r["variant"]: r for r in rows}
+    for r in rows:
+        check_trained(r)
+    assert by["lsmini+adam"]["loss_first"] == by["lsmini"]["loss_first"]
+    assert by["lsmini+adam"]["loss_final"] == pytest.approx(by["lsmini"]["loss_final"], rel=1e-4)
+    assert by["lsmini+adam"]["x_same_mode"] > 0
+    assert "lsmini+adam" in table_rows(capsys.readouterr().out)

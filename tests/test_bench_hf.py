@@ -106,3 +106,14 @@ def test_saved_variants_run_and_match_the_default():
     assert all("error" not in r for r in rows), rows
     assert rows[1]["loss_first"] == rows[0]["loss_first"]  # no dropout in Llama: recompute changes no value
     assert rows[2]["skipped"] == "CUDA graphs need a CUDA device"
+
+
+def test_adam_variants_run_and_train_as_adamw():
+    # FusedAdam in place of AdamW: the same first loss (same weights), and after the steps the same loss within
+    # the two optimizers' rounding (float32 updates summed in another order); GPT-2 ties its embedding and head
+    rows = bench_hf.main(["--device", "cpu", "--tiny", "--warmup", "1", "--iters", "2", "--models", "gpt2",
+                          "--variants", "lsmini,lsmini+adam,lsmini+compile-graphs+adam"])
+    assert all("error" not in r for r in rows), rows
+    assert rows[1]["loss_first"] == rows[0]["loss_first"]
+    assert rows[1]["loss_final"] == pytest.approx(rows[0]["loss_final"], rel=1e-4)
+    assert rows[2]["skipped"] == "CUDA graphs need a CUDA device"
