@@ -1,6 +1,6 @@
 """Host time of eager op calls: what a training step pays per lsmini op before any kernel runs.
 
-    python benchmarks/bench_host.py [--calls N] [--results DIR | --no-results]
+    python benchmarks/bench_host.py [--calls N] [--events N] [--results DIR | --no-results]
 
 Each dropout op is called with dropout 0.1 and with dropout 0 on tiny inputs, without autograd; the wall time
 per call is the host's where the device time (timed too, with dropout) is shorter. The difference
@@ -13,7 +13,8 @@ directly through ``torch.ops.lsmini`` for a post-LN encoder layer (self, ffn) an
 ffn) of the base shape (hidden 512, 8 heads, FFN 2048, dropout 0.1) on a [2, 8] bf16 input with float32
 parameters, as under autocast: the host time of one layer call, without autograd or any wrapper around it
 (both eager and compiled steps call these operators), and the kernel launches one call makes (torch.profiler's
-count of launch calls: they are most of a layer call's host time). The decoder layer's cross-attention K/V are
+count of launch calls: they are most of a layer call's host time; --events N prints the N host events
+with the most own time in each layer row's call). The decoder layer's cross-attention K/V are
 the two [b, ls, H] column blocks of one [b, ls, 2H] tensor, as a decoder stack hands them over. Last, per layer, one
 whole eager call through the module under autocast, forward and backward (input checks, autograd,
 ``LayerFunction``; for the standalone decoder layer its own cross-attention K/V GEMM too; the input requires
@@ -47,8 +48,9 @@ P = 0.1
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemsetAsync")
 
 
-def launches_per_call(fn, calls=10):
-    """The launches (LAUNCHES) one call of fn makes, counted by torch.profiler over `calls` calls."""
+def host_events(fn, calls=10):
+    """torch.profiler's host events of `calls` calls of fn: [(key, count a call, own µs a call)], most own time
+    first (the profiler's own overhead included)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -56,7 +58,13 @@ def launches_per_call(fn, calls=10):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if e.key in LAUNCHES) / calls
+    events = [(e.key, e.count / calls, e.self_cpu_time_total / calls) for e in prof.key_averages()]
+    return sorted(events, key=lambda e: -e[2])
+
+
+def launches_per_call(events):
+    """The launches (LAUNCHES) one call makes, from its host_events."""
+    return sum(count for key, count, _ in events if key in LAUNCHES)
 
 
 def host_us(fn, calls):
@@ -70,6 +78,9 @@ def host_us(fn, calls):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--events", type=int, default=0, metavar="N",
+                    help="also print the N host events (ATen operators, CUDA runtime calls) with the most own time "
+                         "in each layer call row, from torch.profiler (its overhead included)")
     common.add_results_arguments(ap)
     args = ap.parse_args()
     common.require_cuda_kernels("bench_host.py")
@@ -109,6 +120,12 @@ def main():
     layer_shown = [{**r, "µs": f"{r['µs']:.1f}", "launches": f"{r['launches']:g}" if "launches" in r else ""}
                    for r in layers]
     print(common.markdown_table(layer_shown, ["call", "layer", "µs", "launches"]))
+    for r in layers:
+        if args.events and "events" in r:
+            print(f"\n{r['call']} {r['layer']}: host events with the most own time, a call (under the profiler)")
+            print(common.markdown_table([{"event": key[:90], "calls": f"{count:g}", "own µs": f"{us:.1f}"}
+                                         for key, count, us in r["events"][:args.events]],
+                                        ["event", "calls", "own µs"]))
     results += [{"config": f"{r['call']} {r['layer']}", "variant": "lsmini", "us": r["µs"],
                  "launches": r.get("launches")} for r in layers]
     common.append_results(args.results, "host", env,
@@ -137,8 +154,8 @@ def layer_rows(dev, calls):
             y, state = layer_op(*inputs, *options)  # backward reads this state every time
             forward = host_us(lambda: layer_op(*inputs, *options), calls)
             backward = host_us(lambda: backward_op(grad, state, *inputs, [], [], [], *options), calls)
-            forward_launches = launches_per_call(lambda: layer_op(*inputs, *options))
-            backward_launches = launches_per_call(lambda: backward_op(grad, state, *inputs, [], [], [], *options))
+            forward_events = host_events(lambda: layer_op(*inputs, *options))
+            backward_events = host_events(lambda: backward_op(grad, state, *inputs, [], [], [], *options))
         x_leaf = x.detach().requires_grad_()
         args = (x_leaf, enc) if decoder else (x_leaf,)
 
@@ -148,9 +165,12 @@ def layer_rows(dev, calls):
             out.backward(grad)
             torch.cuda.synchronize()
 
-        rows += [{"call": "lsmini::layer", "layer": name, "µs": forward, "launches": forward_launches},
-                 {"call": "lsmini::layer_backward", "layer": name, "µs": backward, "launches": backward_launches},
-                 {"call": "module forward + backward, synchronised", "layer": name, "µs": host_us(whole, calls)}]
+        rows += [{"call": "lsmini::layer", "layer": name, "µs": forward,
+                  "launches": launches_per_call(forward_events), "events": forward_events},
+                 {"call": "lsmini::layer_backward", "layer": name, "µs": backward,
+                  "launches": launches_per_call(backward_events), "events": backward_events},
+                 {"call": "module forward + backward, synchronised", "layer": name, "µs": host_us(whole, calls),
+                  "events": host_events(whole)}]
     return rows
 
 
