@@ -24,7 +24,7 @@ namespace lsmini {
 namespace {
 
 template <typename T, int D, bool kKeep>
-__global__ void __launch_bounds__(kThreads, 4) attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
   // Q, then K and V double-buffered (swizzled tiles), then the key bias of each buffer.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -228,7 +228,7 @@ cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
 template <typename T, int D>
 cudaError_t fwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const int64_t blocks = int64_t(a.batch) * a.heads * ((a.q_len + kBlock - 1) / kBlock);
-  // Q + 2×K + 2×V tiles + 2 bias arrays: 41 472 B at D = 64.
+  // Q + 2×K + 2×V tiles + 2 bias arrays: D = 64 → 41 472 B, D = 128 → 82 432 B.
   const size_t bytes = 5 * kSwTileBytes<D> + 2 * kBlock * sizeof(float);
   if (a.keep != nullptr && a.dropout_p > 0.f) {
     return launch(attention_fwd_sm90_kernel<T, D, true>, blocks, bytes, a, stream);
