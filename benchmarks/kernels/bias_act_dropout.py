@@ -1,5 +1,5 @@
-"""bias_act_dropout_fwd / _bwd beside plain PyTorch ``F.dropout(act(x + bias), p)`` with act relu and
-gelu (exact) (same run, same inputs, p = 0.1 in training mode for both; torch.compile of the same
+"""bias_act_dropout_fwd / _bwd beside plain PyTorch ``F.dropout(act(x + bias), p)`` with act relu,
+gelu (exact) and gelu_tanh (same run, same inputs, p = 0.1 in training mode for both; torch.compile of the same
 expression for the forward outside --quick).
 
 Bytes (the minimum the op must move; bias and grad_bias, [hidden], are left out):
@@ -10,13 +10,15 @@ The backward's fp32 column-sum partials (≤ 2 · 8·SMs/tiles · hidden · 4 B,
 counted. Backward rows time autograd's backward only, on both sides: torch.autograd.grad(out,
 (x, bias), grad, retain_graph=True) on a graph built once.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from lsmini.ops.bias_act_dropout import bias_act_dropout
 
 P = 0.1
-TORCH_ACT = {"relu": F.relu, "gelu": F.gelu}
+TORCH_ACT = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 def _compiled(fn):
@@ -33,7 +35,7 @@ def _compiled(fn):
 def bench(ctx):
     rows = 65536
     hiddens = [4096] if ctx.quick else [2048, 4096]
-    activations = ["gelu"] if ctx.quick else ["relu", "gelu"]
+    activations = ["gelu"] if ctx.quick else ["relu", "gelu", "gelu_tanh"]
     for dtype in (torch.float16, torch.bfloat16):
         for hidden in hiddens:
             x = torch.randn(rows, hidden, device="cuda", dtype=dtype, requires_grad=True)

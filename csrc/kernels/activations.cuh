@@ -2,7 +2,7 @@
  * activations.cuh — the elementwise activations of the fused kernels and their derivatives, in fp32:
  *
  *   gelu (exact):  a(v) = v·Φ(v) = ½v(1 + erf(v/√2)),         a'(v) = Φ(v) + v·φ(v)
- *   gelu_tanh:     a(v) = ½v(1 + tanh(√(2/π)(v + 0.044715 v³))), its derivative by the chain rule
+ *   gelu_tanh:     a(v) = ½v(1 + tanh(u)) = v·σ(2u), u = √(2/π)(v + 0.044715 v³), a'(v) by the chain rule
  *   silu:          a(v) = v·σ(v),  σ(v) = 1/(1 + e^{−v}),      a'(v) = σ(v)·(1 + v·(1 − σ(v)))
  *
  * Used by bias_act_dropout.cu (act(x + bias)) and glu.cu (act(gate)·up). Each `<act>_and_grad` returns a(v)
@@ -11,8 +11,10 @@
  *
  * Numerics, chosen to stay as accurate as PyTorch's own fp32 activations under --use_fast_math:
  * - Φ comes from a short erfc approximation (normal_cdf) rather than erff, for speed.
- * - tanh is built from expm1f (tanh_precise): fast-math would turn tanhf into tanh.approx (≈ 2^-11
- *   relative error), too coarse to match PyTorch's fp32 gelu_tanh.
+ * - gelu_tanh has no tanh: ½v(1 + tanh(u)) = v·σ(2u), one exponential (__expf) and one division. tanhf
+ *   under fast-math is tanh.approx (≈ 2^-11 relative error), too coarse; an accurate tanh (from expm1f)
+ *   costs several times more and made the fused kernel compute-bound. The sigmoid form also has no
+ *   cancellation in 1 + tanh(u) for negative v, where PyTorch's fp32 formula loses digits.
  * - silu is v / (1 + e^{−v}) with an IEEE division (__fdiv_rn, which fast-math leaves alone), PyTorch's
  *   formula and rounding: only e^{−v} differs, from __expf (ex2.approx of −v·log2 e: relative error
  *   ≈ 2^-22 + |v|·2^-24, which matters only where e^{−v} is not small next to 1, i.e. where |silu| < 0.3).
@@ -52,14 +54,6 @@ __device__ __forceinline__ float normal_cdf(float v, float* gauss) {
   return v >= 0.f ? 1.f - half_erfc : half_erfc;
 }
 
-__device__ __forceinline__ float tanh_precise(float u) {
-  // tanh(u) = e / (e + 2) with e = expm1(2|u|): expm1f keeps its full accuracy under fast-math (it
-  // has no intrinsic), so tanh stays accurate to a few ulp also near 0, where 1 − 2/(e^{2u} + 1)
-  // cancels. |u| is capped at 10 (tanh = 1 in fp32 well before) so e stays finite.
-  const float e = expm1f(2.f * fminf(fabsf(u), 10.f));
-  return copysignf(e / (e + 2.f), u);
-}
-
 // ---- gelu (exact) ----
 __device__ __forceinline__ float gelu(float v) {
   float gauss;
@@ -80,18 +74,24 @@ __device__ __forceinline__ float gelu_grad(float v) {
 }
 
 // ---- gelu_tanh ----
-__device__ __forceinline__ float gelu_tanh(float v) {
-  const float u = kSqrt2_Pi * fmaf(kGeluTanhCubic * v, v * v, v);
-  return 0.5f * v * (1.f + tanh_precise(u));
+// e^{−2u} with 2u = 2·√(2/π)·(v + 0.044715·v³), the exponent capped at 80: below v ≈ −9.7, σ(2u) < 2e-35
+// and gelu_tanh is 0 to fp32 precision, and the cap keeps e and e·σ² (the derivative) finite. NaN passes
+// through v in the callers.
+__device__ __forceinline__ float gelu_tanh_exp(float v, float v2) {
+  return __expf(fminf(-2.f * kSqrt2_Pi * fmaf(kGeluTanhCubic * v, v2, v), 80.f));
 }
 
+__device__ __forceinline__ float gelu_tanh(float v) { return __fdividef(v, 1.f + gelu_tanh_exp(v, v * v)); }
+
 __device__ __forceinline__ float gelu_tanh_and_grad(float v, float* grad) {
+  // a = v·s, s = σ(2u); a' = s + v·2u'·(1 − s)·s with 1 − s = e·s (no cancellation; e·s ≤ 1 and is
+  // formed first: e·s·s could overflow or underflow) and 2u' = 2·√(2/π)·(1 + 3·0.044715·v²)
   const float v2 = v * v;
-  const float u = kSqrt2_Pi * fmaf(kGeluTanhCubic * v, v2, v);
-  const float t = tanh_precise(u);
-  const float du = kSqrt2_Pi * fmaf(3.f * kGeluTanhCubic, v2, 1.f);
-  *grad = 0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du;
-  return 0.5f * v * (1.f + t);
+  const float e = gelu_tanh_exp(v, v2);
+  const float s = __fdividef(1.f, 1.f + e);
+  const float du2 = 2.f * kSqrt2_Pi * fmaf(3.f * kGeluTanhCubic, v2, 1.f);
+  *grad = fmaf(v * du2 * (e * s), s, s);
+  return v * s;
 }
 
 __device__ __forceinline__ float gelu_tanh_grad(float v) {

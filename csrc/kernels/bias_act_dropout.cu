@@ -29,8 +29,8 @@
  * grad_x in registers during its single pass, folds the block's rows in shared memory into one row of
  * fp32 partials [slabs, hidden], and a second small kernel sums the partials per column (no atomics).
  *
- * Numerics: gelu and gelu_tanh come from activations.cuh (a short erfc approximation for Φ, tanh
- * built from expm1f), as accurate as PyTorch's fp32 activations under --use_fast_math.
+ * Numerics: gelu and gelu_tanh come from activations.cuh (a short erfc approximation for Φ; gelu_tanh
+ * as v·σ(2u)), as accurate as PyTorch's fp32 activations under --use_fast_math.
  *
  * Napkin math (H200, fp16, 65536 × 4096 = 2^28 elements): forward moves 1 GiB, backward 1.5 GiB;
  * Philox (≈ 12 instructions per element) plus gelu (≈ 15) come close to the ≈ 30 per element that
