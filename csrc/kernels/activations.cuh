@@ -76,7 +76,7 @@ __device__ __forceinline__ float gelu_grad(float v) {
 // ---- gelu_tanh ----
 // e^{−2u} with 2u = 2·√(2/π)·(v + 0.044715·v³), the exponent capped at 80: below v ≈ −9.7, σ(2u) < 2e-35
 // and gelu_tanh is 0 to fp32 precision, and the cap keeps e and e·σ² (the derivative) finite. NaN passes
-// through v in the callers.
+// through v in the callers; v = −inf gives −inf (PyTorch's formula: NaN), non-finite either way.
 __device__ __forceinline__ float gelu_tanh_exp(float v, float v2) {
   return __expf(fminf(-2.f * kSqrt2_Pi * fmaf(kGeluTanhCubic * v, v2, v), 80.f));
 }
