@@ -212,6 +212,38 @@ def test_recompute_equals_saving(pre, act):
 
 
 @pytest.mark.cuda
+def test_unaligned_parameters_cast_like_aligned_ones():
+    """float32 parameters under bf16 autocast are cast into the layer's state by one kernel, 16 bytes at a time
+    where a parameter and its copy are 16-byte aligned and element by element where not: parameters that are
+    views 4 bytes into their storage give the same output, input gradient and matrix gradients bit for bit.
+    The LayerNorms read their float32 γ and β in place, so their unaligned (element-wise) backward sums the
+    partials of dγ and dβ in another order: those four gradients agree to float32 rounding."""
+    cfg = TransformerConfig(64, 4, 128, dropout=0.0, attn_dropout=0.0, activation_dropout=0.0)
+    torch.manual_seed(0)
+    aligned = perturb_(TransformerEncoderLayer(cfg)).cuda()
+    shifted = TransformerEncoderLayer(cfg).cuda()
+    for (name, p), q in zip(aligned.named_parameters(), shifted.parameters()):
+        storage = torch.zeros(p.numel() + 1, device="cuda")
+        storage[1:].copy_(p.detach().flatten())
+        q.data = storage[1:].view_as(p)
+        assert q.data_ptr() % 16 == 4 and torch.equal(q, p), name
+    x = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(2)).cuda()
+    runs = []
+    for layer in (aligned, shifted):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(xi)
+        out.float().square().mean().backward()
+        runs.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+    names = ["output", "input grad"] + [name for name, _ in aligned.named_parameters()]
+    for name, a, b in zip(names, *runs):
+        if name.startswith("norm"):
+            torch.testing.assert_close(a, b, msg=name)
+        else:
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.cuda
 def test_dropout_reproducible_under_manual_seed():
     layer = _layer("cuda", dropout=True)
     x = _input(layer)
