@@ -100,11 +100,11 @@ def test_op_on_cpu_without_grad_computes_the_loss_alone(monkeypatch):
     assert ops.names == [] and torch.equal(forced.detach(), loss)
 
 
-def test_default_chunk_is_2048_rows_or_64_mib_of_logits_where_that_is_more():
-    assert default_chunk_tokens(32000, torch.float16) == 2048
-    assert default_chunk_tokens(128256, torch.bfloat16) == 2048
-    assert default_chunk_tokens(1 << 30, torch.float32) == 2048
-    assert default_chunk_tokens(8000, torch.float16) == (64 << 20) // (8000 * 2)  # 4194 rows
+def test_default_chunk_is_4096_rows_or_64_mib_of_logits_where_that_is_more():
+    assert default_chunk_tokens(32000, torch.float16) == 4096
+    assert default_chunk_tokens(128256, torch.bfloat16) == 4096
+    assert default_chunk_tokens(1 << 30, torch.float32) == 4096
+    assert default_chunk_tokens(4000, torch.float16) == (64 << 20) // (4000 * 2)  # 8388 rows
 
 
 @pytest.mark.parametrize("kind", ["seq2seq", "lm"])
