@@ -43,9 +43,9 @@ REDUCTIONS = ("mean", "sum")
 GRAD_SCALE = 2.0 ** 15  # |softmax − target distribution| <= 1, so the scaled gradient stays below 65504
 # Each chunk adds its d W into the float32 [V, H] sum (8·V·H bytes read and written, against its GEMMs' 6·rows·V·H
 # flops) and runs its own launches and a d x GEMM ([rows, V] · [V, H]) that fills the GPU only with enough rows. At
-# 2048 rows these cost about a tenth of the op at language-model shapes (V 32000-50257, H 768); 4096 rows halve
-# that, for twice the logits alive at once (4096 · V · 2 bytes: 400 MB at V = 50257 in bf16, still a fraction of the
-# full logits and their gradient). Fewer rows save memory and spend the time on the sum.
+# 2048 rows these cost about a tenth of the op at language-model shapes (V 32000-50257, H 768), at 4096 rows a few
+# percent, for twice the logits alive at once (4096 · V · 2 bytes: 400 MB at V = 50257 in bf16, still a fraction of
+# the full logits and their gradient). Fewer rows save memory and spend the time on the sum.
 CHUNK_TOKENS = 4096
 CHUNK_BYTES = 64 << 20  # small vocabularies: rows up to this much logits a chunk
 
