@@ -3,6 +3,8 @@ gradients only where autograd asks — torch.autograd.grad, backward(inputs=...)
 hooks, retain_grad and double backward see PyTorch's semantics exactly, on CPU (the reference layer) and on
 CUDA (the kernel path, where the backward may add a gradient straight into an existing .grad). On CUDA also:
 the operators' checks, what the state holds, recompute on and off agreeing, dropout reproducible."""
+import copy
+
 import pytest
 import torch
 
@@ -241,6 +243,32 @@ def test_unaligned_parameters_cast_like_aligned_ones():
             torch.testing.assert_close(a, b, msg=name)
         else:
             assert torch.equal(a, b), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("hidden,heads,ffn", [(48, 3, 200), (512, 8, 2048)])
+def test_float32_parameters_under_autocast_run_as_their_bf16_values(hidden, heads, ffn):
+    """A layer's float32 parameters under bf16 autocast, every value a bf16 value, give the output and input
+    gradient of the same layer in bf16 bit for bit: the cast into the layer's state writes every element of
+    every weight and attention bias (sizes here that leave partial chunks and end mid-block)."""
+    cfg = TransformerConfig(hidden, heads, ffn, dropout=0.0, attn_dropout=0.0, activation_dropout=0.0)
+    torch.manual_seed(0)
+    wide = perturb_(TransformerEncoderLayer(cfg)).cuda()
+    with torch.no_grad():
+        for p in wide.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    narrow = copy.deepcopy(wide).to(torch.bfloat16)
+    x = torch.randn(3, 10, hidden, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+    runs = []
+    for layer, autocast in ((wide, True), (narrow, False)):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = layer(xi)
+        out.float().square().mean().backward()
+        runs.append((out, xi.grad))
+    for name, a, b in zip(("output", "input grad"), *runs):
+        assert a.dtype == b.dtype == torch.bfloat16, name
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.cuda

@@ -1,7 +1,9 @@
 // cast_segments: several contiguous arrays converted in one launch. The arrays' elements form one index space
-// of 8-element chunks (array j's chunks follow array j − 1's), which a grid of resident blocks strides over, so
-// every array gets threads in proportion to its size: a layer's cast is a few large weights and several small
-// biases, and splitting the grid evenly between arrays left most of it idle while the large ones ran.
+// of 8-element chunks (array j's chunks follow array j − 1's), cut into consecutive spans of kCastSpan chunks, one a
+// block: every array gets threads in proportion to its size (a layer's cast is a few large weights and several
+// small biases), and the blocks, scheduled in order, sweep memory front to back. A grid of resident blocks
+// striding over the whole space moved only half the bytes a second: its loads, a stride apart, were spread over
+// the arrays. A thread loads its chunks before it stores any.
 // A chunk of an array whose source and copy are both 16-byte aligned moves as 16-byte loads and one 16-byte
 // store; an array's last partial chunk, and every chunk of an unaligned array, element by element. The
 // conversion goes through float32 (exact for every source here) and rounds to nearest. Memory-bound; the
@@ -17,6 +19,8 @@ namespace lsmini {
 
 constexpr int kCastThreads = 256;
 constexpr int kCastChunk = 8;  // elements a thread converts at a time: one 16-byte store of D
+constexpr int kCastPerThread = 2;
+constexpr int kCastSpan = kCastThreads * kCastPerThread;  // chunks a block converts
 
 // The launch's view of the arrays: chunk index space and which arrays take the vector path.
 struct CastChunks {
@@ -25,32 +29,49 @@ struct CastChunks {
   uint32_t vector;                   // bit j: array j's source and copy are 16-byte aligned
 };
 
-// No __launch_bounds__: with it ptxas aims at 32 registers (a full SM) and spills; at about 40, six blocks an SM
-// are resident, and the grid is as many.
 template <typename S, typename D>
-__global__ void cast_segments_kernel(CastChunks c) {
+__global__ void __launch_bounds__(kCastThreads) cast_segments_kernel(CastChunks c) {
   static_assert(sizeof(D) * kCastChunk == 16, "a chunk is one 16-byte store of the copy");
   constexpr int kSrcVec = 16 / int(sizeof(S));  // elements a 16-byte load of the source holds
   const int64_t total = c.first[c.s.count];
+  const int64_t base = int64_t(blockIdx.x) * kCastSpan + threadIdx.x;
+  float v[kCastPerThread][kCastChunk];
+  int array[kCastPerThread];
+  bool loaded[kCastPerThread];  // taken the vector path: v holds the chunk
   int j = 0;  // the array of chunk g; g only grows, so the search goes on from the last one
-  for (int64_t g = int64_t(blockIdx.x) * kCastThreads + threadIdx.x; g < total;
-       g += int64_t(gridDim.x) * kCastThreads) {
+#pragma unroll
+  for (int u = 0; u < kCastPerThread; ++u) {
+    const int64_t g = base + u * kCastThreads;
+    array[u] = 0;
+    loaded[u] = false;
+    if (g >= total) continue;
     while (g >= c.first[j + 1]) ++j;
-    const S* __restrict__ src = static_cast<const S*>(c.s.src[j]);
-    D* __restrict__ dst = static_cast<D*>(c.s.dst[j]);
+    array[u] = j;
     const int64_t i = (g - c.first[j]) * kCastChunk;
-    const int64_t n = c.s.numel[j];
-    if (((c.vector >> j) & 1u) && i + kCastChunk <= n) {
-      float v[kCastChunk];
+    if (((c.vector >> j) & 1u) && i + kCastChunk <= c.s.numel[j]) {
+      const S* __restrict__ src = static_cast<const S*>(c.s.src[j]) + i;
 #pragma unroll
       for (int h = 0; h < kCastChunk / kSrcVec; ++h) {
         float part[kSrcVec];
-        load_pack<S, kSrcVec>(src + i + h * kSrcVec, part);
+        load_pack<S, kSrcVec>(src + h * kSrcVec, part);
 #pragma unroll
-        for (int k = 0; k < kSrcVec; ++k) v[h * kSrcVec + k] = part[k];
+        for (int k = 0; k < kSrcVec; ++k) v[u][h * kSrcVec + k] = part[k];
       }
-      store_pack<D, kCastChunk>(dst + i, v);
+      loaded[u] = true;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kCastPerThread; ++u) {
+    const int64_t g = base + u * kCastThreads;
+    if (g >= total) break;
+    const int a = array[u];
+    const int64_t i = (g - c.first[a]) * kCastChunk;
+    D* __restrict__ dst = static_cast<D*>(c.s.dst[a]);
+    if (loaded[u]) {
+      store_pack<D, kCastChunk>(dst + i, v[u]);
     } else {
+      const S* __restrict__ src = static_cast<const S*>(c.s.src[a]);
+      const int64_t n = c.s.numel[a];
       const int64_t end = i + kCastChunk < n ? i + kCastChunk : n;
       for (int64_t e = i; e < end; ++e) dst[e] = from_float<D>(to_float(src[e]));
     }
@@ -72,15 +93,9 @@ cudaError_t launch_cast_segments(const CastSegments& segments, cudaStream_t stre
   }
   const int64_t total = c.first[segments.count];
   if (total == 0) return cudaSuccess;
-  auto kernel = cast_segments_kernel<S, D>;
-  int per_sm = 0;
-  if (max_active_blocks(kernel, kCastThreads, 0, &per_sm) != cudaSuccess || per_sm < 1) {
-    (void)cudaGetLastError();  // not sticky; the launch reports its own errors
-    per_sm = 1;
-  }
-  const int64_t wanted = (total + kCastThreads - 1) / kCastThreads;
-  const int64_t resident = int64_t(per_sm) * sm_count();  // one wave: every block strides to the end
-  kernel<<<unsigned(wanted < resident ? wanted : resident), kCastThreads, 0, stream>>>(c);
+  const int64_t blocks = (total + kCastSpan - 1) / kCastSpan;
+  if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
+  cast_segments_kernel<S, D><<<unsigned(blocks), kCastThreads, 0, stream>>>(c);
   return cudaGetLastError();
 }
 
