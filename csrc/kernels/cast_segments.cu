@@ -1,9 +1,9 @@
 // cast_segments: several contiguous arrays converted in one launch. The arrays' elements form one index space
 // of 8-element chunks (array j's chunks follow array j − 1's), cut into consecutive spans of kCastSpan chunks, one a
 // block: every array gets threads in proportion to its size (a layer's cast is a few large weights and several
-// small biases), and the blocks, scheduled in order, sweep memory front to back. A grid of resident blocks
-// striding over the whole space moved only half the bytes a second: its loads, a stride apart, were spread over
-// the arrays. A thread loads its chunks before it stores any.
+// small biases), and the blocks, scheduled in order, sweep memory front to back. (A grid of resident blocks
+// striding over the whole space moves about half the bytes a second: each wave's loads lie a stride apart,
+// spread over all the arrays.) A thread loads its chunks before it stores any.
 // A chunk of an array whose source and copy are both 16-byte aligned moves as 16-byte loads and one 16-byte
 // store; an array's last partial chunk, and every chunk of an unaligned array, element by element. The
 // conversion goes through float32 (exact for every source here) and rounds to nearest. Memory-bound; the
