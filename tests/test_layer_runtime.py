@@ -250,7 +250,7 @@ def test_unaligned_parameters_cast_like_aligned_ones():
 def test_float32_parameters_under_autocast_run_as_their_bf16_values(hidden, heads, ffn):
     """A layer's float32 parameters under bf16 autocast, every value a bf16 value, give the output and input
     gradient of the same layer in bf16 bit for bit: the cast into the layer's state writes every element of
-    every weight and attention bias (sizes here that leave partial chunks and end mid-block)."""
+    every weight and attention bias (at sizes whose last block of the launch is partly empty)."""
     cfg = TransformerConfig(hidden, heads, ffn, dropout=0.0, attn_dropout=0.0, activation_dropout=0.0)
     torch.manual_seed(0)
     wide = perturb_(TransformerEncoderLayer(cfg)).cuda()
