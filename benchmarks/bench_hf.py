@@ -26,6 +26,10 @@ touch another's timing):
     torch+compile   the step's forward and loss under torch.compile (default mode).
     torch+compile-graphs  only when asked for: the same with mode="reduce-overhead" (forward and backward
                     replayed as CUDA graphs; CUDA only, skipped elsewhere).
+    torch+compile+skip-mask, torch+compile-graphs+skip-mask, lsmini+compile+skip-mask,
+    lsmini+compile-graphs+skip-mask  only when asked for: the compiled variants with transformers' eager-mode
+                    mask rule kept while compiling (skip_masks_as_in_eager): with no padding, no mask, so that
+                    SDPA may pick its flash kernel as it does eagerly (and lsmini's layers get no mask to read).
     lsmini          lsmini.convert(model) first (every GPT2Block / BertLayer / LlamaDecoderLayer one lsmini layer
                     call), eager.
     lsmini+compile  convert, then torch.compile.
@@ -81,7 +85,10 @@ SAVED_VARIANTS = ("lsmini+saved", "lsmini+compile+saved", "lsmini+compile-graphs
 # asked for by name: the optimizer swapped too (lsmini.optim.FusedAdam)
 ADAM_VARIANTS = ("lsmini+adam", "lsmini+compile+adam", "lsmini+compile-graphs+adam")
 LIGER = "torch+liger"  # asked for by name only; see the module docstring
-KNOWN_VARIANTS = VARIANTS + GRAPH_VARIANTS + SAVED_VARIANTS + ADAM_VARIANTS + (LIGER,)
+# asked for by name: the compiled variants without the masks transformers builds while tracing
+SKIP_MASK_VARIANTS = ("torch+compile+skip-mask", "torch+compile-graphs+skip-mask", "lsmini+compile+skip-mask",
+                      "lsmini+compile-graphs+skip-mask")
+KNOWN_VARIANTS = VARIANTS + GRAPH_VARIANTS + SAVED_VARIANTS + ADAM_VARIANTS + SKIP_MASK_VARIANTS + (LIGER,)
 GRAPH_READY_STEPS = 3  # reduce-overhead: compile + warm-up run, recording, first replay
 MODELS = {  # name: (layers, hidden, heads, vocab, batch, length)
     "gpt2": (12, 768, 12, 50257, 8, 1024),
@@ -128,6 +135,38 @@ def build_model(args, name):
         model = BertForMaskedLM(config)
     model.set_attn_implementation(args.attn)
     return model.train()
+
+
+def skip_masks_as_in_eager():
+    """Patch transformers (this process only) to skip the attention mask while compiling when eager mode would.
+
+    Eagerly, with no padding mask and position ids that are not packed sequences, transformers passes SDPA no
+    mask (is_causal for a causal model), and SDPA may run its flash kernel. While tracing it cannot read the
+    position ids (to rule out packing) and, under torch < 2.14, cannot tell compiling from exporting, so it
+    builds the full mask, which keeps SDPA off the flash kernel (BERT, with dropout, then runs its float32 math
+    path). The batches here have no padding and positions 0 .. length-1 in every row, so the patched model
+    computes what it computes eagerly; only the choice of kernel changes. A transformers without these
+    functions raises AttributeError.
+    """
+    import inspect
+
+    import transformers.masking_utils as masking
+
+    def eager_rule(name, causal):
+        original = getattr(masking, name)
+        params = list(inspect.signature(original).parameters)
+
+        def ignore_mask(*args, **kwargs):
+            a = dict(zip(params, args), **kwargs)
+            if a["padding_mask"] is not None or a.get("local_attention_size") is not None:
+                return original(*args, **kwargs)
+            return not causal or a["q_length"] == a["kv_length"]
+        setattr(masking, name, ignore_mask)
+
+    eager_rule("_ignore_causal_mask_sdpa", causal=True)
+    eager_rule("_ignore_bidirectional_mask_sdpa", causal=False)
+    getattr(masking, "find_packed_sequence_indices")
+    masking.find_packed_sequence_indices = lambda position_ids: None  # one sequence a row
 
 
 def make_batches(args, name, device):
@@ -208,6 +247,8 @@ def run_variant(args, name, variant, device, row):
     model = build_model(args, name).to(device)
     if variant == LIGER:
         apply_liger(model)
+    if "skip-mask" in parts:
+        skip_masks_as_in_eager()
     if use_lsmini:
         report = lsmini.convert(model)
         row["replaced"], row["kept"] = len(report.replaced), len(report.kept)

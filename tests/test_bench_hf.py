@@ -117,3 +117,36 @@ def test_adam_variants_run_and_train_as_adamw():
     assert rows[1]["loss_first"] == rows[0]["loss_first"]
     assert rows[1]["loss_final"] == pytest.approx(rows[0]["loss_final"], rel=1e-4)
     assert rows[2]["skipped"] == "CUDA graphs need a CUDA device"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_skip_mask_passes_sdpa_no_mask_while_compiling(name, monkeypatch):
+    """skip_masks_as_in_eager: traced by torch.compile, the model calls SDPA with no mask (is_causal for the causal
+    models), as eagerly, and computes the same loss as the unpatched model eagerly."""
+    import torch
+    import transformers.masking_utils as masking
+    for attr in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "find_packed_sequence_indices"):
+        monkeypatch.setattr(masking, attr, getattr(masking, attr))  # restored after the test
+    args = bench_hf.parse_args(["--device", "cpu", "--tiny", "--models", name])
+    model = bench_hf.build_model(args, name).eval()  # no dropout: the losses compare exactly
+    ids, labels = bench_hf.make_batches(args, name, torch.device("cpu"))[0]
+    with torch.no_grad():
+        expected = model(ids, labels=labels).loss
+    bench_hf.skip_masks_as_in_eager()
+    calls = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch._C._nn.scaled_dot_product_attention:
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                calls.append((mask, node.kwargs.get("is_causal", False)))
+        return gm
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            loss = torch.compile(lambda i, l: model(i, labels=l).loss, backend=backend)(ids, labels)
+    finally:
+        torch._dynamo.reset()
+    assert calls == [(None, name != "bert")] * 2  # the tiny models' two layers
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
