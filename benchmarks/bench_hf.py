@@ -152,8 +152,7 @@ def skip_masks_as_in_eager():
 
     import transformers.masking_utils as masking
 
-    def eager_rule(name, causal):
-        original = getattr(masking, name)
+    def eager_rule(original, causal):
         params = list(inspect.signature(original).parameters)
 
         def ignore_mask(*args, **kwargs):
@@ -161,12 +160,12 @@ def skip_masks_as_in_eager():
             if a["padding_mask"] is not None or a.get("local_attention_size") is not None:
                 return original(*args, **kwargs)
             return not causal or a["q_length"] == a["kv_length"]
-        setattr(masking, name, ignore_mask)
+        return ignore_mask
 
-    eager_rule("_ignore_causal_mask_sdpa", causal=True)
-    eager_rule("_ignore_bidirectional_mask_sdpa", causal=False)
-    getattr(masking, "find_packed_sequence_indices")
-    masking.find_packed_sequence_indices = lambda position_ids: None  # one sequence a row
+    for name, replacement in (("_ignore_causal_mask_sdpa", lambda f: eager_rule(f, causal=True)),
+                              ("_ignore_bidirectional_mask_sdpa", lambda f: eager_rule(f, causal=False)),
+                              ("find_packed_sequence_indices", lambda f: lambda position_ids: None)):
+        setattr(masking, name, replacement(getattr(masking, name)))  # getattr names a function that is missing
 
 
 def make_batches(args, name, device):
