@@ -28,8 +28,8 @@ touch another's timing):
                     replayed as CUDA graphs; CUDA only, skipped elsewhere).
     torch+compile+skip-mask, torch+compile-graphs+skip-mask, lsmini+compile+skip-mask,
     lsmini+compile-graphs+skip-mask  only when asked for: the compiled variants with transformers' eager-mode
-                    mask rule kept while compiling (skip_masks_as_in_eager): with no padding, no mask, so that
-                    SDPA may pick its flash kernel as it does eagerly (and lsmini's layers get no mask to read).
+                    mask rule kept while compiling (common.skip_masks_as_in_eager): with no padding, no mask, so
+                    that SDPA may pick its flash kernel as it does eagerly (and lsmini's layers get no mask).
     lsmini          lsmini.convert(model) first (every GPT2Block / BertLayer / LlamaDecoderLayer one lsmini layer
                     call), eager.
     lsmini+compile  convert, then torch.compile.
@@ -137,37 +137,6 @@ def build_model(args, name):
     return model.train()
 
 
-def skip_masks_as_in_eager():
-    """Patch transformers (this process only) to skip the attention mask while compiling when eager mode would.
-
-    Eagerly, with no padding mask and position ids that are not packed sequences, transformers passes SDPA no
-    mask (is_causal for a causal model), and SDPA may run its flash kernel. While tracing it cannot read the
-    position ids (to rule out packing) and, under torch < 2.14, cannot tell compiling from exporting, so it
-    builds the full mask, which keeps SDPA off the flash kernel (BERT, with dropout, then runs its float32 math
-    path). The batches here have no padding and positions 0 .. length-1 in every row, so the patched model
-    computes what it computes eagerly; only the choice of kernel changes. A transformers without these
-    functions raises AttributeError.
-    """
-    import inspect
-
-    import transformers.masking_utils as masking
-
-    def eager_rule(original, causal):
-        params = list(inspect.signature(original).parameters)
-
-        def ignore_mask(*args, **kwargs):
-            a = dict(zip(params, args), **kwargs)
-            if a["padding_mask"] is not None or a.get("local_attention_size") is not None:
-                return original(*args, **kwargs)
-            return not causal or a["q_length"] == a["kv_length"]
-        return ignore_mask
-
-    for name, replacement in (("_ignore_causal_mask_sdpa", lambda f: eager_rule(f, causal=True)),
-                              ("_ignore_bidirectional_mask_sdpa", lambda f: eager_rule(f, causal=False)),
-                              ("find_packed_sequence_indices", lambda f: lambda position_ids: None)):
-        setattr(masking, name, replacement(getattr(masking, name)))  # getattr names a function that is missing
-
-
 def make_batches(args, name, device):
     """N_BATCHES (inputs, labels): random tokens; gpt2's and llama's labels are their inputs, bert's the masked
     tokens."""
@@ -247,7 +216,7 @@ def run_variant(args, name, variant, device, row):
     if variant == LIGER:
         apply_liger(model)
     if "skip-mask" in parts:
-        skip_masks_as_in_eager()
+        common.skip_masks_as_in_eager()
     if use_lsmini:
         report = lsmini.convert(model)
         row["replaced"], row["kept"] = len(report.replaced), len(report.kept)

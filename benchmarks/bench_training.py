@@ -21,7 +21,7 @@ head), no biases, no dropout, no embedding scale, plain next-token cross-entropy
 untied output projection (LlamaForCausalLM's default), bf16 (no loss scaling); the same AdamW.
 
 Variants (base … lm run the first six by default, llama its own list: lsmini, lsmini+graph, lsmini+graph+saved,
-lsmini+compile, eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-liger):
+lsmini+compile, eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-compiled+skip-mask, hf-liger):
     lsmini    lsmini.models.Transformer / TransformerLM with fp16 parameters, FusedAdam (fp32 masters, the
               whole update in one launch), LossScaler, the fused label-smoothed criterion, stepped by
               lsmini.train.TrainStep (the training examples' step). llama: bf16 parameters, no LossScaler.
@@ -42,12 +42,15 @@ lsmini+compile, eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-lige
     compiled  the eager variant with the model and loss under torch.compile.
     compiled-graphs  the same with mode="reduce-overhead": forward and backward replayed as CUDA graphs,
               PyTorch's strongest variant (the optimizer step stays eager, as torch.compile leaves it).
-    hf-eager, hf-compiled, hf-liger  (llama only) transformers' LlamaForCausalLM (attn_implementation="sdpa")
-              of the same sizes and weights, trained as a Hugging Face script does: model(input_ids, labels=
-              input_ids).loss (the model shifts the labels itself, so the last position has no target),
-              fp32 parameters, torch.autocast(bf16), AdamW(fused=True); hf-compiled with the loss under
-              torch.compile, hf-liger eager with Liger Kernel's Triton kernels patched in
+    hf-eager, hf-compiled, hf-liger, hf-compiled+skip-mask  (llama only) transformers' LlamaForCausalLM
+              (attn_implementation="sdpa") of the same sizes and weights, trained as a Hugging Face script does:
+              model(input_ids, labels=input_ids).loss (the model shifts the labels itself, so the last position
+              has no target), fp32 parameters, torch.autocast(bf16), AdamW(fused=True); hf-compiled with the
+              loss under torch.compile, hf-liger eager with Liger Kernel's Triton kernels patched in
               (apply_liger_kernel_to_llama: RMSNorm, rotary, SwiGLU, output projection fused with the loss).
+              hf-compiled+skip-mask: hf-compiled with transformers' eager mask rule kept while compiling
+              (common.skip_masks_as_in_eager): traced, transformers builds the full causal mask, which keeps
+              SDPA off its flash kernel; eagerly, without padding, it passes none.
               Skipped, with the reason, where transformers (hf-liger: liger_kernel) does not import.
 The lsmini model gets the torch model's initial weights through the layers' from_torch; llama's through
 lsmini_llama_state_dict (TorchLlama's parameter names are LlamaForCausalLM's, so the hf variants load its
@@ -109,7 +112,8 @@ CONFIGS = {
 }
 DEFAULT_CONFIGS = ("base", "base-long", "big", "lm")  # llama only when asked for: --configs llama
 VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "eager", "compiled", "compiled-graphs")
-HF_VARIANTS = ("hf-eager", "hf-compiled", "hf-liger")  # transformers' LlamaForCausalLM: the llama config only
+# transformers' LlamaForCausalLM: the llama config only
+HF_VARIANTS = ("hf-eager", "hf-compiled", "hf-compiled+skip-mask", "hf-liger")
 LLAMA_VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "lsmini+compile", "eager", "compiled",
                   "compiled-graphs") + HF_VARIANTS
 # recompute off without a graph (e.g. for --nproc); the output projection and criterion over chunks of tokens
@@ -574,7 +578,10 @@ class HFLoss(nn.Module):
 def hf_trainer(cfg, tm, variant, lr_lambda=None):
     model = build_hf_model(cfg, tm, liger=variant == "hf-liger").cuda().train()
     del tm
-    return amp_trainer(cfg, model, HFLoss(model), "default" if variant == "hf-compiled" else None, lr_lambda)
+    if variant == "hf-compiled+skip-mask":
+        common.skip_masks_as_in_eager()
+    compiled = variant.startswith("hf-compiled")
+    return amp_trainer(cfg, model, HFLoss(model), "default" if compiled else None, lr_lambda)
 
 
 def make_trainer(cfg, variant, lr_lambda=None, data_parallel=False):

@@ -2,7 +2,8 @@
 copy bandwidth ceiling, result tables (markdown + CSV), and the results record: every benchmark appends
 its rows to a CSV under benchmarks/results/, each stamped with GPU, torch, CUDA, commit and date, from
 which benchmarks/report.py writes benchmarks/RESULTS.md; and where a training step's time goes (profile_step:
-kernel time by category, idle gaps, the host's own time by operator)."""
+kernel time by category, idle gaps, the host's own time by operator); and skip_masks_as_in_eager, which keeps
+a Hugging Face model's compiled PyTorch baseline on SDPA's flash kernel."""
 import csv
 import datetime
 import os
@@ -67,6 +68,37 @@ def compiled_or_none(fn, label):
     except Exception as e:  # noqa: BLE001 - the compiled column is optional
         print(f"# {label}: torch.compile baseline skipped: {type(e).__name__}: {e}")
         return None
+
+
+def skip_masks_as_in_eager():
+    """Patch transformers (this process only) to skip the attention mask while compiling when eager mode would.
+
+    Eagerly, with no padding mask and position ids that are not packed sequences, transformers passes SDPA no
+    mask (is_causal for a causal model), and SDPA may run its flash kernel. While tracing it cannot read the
+    position ids (to rule out packing) and, under torch < 2.14, cannot tell compiling from exporting, so it
+    builds the full mask, which keeps SDPA off the flash kernel (BERT, with dropout, then runs its float32 math
+    path). The batches here have no padding and positions 0 .. length-1 in every row, so the patched model
+    computes what it computes eagerly; only the choice of kernel changes. A transformers without these
+    functions raises AttributeError.
+    """
+    import inspect
+
+    import transformers.masking_utils as masking
+
+    def eager_rule(original, causal):
+        params = list(inspect.signature(original).parameters)
+
+        def ignore_mask(*args, **kwargs):
+            a = dict(zip(params, args), **kwargs)
+            if a["padding_mask"] is not None or a.get("local_attention_size") is not None:
+                return original(*args, **kwargs)
+            return not causal or a["q_length"] == a["kv_length"]
+        return ignore_mask
+
+    for name, replacement in (("_ignore_causal_mask_sdpa", lambda f: eager_rule(f, causal=True)),
+                              ("_ignore_bidirectional_mask_sdpa", lambda f: eager_rule(f, causal=False)),
+                              ("find_packed_sequence_indices", lambda f: lambda position_ids: None)):
+        setattr(masking, name, replacement(getattr(masking, name)))  # getattr names a function that is missing
 
 
 def require_cuda_kernels(script):

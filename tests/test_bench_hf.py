@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import bench_hf  # noqa: E402
+import common  # noqa: E402
 
 
 def test_eager_variants_run_on_the_cpu_and_agree():
@@ -121,8 +122,8 @@ def test_adam_variants_run_and_train_as_adamw():
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_skip_mask_passes_sdpa_no_mask_while_compiling(name, monkeypatch):
-    """skip_masks_as_in_eager: traced by torch.compile, the model calls SDPA with no mask (is_causal for the causal
-    models), as eagerly, and computes the same loss as the unpatched model eagerly."""
+    """common.skip_masks_as_in_eager: traced by torch.compile, the model calls SDPA with no mask (is_causal for the
+    causal models), as eagerly, and computes the same loss as the unpatched model eagerly."""
     import torch
     import transformers.masking_utils as masking
     for attr in ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "find_packed_sequence_indices"):
@@ -132,7 +133,7 @@ def test_skip_mask_passes_sdpa_no_mask_while_compiling(name, monkeypatch):
     ids, labels = bench_hf.make_batches(args, name, torch.device("cpu"))[0]
     with torch.no_grad():
         expected = model(ids, labels=labels).loss
-    bench_hf.skip_masks_as_in_eager()
+    common.skip_masks_as_in_eager()
     calls = []
 
     def backend(gm, example_inputs):

@@ -110,7 +110,7 @@ def test_the_llama_config_and_its_variants():
     assert bench_training.default_variants("base") == bench_training.VARIANTS
     assert set(bench_training.default_variants("llama")) >= {"lsmini", "lsmini+graph", "lsmini+compile", "eager",
                                                              "compiled", "compiled-graphs", "hf-eager", "hf-compiled",
-                                                             "hf-liger"}
+                                                             "hf-compiled+skip-mask", "hf-liger"}
     # about 125M parameters: 12 layers of 6.3M (attention 1.6M with grouped K/V, SwiGLU 4.7M) + 2 × 24.6M tables
     with torch.device("meta"):  # shapes only
         n = sum(p.numel() for p in bench_training.TorchLlama(cfg).parameters())
