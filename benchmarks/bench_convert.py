@@ -47,6 +47,10 @@ backward runs as torch.compile produces it; the optimizer step stays outside, as
 variants compile with fullgraph=True (--no-fullgraph turns it off), so that a graph break fails loudly; any
 variant that fails is reported as a row carrying the first line of its error, and the run goes on.
 
+--repeats N runs every variant N times, in rounds whose order alternates, and reports per variant the run with
+the median ms_step (all runs' figures go under the table and into the results row's note): where the host
+bounds a step, as in the compiled default mode, ms_step moves by tens of percent from process to process.
+
 Reported per variant:
     masks         the padding masks its model was given (bool or float; --padding-masks).
     compile_s     wall time (synchronised) from the start of the first step to the end of the first step that
@@ -530,8 +534,10 @@ def parse_args(argv=None):
                          "in this process, where the first compiled variant pays several seconds the later "
                          "ones do not")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="run every variant this many times (round-robin) and report, per variant, the run with "
-                         "the median compile time; all runs' compile times are listed under the table")
+                    help="run every variant this many times, in rounds whose order alternates (every second "
+                         "round runs the variants in reverse), and report, per variant, the run with the median "
+                         "ms_step; every run's ms_step and compile time are listed under the table and in the "
+                         "results row's note")
     ap.add_argument("--row-json", metavar="PATH", help=argparse.SUPPRESS)  # --isolate's child writes its row here
     ap.add_argument("--compile-profile", action="store_true",
                     help="after each compiled variant, print where its compile time went: the phases torch "
@@ -585,13 +591,22 @@ def run_isolated(variant, argv):
 
 
 def median_run(rows):
-    """Of one variant's runs, the row of the run with the median compile time (an error row if any failed),
-    with every run's compile time in compile_runs."""
+    """Of one variant's runs, the row of the run with the median ms_step (an error row if any failed), with
+    every run's ms_step and compile time in ms_runs and compile_runs."""
     failed = [r for r in rows if "error" in r]
     if failed:
         return failed[0]
-    row = sorted(rows, key=lambda r: r["compile_s"])[(len(rows) - 1) // 2]
-    return {**row, "compile_runs": [r["compile_s"] for r in rows]}
+    row = sorted(rows, key=lambda r: r["ms_step"])[(len(rows) - 1) // 2]
+    return {**row, "ms_runs": [r["ms_step"] for r in rows], "compile_runs": [r["compile_s"] for r in rows]}
+
+
+def runs_note(row):
+    """What --repeats leaves in a row's note: every run's ms_step and compile time, in run order."""
+    ms, compiles = row.get("ms_runs", []), row.get("compile_runs", [])
+    if len(ms) < 2:
+        return None
+    return (f"the median by ms/step of {len(ms)} runs in alternating order: ms/step "
+            f"{', '.join(f'{m:.3f}' for m in ms)}; compile s {', '.join(f'{c:.1f}' for c in compiles)}")
 
 
 def report_line(row):
@@ -627,8 +642,8 @@ def main(argv=None):
     if not args.isolate:
         warm_up_process(args, device)
     runs = {v: [] for v in args.variants}
-    for _ in range(args.repeats):  # round-robin, so that a slow spell of the machine is shared out
-        for variant in args.variants:
+    for round_ in range(args.repeats):  # rounds of alternating order: a slow spell or a warm machine is shared out
+        for variant in args.variants if round_ % 2 == 0 else args.variants[::-1]:
             if args.isolate:  # the child prints its report line
                 runs[variant].append(run_isolated(variant, argv))
             else:
@@ -641,10 +656,9 @@ def main(argv=None):
         return rows
     add_ratios(rows)
     for r in rows:
-        compiles = r.pop("compile_runs", [])
-        if len(compiles) > 1:
-            notes.append(f"{r['variant']}: compile_s of its {len(compiles)} runs: "
-                         f"{', '.join(f'{c:.2f}' for c in compiles)} (the table shows the median run)")
+        note = runs_note(r)
+        if note:
+            notes.append(f"{r['variant']}: {note} (the table shows that run)")
         kept = r.pop("kept_names", None)
         if kept:
             shown = ", ".join(kept[:8]) + (f", … ({len(kept)} in all)" if len(kept) > 8 else "")
@@ -681,7 +695,7 @@ def results_rows(args, rows):
                     "ms": r.get("ms_step"), "compile_s": r.get("compile_s"), "tgt_tokens_s": r.get("tgt_tokens_s"),
                     "peak_mb": r.get("peak_mb"), "loss_first": r.get("loss_first"), "loss_final": r.get("loss_final"),
                     "graphs": r.get("graphs"), "captured": r.get("captured"), "masks": r.get("masks"),
-                    "note": r.get("error")})
+                    "note": r.get("error") or runs_note(r)})
     return out
 
 

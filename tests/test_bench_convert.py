@@ -115,3 +115,30 @@ def test_fused_adam_variant_trains_as_adamw(capsys):
     assert by["lsmini+adam"]["loss_final"] == pytest.approx(by["lsmini"]["loss_final"], rel=1e-4)
     assert by["lsmini+adam"]["x_same_mode"] > 0
     assert "lsmini+adam" in table_rows(capsys.readouterr().out)
+
+
+def test_repeats_alternate_the_order_and_report_the_median_step(monkeypatch, capsys):
+    """--repeats 3: rounds in alternating order; per variant the run with the median ms_step, every run's figures
+    under the table and in the results note."""
+    order, times = [], {"torch": iter([3.0, 1.0, 2.0]), "lsmini": iter([5.0, 6.0, 4.0])}
+
+    def fake_run(variant, args, device):
+        order.append(variant)
+        ms = next(times[variant])
+        return {"variant": variant, "ms_step": ms, "compile_s": 10 * ms, "compile_steps": [10 * ms],
+                "tgt_tokens_s": 1000 / ms, "loss_first": 1.0, "loss_final": 0.5}
+
+    monkeypatch.setattr(bench_convert, "run_here", fake_run)
+    monkeypatch.setattr(bench_convert, "warm_up_process", lambda args, device: None)
+    args_list = TINY + ["--variants", "torch,lsmini", "--no-isolate", "--repeats", "3"]
+    rows = bench_convert.main(args_list)
+    assert order == ["torch", "lsmini", "lsmini", "torch", "torch", "lsmini"]
+    by = {r["variant"]: r for r in rows}
+    assert by["torch"]["ms_step"] == 2.0 and by["torch"]["compile_s"] == 20.0
+    assert by["lsmini"]["ms_step"] == 5.0
+    assert by["lsmini"]["x_same_mode"] == pytest.approx(2.0 / 5.0)
+    out = capsys.readouterr().out
+    assert "torch: the median by ms/step of 3 runs in alternating order: ms/step 3.000, 1.000, 2.000" in out
+    notes = [r["note"] for r in bench_convert.results_rows(bench_convert.parse_args(args_list), rows)]
+    assert notes[1] == ("the median by ms/step of 3 runs in alternating order: ms/step 5.000, 6.000, 4.000; "
+                        "compile s 50.0, 60.0, 40.0")
