@@ -28,8 +28,7 @@ touch another's timing):
                     replayed as CUDA graphs; CUDA only, skipped elsewhere).
     torch+compile+skip-mask, torch+compile-graphs+skip-mask, lsmini+compile+skip-mask,
     lsmini+compile-graphs+skip-mask  only when asked for: the compiled variants with transformers' eager-mode
-                    mask rule kept while compiling (common.skip_masks_as_in_eager): with no padding, no mask, so
-                    that SDPA may pick its flash kernel as it does eagerly (and lsmini's layers get no mask).
+                    mask rule kept while compiling (common.skip_masks_as_in_eager says why).
     lsmini          lsmini.convert(model) first (every GPT2Block / BertLayer / LlamaDecoderLayer one lsmini layer
                     call), eager.
     lsmini+compile  convert, then torch.compile.

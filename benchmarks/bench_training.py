@@ -49,8 +49,7 @@ lsmini+compile, eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-comp
               loss under torch.compile, hf-liger eager with Liger Kernel's Triton kernels patched in
               (apply_liger_kernel_to_llama: RMSNorm, rotary, SwiGLU, output projection fused with the loss).
               hf-compiled+skip-mask: hf-compiled with transformers' eager mask rule kept while compiling
-              (common.skip_masks_as_in_eager): traced, transformers builds the full causal mask, which keeps
-              SDPA off its flash kernel; eagerly, without padding, it passes none.
+              (common.skip_masks_as_in_eager says why that is the stronger baseline).
               Skipped, with the reason, where transformers (hf-liger: liger_kernel) does not import.
 The lsmini model gets the torch model's initial weights through the layers' from_torch; llama's through
 lsmini_llama_state_dict (TorchLlama's parameter names are LlamaForCausalLM's, so the hf variants load its

@@ -43,10 +43,9 @@ SECTIONS = {  # benchmark: (title, script, what a row is)
            "GPT2LMHeadModel (GPT-2 small, 8 × 1024 tokens), BertForMaskedLM (BERT base, 32 × 128) and "
            "LlamaForCausalLM (125M, 4 K/V heads, 8 × 1024) as transformers builds them (torch) and with "
            "`lsmini.convert(model)` (lsmini), eager and under torch.compile, Llama also with Liger's kernels "
-           "(torch+liger); bf16 autocast, fused AdamW. Traced by torch.compile, transformers builds the full "
-           "attention mask even without padding, which keeps SDPA off its flash kernel (BERT then runs "
-           "SDPA's float32 math path); the +skip-mask variants keep transformers' eager rule (no mask) "
-           "while compiling and are the stronger PyTorch baselines"),
+           "(torch+liger); bf16 autocast, fused AdamW. The +skip-mask variants keep transformers' eager mask rule "
+           "while compiling, the stronger PyTorch baselines ([docs/compile-and-convert.md]"
+           "(../docs/compile-and-convert.md) says why)"),
     "attention": ("Fused attention over sequence lengths", "bench_attention.py",
                   "forward + backward at 16,384 tokens a row, hidden 1024, dropout 0.1, beside the fastest SDPA "
                   "backend; `lsmini bits=always` keeps the dropout bits at every length"),
