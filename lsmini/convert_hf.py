@@ -23,10 +23,12 @@ Activations: gelu (exact), gelu_new / gelu_pytorch_tanh (tanh GELU), relu; the d
 
 Masks: a block gets Hugging Face's 4-D attention mask ([batch or 1, 1, q_len, k_len]; additive float, 0 =
 attend, or bool, True = attend) or None (sdpa's causal / no-padding shortcut). lsmini takes a key padding mask
-and a causal flag instead: the keys the last query may not see are the padding (left or right), and in eager
-code the whole mask is checked against it (one host synchronisation): every non-padded query must see exactly
-the non-padded keys (GPT-2: those not after it). Rows of padded queries are not checked, and their outputs are
-unspecified. A mask of another form (packed sequences, a custom 4-D mask, a sliding window) raises ValueError.
+and a causal flag instead: the keys the last query may not see are the padding (left or right), and the whole
+mask is checked against it: every query must see exactly the non-padded keys (causal: those not after it), and
+one left none may see every key instead (transformers' form for a padded query). A mask of another form (packed
+sequences, a custom 4-D mask, a sliding window) raises ValueError eagerly (one host synchronisation); while
+compiling, the check runs on the device (torch._assert_async: on CUDA a device-side assert with that message).
+Outputs at padded positions are unspecified.
 
 The causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel) also get, on the
 instance, a forward whose loss goes through lsmini's fused output projection + cross-entropy
@@ -172,20 +174,25 @@ def key_padding_mask(owner, mask, batch, q_len, k_len, causal):
                          f"got {tuple(mask.shape)}")
     allowed = mask if mask.dtype == torch.bool else mask == 0
     pad = (~allowed[:, 0, -1, :]).expand(batch, k_len).contiguous()
-    if torch.compiler.is_compiling():  # mask values cannot be read while tracing
-        return pad
-    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)).all()):
-        raise ValueError(f"{owner}: attention_mask holds values other than 0 and the masked value; lsmini supports "
-                         f"key padding (and GPT-2's causal attention) only")
     expected = (~pad)[:, None, None, :]
     if causal:
         q = torch.arange(q_len, device=mask.device)[:, None] + (k_len - q_len)
         expected = expected & (torch.arange(k_len, device=mask.device)[None, :] <= q)
-    rows = (~pad[:, k_len - q_len:])[:, None, :, None]  # the queries that are not padding
-    if not bool(((allowed == expected) | ~rows).all()):
-        what = "padding with causal attention" if causal else "key padding"
-        raise ValueError(f"{owner}: attention_mask is not {what} (packed sequences, a custom 4-D mask or a sliding "
-                         f"window?); lsmini supports key padding masks (left or right) only")
+    # every query sees the keys that padding (+ causal) leaves it; one left none may see every key instead
+    # (transformers' form for a padded query that would see no key)
+    fits = ((allowed == expected).all(-1) | (allowed.all(-1) & ~expected.any(-1))).all()
+    values = mask.dtype == torch.bool or ((mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    what = "padding with causal attention" if causal else "key padding"
+    not_padding = (f"{owner}: attention_mask is not {what} (packed sequences, a custom 4-D mask or a sliding "
+                   f"window?); lsmini supports key padding masks (left or right) only")
+    if torch.compiler.is_compiling():  # values cannot be read while tracing: checked on the device
+        torch._assert_async(fits & values, not_padding)
+        return pad
+    if not bool(values):
+        raise ValueError(f"{owner}: attention_mask holds values other than 0 and the masked value; lsmini supports "
+                         f"key padding (and GPT-2's causal attention) only")
+    if not bool(fits):
+        raise ValueError(not_padding)
     return pad if bool(pad.any()) else None
 
 

@@ -6,6 +6,8 @@ both ways, unconvert, the configs and calls that are kept or refused and the rep
 autocast accuracy against float64 on the kernel path (grouped K/V heads too), generate() and
 torch.compile. Skipped when transformers is not installed."""
 import copy
+import os
+import subprocess
 import sys
 
 import pytest
@@ -628,6 +630,54 @@ def test_decoder_calls_it_cannot_compute_raise():
         layer(x, attention_mask=window[None, None].expand(2, 1, 5, 5), position_embeddings=(cos, sin))
 
 
+PACKED = [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]  # two sequences in each row of 10 tokens
+
+
+@pytest.mark.parametrize("family", list(DECODERS))
+def test_packed_sequences_are_refused(family):
+    """Position ids that restart within a row, with no attention mask and no cache, make transformers build a
+    packed-sequence mask, which lsmini's attention cannot follow: refused (a row's first sequence would pass for
+    left padding if the padded queries' rows went unchecked)."""
+    model, _ = converted_copy(build(DECODERS[family], decoder_config(family)))
+    ids, _ = batch("none")
+    model(ids, position_ids=torch.arange(10).expand(len(ids), -1), use_cache=False)  # one sequence a row
+    with pytest.raises(ValueError, match="packed sequences"):
+        model(ids, position_ids=torch.tensor(PACKED).expand(len(ids), -1), use_cache=False)
+
+
+_PACKED_COMPILED = """
+import sys, torch, transformers
+sys.path.insert(0, "tests")
+from test_convert_hf import DECODERS, PACKED, batch, build, converted_copy, decoder_config
+transformers.logging.set_verbosity_error()
+device = sys.argv[1]
+model, _ = converted_copy(build(DECODERS["llama"], decoder_config("llama")))
+model = torch.compile(model.to(device), fullgraph=True)
+ids = batch("none")[0].to(device)
+model(ids, use_cache=False)
+print("one sequence a row: ran", flush=True)
+model(ids, position_ids=torch.tensor(PACKED, device=device).expand(len(ids), -1), use_cache=False)
+if device == "cuda":
+    torch.cuda.synchronize()
+print("packed: ran", flush=True)
+"""
+
+
+def packed_compiled(device):
+    """The packed-sequence call under torch.compile, in a process of its own: the check on the device stops
+    that process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _PACKED_COMPILED, device], capture_output=True, text=True,
+                         cwd=root, timeout=600)
+    assert "one sequence a row: ran" in out.stdout, out.stderr[-3000:]
+    assert "packed: ran" not in out.stdout and out.returncode != 0
+    return out.stderr
+
+
+def test_packed_sequences_stop_a_compiled_model():
+    assert "attention_mask is not padding with causal attention (packed sequences" in packed_compiled("cpu")
+
+
 def test_convert_hf_needs_no_transformers_for_torch_models():
     assert convert_hf.transformers_loaded()
     assert not convert_hf.hf_block(torch.nn.Linear(2, 2))
@@ -827,3 +877,8 @@ def test_decoder_generate_on_the_gpu_is_token_identical_in_float32(family):
     ids, mask = batch("left", l=8)
     kw = dict(attention_mask=mask.cuda(), max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids.cuda(), **kw), ref.generate(ids.cuda(), **kw))
+
+
+@pytest.mark.cuda
+def test_packed_sequences_stop_a_compiled_model_on_the_gpu():
+    assert "device-side assert" in packed_compiled("cuda")
