@@ -179,8 +179,10 @@ def key_padding_mask(owner, mask, batch, q_len, k_len, causal):
         q = torch.arange(q_len, device=mask.device)[:, None] + (k_len - q_len)
         expected = expected & (torch.arange(k_len, device=mask.device)[None, :] <= q)
     # every query sees the keys that padding (+ causal) leaves it; one left none may see every key instead
-    # (transformers' form for a padded query that would see no key)
-    fits = ((allowed == expected).all(-1) | (allowed.all(-1) & ~expected.any(-1))).all()
+    # (transformers' form for a padded query that would see no key). xor, not ==: Inductor's value-range
+    # analysis fails on == between two boolean tensors.
+    fits = (~(allowed ^ expected)).all(-1) | (allowed.all(-1) & ~expected.any(-1))
+    fits = fits.all()
     values = mask.dtype == torch.bool or ((mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)).all()
     what = "padding with causal attention" if causal else "key padding"
     not_padding = (f"{owner}: attention_mask is not {what} (packed sequences, a custom 4-D mask or a sliding "
