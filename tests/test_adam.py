@@ -291,6 +291,63 @@ def test_zero_grad_keeps_views_and_foreign_gradients_are_taken_back():
     assert not opt.workspace.grad_buffer(torch.float32).any()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_zero_grad_set_to_none_hands_gradients_over(device):
+    """zero_grad(set_to_none=True): the gradients become None, backward hands its own tensors over (nothing is
+    added into the buffer, accumulation goes into those tensors), step copies them in and matches AdamW."""
+    model = _net(device=device)
+    twin = copy.deepcopy(model)
+    opt = FusedAdam(model, lr=1e-2, weight_decay=0.1)
+    topt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+    views = [p.grad for p in model.parameters()]
+    buffer = opt.workspace.grad_buffer(torch.float32)
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        topt.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in model.parameters())
+        stale = buffer.clone()
+        for micro in range(2):  # two backwards: the second accumulates into the handed-over tensors
+            _loss(model, 2 * step + micro).backward()
+            _loss(twin, 2 * step + micro).backward()
+        assert all(p.grad is not v for p, v in zip(model.parameters(), views))
+        assert torch.equal(buffer, stale)  # backward did not touch the buffer
+        opt.step()
+        topt.step()
+        assert all(p.grad is v for p, v in zip(model.parameters(), views))
+        for p, q in zip(model.parameters(), twin.parameters()):  # (cuBLAS may sum in another order on CUDA)
+            assert_close_fp32(p.grad, q.grad, atol=1e-6, rtol=1e-5)
+            assert_close_fp32(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
+    # zero_grad() and zero_grad(set_to_none=False) keep the views and zero them
+    for set_to_none in (None, False):
+        opt.zero_grad(set_to_none=True)
+        _loss(model, 9).backward()
+        opt.zero_grad() if set_to_none is None else opt.zero_grad(set_to_none=False)
+        assert all(p.grad is v for p, v in zip(model.parameters(), views))
+        assert not buffer.any()
+
+
+def test_sync_grads_mixes_views_none_and_other_tensors():
+    """One sync: a gradient that is the view stays, None is zeroed, another tensor (here a non-contiguous one)
+    is copied in; afterwards every gradient is its view."""
+    model = _net()
+    ws = FusedAdam(model, lr=1e-2).workspace
+    params = list(model.parameters())
+    views = [p.grad for p in params]
+    values = [torch.randn_like(p) for p in params]
+    for v, x in zip(views, values):
+        v.copy_(x)
+    m = next(i for i, p in enumerate(params) if p.dim() == 2)
+    n = next(i for i, p in enumerate(params) if p.dim() == 1)
+    params[m].grad = (values[m] * 3).t().contiguous().t()
+    params[n].grad = None
+    expected = list(values)
+    expected[m], expected[n] = values[m] * 3, torch.zeros_like(values[n])
+    ws.sync_grads()
+    for p, v, e in zip(params, views, expected):
+        assert p.grad is v
+        assert torch.equal(v, e)
+
+
 # ------------------------------------------------------------------- FusedAdam vs torch (CPU) ---
 
 def _run_pair(make_ours, make_theirs, steps=20, scheduler=None, clip=None, seed=0):

@@ -298,11 +298,19 @@ class FusedAdam(torch.optim.Optimizer):
                 self._lr_device[i].fill_(lr)
                 self._lr_host[i] = lr
 
-    def zero_grad(self, set_to_none=True):
-        """Zero the flat gradient buffer(s) in one fill each. The gradients stay views of the workspace
-        (``set_to_none`` is accepted for compatibility and ignored: dropping them would make backward
-        allocate new gradients outside the buffer)."""
-        self._ws.zero_grad()
+    def zero_grad(self, set_to_none=None):
+        """Clear the gradients. By default (and with ``set_to_none=False``) the flat gradient buffer(s) are
+        zeroed, one fill each, and every gradient stays its workspace view, so backward adds into the buffer
+        (lsmini's layers write their gradients there themselves in eager mode). ``set_to_none=True`` sets
+        the gradients to None, as torch's optimizers do: backward then hands over the gradient tensors it
+        makes instead of adding each into the buffer (one launch a parameter), and ``step`` copies them in
+        with one multi-tensor copy per dtype. That is the cheaper choice where backward makes a new tensor
+        for every gradient anyway, as a ``torch.compile``'d backward does; eagerly it takes a gradient's
+        memory more and a copy."""
+        if set_to_none:
+            self._ws.drop_grads()
+        else:
+            self._ws.zero_grad()
 
     # ---- the step -----------------------------------------------------------------------------------
     def _refresh(self):

@@ -24,10 +24,11 @@ Things to know:
   workspace was built replaces the parameters' storage; the workspace detects this (``check()``, called
   by every ``FusedAdam.step``) and raises, and ``workspace.rebuild()`` gathers the moved parameters into
   fresh buffers.
-- ``p.grad`` must stay the workspace view. ``FusedAdam.zero_grad`` zeroes the flat buffer and keeps the
-  views (``set_to_none`` is ignored). If something sets a gradient to None or to another tensor (e.g.
-  ``module.zero_grad()`` with its default ``set_to_none=True``), ``sync_grads()`` (called by
-  ``FusedAdam.step``) copies it back into the buffer (None counts as zero) and re-attaches the view.
+- ``p.grad`` is the workspace view. ``FusedAdam.zero_grad()`` zeroes the flat buffer and keeps the views;
+  ``FusedAdam.zero_grad(set_to_none=True)`` (like ``module.zero_grad()`` with its default) sets the
+  gradients to None, and backward makes new ones. ``sync_grads()`` (called by ``FusedAdam.step``) copies
+  every gradient that is another tensor into the buffer (None counts as zero), in one multi-tensor copy,
+  and re-attaches the views.
 - Only parameters with ``requires_grad=True`` at build time get a gradient view.
 - Data-parallel training: ``lsmini.distributed.GradientReducer(workspace)`` all-reduces the flat gradient
   buffer in buckets while backward runs; ``FusedAdam.step`` waits for it (see that module).
@@ -307,12 +308,10 @@ class ParameterWorkspace:
                 raise RuntimeError(_stale_message(i, s))
 
     def sync_grads(self):
-        """Make every gradient the workspace view again: a gradient set to another tensor is copied into
-        the buffer, one set to None is zeroed there; then ``p.grad`` is the view. Also runs ``check()``.
-        Asynchronous (no host synchronisation)."""
-        with torch.no_grad():
-            for s in self._slots:
-                self._sync_slot(s)
+        """Make every gradient the workspace view again: the gradients set to other tensors are copied into
+        the buffer and those set to None are zeroed there, each kind in one multi-tensor call; then ``p.grad``
+        is the view. Also runs ``check()``. Asynchronous (no host synchronisation)."""
+        self._bring_in(self._slots)
 
     def sync_grad(self, param):
         """``sync_grads()`` for one parameter (what a gradient hook needs: the value lands in the buffer)."""
@@ -320,27 +319,48 @@ class ParameterWorkspace:
         if s is None or s.param is not param:
             raise ValueError(f"ParameterWorkspace.sync_grad: a parameter of shape {tuple(param.shape)} is not in "
                              "this workspace")
-        with torch.no_grad():
-            self._sync_slot(s)
+        self._bring_in((s,))
 
-    def _sync_slot(self, s):
-        p = s.param
-        if s.pptr is not None and p.data_ptr() != s.pptr:
-            raise RuntimeError(_stale_message(self._slots.index(s), s))
-        view = s.grad
-        if view is None:
-            return
-        g = p.grad
-        if g is view and (s.gptr is None or g.data_ptr() == s.gptr):
-            return
-        if g is None:
-            view.zero_()
-        elif g.data_ptr() != s.gptr:
-            if g.shape != view.shape:
-                raise RuntimeError(f"ParameterWorkspace: the gradient of parameter #{self._slots.index(s)} "
-                                   f"({s.name or 'unnamed'}) has shape {tuple(g.shape)}, expected {tuple(view.shape)}")
-            view.copy_(g)
-        p.grad = view
+    def _bring_in(self, slots):
+        zero, copy_to, copy_from, attach = [], [], [], []
+        for s in slots:
+            p, view = s.param, s.grad
+            if s.pptr is not None and p.data_ptr() != s.pptr:
+                raise RuntimeError(_stale_message(self._slots.index(s), s))
+            if view is None:
+                continue
+            g = p.grad
+            if g is view and (s.gptr is None or g.data_ptr() == s.gptr):
+                continue
+            if g is None:
+                zero.append(view)
+            elif g.data_ptr() != s.gptr:
+                if g.shape != view.shape:
+                    raise RuntimeError(f"ParameterWorkspace: the gradient of parameter #{self._slots.index(s)} "
+                                       f"({s.name or 'unnamed'}) has shape {tuple(g.shape)}, expected "
+                                       f"{tuple(view.shape)}")
+                copy_to.append(view)
+                copy_from.append(g)
+            attach.append(s)
+        with torch.no_grad():
+            if zero:
+                torch._foreach_zero_(zero)
+            if copy_to:
+                torch._foreach_copy_(copy_to, copy_from)
+        for s in attach:
+            s.param.grad = s.grad
+
+    def drop_grads(self):
+        """Set the gradient of every parameter with a workspace view to None (what
+        ``FusedAdam.zero_grad(set_to_none=True)`` does): backward then makes new gradient tensors, which
+        ``sync_grads`` copies in. The buffer keeps its values until then. With a ``GradientReducer``
+        attached, a reduction still in flight is completed first."""
+        reducer = self.reducer
+        if reducer is not None:
+            reducer.finish()
+        for s in self._slots:
+            if s.grad is not None:
+                s.param.grad = None
 
     def zero_grad(self):
         """Zero the flat gradient buffers (one fill per dtype) and re-attach any gradient that is not the
