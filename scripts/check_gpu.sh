@@ -5,9 +5,13 @@
 # appended to benchmarks/results/gpu_tests.csv and the benchmark rows to benchmarks/results/kernels.csv;
 # `python benchmarks/report.py` then brings RESULTS.md up to date (commit the CSVs and RESULTS.md).
 #
-#   scripts/check_gpu.sh [--sanitize] [--no-bench] [--bench-only PREFIX...] [-- PYTEST_ARGS...]
+#   scripts/check_gpu.sh [--jobs N] [--sanitize] [--no-bench] [--bench-only PREFIX...] [-- PYTEST_ARGS...]
 #   (PYTEST_ARGS replace the default target `tests`; LSMINI_RESULTS_DIR=DIR records into DIR instead)
 #
+#   --jobs N     run the suite in N pytest worker processes side by side, all on the current GPU
+#                (pytest-xdist, in the test extra; tests are handed out one at a time, so a file's slow
+#                tests spread over the workers). The suite's time is mostly host work (compiling, references,
+#                subprocesses), so N up to about the number of CPU cores pays.
 #   --sanitize   also run the CUDA op tests under compute-sanitizer (memcheck, racecheck, initcheck, side
 #                by side, each one process per test file); any error fails; SANITIZE_TOOLS="memcheck ..."
 #                runs a subset of the tools, SANITIZE_FILES="tests/a.py tests/b.py" a subset of the test
@@ -20,9 +24,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-SANITIZE=0; BENCH=1; BENCH_ONLY=(); PYTEST_ARGS=()
+SANITIZE=0; BENCH=1; BENCH_ONLY=(); PYTEST_ARGS=(); JOBS=1
 while [ $# -gt 0 ]; do
   case "$1" in
+    --jobs) shift; JOBS=${1:-}
+            [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "--jobs takes a number of workers >= 1, got '$JOBS'" >&2; exit 2; } ;;
     --sanitize) SANITIZE=1 ;;
     --no-bench) BENCH=0 ;;
     --bench-only) shift; while [ $# -gt 0 ] && [ "$1" != "--" ]; do BENCH_ONLY+=("$1"); shift; done; continue ;;
@@ -50,8 +56,13 @@ python -c "import lsmini, torch; b = lsmini.backend(); print('backend:', repr(b)
 
 echo "== tests"
 [ ${#PYTEST_ARGS[@]} -gt 0 ] || PYTEST_ARGS=(tests)
+WORKERS=()
+if [ "$JOBS" -gt 1 ]; then
+  python -c "import xdist" 2>/dev/null || { echo "--jobs needs pytest-xdist: pip install pytest-xdist"; exit 1; }
+  WORKERS=(-n "$JOBS" --dist load)
+fi
 start=$(date +%s)
-python -m pytest -q -rs "${PYTEST_ARGS[@]}" 2>&1 | tee "$LOG_DIR/tests.log"
+python -m pytest -q -rs ${WORKERS[@]+"${WORKERS[@]}"} "${PYTEST_ARGS[@]}" 2>&1 | tee "$LOG_DIR/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "TESTS FAILED"; fail=1; }
 # Counts from pytest's summary line, recorded with the GPU and commit. The multi-GPU tests skip on a
 # one-GPU machine (allowed); any other skip, failure or error fails the check.
