@@ -26,9 +26,9 @@ attend, or bool, True = attend) or None (sdpa's causal / no-padding shortcut). l
 and a causal flag instead: the keys the last query may not see are the padding (left or right), and the whole
 mask is checked against it: every query must see exactly the non-padded keys (causal: those not after it), and
 one left none may see every key instead (transformers' form for a padded query). A mask of another form (packed
-sequences, a custom 4-D mask, a sliding window) raises ValueError eagerly (one host synchronisation); while
-compiling, the check runs on the device (torch._assert_async: on CUDA a device-side assert with that message).
-Outputs at padded positions are unspecified.
+sequences, a custom 4-D mask, a sliding window) raises ValueError eagerly (one host synchronisation a mask,
+which the blocks of one forward share); while compiling, the check runs on the device (torch._assert_async: on
+CUDA a device-side assert with that message). Outputs at padded positions are unspecified.
 
 The causal LMs (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, GPT2LMHeadModel) also get, on the
 instance, a forward whose loss goes through lsmini's fused output projection + cross-entropy
@@ -163,7 +163,12 @@ def _check_call(owner, block, kwargs):
 
 def key_padding_mask(owner, mask, batch, q_len, k_len, causal):
     """Hugging Face's 4-D attention mask (module docstring) → lsmini's key padding mask: None or bool
-    [batch, k_len], True = pad. ValueError for a mask that is not padding (+ causal when ``causal``)."""
+    [batch, k_len], True = pad. ValueError for a mask that is not padding (+ causal when ``causal``).
+
+    Eagerly the check reads its verdict from the device once, and a model's blocks, which all get the same mask
+    tensor, check it once: the result is kept on the mask tensor itself (its ``_version`` tells whether it was
+    written since), so it lives exactly as long as the mask. Inference tensors have no version: theirs is not
+    kept."""
     if mask is None:
         return None
     if not isinstance(mask, torch.Tensor):
@@ -172,6 +177,11 @@ def key_padding_mask(owner, mask, batch, q_len, k_len, causal):
     if mask.dim() != 4 or mask.shape[0] not in (1, batch) or tuple(mask.shape[2:]) != (q_len, k_len):
         raise ValueError(f"{owner}: attention_mask must have shape [{batch} or 1, heads or 1, {q_len}, {k_len}], "
                          f"got {tuple(mask.shape)}")
+    keep = not torch.compiler.is_compiling() and not mask.is_inference()
+    key = (mask._version, batch, q_len, k_len, causal) if keep else None
+    checked = getattr(mask, "_lsmini_padding", None) if keep else None
+    if checked is not None and checked[0] == key:
+        return checked[1]
     allowed = mask if mask.dtype == torch.bool else mask == 0
     pad = (~allowed[:, 0, -1, :]).expand(batch, k_len).contiguous()
     expected = (~pad)[:, None, None, :]
@@ -183,19 +193,24 @@ def key_padding_mask(owner, mask, batch, q_len, k_len, causal):
     # analysis fails on == between two boolean tensors.
     fits = (~(allowed ^ expected)).all(-1) | (allowed.all(-1) & ~expected.any(-1))
     fits = fits.all()
-    values = mask.dtype == torch.bool or ((mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)).all()
+    values = (torch.ones((), dtype=torch.bool, device=mask.device) if mask.dtype == torch.bool
+              else ((mask == 0) | (mask <= torch.finfo(mask.dtype).min / 2)).all())
     what = "padding with causal attention" if causal else "key padding"
     not_padding = (f"{owner}: attention_mask is not {what} (packed sequences, a custom 4-D mask or a sliding "
                    f"window?); lsmini supports key padding masks (left or right) only")
     if torch.compiler.is_compiling():  # values cannot be read while tracing: checked on the device
         torch._assert_async(fits & values, not_padding)
         return pad
-    if not bool(values):
+    values, fits, padded = torch.stack((values, fits, pad.any())).tolist()  # one read from the device
+    if not values:
         raise ValueError(f"{owner}: attention_mask holds values other than 0 and the masked value; lsmini supports "
                          f"key padding (and GPT-2's causal attention) only")
-    if not bool(fits):
+    if not fits:
         raise ValueError(not_padding)
-    return pad if bool(pad.any()) else None
+    result = pad if padded else None
+    if keep:
+        mask._lsmini_padding = (key, result)
+    return result
 
 
 def _cache_state(owner, block, cache, layer_idx):

@@ -630,6 +630,36 @@ def test_decoder_calls_it_cannot_compute_raise():
         layer(x, attention_mask=window[None, None].expand(2, 1, 5, 5), position_embeddings=(cos, sin))
 
 
+def test_a_mask_is_checked_once_per_tensor(monkeypatch):
+    """The blocks of one forward share the model's mask tensor: the first checks it (one read from the device),
+    the others reuse its verdict; a write into the mask, or other sizes, check it again; inference tensors (no
+    version counter) are checked every time."""
+    model, _ = converted_copy(build(LlamaForCausalLM, decoder_config("llama")))
+    ids, mask = batch("left")
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    model(ids, attention_mask=mask, use_cache=False)
+    assert reads == [(3,)]  # one verdict read for the model's layers (more than one) together
+    causal = torch.tril(torch.ones(5, 5, dtype=torch.bool))[None, None].expand(2, 1, 5, 5).clone()
+    causal[0, :, :, :2] = False  # left padding: row 0's first two keys
+    causal[0, :, :2, :] = True   # transformers' form for the padded queries: every key
+    pad = convert_hf.key_padding_mask("m", causal, 2, 5, 5, True)
+    assert pad.tolist() == [[True, True, False, False, False], [False] * 5]
+    reads.clear()
+    assert convert_hf.key_padding_mask("m", causal, 2, 5, 5, True) is pad and reads == []
+    assert convert_hf.key_padding_mask("m", causal[:, :, 1:], 2, 4, 5, True) is not pad  # another view, sizes
+    causal[1, 0, 4, 0] = False  # no longer padding: the write is seen
+    with pytest.raises(ValueError, match="attention_mask is not padding with causal attention"):
+        convert_hf.key_padding_mask("m", causal, 2, 5, 5, True)
+    with torch.inference_mode():
+        frozen = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+        reads.clear()
+        assert convert_hf.key_padding_mask("m", frozen, 2, 5, 5, True) is None
+        assert convert_hf.key_padding_mask("m", frozen, 2, 5, 5, True) is None and len(reads) == 2
+        assert not hasattr(frozen, "_lsmini_padding")
+
+
 PACKED = [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]  # two sequences in each row of 10 tokens
 
 
