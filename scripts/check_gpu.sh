@@ -62,7 +62,8 @@ if [ "$JOBS" -gt 1 ]; then
   WORKERS=(-n "$JOBS" --dist load)
 fi
 start=$(date +%s)
-python -m pytest -q -rs ${WORKERS[@]+"${WORKERS[@]}"} "${PYTEST_ARGS[@]}" 2>&1 | tee "$LOG_DIR/tests.log"
+# --durations: the slowest tests, listed in the log, are what decides the suite's time in workers
+python -m pytest -q -rs --durations=30 ${WORKERS[@]+"${WORKERS[@]}"} "${PYTEST_ARGS[@]}" 2>&1 | tee "$LOG_DIR/tests.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "TESTS FAILED"; fail=1; }
 # Counts from pytest's summary line, recorded with the GPU and commit. The multi-GPU tests skip on a
 # one-GPU machine (allowed); any other skip, failure or error fails the check.
