@@ -2,7 +2,7 @@
 BertForMaskedLM (BERT base) and LlamaForCausalLM (a small Llama), each eager and under torch.compile.
 
     python benchmarks/bench_hf.py [--models gpt2,bert,llama] [--variants torch,torch+compile,lsmini,lsmini+compile]
-                                  [--iters 20] [--warmup 5] [--attn sdpa|eager] [--profile]
+                                  [--iters 20] [--warmup 5] [--attn sdpa|eager] [--padding] [--profile]
                                   [--results DIR | --no-results]
     python benchmarks/bench_hf.py --models llama --variants torch,torch+compile,lsmini,lsmini+compile,torch+liger
     python benchmarks/bench_hf.py --variants torch+compile-graphs,lsmini+compile-graphs   # CUDA graphs
@@ -17,7 +17,10 @@ Models, built from their configs with random weights (nothing downloaded), seede
            vocab 32000, 2048 positions, RMSNorm eps 1e-6, rope theta 10000, untied embeddings, batch
            8 × 1024 tokens, the labels the inputs (transformers shifts them), use_cache=False.
 gpt2 and bert with the configs' dropouts (0.1), llama with none (attention_dropout 0, as Llama has). No padding
-(so the models' sdpa masks are None), bf16 autocast, AdamW(fused=True). The default --models is gpt2,bert.
+(so the models' sdpa masks are None) unless --padding: then each row is right-padded from a random length between
+half and all of the length (attention_mask given, padded positions' labels -100, as a fine-tuning batch of
+sentences is; tokens_s still counts the padded shape). bf16 autocast, AdamW(fused=True). The default --models is
+gpt2,bert.
 A step: zero_grad(set_to_none=True), forward with the loss, backward, optimizer step.
 
 Variants (each in a process of its own, so that one variant's allocations, compiled code and patches never
@@ -137,20 +140,27 @@ def build_model(args, name):
 
 
 def make_batches(args, name, device):
-    """N_BATCHES (inputs, labels): random tokens; gpt2's and llama's labels are their inputs, bert's the masked
-    tokens."""
+    """N_BATCHES (inputs, labels, attention mask or None): random tokens; gpt2's and llama's labels are their
+    inputs, bert's the masked tokens; with --padding, rows right-padded (token 0, label -100)."""
     _, _, _, vocab, batch, length = shape(args, name)
     g = torch.Generator().manual_seed(DATA_SEED)
     batches = []
     for _ in range(N_BATCHES):
         ids = torch.randint(5, vocab, (batch, length), generator=g)
         if name in ("gpt2", "llama"):
-            batches.append((ids.to(device), ids.to(device)))
-            continue
-        hidden = torch.rand(ids.shape, generator=g) < MASK_FRACTION
-        hidden[:, 0] = True
-        labels = ids.masked_fill(~hidden, -100)
-        batches.append((ids.masked_fill(hidden, 4).to(device), labels.to(device)))  # 4: a stand-in [MASK] id
+            labels = ids.clone()
+        else:
+            hidden = torch.rand(ids.shape, generator=g) < MASK_FRACTION
+            hidden[:, 0] = True
+            labels = ids.masked_fill(~hidden, -100)
+            ids = ids.masked_fill(hidden, 4)  # 4: a stand-in [MASK] id
+        mask = None
+        if args.padding:
+            lengths = torch.randint(length // 2, length + 1, (batch, 1), generator=g)
+            mask = (torch.arange(length)[None, :] < lengths).long()
+            ids, labels = ids.masked_fill(mask == 0, 0), labels.masked_fill(mask == 0, -100)
+            mask = mask.to(device)
+        batches.append((ids.to(device), labels.to(device), mask))
     return batches
 
 
@@ -226,9 +236,9 @@ def run_variant(args, name, variant, device, row):
                 if lsmini.convert_hf.is_converted(block):
                     block.recompute = False
 
-    def loss_fn(ids, labels):
+    def loss_fn(ids, labels, mask):
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            return model(ids, labels=labels).loss
+            return model(ids, attention_mask=mask, labels=labels).loss
 
     if compiled:
         loss_fn = torch.compile(loss_fn, mode="reduce-overhead" if graphs else "default")
@@ -238,11 +248,11 @@ def run_variant(args, name, variant, device, row):
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WEIGHT_DECAY,
                                 fused=device.type == "cuda")
 
-    def step(ids, labels):
+    def step(ids, labels, mask):
         if graphs:  # a new iteration: the graphs may overwrite the previous step's outputs
             torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(ids, labels)
+        loss = loss_fn(ids, labels, mask)
         loss.backward()
         opt.step()
         return loss.detach().clone()  # a graph's output is overwritten by its next replay
@@ -298,7 +308,8 @@ def run(args, name, variant, device):
         return {"model": name, "variant": variant, "skipped": "CUDA graphs need a CUDA device"}
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--models", name, "--variants", variant, "--iters",
            str(args.iters), "--warmup", str(args.warmup), "--attn", args.attn, "--device", args.device]
-    cmd += (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
+    cmd += (["--tiny"] if args.tiny else []) + (["--padding"] if args.padding else [])
+    cmd += ["--profile"] if args.profile else []
     done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     row = None
     for line in done.stdout.splitlines():
@@ -323,6 +334,8 @@ def parse_args(argv=None):
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="the models' attention implementation")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="two-layer models of width 64 on 2 × 16 tokens (smoke runs)")
+    ap.add_argument("--padding", action="store_true",
+                    help="right-pad each row from a random length between half and all of it (attention_mask)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile where a step's time goes (CUDA): kernel time by category, the idle gaps "
                          "between kernels, the host's own time by operator")
@@ -345,12 +358,13 @@ def parse_args(argv=None):
 
 def config_label(args, name):
     layers, hidden, heads, vocab, batch, length = shape(args, name)
+    padded = " padded" if args.padding else ""
     if name == "llama":
         kv_heads, ffn = llama_kv_ffn(args)
         return (f"LlamaForCausalLM {layers}L d{hidden} h{heads} kv{kv_heads} ffn{ffn} vocab{vocab} bf16 "
-                f"b{batch}x{length} attn={args.attn}")
+                f"b{batch}x{length}{padded} attn={args.attn}")
     model = "GPT2LMHeadModel" if name == "gpt2" else "BertForMaskedLM"
-    return f"{model} {layers}L d{hidden} h{heads} vocab{vocab} bf16 b{batch}x{length} attn={args.attn}"
+    return f"{model} {layers}L d{hidden} h{heads} vocab{vocab} bf16 b{batch}x{length}{padded} attn={args.attn}"
 
 
 def main(argv=None):

@@ -25,6 +25,23 @@ def test_eager_variants_run_on_the_cpu_and_agree():
         assert abs(lsmini_row["loss_first"] - torch_row["loss_first"]) < 0.05
 
 
+def test_padded_batches_run_and_agree():
+    """--padding: right-padded rows with an attention mask; the converted models take it and start from the
+    unconverted ones' loss; the rows' config says padded."""
+    args = bench_hf.parse_args(["--tiny", "--padding", "--models", "bert"])
+    ids, labels, mask = bench_hf.make_batches(args, "bert", bench_hf.torch.device("cpu"))[0]
+    lengths = mask.sum(1)
+    assert lengths.min() >= 8 and lengths.max() <= 16 and lengths.unique().numel() > 1, lengths
+    assert (ids[mask == 0] == 0).all() and (labels[mask == 0] == -100).all()
+    assert "b2x16 padded attn=sdpa" in bench_hf.config_label(args, "bert")
+    rows = bench_hf.main(["--device", "cpu", "--tiny", "--steps", "1", "--padding", "--models", "bert,llama",
+                          "--variants", "torch,lsmini"])
+    assert all("error" not in r for r in rows), rows
+    for torch_row, lsmini_row in (rows[:2], rows[2:]):
+        assert lsmini_row["kept"] == 0 and lsmini_row["replaced"] >= 3
+        assert abs(lsmini_row["loss_first"] - torch_row["loss_first"]) < 0.05
+
+
 def test_llama_eager_variants_run_on_the_cpu_and_agree():
     rows = bench_hf.main(["--device", "cpu", "--tiny", "--steps", "1", "--models", "llama,gpt2",
                           "--variants", "torch+liger,torch,lsmini"])
@@ -130,7 +147,7 @@ def test_skip_mask_passes_sdpa_no_mask_while_compiling(name, monkeypatch):
         monkeypatch.setattr(masking, attr, getattr(masking, attr))  # restored after the test
     args = bench_hf.parse_args(["--device", "cpu", "--tiny", "--models", name])
     model = bench_hf.build_model(args, name).eval()  # no dropout: the losses compare exactly
-    ids, labels = bench_hf.make_batches(args, name, torch.device("cpu"))[0]
+    ids, labels, _ = bench_hf.make_batches(args, name, torch.device("cpu"))[0]  # no padding: no mask
     with torch.no_grad():
         expected = model(ids, labels=labels).loss
     common.skip_masks_as_in_eager()
