@@ -13,7 +13,8 @@ heads, dK and dV must be bitwise equal (a change to how the kernels schedule the
 arithmetic alone); with grouped K/V heads dK and dV within 2% of the base's largest (the group's heads may
 be summed in another order) and bitwise equal on a second call. A loose check against fp32 SDPA guards against
 a bug the trees share. Timing: forward and backward (dQ and dK/dV kernels) of each library, CUDA events around
-20 calls, the median of 3 rounds that alternate the libraries; printed as ms and base / library.
+20 calls, the median of 3 rounds that alternate the libraries (a few shapes also with dropout 0.1, the forward's
+bits kept); printed as ms and base / library.
 Exit status 1 when a check fails.
 """
 import argparse
@@ -35,6 +36,9 @@ TIMINGS = [((8, 12, 4, 1024, 1024, 64), True), ((8, 12, 4, 2048, 2048, 64), True
            ((8, 16, 16, 2048, 2048, 64), True), ((8, 8, 8, 2048, 2048, 128), True), ((64, 16, 16, 256, 256, 64), True),
            ((8, 12, 4, 2048, 2048, 64), False), ((64, 16, 16, 256, 256, 128), True), ((32, 8, 8, 512, 512, 128), True),
            ((8, 12, 4, 2048, 2048, 128), False), ((2, 32, 8, 8192, 8192, 128), True)]
+# with dropout 0.1, the forward's bits kept
+DROPOUT_TIMINGS = [((8, 12, 12, 1024, 1024, 64), True), ((8, 16, 16, 2048, 2048, 64), True),
+                   ((8, 12, 4, 2048, 2048, 128), True)]
 LABELS = ("out", "dq", "dk", "dv", "lse", "delta", "keep")
 
 
@@ -115,25 +119,25 @@ def check(base, lib, name, shape, causal, p):
     return not bad
 
 
-def timing(libs, shape, causal, iters=20, rounds=3):
+def timing(libs, shape, causal, p=0.0, iters=20, rounds=3):
     tensors = inputs(shape, seed=2)
-    outs = outputs(tensors[0], tensors[1], shape, 0.0)
+    outs = outputs(tensors[0], tensors[1], shape, p)
     times = {}
     for _ in range(rounds):
         for name, lib in libs.items():
             for backward in (0, 1):
                 for _ in range(3):
-                    run(lib, backward, tensors, outs, shape, causal)
+                    run(lib, backward, tensors, outs, shape, causal, p)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(iters):
-                    run(lib, backward, tensors, outs, shape, causal)
+                    run(lib, backward, tensors, outs, shape, causal, p)
                 end.record()
                 end.synchronize()
                 times.setdefault((name, backward), []).append(start.elapsed_time(end) / iters)
     med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
     names = list(libs)
-    line = f"{shape} causal={causal}: {names[0]} fwd {med[names[0], 0]:.4f} bwd {med[names[0], 1]:.4f} ms"
+    line = f"{shape} causal={causal} p={p}: {names[0]} fwd {med[names[0], 0]:.4f} bwd {med[names[0], 1]:.4f} ms"
     for name in names[1:]:
         line += (f" | {name} fwd {med[name, 0]:.4f} ({med[names[0], 0] / med[name, 0]:.3f}×) "
                  f"bwd {med[name, 1]:.4f} ({med[names[0], 1] / med[name, 1]:.3f}×)")
@@ -163,6 +167,8 @@ def main(argv=None):
     if not args.no_timing:
         for shape, causal in TIMINGS:
             timing(libs, shape, causal)
+        for shape, causal in DROPOUT_TIMINGS:
+            timing(libs, shape, causal, 0.1)
     return 0 if ok else 1
 
 

@@ -182,13 +182,6 @@ __device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8
   for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template rs<1>(acc, xa[kk], desc_mn(b, kk), 1);
 }
 
-// acc += (the 64×64 tile at a)ᵀ·(the [64 × D] tile at b): A M-major, B N-major, e.g. dV += P̃ᵀ·dO.
-template <typename T, int D>
-__device__ __forceinline__ void wg_atb(float (&acc)[D / 8][4], uint32_t a, uint32_t b) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template ss<1, 1>(acc, desc_mn(a, kk), desc_mn(b, kk), 1);
-}
 // ---- mbarriers (PTX ISA, "mbarrier"): the hand-off of shared tiles between warpgroups -----------------
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

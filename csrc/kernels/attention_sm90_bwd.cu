@@ -7,8 +7,11 @@
  * Per tile, one warpgroup (the CTA) computes
  *   bwd_dq:  S = Q·Kᵀ, dP = dO·Vᵀ (A and B K-major from shared memory), dS in registers (tile_ds),
  *            dQ += dS·K (A = dS from registers, B = K N-major);
- *   bwd_dkv: S and dP as above with the query tile streaming, P̃ and dS stored as swizzled 64×64 tiles,
- *            dV += P̃ᵀ·dO and dK += dSᵀ·Q (A M-major and B N-major, both from shared memory).
+ *   bwd_dkv: the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with the query tile streaming (rows are the
+ *            CTA's keys), P̃ᵀ and dSᵀ in registers (tile_ds_t), dV += P̃ᵀ·dO and dK += dSᵀ·Q (A from
+ *            registers, B N-major): no tile goes through shared memory besides the operands, and one barrier
+ *            an iteration. The dropout bits, laid out per query row as the forward draws or keeps them, are
+ *            exchanged through shared memory (tile_keep_t).
  * The transposes cost nothing: wgmma reads a tile either way through its descriptor.
  */
 #include "attention_sm90.cuh"
@@ -24,6 +27,57 @@ __device__ __forceinline__ void wg_s_dp(float (&s)[8][4], float (&dp)[8][4], uin
   wg_abt<T, D>(s, q, k);
   wg_abt<T, D>(dp, dout, v);
   wgmma_sync(s, dp);
+}
+
+// The dropout keep bit of each element of the warp's transposed 16 × 64 tile (tile_ds_t) as keep_bit(n, e) of the
+// result: words holds the tile's 128 keep words in the forward's layout (word 32·r + l: lane l of the warp of query
+// rows [16r, 16r + 16), its bits as keep_bit places them). Element (n, e) is key 16·warp + g + 8·(e >> 1), query
+// 8n + 2c + (e & 1): drawn by lane 4·(query % 8) + (key % 8) / 2 of row group n / 2, as its C tile key / 8,
+// element 2·(n & 1) + key % 2.
+__device__ __forceinline__ uint32_t tile_keep_t(const uint32_t* words) {
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int col = 0; col < 2; ++col) {
+      const uint32_t w = words[32 * r + 4 * (2 * c + col) + g / 2];
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+        for (int row = 0; row < 2; ++row)
+          bits |= ((w >> keep_bit(2 * warp + row, 2 * nn + (g & 1))) & 1u) << keep_bit(2 * r + nn, 2 * row + col);
+    }
+  return bits;
+}
+
+// tile_ds (attention.cuh) on transposed tiles: from Sᵀ (s) and dPᵀ (dp) of the warp's 16 keys (rows kr0 + g,
+// kr0 + g + 8) × the 64 queries q0 + column, dSᵀ into s and P̃ᵀ into dp. lse2 / delta: the query tile's 64 lse
+// (exp2 domain) and Δ; key_bias: the two rows' key bias; words: the tile's keep words (tile_keep_t), kDropout.
+// Each element's arithmetic is tile_ds's, so P̃ and dS are bitwise the same.
+template <typename T, bool kDropout>
+__device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st,
+                                          const float* lse2, const float* delta, const float (&key_bias)[2],
+                                          const uint32_t* words, int kr0, int q0) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  const int shift = st.vis.k_len - st.vis.q_len;
+  const bool diagonal = st.vis.causal && kr0 + 15 > q0 + shift;
+  const uint32_t bits = kDropout ? tile_keep_t(words) : 0xFFFFFFFFu;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    const float2 l = *reinterpret_cast<const float2*>(lse2 + n * 8 + 2 * c);
+    const float2 d = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = e >> 1, col = e & 1;
+      float x = fmaf(s[n][e], st.scale2, key_bias[row]);
+      if (diagonal && kr0 + g + 8 * row > q0 + n * 8 + 2 * c + col + shift) x = -kInf;
+      const float p = exp2f(x - (col ? l.y : l.x));
+      const float z = kDropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
+      s[n][e] = p * (dp[n][e] * z - (col ? d.y : d.x));
+      dp[n][e] = p * z;
+    }
+  }
 }
 #endif
 
@@ -125,21 +179,6 @@ bool dkv_tail_bound(const AttentionArgs<T>& a, int resident_ctas) {
 }
 
 #if defined(LSMINI_SM90A_DEVICE)
-// The warp's 16×64 C tiles x (rows r0 + g, r0 + g + 8) as T into the swizzled 64×64 tile at `tile`, four 8×8
-// matrices a stmatrix (column tiles n and n + 1, both row halves); `row` is this lane's row of them (s_rows).
-template <typename T>
-__device__ __forceinline__ void store_c_tile(uint32_t tile, int row, const float (&x)[8][4]) {
-  const int col = ((threadIdx.x & 31) >> 4) * 8;
-#pragma unroll
-  for (int n = 0; n < 8; n += 2) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                     tile + sw_offset(row, n * 8 + col)),
-                 "r"(pack2<T>(x[n][0], x[n][1])), "r"(pack2<T>(x[n][2], x[n][3])),
-                 "r"(pack2<T>(x[n + 1][0], x[n + 1][1])), "r"(pack2<T>(x[n + 1][2], x[n + 1][3]))
-                 : "memory");
-  }
-}
-
 // Sum the fp32 [64 × D] dK and dV each CTA of the cluster put at the same offset of its shared memory (dK then
 // dV, row-major), in rank order (so the result does not depend on timing); CTA `rank` of `n` takes every n-th
 // 4-element chunk from `rank` on, and writes the rows below k_len, dK times scale.
@@ -173,22 +212,21 @@ __device__ __forceinline__ void cluster_barrier() {
 #endif
 
 // kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu, launched one CTA or one cluster
-// (dkv_tail_bound) a key block.
-template <typename T, int D, bool kGrouped>
+// (dkv_tail_bound) a key block. kDropout: dropout_p > 0, also separate: the keep words' registers would make the
+// kernel without dropout spill.
+template <typename T, int D, bool kGrouped, bool kDropout>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
-  // K, V (loaded once), Q and dO double-buffered, P̃ and dS (swizzled [64 queries][64 keys] tiles), then the
-  // lse and Δ of the query tile being computed on, and the key bias.
+  // K, V (loaded once), Q and dO double-buffered (swizzled tiles), then per buffer the lse and Δ of its query
+  // tile, the key bias, and per buffer the tile's dropout keep words.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_1k(smem_raw);
   constexpr int kTile = kSwTileBytes<D>;
-  unsigned char* pP = smem + 6 * kTile;
-  unsigned char* pdS = pP + kSwTileBytes<kBlock>;
   const uint32_t sK = smem_u32(smem), sV = sK + kTile, sQ = sV + kTile, sdO = sQ + 2 * kTile;
-  const uint32_t sP = smem_u32(pP), sdS = smem_u32(pdS);
-  float* sLse = reinterpret_cast<float*>(pdS + kSwTileBytes<kBlock>);  // [kBlock]
-  float* sDelta = sLse + kBlock;                                        // [kBlock]
-  float* sBias = sDelta + kBlock;
+  float* sLse = reinterpret_cast<float*>(smem + 6 * kTile);  // [2][kBlock]
+  float* sDelta = sLse + 2 * kBlock;                          // [2][kBlock]
+  float* sBias = sDelta + 2 * kBlock;                         // [kBlock]
+  uint32_t* sWords = reinterpret_cast<uint32_t*>(sBias + kBlock);  // [2][kThreads]
 
   // One CTA (or cluster) per key block of each (batch, K/V head); st is the CTA's first query head: the
   // group's first plus rank · heads_per_cta.
@@ -200,10 +238,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   const int k0 = (block % nkb) * kBlock;
   const Setup<T> st(a, kGrouped ? group_first_head(a, block / nkb) + rank * heads_per_cta : int(block / nkb));
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
-  const int r0 = warp * 16;  // the warp's query rows of a tile, then its key rows of the block
-  // This lane's row of the 8×8 matrices store_c_tile writes: lanes 8m..8m+7 address matrix m, rows
-  // [0, 8) of the warp's 16 for m = 0, 2 and [8, 16) for m = 1, 3.
-  const int s_rows = r0 + (threadIdx.x & 7) + ((threadIdx.x >> 3) & 1) * 8;
+  const int r0 = warp * 16;  // the warp's key rows of the block
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   const T* q = st.at(a.q);
@@ -212,56 +247,67 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   // Tile u: query tile u % q_tiles of query head st.h + u / q_tiles, as in attention_bwd.cu.
   const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
   const int n_tiles = kGrouped ? q_tiles * heads_per_cta : q_tiles;
+  auto head_of = [&](int u) { return kGrouped ? u / q_tiles : 0; };
+  auto tile_start = [&](int u) { return q_begin + (u - head_of(u) * q_tiles) * kBlock; };
   auto issue_q = [&](int u) {  // tile u into buffer u & 1
-    const int j = kGrouped ? u / q_tiles : 0, qt = q_begin + (u - j * q_tiles) * kBlock, buf = u & 1;
+    const int j = head_of(u), qt = tile_start(u), buf = u & 1;
     const int qvalid = min(kBlock, a.q_len - qt);
     load_tile_sw<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid);
     load_tile_sw<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
   };
-  // (lse·log2 e, Δ) of row threadIdx.x < kBlock of tile u; a row past q_len gives P̃ = dS = 0. One buffer,
-  // not two as the tiles have: the 512 bytes a second one takes would keep two CTAs off an SM at d 128.
-  auto row_stats = [&](int u) {
-    const int j = kGrouped ? u / q_tiles : 0, i = q_begin + (u - j * q_tiles) * kBlock + threadIdx.x;
-    const int64_t row = (st.bh + j) * a.q_len + i;
-    return i < a.q_len ? make_float2(a.lse[row] * kLog2e, a.delta[row]) : make_float2(kInf, 0.f);
+  // What tile u's products need besides Q and dO, into buffer u & 1: (lse·log2 e, Δ) of row threadIdx.x < kBlock
+  // (a row past q_len gives P̃ = dS = 0) and, with dropout, this thread's keep word of the tile as the forward's
+  // lane threadIdx.x % 32 of row group threadIdx.x / 32 has it. Fetched (fetch_stats) while tile u − 1's products
+  // run, then staged after them (stage_stats); the pipeline's barrier shows them.
+  struct Stats {
+    float2 row;
+    uint32_t word;
   };
-  auto stage_stats = [&](float2 v) {
-    sLse[threadIdx.x] = v.x;
-    sDelta[threadIdx.x] = v.y;
+  auto fetch_stats = [&](int u) {
+    const int j = head_of(u), qt = tile_start(u), i = qt + threadIdx.x;
+    Stats v{make_float2(kInf, 0.f), 0u};
+    if (threadIdx.x < kBlock && i < a.q_len) {
+      const int64_t row = (st.bh + j) * a.q_len + i;
+      v.row = make_float2(a.lse[row] * kLog2e, a.delta[row]);
+    }
+    if (kDropout) v.word = st.head(j).tile_keep_bits(qt + r0, k0);
+    return v;
+  };
+  auto stage_stats = [&](const Stats& v, int u) {
+    const int buf = u & 1;
+    if (threadIdx.x < kBlock) {
+      sLse[buf * kBlock + threadIdx.x] = v.row.x;
+      sDelta[buf * kBlock + threadIdx.x] = v.row.y;
+    }
+    if (kDropout) sWords[buf * kThreads + threadIdx.x] = v.word;
   };
   if (n_tiles > 0) {
     const int kvalid = min(kBlock, a.k_len - k0);
     load_tile_sw<T, D>(sK, st.at_kv(a.k, a) + int64_t(k0) * a.k.row, a.k.row, kvalid);
     load_tile_sw<T, D>(sV, st.at_kv(a.v, a) + int64_t(k0) * a.v.row, a.v.row, kvalid);
     st.vis.fill_key_bias(sBias, k0);
-    if (threadIdx.x < kBlock) stage_stats(row_stats(0));
+    stage_stats(fetch_stats(0), 0);
     pipeline_start<true>(n_tiles, issue_q);
   }
 
-  // Two barriers per iteration, as in attention_bwd.cu: P̃/dS written → read, and the pipeline barrier. Between
-  // them every warp has read this tile's lse and Δ, so the next tile's go into the same buffer there.
+  // One barrier per iteration, the pipeline's: tile t's lse, Δ and keep words are in buffer t & 1, staged during
+  // iteration t − 1 into the buffer iteration t − 2 read.
+  const float key_bias[2] = {sBias[r0 + g], sBias[r0 + g + 8]};
   for (int t = 0; t < n_tiles; ++t) {
-    const int j = kGrouped ? t / q_tiles : 0;
-    const uint32_t cQ = sQ + (t & 1) * kTile, cdO = sdO + (t & 1) * kTile;
+    const int buf = t & 1;
+    const uint32_t cQ = sQ + buf * kTile, cdO = sdO + buf * kTile;
     float s[8][4], dp[8][4];
-    wg_s_dp<T, D>(s, dp, cQ, cdO, sK, sV);
-    const float lse2[2] = {sLse[r0 + g], sLse[r0 + g + 8]};
-    const float delta[2] = {sDelta[r0 + g], sDelta[r0 + g + 8]};
-    tile_ds<T, true>(s, dp, st.head(j), sBias, lse2, delta, q_begin + (t - j * q_tiles) * kBlock + r0, k0);
-    // P̃ and dS: the wgmmas of iteration t − 1 that read them were waited for before its closing barrier.
-    store_c_tile<T>(sP, s_rows, dp);
-    store_c_tile<T>(sdS, s_rows, s);
-    fence_async_shared();
-    __syncthreads();  // every warp's rows of P̃ and dS are written, and its lse and Δ read
-    // The next tile's lse and Δ: loaded while the MMAs below run, stored after them; pipeline_next's barrier
-    // shows them. (Loaded before the MMAs are issued: code between issue and wait makes ptxas fence them.)
-    const bool stage_next = t + 1 < n_tiles && threadIdx.x < kBlock;
-    float2 next = make_float2(0.f, 0.f);
-    if (stage_next) next = row_stats(t + 1);
-    wg_atb<T, D>(dv, sP, cdO);  // the warpgroup's rows are the block's 64 keys: the warp's [r0, r0 + 16)
-    wg_atb<T, D>(dk, sdS, cQ);
+    wg_s_dp<T, D>(s, dp, sK, sV, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
+    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, key_bias,
+                           sWords + buf * kThreads, k0 + r0, tile_start(t));
+    // Loaded before the MMAs are issued: code between issue and wait makes ptxas fence them.
+    const bool stage_next = t + 1 < n_tiles;
+    Stats next{};
+    if (stage_next) next = fetch_stats(t + 1);
+    wg_xb<T, D>(dv, dp, cdO);  // the warpgroup's rows are the block's 64 keys: the warp's [r0, r0 + 16)
+    wg_xb<T, D>(dk, s, cQ);
     wgmma_sync(dv, dk);
-    if (stage_next) stage_stats(next);
+    if (stage_next) stage_stats(next, t + 1);
     pipeline_next<true>(t, n_tiles, issue_q);
   }
 
@@ -291,30 +337,35 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
 #endif
 }
 
+template <typename T, int D, bool kDropout>
+cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
+  // K + V + 2×Q + 2×dO tiles, 2 × (lse, Δ), bias, 2 × 128 keep words: D = 64 → 51 456 B, D = 128 → 100 608 B,
+  // under the 115 712 B (half of 228 KB, less 1 KB reserved a CTA) that lets two CTAs share an SM.
+  const size_t bytes = 6 * kSwTileBytes<D> + 5 * kBlock * sizeof(float) + 2 * kThreads * sizeof(uint32_t);
+  // The sum of a grouped cluster's parts takes 2 × 64 × D floats of it: 32 or 64 KB, within those bytes.
+  static_assert(2 * kBlock * D * sizeof(float) <= 6 * kSwTileBytes<D>, "");
+  const int64_t blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
+  if (a.kv_heads != a.heads) {
+    auto kernel = attention_bwd_dkv_sm90_kernel<T, D, true, kDropout>;
+    int per_sm = 0;
+    cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
+    if (err == cudaSuccess) err = max_active_blocks(kernel, kThreads, bytes, &per_sm);
+    if (err != cudaSuccess) return err;
+    const int cluster = dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
+    return launch(kernel, blocks * cluster, bytes, a, stream, kThreads, cluster);
+  }
+  return launch(attention_bwd_dkv_sm90_kernel<T, D, false, kDropout>, blocks, bytes, a, stream);
+}
+
 template <typename T, int D>
 cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const int64_t bh = int64_t(a.batch) * a.heads;
   // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: D = 64 → 50 176 B, D = 128 → 99 328 B.
   const size_t dq_bytes = 6 * kSwTileBytes<D> + 4 * kBlock * sizeof(float);
-  cudaError_t err =
+  const cudaError_t err =
       launch(attention_bwd_dq_sm90_kernel<T, D>, bh * ((a.q_len + kBlock - 1) / kBlock), dq_bytes, a, stream);
   if (err != cudaSuccess) return err;
-  // dkv: K + V + 2×Q + 2×dO tiles, P̃ and dS, lse, Δ, bias: D = 64 → 66 304 B, D = 128 → 115 456 B, under the
-  // 115 712 B (half of 228 KB, less 1 KB reserved a CTA) that lets two CTAs share an SM.
-  const size_t dkv_bytes = 6 * kSwTileBytes<D> + 2 * kSwTileBytes<kBlock> + 3 * kBlock * sizeof(float);
-  // The sum of a grouped cluster's parts takes 2 × 64 × D floats of it: 32 or 64 KB, within those bytes.
-  static_assert(2 * kBlock * D * sizeof(float) <= 6 * kSwTileBytes<D>, "");
-  const int64_t dkv_blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
-  if (a.kv_heads != a.heads) {
-    auto kernel = attention_bwd_dkv_sm90_kernel<T, D, true>;
-    int per_sm = 0;
-    err = allow_dynamic_smem(kernel, int(dkv_bytes));
-    if (err == cudaSuccess) err = max_active_blocks(kernel, kThreads, dkv_bytes, &per_sm);
-    if (err != cudaSuccess) return err;
-    const int cluster = dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
-    return launch(kernel, dkv_blocks * cluster, dkv_bytes, a, stream, kThreads, cluster);
-  }
-  return launch(attention_bwd_dkv_sm90_kernel<T, D, false>, dkv_blocks, dkv_bytes, a, stream);
+  return a.dropout_p > 0.f ? bwd_dkv_sm90<T, D, true>(a, stream) : bwd_dkv_sm90<T, D, false>(a, stream);
 }
 
 }  // namespace
