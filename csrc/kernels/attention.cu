@@ -36,9 +36,9 @@
  * buffers: tile t + 1 is in flight while tile t is computed on (one pipeline barrier per tile).
  *   fwd:     per query block, over key tiles: S = QKᵀ, online softmax in registers, O += P̃V.
  *   bwd_dq:  per query block: Δ (kept for bwd_dkv), over key tiles: S, dP, dS, dQ += dS·K.
- *   bwd_dkv: per key block of a K/V head, over the query tiles of every query head reading it: S, dP, dS
- *            as in bwd_dq; P̃ and dS go through shared memory to be read transposed: dV += P̃ᵀ·dO, dK += dSᵀ·Q
- *            (so a shared K/V head's gradients are summed in registers).
+ *   bwd_dkv: per key block of a K/V head, over the query tiles of every query head reading it: Sᵀ = K·Qᵀ,
+ *            dPᵀ = V·dOᵀ and dSᵀ, the block's keys as rows, so P̃ᵀ and dSᵀ are the registers' A operands of
+ *            dV += P̃ᵀ·dO, dK += dSᵀ·Q (and a shared K/V head's gradients are summed in registers).
  * S and dP are recomputed in both backward kernels instead of accumulating dQ with atomics: two more
  * small GEMMs, deterministic results. Up to 128 keys (the usual training lengths), bwd_short does it all
  * in one kernel instead: one CTA holds every key of its (batch, head), so its dQ needs no other CTA.

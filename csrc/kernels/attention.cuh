@@ -13,7 +13,6 @@ namespace {
 constexpr int kBlock = 64;  // rows of a CTA's block and of a streamed tile
 constexpr int kThreads = 128;
 constexpr int kPad = 8;     // elements of padding per shared-memory row
-constexpr int kTileLd = kBlock + kPad;  // pitch of the 64×64 P̃ / dS tiles
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kInf = __builtin_huge_valf();
 
@@ -511,6 +510,56 @@ __device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], con
     }
 }
 
+// The dropout keep bit of each element of the warp's transposed 16 × 64 tile (tile_ds_t) as keep_bit(n, e) of the
+// result: words holds the tile's 128 keep words in the forward's layout (word 32·r + l: lane l of the warp of query
+// rows [16r, 16r + 16), its bits as keep_bit places them). Element (n, e) is key 16·warp + g + 8·(e >> 1), query
+// 8n + 2c + (e & 1): drawn by lane 4·(query % 8) + (key % 8) / 2 of row group n / 2, as its C tile key / 8,
+// element 2·(n & 1) + key % 2.
+__device__ __forceinline__ uint32_t tile_keep_t(const uint32_t* words) {
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  uint32_t bits = 0;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int col = 0; col < 2; ++col) {
+      const uint32_t w = words[32 * r + 4 * (2 * c + col) + g / 2];
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+        for (int row = 0; row < 2; ++row)
+          bits |= ((w >> keep_bit(2 * warp + row, 2 * nn + (g & 1))) & 1u) << keep_bit(2 * r + nn, 2 * row + col);
+    }
+  return bits;
+}
+
+// tile_ds on transposed tiles, as the dK/dV kernels compute them (rows are the CTA's keys): from Sᵀ (s) and dPᵀ (dp) of the warp's 16 keys (rows kr0 + g,
+// kr0 + g + 8) × the 64 queries q0 + column, dSᵀ into s and P̃ᵀ into dp. lse2 / delta: the query tile's 64 lse
+// (exp2 domain) and Δ; key_bias: the two rows' key bias; words: the tile's keep words (tile_keep_t), kDropout.
+// Each element's arithmetic is tile_ds's, so P̃ and dS are bitwise the same.
+template <typename T, bool kDropout>
+__device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st,
+                                          const float* lse2, const float* delta, const float (&key_bias)[2],
+                                          const uint32_t* words, int kr0, int q0) {
+  const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  const int shift = st.vis.k_len - st.vis.q_len;
+  const bool diagonal = st.vis.causal && kr0 + 15 > q0 + shift;
+  const uint32_t bits = kDropout ? tile_keep_t(words) : 0xFFFFFFFFu;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    const float2 l = *reinterpret_cast<const float2*>(lse2 + n * 8 + 2 * c);
+    const float2 d = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * c);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = e >> 1, col = e & 1;
+      float x = fmaf(s[n][e], st.scale2, key_bias[row]);
+      if (diagonal && kr0 + g + 8 * row > q0 + n * 8 + 2 * c + col + shift) x = -kInf;
+      const float p = exp2f(x - (col ? l.y : l.x));
+      const float z = kDropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
+      s[n][e] = p * (dp[n][e] * z - (col ? d.y : d.x));
+      dp[n][e] = p * z;
+    }
+  }
+}
 // The (batch, query head) index of the first query head of K/V group bkv = batch·kv_heads + K/V head: the dK/dV
 // kernels run one CTA (per key block) for each K/V head and walk its heads / kv_heads query heads.
 template <typename T>

@@ -94,30 +94,32 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
 }
 
 // ---- backward: dK and dV -----------------------------------------------------------------------------
+// Transposed tiles: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, the warp's 16 keys as rows, so that P̃ᵀ and dSᵀ (tile_ds_t) are
+// the A fragments of dV += P̃ᵀ·dO and dK += dSᵀ·Q straight from registers; the dropout bits, laid out per query row
+// as the forward draws or keeps them, are exchanged through shared memory (tile_keep_t).
 // kGrouped: heads > kv_heads (a separate instantiation: without groups the head walk folds away, and with
-// it the registers it would take in a kernel at its register cap).
-template <typename T, int D, bool kGrouped>
+// it the registers it would take in a kernel at its register cap); kDropout likewise.
+template <typename T, int D, bool kGrouped, bool kDropout>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const AttentionArgs<T> a) {
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;
-  // K, V (loaded once), Q and dO double-buffered, P̃, dS (single), lse and Δ double-buffered, key bias.
+  // K, V (loaded once), Q and dO double-buffered, lse and Δ double-buffered, key bias, keep words double-buffered.
   extern __shared__ __align__(16) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + kTile;
-  T* sQ = sV + kTile;              // [2] tiles
-  T* sdO = sQ + 2 * kTile;         // [2] tiles
-  T* sP = sdO + 2 * kTile;         // [64 queries][kTileLd]: p̃
-  T* sdS = sP + kBlock * kTileLd;  // [64 queries][kTileLd]: dS
-  float* sLse = reinterpret_cast<float*>(sdS + kBlock * kTileLd);  // [2][kBlock]
-  float* sDelta = sLse + 2 * kBlock;                                // [2][kBlock]
-  float* sBias = sDelta + 2 * kBlock;
+  T* sQ = sV + kTile;       // [2] tiles
+  T* sdO = sQ + 2 * kTile;  // [2] tiles
+  float* sLse = reinterpret_cast<float*>(sdO + 2 * kTile);  // [2][kBlock]
+  float* sDelta = sLse + 2 * kBlock;                         // [2][kBlock]
+  float* sBias = sDelta + 2 * kBlock;                        // [kBlock]
+  uint32_t* sWords = reinterpret_cast<uint32_t*>(sBias + kBlock);  // [2][kThreads]
 
   // One CTA per key block of each (batch, K/V head); st is the group's first query head.
   const int nkb = (a.k_len + kBlock - 1) / kBlock;
   const int k0 = (blockIdx.x % nkb) * kBlock;
   const Setup<T> st(a, kGrouped ? group_first_head(a, blockIdx.x / nkb) : int(blockIdx.x / nkb));
-  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
-  const int r0 = warp * 16;  // the warp's query rows of a tile, then its key rows of the block
+  const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+  const int r0 = warp * 16;  // the warp's key rows of the block (and its row group of a query tile's keep words)
 
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};
   const T* q = st.at(a.q);
@@ -127,10 +129,13 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
   // query tile u % q_tiles (queries from q_begin + 64·(u % q_tiles)) of query head st.h + u / q_tiles.
   const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
   const int n_tiles = kGrouped ? q_tiles * (a.heads / a.kv_heads) : q_tiles;
-  // Tile u into buffer u & 1: Q, dO (asynchronous), lse and Δ (plain stores, published by the same barrier
-  // as the copies).
+  auto head_of = [&](int u) { return kGrouped ? u / q_tiles : 0; };
+  auto tile_start = [&](int u) { return q_begin + (u - head_of(u) * q_tiles) * kBlock; };
+  // Tile u into buffer u & 1: Q, dO (asynchronous), lse and Δ, and with dropout this thread's keep word of the
+  // tile as the forward's lane threadIdx.x % 32 of row group threadIdx.x / 32 has it (plain stores, published by
+  // the same barrier as the copies).
   auto issue_q = [&](int u) {
-    const int j = kGrouped ? u / q_tiles : 0, qt = q_begin + (u - j * q_tiles) * kBlock, buf = u & 1;
+    const int j = head_of(u), qt = tile_start(u), buf = u & 1;
     const int qvalid = min(kBlock, a.q_len - qt);
     load_tile_async<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid);
     load_tile_async<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row,
@@ -141,6 +146,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
       sLse[buf * kBlock + r] = r < qvalid ? a.lse[row] * kLog2e : kInf;
       sDelta[buf * kBlock + r] = r < qvalid ? a.delta[row] : 0.f;
     }
+    if (kDropout) sWords[buf * kThreads + threadIdx.x] = st.head(j).tile_keep_bits(qt + r0, k0);
   };
   // Prologue: group 0 = this block's K and V and tile 0, group 1 = tile 1. With no query tile (causal,
   // every query before the block) nothing is loaded and dK = dV = 0, so no copy is left in flight at exit.
@@ -153,35 +159,33 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
   }
 
   // At the top of iteration t, query tile t is visible in buffer t & 1 and only tile t + 1 may be in
-  // flight; two barriers per iteration: P̃/dS written → read (middle), and the pipeline barrier (bottom).
+  // flight; one barrier per iteration, the pipeline's.
+  const float key_bias[2] = {sBias[r0 + g], sBias[r0 + g + 8]};
   for (int t = 0; t < n_tiles; ++t) {
-    const int j = kGrouped ? t / q_tiles : 0;
-    const int q0 = q_begin + (t - j * q_tiles) * kBlock;
-    const T* cQ = sQ + (t & 1) * kTile;
-    const T* cdO = sdO + (t & 1) * kTile;
+    const int buf = t & 1;
+    const T* cQ = sQ + buf * kTile;
+    const T* cdO = sdO + buf * kTile;
     float s[8][4] = {}, dp[8][4] = {};
-    tile_s_dp<T, D>(s, dp, cQ, cdO, r0, sK, sV);
-    const float* cLse = sLse + (t & 1) * kBlock;
-    const float* cDelta = sDelta + (t & 1) * kBlock;
-    const float lse2[2] = {cLse[r0 + g], cLse[r0 + g + 8]};
-    const float delta[2] = {cDelta[r0 + g], cDelta[r0 + g + 8]};
-    tile_ds<T, true>(s, dp, st.head(j), sBias, lse2, delta, q0 + r0, k0);
-    // sP/sdS: their readers (iteration t − 1) all passed that iteration's closing barrier.
-#pragma unroll
-    for (int n = 0; n < 8; ++n)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int off = (r0 + g + 8 * r) * kTileLd + n * 8 + 2 * c;
-        *reinterpret_cast<uint32_t*>(sP + off) = pack2<T>(dp[n][2 * r], dp[n][2 * r + 1]);
-        *reinterpret_cast<uint32_t*>(sdS + off) = pack2<T>(s[n][2 * r], s[n][2 * r + 1]);
-      }
-    __syncthreads();  // every warp's rows of P̃ and dS are written
-    tile_dkv<T, D>(dk, dv, sP, sdS, kTileLd, r0, cQ, cdO);  // the warp's 16 keys [r0, r0 + 16) of the block
-    pipeline_next(t, n_tiles, issue_q);  // (sP/sdS free for iteration t + 1 too)
+    tile_s_dp<T, D>(s, dp, sK, sV, r0, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ: the warp's 16 keys
+    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, key_bias,
+                           sWords + buf * kThreads, k0 + r0, tile_start(t));
+    tile_xb<T, D>(dv, dp, cdO);
+    tile_xb<T, D>(dk, s, cQ);
+    pipeline_next(t, n_tiles, issue_q);
   }
 
   store_tile<T, D / 8>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
   store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+}
+
+template <typename T, int D, bool kDropout>
+cudaError_t bwd_dkv(const AttentionArgs<T>& a, cudaStream_t stream) {
+  // K + V + 2×Q + 2×dO tiles, 2 lse + 2 Δ arrays, bias, 2 × 128 keep words: 6·64·(D + 8)·sizeof(T) + 5·64·4 +
+  // 2·128·4 bytes; fp16/bf16: D = 64 → 57 600 B, D = 128 → 106 752 B.
+  const size_t bytes = 6 * kBlock * (D + kPad) * sizeof(T) + 5 * kBlock * sizeof(float) + 2 * kThreads * sizeof(uint32_t);
+  const int64_t blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
+  if (a.kv_heads != a.heads) return launch(attention_bwd_dkv_kernel<T, D, true, kDropout>, blocks, bytes, a, stream);
+  return launch(attention_bwd_dkv_kernel<T, D, false, kDropout>, blocks, bytes, a, stream);
 }
 
 template <typename T, int D>
@@ -194,14 +198,7 @@ cudaError_t bwd(const AttentionArgs<T>& a, cudaStream_t stream) {
   const size_t dq_bytes = 6 * kBlock * (D + kPad) * sizeof(T) + 4 * kBlock * sizeof(float);
   cudaError_t err = launch(attention_bwd_dq_kernel<T, D>, bh * ((a.q_len + kBlock - 1) / kBlock), dq_bytes, a, stream);
   if (err != cudaSuccess) return err;
-  // dkv: K + V + 2×Q + 2×dO tiles, P̃ and dS, 2 lse + 2 Δ arrays, bias: 6·64·(D + 8)·sizeof(T) +
-  // 2·64·72·sizeof(T) + 5·64·4 bytes; fp16/bf16: D = 64 → 75 008 B, D = 128 → 124 160 B (under the
-  // 227 KB limit, but one CTA per SM at D = 128).
-  const size_t dkv_bytes =
-      6 * kBlock * (D + kPad) * sizeof(T) + 2 * kBlock * kTileLd * sizeof(T) + 5 * kBlock * sizeof(float);
-  const int64_t dkv_blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
-  if (a.kv_heads != a.heads) return launch(attention_bwd_dkv_kernel<T, D, true>, dkv_blocks, dkv_bytes, a, stream);
-  return launch(attention_bwd_dkv_kernel<T, D, false>, dkv_blocks, dkv_bytes, a, stream);
+  return a.dropout_p > 0.f ? bwd_dkv<T, D, true>(a, stream) : bwd_dkv<T, D, false>(a, stream);
 }
 
 }  // namespace
