@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build one shared library of the Hopper attention kernels per tree, for a same-process A/B of them
+# Build one shared library of the attention kernels per tree, for a same-process A/B of them
 # (benchmarks/probes/attention_ab.py: bitwise checks against the first, and timings):
 #
 #   scripts/ab_attention.sh DIR BASE_REV REV[,NVCC_FLAG...] ...    # here, with nvcc (no GPU needed)
@@ -30,8 +30,9 @@ for i in "${!names[@]}"; do
   IFS=, read -r -a parts <<< "${@:$((i + 1)):1}"
   src=$work/${names[$i]}/csrc/kernels
   nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -Xcompiler -fPIC,-fvisibility=hidden -shared \
-    -gencode arch=compute_90a,code=sm_90a -DLSMINI_SM90A "${parts[@]:1}" -I"$src" "$src/attention_sm90.cu" \
-    "$src/attention_sm90_bwd.cu" benchmarks/probes/attention_ab.cu -o "$out/${names[$i]}.so" &
+    -gencode arch=compute_90a,code=sm_90a -DLSMINI_SM90A "${parts[@]:1}" -I"$src" \
+    "$src"/attention{,_bwd,_bwd_short,_sm90,_sm90_bwd}.cu benchmarks/probes/attention_ab.cu \
+    -o "$out/${names[$i]}.so" &
   pids+=($!)
 done
 status=0

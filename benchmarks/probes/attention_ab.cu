@@ -1,13 +1,14 @@
 /*
- * attention_ab.cu — a C entry to one tree's Hopper attention launchers (launch_attention_fwd_sm90 /
- * launch_attention_bwd_sm90, as the extension calls them), so that several trees' kernels load into one
- * process side by side (benchmarks/probes/attention_ab.py). Not part of the build: scripts/ab_attention.sh
- * compiles it with each tree's csrc/kernels into a shared library of its own.
+ * attention_ab.cu — a C entry to one tree's attention launchers (launch_attention_fwd / launch_attention_bwd, as
+ * the extension calls them), so that several trees' kernels load into one process side by side
+ * (benchmarks/probes/attention_ab.py). Not part of the build: scripts/ab_attention.sh compiles it with each tree's
+ * csrc/kernels into a shared library of its own.
  *
  * attn_run(backward, q, k, v, out, dout, dq, dk, dv, lse, delta, b, h, hk, lq, lk, d, causal, stream, p, keep):
  * bf16 q, out, dout, dq [b, lq, h, d] and k, v, dk, dv [b, lk, hk, d], contiguous; lse, delta float [b, h, lq];
  * keep (dropout bits, keep_numel words) or null; the forward when backward is 0, else the backward (which reads
- * out and lse). Returns the launchers' cudaError_t.
+ * out and lse). Returns the launchers' cudaError_t. attn_use_sm90(enabled): whether the calls run the Hopper
+ * kernels (the default) or the sm_80 ones (set_attention_sm90); returns the previous setting.
  */
 #include <cuda_bf16.h>
 
@@ -15,12 +16,9 @@
 
 #include "attention.h"
 
-namespace lsmini {
-template <typename T>
-cudaError_t launch_attention_fwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream);
-template <typename T>
-cudaError_t launch_attention_bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream);
-}  // namespace lsmini
+extern "C" __attribute__((visibility("default"))) int attn_use_sm90(int enabled) {
+  return lsmini::set_attention_sm90(enabled != 0);
+}
 
 extern "C" __attribute__((visibility("default"))) int attn_run(int backward, void* q, void* k, void* v, void* out,
                                                                 void* dout, void* dq, void* dk, void* dv, float* lse,
@@ -53,5 +51,5 @@ extern "C" __attribute__((visibility("default"))) int attn_run(int backward, voi
   a.dropout_p = dropout_p;
   a.rng = {1234u, 5678u, nullptr, nullptr};
   auto s = static_cast<cudaStream_t>(stream);
-  return int(backward ? lsmini::launch_attention_bwd_sm90<T>(a, s) : lsmini::launch_attention_fwd_sm90<T>(a, s));
+  return int(backward ? lsmini::launch_attention_bwd<T>(a, s) : lsmini::launch_attention_fwd<T>(a, s));
 }

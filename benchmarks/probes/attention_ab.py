@@ -1,7 +1,9 @@
-"""Same-process A/B of several trees' Hopper attention kernels (bf16, head dims 64 and 128, sm_90a):
+"""Same-process A/B of several trees' attention kernels (bf16, head dims 64 and 128, sm_90a build):
 
     scripts/ab_attention.sh DIR BASE_REV REV[,NVCC_FLAG...] ...     # here: one shared library a tree
-    python benchmarks/probes/attention_ab.py DIR/*.so                # on an H100/H200; the first is the base
+    python benchmarks/probes/attention_ab.py [--sm80] DIR/*.so       # on an H100/H200; the first is the base
+
+The Hopper kernels, or with --sm80 the sm_80 ones (as `lsmini._debug.sm90_attention(False)` runs them).
 
 Not a benchmark of the op (benchmarks/bench_attention.py is, beside PyTorch): a measurement to steer changes to
 the kernels, without building the extension once per tree. Each library holds one tree's launchers
@@ -47,6 +49,8 @@ def load(path):
     lib.attn_run.restype = ctypes.c_int
     lib.attn_run.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 10 + [ctypes.c_int] * 7 +
                              [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
+    lib.attn_use_sm90.restype = ctypes.c_int
+    lib.attn_use_sm90.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -148,6 +152,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("libs", nargs="+", help="shared libraries from scripts/ab_attention.sh; the first is the base")
     ap.add_argument("--no-timing", action="store_true", help="the checks only")
+    ap.add_argument("--sm80", action="store_true", help="the sm_80 kernels instead of the Hopper ones")
     args = ap.parse_args(argv)
     if len(args.libs) < 2:
         ap.error("give the base and at least one library to compare with it")
@@ -156,6 +161,8 @@ def main(argv=None):
     libs = {os.path.splitext(os.path.basename(p))[0]: load(p) for p in args.libs}
     if len(libs) != len(args.libs):
         ap.error("give the libraries distinct file names: they name the columns")
+    for lib in libs.values():
+        lib.attn_use_sm90(0 if args.sm80 else 1)
     names = list(libs)
     ok = True
     for name in names[1:]:
