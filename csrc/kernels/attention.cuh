@@ -532,10 +532,10 @@ __device__ __forceinline__ uint32_t tile_keep_t(const uint32_t* words) {
   return bits;
 }
 
-// tile_ds on transposed tiles, as the dK/dV kernels compute them (rows are the CTA's keys): from Sᵀ (s) and dPᵀ (dp) of the warp's 16 keys (rows kr0 + g,
-// kr0 + g + 8) × the 64 queries q0 + column, dSᵀ into s and P̃ᵀ into dp. lse2 / delta: the query tile's 64 lse
-// (exp2 domain) and Δ; key_bias: the two rows' key bias; words: the tile's keep words (tile_keep_t), kDropout.
-// Each element's arithmetic is tile_ds's, so P̃ and dS are bitwise the same.
+// tile_ds on transposed tiles, as the dK/dV kernels compute them (rows are the CTA's keys): from Sᵀ (s) and dPᵀ
+// (dp) of the warp's 16 keys (rows kr0 + g, kr0 + g + 8) × the 64 queries q0 + column, dSᵀ into s and P̃ᵀ into dp.
+// lse2 / delta: the query tile's 64 lse (exp2 domain) and Δ; key_bias: the two rows' key bias; words: the tile's
+// keep words (tile_keep_t), kDropout. Each element's arithmetic is tile_ds's, so P̃ and dS are bitwise the same.
 template <typename T, bool kDropout>
 __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st,
                                           const float* lse2, const float* delta, const float (&key_bias)[2],

@@ -182,7 +182,8 @@ template <typename T, int D, bool kDropout>
 cudaError_t bwd_dkv(const AttentionArgs<T>& a, cudaStream_t stream) {
   // K + V + 2×Q + 2×dO tiles, 2 lse + 2 Δ arrays, bias, 2 × 128 keep words: 6·64·(D + 8)·sizeof(T) + 5·64·4 +
   // 2·128·4 bytes; fp16/bf16: D = 64 → 57 600 B, D = 128 → 106 752 B.
-  const size_t bytes = 6 * kBlock * (D + kPad) * sizeof(T) + 5 * kBlock * sizeof(float) + 2 * kThreads * sizeof(uint32_t);
+  const size_t bytes =
+      6 * kBlock * (D + kPad) * sizeof(T) + 5 * kBlock * sizeof(float) + 2 * kThreads * sizeof(uint32_t);
   const int64_t blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
   if (a.kv_heads != a.heads) return launch(attention_bwd_dkv_kernel<T, D, true, kDropout>, blocks, bytes, a, stream);
   return launch(attention_bwd_dkv_kernel<T, D, false, kDropout>, blocks, bytes, a, stream);
