@@ -43,6 +43,10 @@ CASES = {
     "llama_gqa": (("self", "ffn"), dict(norm="rms_norm", activation="swiglu", rotary_dim=16, causal=True, kv_heads=2),
                   "all", False),
     "decoder_mqa": (("self", "cross", "ffn"), dict(rotary_dim=8, causal=True, kv_heads=1), "", True),
+    # the attention backward's dQ/dK stores undoing the rotation at head_dim 64 (the Hopper kernels there), with a
+    # partial rotary_dim whose pairs lie 20 apart (in other lanes)
+    "rotary_d64_partial": (("self", "ffn"), dict(heads=1, kv_heads=1, head_dim=64, scale=0.125, rotary_dim=40,
+                                                 causal=True), "", True),
     # QK-norm on the self block's Q and K heads (before rotary, in the same pass): alone; in a Llama layer with
     # float32 norm weights; in a decoder layer with grouped K/V heads; at head_dim 64 (two values a lane) with a
     # partial rotary_dim whose pairs lie 20 apart (in other lanes)

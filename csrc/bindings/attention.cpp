@@ -207,9 +207,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& out_in, const at::Tensor& lse_in, const std::optional<at::Tensor>& mask_in, bool causal, double p,
     double scale, const PhiloxTuple& rng, const std::optional<at::Tensor>& dq_in,
     const std::optional<at::Tensor>& dk_in, const std::optional<at::Tensor>& dv_in,
-    const std::optional<at::Tensor>& keep, const BackwardRoom& room) {
+    const std::optional<at::Tensor>& keep, const BackwardRoom& room, const RotaryTables* rotary) {
   const char* op = "attention_bwd";
   const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
+  if (rotary != nullptr) {
+    const at::Tensor &cos = rotary->cos, &sin = rotary->sin;
+    LSMINI_CHECK(s.lq == s.lk, op, ": rotary positions need q_len == k_len, got ", s.lq, " and ", s.lk);
+    for (const at::Tensor* t : {&cos, &sin}) {
+      LSMINI_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && (t->size(0) == 1 || t->size(0) == s.b) &&
+                       t->size(1) == s.lq && t->size(2) % 2 == 0 && t->size(2) >= 2 && t->size(2) <= s.d &&
+                       t->stride(2) == 1 && t->device() == q_in.device(),
+                   op, ": rotary tables must be float32 [1 or batch, len, even rot_dim <= head_dim] on q's device "
+                   "with a unit last stride, got ", t->scalar_type(), " ", t->sizes());
+    }
+    LSMINI_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides(), op,
+                 ": rotary cos and sin must have the same shape and strides, got ", cos.sizes(), " and ", sin.sizes());
+  }
   check_operand(out_in, q_in, op, "out");
   check_operand(dout_in, q_in, op, "dout");
   check_shape(out_in, q_in.sizes(), op, "out");
@@ -234,6 +247,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     a.lse = lse.data_ptr<float>();
     a.delta = delta.data_ptr<float>();
     a.keep = keep_words(keep, q, s, p, op);
+    if (rotary != nullptr) {
+      const at::Tensor& cos = rotary->cos;
+      a.rot = {cos.data_ptr<float>(), rotary->sin.data_ptr<float>(), cos.size(0) == 1 ? 0 : cos.stride(0),
+               cos.stride(1), int(cos.size(2))};
+    }
     check_launch(launch_attention_bwd<K>(a, current_stream()), op);
   });
   return {dq, dk, dv};

@@ -76,13 +76,20 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& keep = std::nullopt,
                                                  const std::optional<at::Tensor>& out = std::nullopt,
                                                  const std::optional<at::Tensor>& lse = std::nullopt);
-// (dq, dk, dv), into dq/dk/dv when given; keep: the forward's keep bits, or none (drawn again).
+// The rotary tables a self-attention backward folds into its dQ and dK stores (AttentionRotary, attention.h):
+// float32 [1 or batch, len, rot_dim], unit last stride.
+struct RotaryTables {
+  at::Tensor cos, sin;
+};
+
+// (dq, dk, dv), into dq/dk/dv when given; keep: the forward's keep bits, or none (drawn again); rotary: q and k are
+// the rotated Q and K and dq, dk are to be the gradients of the unrotated ones (the layer's self-attention).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask, bool causal, double p, double scale,
     const PhiloxTuple& rng, const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
     const std::optional<at::Tensor>& dv, const std::optional<at::Tensor>& keep = std::nullopt,
-    const BackwardRoom& room = {});
+    const BackwardRoom& room = {}, const RotaryTables* rotary = nullptr);
 
 // bias_dropout_residual.cpp: residual + dropout(x + bias); into out when given.
 at::Tensor bias_dropout_residual_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,

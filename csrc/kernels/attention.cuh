@@ -186,6 +186,54 @@ __device__ __forceinline__ void store_tile(T* out, int64_t stride, int i0, int r
   }
 }
 
+// store_tile of a warp's whole rows (columns [0, D)) where the call folds rotary positions into its stores
+// (AttentionArgs::rot, dim > 0): the warp's rows, times scale, go through `stage` (the warp's own [16][D + 4]
+// floats of shared memory, since a rotated column's partner may sit in another lane), then each lane writes 8
+// columns of a row at a time, the first rot.dim through the transpose of the rotation. Row i has position i of
+// batch b. Without rotary positions, store_tile.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(T* out, int64_t stride, int i0, int rows, const float (&acc)[D / 8][4],
+                                           float scale, const AttentionRotary& rot, int b, float* stage) {
+  if (rot.dim == 0) {
+    store_tile<T, D / 8>(out, stride, i0, rows, 0, acc, scale);
+    return;
+  }
+  constexpr int ld = D + 4;
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      *reinterpret_cast<float2*>(stage + (g + 8 * r) * ld + n * 8 + 2 * c) =
+          make_float2(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
+  __syncwarp();
+  const int half = rot.dim / 2;
+  for (int item = lane; item < 16 * (D / 8); item += 32) {
+    const int row = item / (D / 8), col = item % (D / 8) * 8, i = i0 + row;
+    if (i >= rows) continue;
+    const float* x = stage + row * ld;
+    const int64_t at = b * rot.stride_batch + int64_t(i) * rot.stride_seq;
+    uint32_t packed[4];
+#pragma unroll
+    for (int e = 0; e < 8; e += 2) {
+      float y[2];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int j = col + e + u;
+        y[u] = x[j];
+        if (j < rot.dim) {  // dx_a = g_a·cos_a + g_b·sin_b, dx_b = g_b·cos_b − g_a·sin_a (rotary.cu)
+          const int p = j < half ? j + half : j - half;
+          const float t = x[p] * rot.sin[at + p];
+          y[u] = fmaf(x[j], rot.cos[at + j], j < half ? t : -t);
+        }
+      }
+      packed[e / 2] = pack2<T>(y[0], y[1]);
+    }
+    *reinterpret_cast<uint4*>(out + int64_t(i) * stride + col) =
+        make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  }
+}
+
 // ---- asynchronous global → shared copies (cp.async, sm_80+) ------------------------------------------
 // The copies bypass registers, so a thread issues every chunk of a tile back-to-back (no load → store
 // dependency per chunk) and goes on computing on the other buffer while they land. Each thread waits for

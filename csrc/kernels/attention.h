@@ -28,6 +28,18 @@ struct Strided {
   int64_t batch, head, row;
 };
 
+// Rotary positions the backward folds into its dQ and dK stores (AttentionArgs::rot): with dim > 0, q and k are
+// the forward's Q and K after rotary positions (rotate-half over their first dim dimensions), and dq and dk receive
+// the gradients of Q and K before them: the stores apply the transpose of the rotation (launch_rotary_bwd's map,
+// rotary.cu). cos, sin: float32, element (b, i, r) at [b·stride_batch + i·stride_seq + r] for query or key i of
+// batch b (stride_batch 0 shares one table). Self-attention only: q_len == k_len, query and key i at position i.
+struct AttentionRotary {
+  const float* cos;
+  const float* sin;
+  int64_t stride_batch, stride_seq;
+  int dim;  // 0: none
+};
+
 // Everything one call reads and writes. Forward: q, k, v → out, lse. Backward: q, k, v, out, dout,
 // lse → dq, dk, dv, with delta as scratch. k, v, dk and dv have kv_heads heads (grouped-query attention:
 // kv_heads divides heads, query head h reads K/V head h / (heads / kv_heads)); dk and dv of a K/V head are
@@ -51,6 +63,7 @@ struct AttentionArgs {
   bool causal;
   float dropout_p;
   PhiloxArgs rng;  // not read when dropout_p == 0
+  AttentionRotary rot;  // backward; dim 0 when the call has none
 };
 
 // Words of AttentionArgs::keep for one call.

@@ -90,7 +90,9 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
     pipeline_next(t, n_tiles, issue_kv);
   }
 
-  store_tile<T, D / 8>(st.at(a.dq), a.dq.row, i0, a.q_len, 0, dq, a.scale);
+  if (a.rot.dim > 0) __syncthreads();  // the tiles' shared memory becomes the warps' staging rows
+  store_rows<T, D>(st.at(a.dq), a.dq.row, i0, a.q_len, dq, a.scale, a.rot, st.b,
+                   reinterpret_cast<float*>(smem) + warp * 16 * (D + 4));
 }
 
 // ---- backward: dK and dV -----------------------------------------------------------------------------
@@ -174,8 +176,10 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     pipeline_next(t, n_tiles, issue_q);
   }
 
-  store_tile<T, D / 8>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
   store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+  if (a.rot.dim > 0) __syncthreads();  // the tiles' shared memory becomes the warps' staging rows
+  store_rows<T, D>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, dk, a.scale, a.rot, st.b,
+                   reinterpret_cast<float*>(smem) + warp * 16 * (D + 4));
 }
 
 template <typename T, int D, bool kDropout>
@@ -191,7 +195,8 @@ cudaError_t bwd_dkv(const AttentionArgs<T>& a, cudaStream_t stream) {
 
 template <typename T, int D>
 cudaError_t bwd(const AttentionArgs<T>& a, cudaStream_t stream) {
-  if (a.k_len <= attention_short_keys(D)) return launch_attention_bwd_short(a, stream);
+  // (the one-CTA kernel splits dQ's columns over its warps, so it takes no rotary positions)
+  if (a.k_len <= attention_short_keys(D) && a.rot.dim == 0) return launch_attention_bwd_short(a, stream);
   if (attention_sm90_runs(D)) return launch_attention_bwd_sm90(a, stream);
   const int64_t bh = int64_t(a.batch) * a.heads;
   // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: 6·64·(D + 8)·sizeof(T) + 4·64·4 bytes;

@@ -97,7 +97,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
     pipeline_next<true>(t, n_tiles, issue_kv);
   }
 
-  store_tile<T, D / 8>(st.at(a.dq), a.dq.row, i0, a.q_len, 0, dq, a.scale);
+  if (a.rot.dim > 0) __syncthreads();  // the tiles' shared memory becomes the warps' staging rows
+  store_rows<T, D>(st.at(a.dq), a.dq.row, i0, a.q_len, dq, a.scale, a.rot, st.b,
+                   reinterpret_cast<float*>(smem) + warp * 16 * (D + 4));
 #else
   __trap();  // never launched: attention_sm90_runs is false without sm_90a code
 #endif
@@ -260,9 +262,11 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     pipeline_next<true>(t, n_tiles, issue_q);
   }
 
-  if (cluster == 1) {
-    store_tile<T, D / 8>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, 0, dk, a.scale);
+  if (cluster == 1) {  // (a cluster only without rotary positions: the launcher)
     store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
+    if (a.rot.dim > 0) __syncthreads();  // the tiles' shared memory becomes the warps' staging rows
+    store_rows<T, D>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, dk, a.scale, a.rot, st.b,
+                     reinterpret_cast<float*>(smem) + warp * 16 * (D + 4));
     return;
   }
   // This CTA's part of the group's dK and dV into its shared memory, once every warp is done with the tiles
@@ -300,7 +304,9 @@ cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
     cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
     if (err == cudaSuccess) err = max_active_blocks(kernel, kThreads, bytes, &per_sm);
     if (err != cudaSuccess) return err;
-    const int cluster = dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
+    // (the cluster's sum of dK writes columns apart from their rotary partners: none with rotary positions)
+    const int cluster =
+        a.rot.dim == 0 && dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
     return launch(kernel, blocks * cluster, bytes, a, stream, kThreads, cluster);
   }
   return launch(attention_bwd_dkv_sm90_kernel<T, D, false, kDropout>, blocks, bytes, a, stream);

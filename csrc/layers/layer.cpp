@@ -770,9 +770,10 @@ std::array<at::Tensor, 3> norm_fwd(const at::Tensor& x, const Params& p, const O
   return {y, at::Tensor(), r};
 }
 
-// Rotary positions on q and k, [b, heads, l, d] views of one projection, in place; backward: on their gradients.
-void rotary_in_place(const at::Tensor& q, const at::Tensor& k, const Inputs& in, const Options& o, bool backward) {
-  const char* op = backward ? "lsmini::layer_backward" : "lsmini::layer";
+// Rotary positions on q and k, [b, heads, l, d] views of one projection, in place. (The backward undoes them in the
+// attention backward's stores.)
+void rotary_in_place(const at::Tensor& q, const at::Tensor& k, const Inputs& in, const Options& o) {
+  const char* op = "lsmini::layer";
   const at::Tensor &cos = *in.rotary_cos, &sin = *in.rotary_sin;
   const int64_t cs_stride_batch = cos.size(0) == 1 ? 0 : cos.stride(0);
   dispatch_float(q.scalar_type(), op, [&](auto tag) {
@@ -785,10 +786,9 @@ void rotary_in_place(const at::Tensor& q, const at::Tensor& k, const Inputs& in,
       for (int d = 0; d < 3; ++d) r.in_stride[d] = r.out_stride[d] = x.stride(d);
       return r;
     };
-    const auto launch = backward ? &launch_rotary_bwd<T, float> : &launch_rotary_fwd<T, float>;
-    check_launch(launch(operand(q), operand(k), ptr<const float>(cos), ptr<const float>(sin), cs_stride_batch,
-                        cos.stride(1), q.size(0), q.size(2), int(o.head_dim), int(o.rotary_dim), false,
-                        current_stream()),
+    check_launch(launch_rotary_fwd<T, float>(operand(q), operand(k), ptr<const float>(cos), ptr<const float>(sin),
+                                             cs_stride_batch, cos.stride(1), q.size(0), q.size(2), int(o.head_dim),
+                                             int(o.rotary_dim), false, current_stream()),
                  op);
   });
 }
@@ -895,7 +895,7 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
     slots[kQKRaw] = given ? *given : at::empty({s.tokens, (o.heads + o.kv_heads) * o.head_dim}, x.options());
     qk_norm_fwd(projection, slots[kQKRaw], p, o, qk_rotary(in, o, s.q_len));
   } else if (self && o.rotary_dim > 0) {
-    rotary_in_place(q, k, in, o, false);
+    rotary_in_place(q, k, in, o);
   }
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
@@ -1227,14 +1227,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_core_bwd(
   if (self) {
     const auto qkv = qkv_views(sv[kProjection], s.batch, s.q_len, o);
     const auto grad_qkv = qkv_views(grad_projection, s.batch, s.q_len, o);
+    // with rotary positions (and no qk_norm) the attention backward's dQ and dK stores undo the rotation: the
+    // projection's gradients come out of it
+    const bool fold_rotary = o.rotary_dim > 0 && !o.qk_norm;
+    const RotaryTables tables = fold_rotary ? RotaryTables{*in.rotary_cos, *in.rotary_sin} : RotaryTables{};
     attention_bwd(split(grad_context, s, o), qkv[0], qkv[1], qkv[2], split(sv[kContext], s, o), sv[kLse], mask,
-                  o.causal, o.attn_dropout, o.scale, rng, grad_qkv[0], grad_qkv[1], grad_qkv[2], bits, workspace);
-    // the gradients of the rotated (and normalized) Q and K → those of the projection's
-    if (o.qk_norm) {
-      qk_grads = qk_norm_bwd(grad_projection, sv[kQKRaw], p, o, qk_rotary(in, o, s.q_len), room);
-    } else if (o.rotary_dim > 0) {
-      rotary_in_place(grad_qkv[0], grad_qkv[1], in, o, true);
-    }
+                  o.causal, o.attn_dropout, o.scale, rng, grad_qkv[0], grad_qkv[1], grad_qkv[2], bits, workspace,
+                  fold_rotary ? &tables : nullptr);
+    // the gradients of the rotated and normalized Q and K → those of the projection's
+    if (o.qk_norm) qk_grads = qk_norm_bwd(grad_projection, sv[kQKRaw], p, o, qk_rotary(in, o, s.q_len), room);
   } else {
     attention_bwd(split(grad_context, s, o), split(sv[kProjection], s, o), sv[kKeys], sv[kValues],
                   split(sv[kContext], s, o), sv[kLse], mask, false, o.attn_dropout, o.scale, rng,
