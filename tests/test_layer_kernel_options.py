@@ -47,6 +47,10 @@ CASES = {
     # partial rotary_dim whose pairs lie 20 apart (in other lanes)
     "rotary_d64_partial": (("self", "ffn"), dict(heads=1, kv_heads=1, head_dim=64, scale=0.125, rotary_dim=40,
                                                  causal=True), "", True),
+    # 3 query heads on 1 K/V head at head_dim 64: on Hopper a cluster of CTAs sums dK, rotating it back as it
+    # writes; rotary_dim 36 pairs columns 18 apart (across the sum's 4-column chunks)
+    "rotary_d64_gqa": (("self", "ffn"), dict(hidden=192, heads=3, kv_heads=1, head_dim=64, scale=0.125,
+                                             rotary_dim=36, causal=True), "", True),
     # QK-norm on the self block's Q and K heads (before rotary, in the same pass): alone; in a Llama layer with
     # float32 norm weights; in a decoder layer with grouped K/V heads; at head_dim 64 (two values a lane) with a
     # partial rotary_dim whose pairs lie 20 apart (in other lanes)
@@ -73,6 +77,7 @@ def _params(options, absent, dtype, norm_dtype=None, seed=0):
     norm weights [head_dim], seeded, off their inits."""
     gen = torch.Generator().manual_seed(seed)
     glu = options.activation in ("swiglu", "geglu")
+    H = options.hidden
     params = []
     kv_width = options.kv_heads * options.head_dim
     for i, kind in enumerate(options.kinds):
@@ -108,13 +113,13 @@ def _setup(case, dtype, **option_fields):
     options = _options(kinds, **{**fields, **option_fields})
     params = _params(options, absent, dtype, norm_dtype=torch.float32 if case.startswith("llama") else None)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(B, L, H, generator=gen).to("cuda", dtype)
+    x = torch.randn(B, L, options.hidden, generator=gen).to("cuda", dtype)
     cross = "cross" in kinds
     kv_width = options.kv_heads * options.head_dim
     kv = [torch.randn(B, LS, kv_width, generator=gen).to("cuda", dtype) for _ in range(2)] if cross else [None, None]
     masks = (padding_mask(B, L, "suffix").cuda(), padding_mask(B, LS, "random", seed=2).cuda()) if cross \
         else (None, None)
-    grad = torch.randn(B, L, H, generator=gen).to("cuda", dtype)
+    grad = torch.randn(B, L, options.hidden, generator=gen).to("cuda", dtype)
     return options, x, params, _rotary(options, per_batch), kv, masks, grad
 
 

@@ -130,12 +130,28 @@ bool dkv_tail_bound(const AttentionArgs<T>& a, int resident_ctas) {
 }
 
 #if defined(LSMINI_SM90A_DEVICE)
+// The sum over the cluster's n CTAs of float e of the part at `partial` in each one's shared memory, in rank order.
+__device__ __forceinline__ float cluster_sum_at(uint32_t partial, int n, int e) {
+  float sum = 0.f;
+  for (int q = 0; q < n; ++q) {
+    uint32_t remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(partial + 4 * e), "r"(q));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+    sum += v;
+  }
+  return sum;
+}
+
 // Sum the fp32 [64 × D] dK and dV each CTA of the cluster put at the same offset of its shared memory (dK then
 // dV, row-major), in rank order (so the result does not depend on timing); CTA `rank` of `n` takes every n-th
-// 4-element chunk from `rank` on, and writes the rows below k_len, dK times scale.
+// 4-element chunk from `rank` on, and writes the rows below k_len, dK times scale. With rotary positions the dK
+// columns below rot.dim go through the transpose of the rotation as store_rows writes them (row r is key k0 + r of
+// batch b), their partners' sums taken one float at a time.
 template <typename T, int D>
 __device__ __forceinline__ void cluster_sum_dkv(uint32_t partial, int rank, int n, T* dk, int64_t dk_row, T* dv,
-                                                int64_t dv_row, int rows, float scale) {
+                                                int64_t dv_row, int rows, float scale, const AttentionRotary& rot,
+                                                int b, int k0) {
   constexpr int kChunks = 2 * kBlock * D / 4;
   for (int i = rank * kThreads + threadIdx.x; i < kChunks; i += n * kThreads) {
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -152,8 +168,22 @@ __device__ __forceinline__ void cluster_sum_dkv(uint32_t partial, int rank, int 
     const int e = 4 * i, is_dv = e >= kBlock * D, r = (e % (kBlock * D)) / D, col = e % D;
     if (r >= rows) continue;
     const float f = is_dv ? 1.f : scale;
+    const float x[4] = {sum.x * f, sum.y * f, sum.z * f, sum.w * f};
+    float y[4] = {x[0], x[1], x[2], x[3]};
+    if (!is_dv && col < rot.dim) {
+      const int half = rot.dim / 2;
+      const int64_t at = b * rot.stride_batch + int64_t(k0 + r) * rot.stride_seq;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = col + u;
+        if (j >= rot.dim) continue;
+        const int p = j < half ? j + half : j - half;
+        const float t = cluster_sum_at(partial, n, r * D + p) * f * rot.sin[at + p];
+        y[u] = fmaf(x[u], rot.cos[at + j], j < half ? t : -t);
+      }
+    }
     T* out = is_dv ? dv + int64_t(r) * dv_row + col : dk + int64_t(r) * dk_row + col;
-    *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(sum.x * f, sum.y * f), pack2<T>(sum.z * f, sum.w * f));
+    *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]));
   }
 }
 
@@ -262,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     pipeline_next<true>(t, n_tiles, issue_q);
   }
 
-  if (cluster == 1) {  // (a cluster only without rotary positions: the launcher)
+  if (cluster == 1) {
     store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
     if (a.rot.dim > 0) __syncthreads();  // the tiles' shared memory becomes the warps' staging rows
     store_rows<T, D>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, dk, a.scale, a.rot, st.b,
@@ -283,7 +313,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     }
   cluster_barrier();
   cluster_sum_dkv<T, D>(smem_u32(smem), rank, cluster, st.at_kv(a.dk, a) + int64_t(k0) * a.dk.row, a.dk.row,
-                        st.at_kv(a.dv, a) + int64_t(k0) * a.dv.row, a.dv.row, a.k_len - k0, a.scale);
+                        st.at_kv(a.dv, a) + int64_t(k0) * a.dv.row, a.dv.row, a.k_len - k0, a.scale, a.rot,
+                        st.b, k0);
   cluster_barrier();
 #else
   __trap();  // never launched: attention_sm90_runs is false without sm_90a code
@@ -304,9 +335,7 @@ cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
     cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
     if (err == cudaSuccess) err = max_active_blocks(kernel, kThreads, bytes, &per_sm);
     if (err != cudaSuccess) return err;
-    // (the cluster's sum of dK writes columns apart from their rotary partners: none with rotary positions)
-    const int cluster =
-        a.rot.dim == 0 && dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
+    const int cluster = dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
     return launch(kernel, blocks * cluster, bytes, a, stream, kThreads, cluster);
   }
   return launch(attention_bwd_dkv_sm90_kernel<T, D, false, kDropout>, blocks, bytes, a, stream);
