@@ -407,10 +407,10 @@ struct TileDropout {
       const uint32_t z = __byte_perm(x, y, sel);
       const uint32_t t = __shfl_xor_sync(0xffffffffu, z, 1);
       bits = __byte_perm(z, t, (c & 1) ? 0x1706u : 0x7160u);
-    } else {
-#pragma unroll
+    } else {  // (a loop, not unrolled: 32 Philox calls inlined at every call site made the kernels slow to build)
+#pragma unroll 1
       for (int n = 0; n < 8; ++n)
-#pragma unroll
+#pragma unroll 1
         for (int e = 0; e < 4; ++e) {
           const int64_t i = (row0 + g + 8 * (e >> 1)) * k_len + j0 + n * 8 + 2 * c + (e & 1);
           bits |= uint32_t(dropout_keep(so.seed, so.offset, static_cast<uint64_t>(i), threshold)) << keep_bit(n, e);
