@@ -12,7 +12,8 @@ The blocks as lsmini layers (spec.BLOCK_PARAMS per block, views of the block's o
   layer takes their transposes (views, no copies); attention scale head_dim^-0.5 (1 when
   ``scale_attn_weights`` is False), divided by layer_idx + 1 with ``scale_attn_by_inverse_layer_idx``.
 - BertLayer: post-LN, full attention; the QKV weight is the rows of query, key and value joined per call
-  (``torch.cat``, differentiable: their gradients reach the three Linear layers).
+  (each cast to the dtype the layer computes in, then ``torch.cat``; differentiable: their gradients reach the
+  three Linear layers).
 - Llama / Mistral / Qwen2 DecoderLayer: pre-norm RMSNorm ("self" with input_layernorm, "ffn" with
   post_attention_layernorm, no norm biases), causal, grouped K/V heads; the [Q | K | V] weight (and bias, where
   q/k/v have one) and the SwiGLU [gate | up] weight (and bias, with mlp_bias) joined per call like BERT's;
@@ -235,16 +236,17 @@ def _run(block, owner, x, attention_mask, cache, kwargs, rotary=None):
     """The block's forward: one run_layer call (see the module docstring for masks and the cache); rotary: the
     float32 (cos, sin) tables of x's positions for a layer with rotary_dim, else None."""
     _check_call(owner, block, kwargs)
-    params = block._lsmini_params()
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != params[4].shape[0]:
-        raise ValueError(f"{owner}: hidden_states must be a [batch, len, {params[4].shape[0]}] tensor, got "
+    weight, hidden = block.get_parameter(block._LSMINI_WEIGHT), block.get_parameter(block._LSMINI_NORM).shape[0]
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != hidden:
+        raise ValueError(f"{owner}: hidden_states must be a [batch, len, {hidden}] tensor, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     causal = block._LSMINI_CAUSAL
     past, cached = (0, None) if cache is None else _cache_state(owner, block, cache, block._lsmini_layer_idx())
     b, l = x.shape[0], x.shape[1]
     pad = key_padding_mask(owner, attention_mask, b, l, past + l, causal)
     options = block._lsmini_options() if rotary is None else block._lsmini_options(rotary[0].shape[-1])
-    dtype = compute_dtype(owner, x, params[0])
+    dtype = compute_dtype(owner, x, weight)
+    params = block._lsmini_params(dtype)
     with no_autocast(x.device.type):
         x = x.to(dtype).contiguous()
         if cached is None:
@@ -258,6 +260,12 @@ def _run(block, owner, x, attention_mask, cache, kwargs, rotary=None):
         y = run_layer(options, x, pad, None, None, None, params, cache=kv, rotary=rotary)
         cache.update(kv["k"][:, :, past:], kv["v"][:, :, past:], block._lsmini_layer_idx())
         return y
+
+
+def _joined(weights, dtype):
+    """GEMM weights joined by rows in the dtype the layer computes in: each cast first, so the join moves the
+    narrower copies and the layer has nothing left to cast (the same values as casting the join)."""
+    return torch.cat([w.to(dtype) for w in weights])
 
 
 def _new_kv(options, x, params, rotary=None):
@@ -318,6 +326,7 @@ class _GPT2Forward(_Recompute):
     No cross-attention, no output_attentions; the cache must be a DynamicCache."""
 
     _LSMINI_CAUSAL = True
+    _LSMINI_WEIGHT, _LSMINI_NORM = "attn.c_attn.weight", "ln_1.weight"
 
     def forward(self, hidden_states, cache=None, attention_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, use_cache=False, **kwargs):
@@ -333,7 +342,7 @@ class _GPT2Forward(_Recompute):
     def _lsmini_layer_idx(self):
         return self.attn.layer_idx
 
-    def _lsmini_params(self):
+    def _lsmini_params(self, dtype):
         a, m = self.attn, self.mlp
         return [a.c_attn.weight.t(), a.c_attn.bias, a.c_proj.weight.t(), a.c_proj.bias, self.ln_1.weight,
                 self.ln_1.bias, m.c_fc.weight.t(), m.c_fc.bias, m.c_proj.weight.t(), m.c_proj.bias, self.ln_2.weight,
@@ -384,6 +393,7 @@ class _BertForward(_Recompute):
     layer only (no cross-attention, no cache), no output_attentions."""
 
     _LSMINI_CAUSAL = False
+    _LSMINI_WEIGHT, _LSMINI_NORM = "attention.self.query.weight", "attention.output.LayerNorm.weight"
 
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 cache=None, **kwargs):
@@ -400,9 +410,9 @@ class _BertForward(_Recompute):
     def _lsmini_layer_idx(self):
         return self.attention.self.layer_idx
 
-    def _lsmini_params(self):
+    def _lsmini_params(self, dtype):
         s, o = self.attention.self, self.attention.output
-        return [torch.cat([s.query.weight, s.key.weight, s.value.weight]),
+        return [_joined([s.query.weight, s.key.weight, s.value.weight], dtype),
                 torch.cat([s.query.bias, s.key.bias, s.value.bias]), o.dense.weight, o.dense.bias, o.LayerNorm.weight,
                 o.LayerNorm.bias, self.intermediate.dense.weight, self.intermediate.dense.bias,
                 self.output.dense.weight, self.output.dense.bias, self.output.LayerNorm.weight,
@@ -461,6 +471,7 @@ class _DecoderForward(_Recompute):
     output_attentions; the cache must be a DynamicCache."""
 
     _LSMINI_CAUSAL = True
+    _LSMINI_WEIGHT, _LSMINI_NORM = "self_attn.q_proj.weight", "input_layernorm.weight"
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, **kwargs):
@@ -477,13 +488,13 @@ class _DecoderForward(_Recompute):
     def _lsmini_layer_idx(self):
         return self.self_attn.layer_idx
 
-    def _lsmini_params(self):
+    def _lsmini_params(self, dtype):
         a, m = self.self_attn, self.mlp
         qkv_bias = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
         gate_up_bias = None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias])
-        return [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), qkv_bias, a.o_proj.weight,
+        return [_joined([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], dtype), qkv_bias, a.o_proj.weight,
                 a.o_proj.bias, self.input_layernorm.weight, None,
-                torch.cat([m.gate_proj.weight, m.up_proj.weight]), gate_up_bias, m.down_proj.weight,
+                _joined([m.gate_proj.weight, m.up_proj.weight], dtype), gate_up_bias, m.down_proj.weight,
                 m.down_proj.bias, self.post_attention_layernorm.weight, None]
 
     def _lsmini_options(self, rotary_dim=None):
