@@ -335,24 +335,27 @@ struct Visibility {
   __device__ __forceinline__ int key_end(int q0) const {
     return causal ? max(0, min(k_len, q0 + kBlock + k_len - q_len)) : k_len;
   }
+  // Keys [k0, k0 + kBlock) all have key bias 0 (no padding mask, none past k_len).
+  __device__ __forceinline__ bool plain_keys(int k0) const { return pad == nullptr && k0 + kBlock <= k_len; }
   // Queries [begin, q_len) can see some key of the block [k0, k0 + kBlock); begin is a block start.
   __device__ __forceinline__ int query_begin(int k0) const {
     return causal ? max(0, k0 - (k_len - q_len)) / kBlock * kBlock : 0;
   }
 };
 
-// s ← scale2·s + key bias, −inf above the causal diagonal: the masked scores of a 16×64 tile (rows
-// i0 + g, i0 + g + 8; keys k0 + column) in the exp2 domain.
-__device__ __forceinline__ void mask_scores(float (&s)[8][4], const float* bias, float scale2, const Visibility& vis,
-                                            int i0, int k0) {
+// s ← −inf where the key has key bias −inf or lies above the causal diagonal: the masked raw scores of a 16×64
+// tile (rows i0 + g, i0 + g + 8; keys k0 + column). The scores stay unscaled: the exp2 that follows takes
+// scale2·s − (max or lse) in one FFMA (a key bias is 0 or −inf, so masking it is adding it).
+__device__ __forceinline__ void mask_scores(float (&s)[8][4], const float* bias, const Visibility& vis, int i0,
+                                            int k0) {
   const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+  if (!vis.plain_keys(k0)) {
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    const float2 kb = *reinterpret_cast<const float2*>(bias + n * 8 + 2 * c);
-    s[n][0] = fmaf(s[n][0], scale2, kb.x);
-    s[n][1] = fmaf(s[n][1], scale2, kb.y);
-    s[n][2] = fmaf(s[n][2], scale2, kb.x);
-    s[n][3] = fmaf(s[n][3], scale2, kb.y);
+    for (int n = 0; n < 8; ++n) {
+      const float2 kb = *reinterpret_cast<const float2*>(bias + n * 8 + 2 * c);
+      if (kb.x != 0.f) s[n][0] = s[n][2] = -kInf;
+      if (kb.y != 0.f) s[n][1] = s[n][3] = -kInf;
+    }
   }
   if (vis.crosses_diagonal(i0, k0)) {
     const int shift = vis.k_len - vis.q_len;
@@ -479,7 +482,7 @@ template <typename T, int D, bool kKeep>
 __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
                                              const Setup<T>& st, const float* bias, int i0, int k0,
                                              uint32_t* keep_out) {
-  mask_scores(s, bias, st.scale2, st.vis, i0, k0);
+  mask_scores(s, bias, st.vis, i0, k0);
   float mx[2] = {-kInf, -kInf};
 #pragma unroll
   for (int n = 0; n < 8; ++n)
@@ -490,6 +493,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8]
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    mx[r] *= st.scale2;  // the max of the scaled scores (scale2 > 0, and rounding keeps their order)
     const float m_new = fmaxf(m[r], mx[r]);
     base[r] = m_new == -kInf ? 0.f : m_new;  // a row with nothing visible yet: exp2(−inf − 0) = 0
     const float alpha = exp2f(m[r] - base[r]);
@@ -505,7 +509,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8]
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[n][e] = exp2f(s[n][e] - base[e >> 1]);
+      s[n][e] = exp2f(fmaf(s[n][e], st.scale2, -base[e >> 1]));
       l[e >> 1] += s[n][e];
     }
   if (st.dropout) {
@@ -545,13 +549,13 @@ __device__ __forceinline__ void store_out_lse(const AttentionArgs<T>& a, const S
 template <typename T, bool kWantP>
 __device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st, const float* bias,
                                         const float (&lse2)[2], const float (&delta)[2], int i0, int k0) {
-  mask_scores(s, bias, st.scale2, st.vis, i0, k0);
+  mask_scores(s, bias, st.vis, i0, k0);
   const uint32_t bits = st.dropout ? st.tile_keep_bits(i0, k0) : 0xFFFFFFFFu;
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float p = exp2f(s[n][e] - lse2[e >> 1]);
+      const float p = exp2f(fmaf(s[n][e], st.scale2, -lse2[e >> 1]));
       const float z = st.dropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
       s[n][e] = p * (dp[n][e] * z - delta[e >> 1]);
       if (kWantP) dp[n][e] = p * z;
@@ -582,12 +586,14 @@ __device__ __forceinline__ uint32_t tile_keep_t(const uint32_t* words) {
 
 // tile_ds on transposed tiles, as the dK/dV kernels compute them (rows are the CTA's keys): from Sᵀ (s) and dPᵀ
 // (dp) of the warp's 16 keys (rows kr0 + g, kr0 + g + 8) × the 64 queries q0 + column, dSᵀ into s and P̃ᵀ into dp.
-// lse2 / delta: the query tile's 64 lse (exp2 domain) and Δ; key_bias: the two rows' key bias; words: the tile's
-// keep words (tile_keep_t), kDropout. Each element's arithmetic is tile_ds's, so P̃ and dS are bitwise the same.
+// lse2 / delta: the query tile's 64 lse (exp2 domain) and Δ; words: the tile's keep words (tile_keep_t), kDropout.
+// Each element's arithmetic is tile_ds's, so P̃ and dS are bitwise the same, except in the rows of keys with key
+// bias −inf, which are left unmasked: a row of P̃ᵀ or dSᵀ reaches only its own key's row of dV or dK, which
+// zero_masked_keys then sets.
 template <typename T, bool kDropout>
 __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st,
-                                          const float* lse2, const float* delta, const float (&key_bias)[2],
-                                          const uint32_t* words, int kr0, int q0) {
+                                          const float* lse2, const float* delta, const uint32_t* words, int kr0,
+                                          int q0) {
   const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int shift = st.vis.k_len - st.vis.q_len;
   const bool diagonal = st.vis.causal && kr0 + 15 > q0 + shift;
@@ -599,15 +605,25 @@ __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], c
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int row = e >> 1, col = e & 1;
-      float x = fmaf(s[n][e], st.scale2, key_bias[row]);
+      float x = s[n][e];
       if (diagonal && kr0 + g + 8 * row > q0 + n * 8 + 2 * c + col + shift) x = -kInf;
-      const float p = exp2f(x - (col ? l.y : l.x));
+      const float p = exp2f(fmaf(x, st.scale2, -(col ? l.y : l.x)));
       const float z = kDropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
       s[n][e] = p * (dp[n][e] * z - (col ? d.y : d.x));
       dp[n][e] = p * z;
     }
   }
 }
+// dK and dV of the warp's key rows g, g + 8 (key_bias: theirs) that no query sees: 0, whatever tile_ds_t gave them.
+template <int N>
+__device__ __forceinline__ void zero_masked_keys(float (&dk)[N][4], float (&dv)[N][4], const float (&key_bias)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    if (key_bias[r] != 0.f)
+#pragma unroll
+      for (int n = 0; n < N; ++n) dk[n][2 * r] = dk[n][2 * r + 1] = dv[n][2 * r] = dv[n][2 * r + 1] = 0.f;
+}
+
 // The (batch, query head) index of the first query head of K/V group bkv = batch·kv_heads + K/V head: the dK/dV
 // kernels run one CTA (per key block) for each K/V head and walk its heads / kv_heads query heads.
 template <typename T>

@@ -169,13 +169,14 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     const T* cdO = sdO + buf * kTile;
     float s[8][4] = {}, dp[8][4] = {};
     tile_s_dp<T, D>(s, dp, sK, sV, r0, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ: the warp's 16 keys
-    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, key_bias,
-                           sWords + buf * kThreads, k0 + r0, tile_start(t));
+    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, sWords + buf * kThreads,
+                           k0 + r0, tile_start(t));
     tile_xb<T, D>(dv, dp, cdO);
     tile_xb<T, D>(dk, s, cQ);
     pipeline_next(t, n_tiles, issue_q);
   }
 
+  zero_masked_keys(dk, dv, key_bias);
   store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
   if (a.rot.dim > 0) __syncthreads();  // the tiles' shared memory becomes the warps' staging rows
   store_rows<T, D>(st.at_kv(a.dk, a), a.dk.row, k0 + r0, a.k_len, dk, a.scale, a.rot, st.b,

@@ -95,13 +95,13 @@ __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(cons
     float part[2] = {0.f, 0.f};
     if (active) {
       tile_s_dp<T, D>(s, dp, cQ, cdO, r0, gK, gV);
-      mask_scores(s, sBias + kg, st.scale2, st.vis, q0 + r0, kg);
+      mask_scores(s, sBias + kg, st.vis, q0 + r0, kg);
       if (st.dropout) bits = sj.tile_keep_bits(q0 + r0, kg);
 #pragma unroll
       for (int n = 0; n < 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[n][e] = exp2f(s[n][e] - lse2[e >> 1]);  // p
+          s[n][e] = exp2f(fmaf(s[n][e], st.scale2, -lse2[e >> 1]));  // p
           const float z = st.dropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
           dp[n][e] *= z;                            // z·dp
           part[e >> 1] += s[n][e] * dp[n][e];       // p̃·dp = p·(z·dp)

@@ -279,8 +279,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     const uint32_t cQ = sQ + buf * kTile, cdO = sdO + buf * kTile;
     float s[8][4], dp[8][4];
     wg_s_dp<T, D>(s, dp, sK, sV, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
-    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, key_bias,
-                           sWords + buf * kThreads, k0 + r0, tile_start(t));
+    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, sWords + buf * kThreads,
+                           k0 + r0, tile_start(t));
     // Loaded before the MMAs are issued: code between issue and wait makes ptxas fence them.
     const bool stage_next = t + 1 < n_tiles;
     Stats next{};
@@ -292,6 +292,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     pipeline_next<true>(t, n_tiles, issue_q);
   }
 
+  zero_masked_keys(dk, dv, key_bias);
   if (cluster == 1) {
     store_tile<T, D / 8>(st.at_kv(a.dv, a), a.dv.row, k0 + r0, a.k_len, 0, dv, 1.f);
     if (a.rot.dim > 0) __syncthreads();  // the tiles' shared memory becomes the warps' staging rows
