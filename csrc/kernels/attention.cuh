@@ -614,6 +614,7 @@ __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], c
     }
   }
 }
+
 // dK and dV of the warp's key rows g, g + 8 (key_bias: theirs) that no query sees: 0, whatever tile_ds_t gave them.
 template <int N>
 __device__ __forceinline__ void zero_masked_keys(float (&dk)[N][4], float (&dv)[N][4], const float (&key_bias)[2]) {
@@ -622,6 +623,71 @@ __device__ __forceinline__ void zero_masked_keys(float (&dk)[N][4], float (&dv)[
     if (key_bias[r] != 0.f)
 #pragma unroll
       for (int n = 0; n < N; ++n) dk[n][2 * r] = dk[n][2 * r + 1] = dv[n][2 * r] = dv[n][2 * r + 1] = 0.f;
+}
+
+// ---- rotary positions in the forward (AttentionArgs::rot) ----------------------------------------------------
+// Rows [i0, i0 + rows) of a per-head matrix x (row stride `stride`; row i at position i of batch b) rotated in place
+// by threads tid of n: rotary.cu's forward map, rotate-half, fp32 math and one rounding.
+template <typename T>
+__device__ __forceinline__ void rotate_rows(T* x, int64_t stride, int i0, int rows, const AttentionRotary& rot, int b,
+                                            int tid, int n) {
+  const int half = rot.dim / 2;
+  for (int item = tid; item < rows * half; item += n) {
+    const int r = item / half, j = item - r * half;
+    T* p = x + int64_t(i0 + r) * stride;
+    const int64_t at = b * rot.stride_batch + int64_t(i0 + r) * rot.stride_seq;
+    const float xa = to_float(p[j]), xb = to_float(p[j + half]);
+    const float* c = rot.cos + at;
+    const float* s = rot.sin + at;
+    p[j] = from_float<T>(xa * c[j] + xb * -s[j]);
+    p[j + half] = from_float<T>(xb * c[j + half] + xa * s[j + half]);
+  }
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// The forward's first step with rotary positions: the CTA's query rows [q0, q0 + q_rows), then the key blocks
+// [0, key_blocks) of its K/V head (the ones it reads), rotated in place before the CTA loads any of them. A key
+// block is read by many CTAs and rotated once: the CTA that claims it (its rot_claims word: 0 → 1) rotates it and
+// marks it done (2), the others wait for the mark. Each CTA first tries its own block (q0's), so that in the first
+// wave each rotates at most one; a block whose claimer has not started yet is claimed by the first CTA that needs
+// it. A CTA holds claims only while it rotates, waiting for nothing, so every wait ends. scratch: shared memory
+// not in use yet, key_blocks + 1 ints; tid of n threads, all of the CTA.
+template <typename T>
+__device__ void rotary_prologue(const AttentionArgs<T>& a, const Setup<T>& st, int q0, int q_rows, int key_blocks,
+                                int* scratch, int tid, int n) {
+  rotate_rows(const_cast<T*>(st.at(a.q)), a.q.row, q0, min(q_rows, a.q_len - q0), a.rot, st.b, tid, n);
+  const int nkb = (a.k_len + kBlock - 1) / kBlock;
+  int* claims = a.rot_claims + (int64_t(st.b) * a.kv_heads + st.h / (a.heads / a.kv_heads)) * nkb;
+  int* won = scratch;  // won[0]: how many; the blocks from won[1] on
+  const int own = q0 / kBlock;
+  if (tid == 0) {
+    won[0] = 0;
+    if (own < key_blocks && atomicCAS(claims + own, 0, 1) == 0) won[++won[0]] = own;
+  }
+  __syncthreads();
+  for (int t = tid; t < key_blocks; t += n)
+    if (t != own && load_acquire(claims + t) == 0 && atomicCAS(claims + t, 0, 1) == 0) won[1 + atomicAdd(won, 1)] = t;
+  __syncthreads();
+  const int count = won[0];
+  T* k = const_cast<T*>(st.at_kv(a.k, a));
+  for (int w = 1; w <= count; ++w) {
+    const int k0 = won[w] * kBlock;
+    rotate_rows(k, a.k.row, k0, min(kBlock, a.k_len - k0), a.rot, st.b, tid, n);
+  }
+  __threadfence();  // this thread's rotated rows are visible device-wide; after the barrier, every thread's are
+  __syncthreads();
+  for (int w = 1 + tid; w <= count; w += n) store_release(claims + won[w], 2);
+  for (int t = tid; t < key_blocks; t += n)
+    while (load_acquire(claims + t) != 2) __nanosleep(100);
+  __syncthreads();  // every block this CTA reads is rotated; scratch is free again
 }
 
 // The (batch, query head) index of the first query head of K/V group bkv = batch·kv_heads + K/V head: the dK/dV
