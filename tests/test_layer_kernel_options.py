@@ -175,15 +175,16 @@ def _check_against_reference(options, x, params, rotary, kv, masks, grad):
         assert_lowp_rule(k.float(), o, r.float(), atol=1e-3 * max(1.0, o.abs().max().item()), name=name)
 
 
-# head_dim 16 (the sm_80 forward), 64 (Hopper), 128 past 512 keys (Hopper, warp-specialized); grouped K/V heads
-@pytest.mark.parametrize("head_dim,heads,kv_heads,length,causal", [
-    (64, 3, 1, 300, True), (64, 3, 1, 300, False), (128, 2, 1, 600, True), (16, 4, 2, 300, True)])
-def test_rotary_in_the_attention_forward_over_many_key_blocks(head_dim, heads, kv_heads, length, causal):
+# head_dim 16 (the sm_80 forward), 64 (Hopper), 128 past 512 keys (Hopper, warp-specialized); grouped K/V heads;
+# rotary_dim a multiple of 16 (8 pairs a thread) or not (one)
+@pytest.mark.parametrize("head_dim,heads,kv_heads,length,causal,rotary_dim", [
+    (64, 3, 1, 300, True, 64), (64, 3, 1, 300, False, 34), (128, 2, 1, 600, True, 128), (16, 4, 2, 300, True, 10)])
+def test_rotary_in_the_attention_forward_over_many_key_blocks(head_dim, heads, kv_heads, length, causal, rotary_dim):
     """The attention forward rotates Q and K in place as it first reads them, each key block once although many
     CTAs read it (whichever claims it first): over several key blocks and query blocks, every output and gradient
     as the reference's."""
     options = _options(("self", "ffn"), hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                       scale=head_dim ** -0.5, rotary_dim=head_dim // 2 + 2, causal=causal)
+                       scale=head_dim ** -0.5, rotary_dim=rotary_dim, causal=causal)
     params = _params(options, "all", torch.bfloat16)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, length, options.hidden, generator=gen).to("cuda", torch.bfloat16)
