@@ -144,23 +144,30 @@ def check(base, lib, name, shape, causal, p, rounding=False):
     return not bad
 
 
-def timing(libs, shape, causal, p=0.0, iters=20, rounds=3):
-    tensors = inputs(shape, seed=2)
-    outs = outputs(tensors[0], tensors[1], shape, p)
+def medians(libs, ways, call, iters, rounds):
+    """{(library name, way): ms a call}: call(lib, way) timed with CUDA events around `iters` calls (after 3
+    untimed), the median of `rounds` rounds that alternate the libraries and ways."""
     times = {}
     for _ in range(rounds):
         for name, lib in libs.items():
-            for backward in (0, 1):
+            for way in ways:
                 for _ in range(3):
-                    run(lib, backward, tensors, outs, shape, causal, p)
+                    call(lib, way)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(iters):
-                    run(lib, backward, tensors, outs, shape, causal, p)
+                    call(lib, way)
                 end.record()
                 end.synchronize()
-                times.setdefault((name, backward), []).append(start.elapsed_time(end) / iters)
-    med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+                times.setdefault((name, way), []).append(start.elapsed_time(end) / iters)
+    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+
+
+def timing(libs, shape, causal, p=0.0, iters=20, rounds=3):
+    tensors = inputs(shape, seed=2)
+    outs = outputs(tensors[0], tensors[1], shape, p)
+    med = medians(libs, (0, 1), lambda lib, backward: run(lib, backward, tensors, outs, shape, causal, p), iters,
+                  rounds)
     names = list(libs)
     line = f"{shape} causal={causal} p={p}: {names[0]} fwd {med[names[0], 0]:.4f} bwd {med[names[0], 1]:.4f} ms"
     for name in names[1:]:
@@ -216,20 +223,8 @@ def rotary(libs, shape, iters=20, rounds=3):
             ok = False
     tensors = inputs(shape, seed=4)
     outs = [torch.empty_like(tensors[0]), torch.empty(b, h, l, device="cuda")]
-    times = {}
-    for _ in range(rounds):
-        for name, lib in libs.items():
-            for fused in (False, True):
-                for _ in range(3):
-                    rotary_both_ways(lib, tensors, shape, tables, claims, outs, fused)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    rotary_both_ways(lib, tensors, shape, tables, claims, outs, fused)
-                end.record()
-                end.synchronize()
-                times.setdefault((name, fused), []).append(start.elapsed_time(end) / iters)
-    med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    med = medians(libs, (False, True),
+                  lambda lib, fused: rotary_both_ways(lib, tensors, shape, tables, claims, outs, fused), iters, rounds)
     names = list(libs)
     line = f"{shape} causal rotary:"
     for name in names:
