@@ -544,21 +544,21 @@ __device__ __forceinline__ void store_out_lse(const AttentionArgs<T>& a, const S
 }
 
 // ---- what the backward kernels (attention_bwd.cu, attention_sm90_bwd.cu) do with a score tile ---------
-// From S (s, raw scores) and dP (dp) of a 16×64 tile: dS into s and, with kWantP, p̃ = z·p into dp.
-// lse2/delta: the two rows' lse (exp2 domain) and Δ.
-template <typename T, bool kWantP>
-__device__ __forceinline__ void tile_ds(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st, const float* bias,
-                                        const float (&lse2)[2], const float (&delta)[2], int i0, int k0) {
+// From S (s, raw scores) and dP (dp) of a 16×64 tile: dS into s. lse2/delta: the two rows' lse (exp2 domain) and Δ.
+// kDropout: st.dropout, as a template parameter so that the tile without dropout has no keep-bit selects.
+template <typename T, bool kDropout>
+__device__ __forceinline__ void tile_ds(float (&s)[8][4], const float (&dp)[8][4], const Setup<T>& st,
+                                        const float* bias, const float (&lse2)[2], const float (&delta)[2], int i0,
+                                        int k0) {
   mask_scores(s, bias, st.vis, i0, k0);
-  const uint32_t bits = st.dropout ? st.tile_keep_bits(i0, k0) : 0xFFFFFFFFu;
+  const uint32_t bits = kDropout ? st.tile_keep_bits(i0, k0) : 0xFFFFFFFFu;
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float p = exp2f(fmaf(s[n][e], st.scale2, -lse2[e >> 1]));
-      const float z = st.dropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
+      const float z = kDropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
       s[n][e] = p * (dp[n][e] * z - delta[e >> 1]);
-      if (kWantP) dp[n][e] = p * z;
     }
 }
 

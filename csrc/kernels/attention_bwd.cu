@@ -9,7 +9,7 @@ namespace lsmini {
 namespace {
 
 // ---- backward: Δ and dQ ------------------------------------------------------------------------------
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const AttentionArgs<T> a) {
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
     float s[8][4] = {}, dp[8][4] = {};
     tile_abt<T, D>(s, qa, cK);
     tile_abt<T, D>(dp, da, cV);
-    tile_ds<T, false>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, k0);
+    tile_ds<T, kDropout>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, k0);
     tile_xb<T, D>(dq, s, cK);
     pipeline_next(t, n_tiles, issue_kv);
   }
@@ -203,9 +203,12 @@ cudaError_t bwd(const AttentionArgs<T>& a, cudaStream_t stream) {
   // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: 6·64·(D + 8)·sizeof(T) + 4·64·4 bytes;
   // fp16/bf16: D = 64 → 56 320 B, D = 128 → 105 472 B.
   const size_t dq_bytes = 6 * kBlock * (D + kPad) * sizeof(T) + 4 * kBlock * sizeof(float);
-  cudaError_t err = launch(attention_bwd_dq_kernel<T, D>, bh * ((a.q_len + kBlock - 1) / kBlock), dq_bytes, a, stream);
+  const int64_t blocks = bh * ((a.q_len + kBlock - 1) / kBlock);
+  const bool dropout = a.dropout_p > 0.f;
+  const cudaError_t err = dropout ? launch(attention_bwd_dq_kernel<T, D, true>, blocks, dq_bytes, a, stream)
+                                  : launch(attention_bwd_dq_kernel<T, D, false>, blocks, dq_bytes, a, stream);
   if (err != cudaSuccess) return err;
-  return a.dropout_p > 0.f ? bwd_dkv<T, D, true>(a, stream) : bwd_dkv<T, D, false>(a, stream);
+  return dropout ? bwd_dkv<T, D, true>(a, stream) : bwd_dkv<T, D, false>(a, stream);
 }
 
 }  // namespace

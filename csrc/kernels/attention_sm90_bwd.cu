@@ -30,7 +30,7 @@ __device__ __forceinline__ void wg_s_dp(float (&s)[8][4], float (&dp)[8][4], uin
 }
 #endif
 
-template <typename T, int D>
+template <typename T, int D, bool kDropout>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
   // Q, dO, then K and V double-buffered (swizzled tiles), then Δ, lse and the key bias of each buffer.
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dq_sm
     const uint32_t cK = sK + (t & 1) * kTile, cV = sV + (t & 1) * kTile;
     float s[8][4], dp[8][4];
     wg_s_dp<T, D>(s, dp, sQ, sdO, cK, cV);
-    tile_ds<T, false>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, t * kBlock);
+    tile_ds<T, kDropout>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, t * kBlock);
     wg_xb<T, D>(dq, s, cK);
     wgmma_sync(dq);
     pipeline_next<true>(t, n_tiles, issue_kv);
@@ -347,10 +347,12 @@ cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const int64_t bh = int64_t(a.batch) * a.heads;
   // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: D = 64 → 50 176 B, D = 128 → 99 328 B.
   const size_t dq_bytes = 6 * kSwTileBytes<D> + 4 * kBlock * sizeof(float);
-  const cudaError_t err =
-      launch(attention_bwd_dq_sm90_kernel<T, D>, bh * ((a.q_len + kBlock - 1) / kBlock), dq_bytes, a, stream);
+  const int64_t blocks = bh * ((a.q_len + kBlock - 1) / kBlock);
+  const bool dropout = a.dropout_p > 0.f;
+  const cudaError_t err = dropout ? launch(attention_bwd_dq_sm90_kernel<T, D, true>, blocks, dq_bytes, a, stream)
+                                  : launch(attention_bwd_dq_sm90_kernel<T, D, false>, blocks, dq_bytes, a, stream);
   if (err != cudaSuccess) return err;
-  return a.dropout_p > 0.f ? bwd_dkv_sm90<T, D, true>(a, stream) : bwd_dkv_sm90<T, D, false>(a, stream);
+  return dropout ? bwd_dkv_sm90<T, D, true>(a, stream) : bwd_dkv_sm90<T, D, false>(a, stream);
 }
 
 }  // namespace
