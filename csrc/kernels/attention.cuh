@@ -596,7 +596,13 @@ __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], c
                                           int q0) {
   const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int shift = st.vis.k_len - st.vis.q_len;
-  const bool diagonal = st.vis.causal && kr0 + 15 > q0 + shift;
+  if (st.vis.causal && kr0 + 15 > q0 + shift) {  // a tile the diagonal crosses: −inf above it (a uniform branch)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (kr0 + g + 8 * (e >> 1) > q0 + n * 8 + 2 * c + (e & 1) + shift) s[n][e] = -kInf;
+  }
   const uint32_t bits = kDropout ? tile_keep_t(words) : 0xFFFFFFFFu;
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
@@ -604,10 +610,8 @@ __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], c
     const float2 d = *reinterpret_cast<const float2*>(delta + n * 8 + 2 * c);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int row = e >> 1, col = e & 1;
-      float x = s[n][e];
-      if (diagonal && kr0 + g + 8 * row > q0 + n * 8 + 2 * c + col + shift) x = -kInf;
-      const float p = exp2f(fmaf(x, st.scale2, -(col ? l.y : l.x)));
+      const int col = e & 1;
+      const float p = exp2f(fmaf(s[n][e], st.scale2, -(col ? l.y : l.x)));
       const float z = kDropout ? ((bits >> keep_bit(n, e)) & 1u ? st.inv_keep : 0.f) : 1.f;
       s[n][e] = p * (dp[n][e] * z - (col ? d.y : d.x));
       dp[n][e] = p * z;
