@@ -1,5 +1,6 @@
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -345,10 +346,9 @@ def test_bad_input_errors():
         attention(q, k, v, dropout_p="0.1")
     with pytest.raises(TypeError, match="dropout_p must be a float, got bool"):
         attention(q, k, v, dropout_p=True)
-    with pytest.raises(ValueError, match="scale must be a positive finite float, got -1.0"):
-        attention(q, k, v, scale=-1.0)
-    with pytest.raises(ValueError, match="scale must be a positive finite float, got nan"):
-        attention(q, k, v, scale=float("nan"))
+    for bad in (-1.0, 0.0, 1e-40, 1e39, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"scale must be a positive float from 1e-38 to 1e38 .*, got {re.escape(str(bad))}$"):
+            attention(q, k, v, scale=bad)
     with pytest.raises(TypeError, match="scale must be a float or None, got Tensor"):
         attention(q, k, v, scale=torch.tensor(0.5))
 

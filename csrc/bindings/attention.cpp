@@ -7,6 +7,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <limits>
 #include <optional>
@@ -89,7 +90,10 @@ Dims check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   LSMINI_CHECK(s.lq <= kMaxInt && s.lk <= kMaxInt && s.b * s.h * ((std::max(s.lq, s.lk) + 63) / 64) <= kMaxInt, op,
               ": too many rows for the kernels' 32-bit grid: q ", q.sizes(), ", k ", k.sizes());
   LSMINI_CHECK(p >= 0.0 && p <= 1.0, op, ": dropout p must be in [0, 1], got ", p);
-  LSMINI_CHECK(scale > 0.0, op, ": scale must be positive, got ", scale);
+  // The kernels scale the scores by scale·log2(e) in float32 with denormals flushed: it must be a normal float.
+  LSMINI_CHECK(scale > 0.0 && std::isnormal(static_cast<float>(scale * 1.4426950408889634)), op,
+               ": scale must be positive and at most about 2e38, its product with log2(e) a normal float32 "
+               "(at least about 8e-39), got ", scale);
   if (mask.has_value() && mask->defined()) {
     check_like(*mask, q, at::kBool, {s.b, s.lk}, op, "key_padding_mask", "q");
   }

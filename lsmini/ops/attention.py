@@ -287,8 +287,9 @@ def _check_args(q, k, v, key_padding_mask, causal, dropout_p, scale):
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"{name}: scale must be a float or None, got {type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"{name}: scale must be a positive finite float, got {scale}")
+        if not (1e-38 <= scale <= 1e38):
+            raise ValueError(f"{name}: scale must be a positive float from 1e-38 to 1e38 (the kernels take "
+                             f"scale·log2(e) as a normal float32), got {scale}")
 
 
 def attention(q, k, v, key_padding_mask=None, causal=False, dropout_p=0.0, training=True, scale=None):
