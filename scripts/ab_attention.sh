@@ -2,7 +2,7 @@
 # Build one shared library of the attention kernels per tree, for a same-process A/B of them
 # (benchmarks/probes/attention_ab.py: bitwise checks against the first, and timings):
 #
-#   scripts/ab_attention.sh DIR BASE_REV [REV[,NVCC_FLAG...] ...]  # here, with nvcc (no GPU needed)
+#   scripts/ab_attention.sh DIR BASE_REV REV[,NVCC_FLAG...] ...    # here, with nvcc (no GPU needed)
 #   python benchmarks/probes/attention_ab.py DIR/*.so                # on an H100/H200 (DIR carried along)
 #
 # Each REV (a commit, branch or tag) gives DIR/<i>_<REV>.so from `git archive REV csrc/kernels` and this
@@ -10,7 +10,7 @@
 # variant), so one revision can appear with several. The libraries sort in argument order (the base first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 2 ] || { echo "usage: scripts/ab_attention.sh DIR BASE_REV [REV[,NVCC_FLAG...] ...]" >&2; exit 2; }
+[ $# -ge 3 ] || { echo "usage: scripts/ab_attention.sh DIR BASE_REV REV[,NVCC_FLAG...] ..." >&2; exit 2; }
 out=$1
 shift
 mkdir -p "$out"
@@ -31,7 +31,7 @@ for i in "${!names[@]}"; do
   src=$work/${names[$i]}/csrc/kernels
   nvcc -std=c++17 -O3 --use_fast_math --expt-relaxed-constexpr -Xcompiler -fPIC,-fvisibility=hidden -shared \
     -gencode arch=compute_90a,code=sm_90a -DLSMINI_SM90A "${parts[@]:1}" -I"$src" \
-    "$src"/attention{,_bwd,_bwd_short,_sm90,_sm90_bwd}.cu "$src"/rotary.cu benchmarks/probes/attention_ab.cu \
+    "$src"/attention{,_bwd,_bwd_short,_sm90,_sm90_bwd}.cu benchmarks/probes/attention_ab.cu \
     -o "$out/${names[$i]}.so" &
   pids+=($!)
 done

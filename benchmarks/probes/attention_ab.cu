@@ -9,29 +9,23 @@
  * keep (dropout bits, keep_numel words) or null; the forward when backward is 0, else the backward (which reads
  * out and lse). Returns the launchers' cudaError_t. attn_use_sm90(enabled): whether the calls run the Hopper
  * kernels (the default) or the sm_80 ones (set_attention_sm90); returns the previous setting.
- *
- * Rotary positions (self-attention, lq == lk; cos, sin float [l, rot_dim]): attn_rotate(q, k, cos, sin, b, h, hk, l,
- * d, rot_dim, stream) rotates q and k in place with the rotary kernel (rotary.cu), as a separate pass;
- * attn_fwd_rotary(q, k, v, out, lse, b, h, hk, l, d, causal, stream, cos, sin, rot_dim, claims) runs the forward
- * with the rotation inside it (claims: the zeroed words AttentionArgs::rot_claims takes).
  */
 #include <cuda_bf16.h>
 
 #include <cmath>
 
 #include "attention.h"
-#include "rotary.h"
 
 extern "C" __attribute__((visibility("default"))) int attn_use_sm90(int enabled) {
   return lsmini::set_attention_sm90(enabled != 0);
 }
 
-namespace {
-using T = __nv_bfloat16;
-
-lsmini::AttentionArgs<T> make_args(void* q, void* k, void* v, void* out, void* dout, void* dq, void* dk, void* dv,
-                                   float* lse, float* delta, int b, int h, int hk, int lq, int lk, int d, int causal,
-                                   float dropout_p, void* keep) {
+extern "C" __attribute__((visibility("default"))) int attn_run(int backward, void* q, void* k, void* v, void* out,
+                                                                void* dout, void* dq, void* dk, void* dv, float* lse,
+                                                                float* delta, int b, int h, int hk, int lq, int lk,
+                                                                int d, int causal, void* stream, float dropout_p,
+                                                                void* keep) {
+  using T = __nv_bfloat16;
   lsmini::AttentionArgs<T> a{};
   const int64_t qb = int64_t(lq) * h * d, kb = int64_t(lk) * hk * d;
   a.q = {static_cast<const T*>(q), qb, d, int64_t(h) * d};
@@ -56,46 +50,6 @@ lsmini::AttentionArgs<T> make_args(void* q, void* k, void* v, void* out, void* d
   a.causal = causal != 0;
   a.dropout_p = dropout_p;
   a.rng = {1234u, 5678u, nullptr, nullptr};
-  return a;
-}
-
-// A [b, l, heads, d] contiguous tensor as the rotary kernel takes it, in place.
-lsmini::RotaryTensors<T> rotary_operand(void* x, int heads, int l, int d) {
-  lsmini::RotaryTensors<T> r;
-  r.in = static_cast<const T*>(x);
-  r.out = static_cast<T*>(x);
-  r.heads = heads;
-  const int64_t strides[3] = {int64_t(l) * heads * d, d, int64_t(heads) * d};
-  for (int i = 0; i < 3; ++i) r.in_stride[i] = r.out_stride[i] = strides[i];
-  return r;
-}
-}  // namespace
-
-extern "C" __attribute__((visibility("default"))) int attn_run(int backward, void* q, void* k, void* v, void* out,
-                                                                void* dout, void* dq, void* dk, void* dv, float* lse,
-                                                                float* delta, int b, int h, int hk, int lq, int lk,
-                                                                int d, int causal, void* stream, float dropout_p,
-                                                                void* keep) {
-  lsmini::AttentionArgs<T> a = make_args(q, k, v, out, dout, dq, dk, dv, lse, delta, b, h, hk, lq, lk, d, causal,
-                                         dropout_p, keep);
   auto s = static_cast<cudaStream_t>(stream);
   return int(backward ? lsmini::launch_attention_bwd<T>(a, s) : lsmini::launch_attention_fwd<T>(a, s));
-}
-
-extern "C" __attribute__((visibility("default"))) int attn_rotate(void* q, void* k, const float* cos, const float* sin,
-                                                                   int b, int h, int hk, int l, int d, int rot_dim,
-                                                                   void* stream) {
-  return int(lsmini::launch_rotary_fwd<T, float>(rotary_operand(q, h, l, d), rotary_operand(k, hk, l, d), cos, sin, 0,
-                                                 rot_dim, b, l, d, rot_dim, false, static_cast<cudaStream_t>(stream)));
-}
-
-extern "C" __attribute__((visibility("default"))) int attn_fwd_rotary(void* q, void* k, void* v, void* out, float* lse,
-                                                                       int b, int h, int hk, int l, int d, int causal,
-                                                                       void* stream, const float* cos,
-                                                                       const float* sin, int rot_dim, int* claims) {
-  lsmini::AttentionArgs<T> a = make_args(q, k, v, out, nullptr, nullptr, nullptr, nullptr, lse, nullptr, b, h, hk, l,
-                                         l, d, causal, 0.f, nullptr);
-  a.rot = {cos, sin, 0, rot_dim, rot_dim};
-  a.rot_claims = claims;
-  return int(lsmini::launch_attention_fwd<T>(a, static_cast<cudaStream_t>(stream)));
 }

@@ -2,7 +2,6 @@
 
     scripts/ab_attention.sh DIR BASE_REV REV[,NVCC_FLAG...] ...     # here: one shared library a tree
     python benchmarks/probes/attention_ab.py [--sm80] DIR/*.so       # on an H100/H200; the first is the base
-    python benchmarks/probes/attention_ab.py --rotary DIR/*.so       # the forward with rotary positions
 
 The Hopper kernels, or with --sm80 the sm_80 ones (as `lsmini._debug.sm90_attention(False)` runs them).
 
@@ -18,10 +17,6 @@ be summed in another order) and bitwise equal on a second call. A loose check ag
 a bug the trees share. Timing: forward and backward (dQ and dK/dV kernels) of each library, CUDA events around
 20 calls, the median of 3 rounds that alternate the libraries (a few shapes also with dropout 0.1, the forward's
 bits kept); printed as ms and base / library.
-With --rotary, the forward with rotary positions (causal self-attention, rotate-half over all of head_dim) run
-both ways in each library: the rotary kernel as a separate pass and then the forward, and the forward that rotates
-Q and K itself; the two must give the same out, lse and rotated Q and K bitwise; timed as above, each way's ms and
-the pass's / the fused's, then each library's fused against the base's.
 With --rounding (a change to the arithmetic) every output but the dropout bits is compared within 2% of the
 base's largest instead, and the deviations are printed. Exit status 1 when a check fails.
 """
@@ -44,9 +39,6 @@ TIMINGS = [((8, 12, 4, 1024, 1024, 64), True), ((8, 12, 4, 2048, 2048, 64), True
            ((8, 16, 16, 2048, 2048, 64), True), ((8, 8, 8, 2048, 2048, 128), True), ((64, 16, 16, 256, 256, 64), True),
            ((8, 12, 4, 2048, 2048, 64), False), ((64, 16, 16, 256, 256, 128), True), ((32, 8, 8, 512, 512, 128), True),
            ((8, 12, 4, 2048, 2048, 128), False), ((2, 32, 8, 8192, 8192, 128), True)]
-# --rotary: causal self-attention
-ROTARY_TIMINGS = [(8, 12, 4, 1024, 1024, 64), (8, 12, 4, 2048, 2048, 64), (4, 12, 4, 4096, 4096, 64),
-                  (8, 12, 4, 2048, 2048, 128), (8, 32, 8, 1024, 1024, 128), (64, 16, 16, 256, 256, 64)]
 # with dropout 0.1, the forward's bits kept
 DROPOUT_TIMINGS = [((8, 12, 12, 1024, 1024, 64), True), ((8, 16, 16, 2048, 2048, 64), True),
                    ((8, 12, 4, 2048, 2048, 128), True)]
@@ -58,11 +50,6 @@ def load(path):
     lib.attn_run.restype = ctypes.c_int
     lib.attn_run.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 10 + [ctypes.c_int] * 7 +
                              [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
-    lib.attn_rotate.restype = ctypes.c_int
-    lib.attn_rotate.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
-    lib.attn_fwd_rotary.restype = ctypes.c_int
-    lib.attn_fwd_rotary.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 3 +
-                                    [ctypes.c_int, ctypes.c_void_p])
     lib.attn_use_sm90.restype = ctypes.c_int
     lib.attn_use_sm90.argtypes = [ctypes.c_int]
     return lib
@@ -176,76 +163,15 @@ def timing(libs, shape, causal, p=0.0, iters=20, rounds=3):
     print(line, flush=True)
 
 
-def rotary_tables(l, d, theta=10000.0):
-    inv = theta ** -(torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
-    angles = torch.arange(l, device="cuda", dtype=torch.float32)[:, None] * inv
-    angles = torch.cat([angles, angles], dim=1)  # rotate-half: pair (i, i + d/2) shares angle i
-    return angles.cos().contiguous(), angles.sin().contiguous()
-
-
-def rotary_both_ways(lib, tensors, shape, tables, claims, outs, fused):
-    """One forward with rotary positions, q and k (tensors[:2]) rotated in place: the rotary kernel then the
-    forward, or (fused) the forward that rotates them itself."""
-    q, k, v, _ = tensors
-    out, lse = outs
-    b, h, hk, l, _, d = shape
-    stream = torch.cuda.current_stream().cuda_stream
-    cos, sin = tables
-    if fused:
-        claims.zero_()
-        rc = lib.attn_fwd_rotary(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), b, h, hk,
-                                 l, d, 1, stream, cos.data_ptr(), sin.data_ptr(), d, claims.data_ptr())
-    else:
-        rc = lib.attn_rotate(q.data_ptr(), k.data_ptr(), cos.data_ptr(), sin.data_ptr(), b, h, hk, l, d, d, stream)
-        if rc == 0:
-            run(lib, 0, tensors, [out, out, k, k, lse, lse, None], shape, True)  # (the forward writes out, lse)
-    if rc != 0:
-        raise RuntimeError(f"the rotary forward returned CUDA error {rc}")
-
-
-def rotary(libs, shape, iters=20, rounds=3):
-    """Check and time the forward with rotary positions both ways in each library (--rotary); True when the
-    checks pass."""
-    b, h, hk, l, _, d = shape
-    tables = rotary_tables(l, d)
-    claims = torch.empty(b * hk * ((l + 63) // 64), dtype=torch.int32, device="cuda")
-    ok = True
-    for name, lib in libs.items():
-        results = []
-        for fused in (False, True):
-            tensors = [t.clone() for t in inputs(shape, seed=3)]
-            outs = [torch.full_like(tensors[0], float("nan")), torch.full((b, h, l), float("nan"), device="cuda")]
-            rotary_both_ways(lib, tensors, shape, tables, claims, outs, fused)
-            torch.cuda.synchronize()
-            results.append(tensors[:2] + outs)
-        if not all(torch.equal(x, y) for x, y in zip(*results)):
-            print(f"[{name}] {shape} rotary: the two ways differ", flush=True)
-            ok = False
-    tensors = inputs(shape, seed=4)
-    outs = [torch.empty_like(tensors[0]), torch.empty(b, h, l, device="cuda")]
-    med = medians(libs, (False, True),
-                  lambda lib, fused: rotary_both_ways(lib, tensors, shape, tables, claims, outs, fused), iters, rounds)
-    names = list(libs)
-    line = f"{shape} causal rotary:"
-    for name in names:
-        line += (f" | {name} pass+fwd {med[name, False]:.4f} fused {med[name, True]:.4f} "
-                 f"({med[name, False] / med[name, True]:.3f}×")
-        line += ")" if name == names[0] else f", {med[names[0], True] / med[name, True]:.3f}× the base's fused)"
-    print(line, flush=True)
-    return ok
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("libs", nargs="+", help="shared libraries from scripts/ab_attention.sh; the first is the base")
     ap.add_argument("--no-timing", action="store_true", help="the checks only")
     ap.add_argument("--sm80", action="store_true", help="the sm_80 kernels instead of the Hopper ones")
-    ap.add_argument("--rotary", action="store_true",
-                    help="the forward with rotary positions, as a separate pass and fused, in each library")
     ap.add_argument("--rounding", action="store_true",
                     help="libraries whose arithmetic rounds differently: compare within 2%% of the base's largest")
     args = ap.parse_args(argv)
-    if len(args.libs) < 2 and not args.rotary:
+    if len(args.libs) < 2:
         ap.error("give the base and at least one library to compare with it")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("attention_ab.py: the Hopper kernels need a compute capability 9.0 device")
@@ -256,11 +182,6 @@ def main(argv=None):
         lib.attn_use_sm90(0 if args.sm80 else 1)
     names = list(libs)
     ok = True
-    if args.rotary:
-        for shape in ROTARY_TIMINGS:
-            ok &= rotary(libs, shape)
-        print("rotary checks:", "all passed" if ok else "FAILED", flush=True)
-        return 0 if ok else 1
     for name in names[1:]:
         for shape, causal in CHECKS:
             ok &= check(libs[names[0]], libs[name], name, shape, causal, 0.0, args.rounding)

@@ -163,23 +163,6 @@ uint32_t* keep_words(const std::optional<at::Tensor>& keep, const at::Tensor& q,
   return p > 0.0 ? reinterpret_cast<uint32_t*>(t.data_ptr<int32_t>()) : nullptr;
 }
 
-// The rotary tables of a self-attention call (RotaryTables, ops.h), checked against its dims; their AttentionRotary.
-AttentionRotary rotary_args(const RotaryTables& rotary, const Dims& s, const at::Tensor& q, const char* op) {
-  const at::Tensor &cos = rotary.cos, &sin = rotary.sin;
-  LSMINI_CHECK(s.lq == s.lk, op, ": rotary positions need q_len == k_len, got ", s.lq, " and ", s.lk);
-  for (const at::Tensor* t : {&cos, &sin}) {
-    LSMINI_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && (t->size(0) == 1 || t->size(0) == s.b) &&
-                     t->size(1) == s.lq && t->size(2) % 2 == 0 && t->size(2) >= 2 && t->size(2) <= s.d &&
-                     t->stride(2) == 1 && t->device() == q.device(),
-                 op, ": rotary tables must be float32 [1 or batch, len, even rot_dim <= head_dim] on q's device "
-                 "with a unit last stride, got ", t->scalar_type(), " ", t->sizes());
-  }
-  LSMINI_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides(), op,
-               ": rotary cos and sin must have the same shape and strides, got ", cos.sizes(), " and ", sin.sizes());
-  return {cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0) == 1 ? 0 : cos.stride(0), cos.stride(1),
-          int(cos.size(2))};
-}
-
 }  // namespace
 
 // (out, lse): out [b, h, lq, d] as a view of a contiguous [b, lq, h, d] buffer (the merged-heads layout);
@@ -189,15 +172,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
                                                  bool causal, double p, double scale, const PhiloxTuple& rng,
                                                  const std::optional<at::Tensor>& keep,
                                                  const std::optional<at::Tensor>& out_in,
-                                                 const std::optional<at::Tensor>& lse_in,
-                                                 const RotaryTables* rotary) {
+                                                 const std::optional<at::Tensor>& lse_in) {
   const char* op = "attention_fwd";
   const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
-  const AttentionRotary rot = rotary != nullptr ? rotary_args(*rotary, s, q_in, op) : AttentionRotary{};
-  if (rotary != nullptr) {
-    LSMINI_CHECK(kernel_layout(q_in) && kernel_layout(k_in), op, ": with rotary positions q and k are rotated in "
-                 "place, so they need the kernels' layout, got strides ", q_in.strides(), " and ", k_in.strides());
-  }
   if (out_in) {
     check_operand(*out_in, q_in, op, "out");
     check_shape(*out_in, q_in.sizes(), op, "out");
@@ -222,12 +199,6 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q_in, const a
     a.out = strided<K>(out);
     a.lse = lse.data_ptr<float>();
     a.keep = keep_words(keep, q, s, p, op);
-    at::Tensor claims;  // one word a key block of each K/V head: rotated once, whichever CTA gets to it first
-    if (rotary != nullptr) {
-      a.rot = rot;
-      claims = at::zeros({s.b * k.size(1) * ((s.lk + 63) / 64)}, q.options().dtype(at::kInt));
-      a.rot_claims = claims.data_ptr<int>();
-    }
     check_launch(launch_attention_fwd<K>(a, current_stream()), op);
   });
   return {out, lse};
@@ -243,7 +214,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const std::optional<at::Tensor>& keep, const BackwardRoom& room, const RotaryTables* rotary) {
   const char* op = "attention_bwd";
   const Dims s = check_qkv(q_in, k_in, v_in, mask_in, p, scale, op);
-  const AttentionRotary rot = rotary != nullptr ? rotary_args(*rotary, s, q_in, op) : AttentionRotary{};
+  if (rotary != nullptr) {
+    const at::Tensor &cos = rotary->cos, &sin = rotary->sin;
+    LSMINI_CHECK(s.lq == s.lk, op, ": rotary positions need q_len == k_len, got ", s.lq, " and ", s.lk);
+    for (const at::Tensor* t : {&cos, &sin}) {
+      LSMINI_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && (t->size(0) == 1 || t->size(0) == s.b) &&
+                       t->size(1) == s.lq && t->size(2) % 2 == 0 && t->size(2) >= 2 && t->size(2) <= s.d &&
+                       t->stride(2) == 1 && t->device() == q_in.device(),
+                   op, ": rotary tables must be float32 [1 or batch, len, even rot_dim <= head_dim] on q's device "
+                   "with a unit last stride, got ", t->scalar_type(), " ", t->sizes());
+    }
+    LSMINI_CHECK(cos.sizes() == sin.sizes() && cos.strides() == sin.strides(), op,
+                 ": rotary cos and sin must have the same shape and strides, got ", cos.sizes(), " and ", sin.sizes());
+  }
   check_operand(out_in, q_in, op, "out");
   check_operand(dout_in, q_in, op, "dout");
   check_shape(out_in, q_in.sizes(), op, "out");
@@ -268,7 +251,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     a.lse = lse.data_ptr<float>();
     a.delta = delta.data_ptr<float>();
     a.keep = keep_words(keep, q, s, p, op);
-    a.rot = rot;
+    if (rotary != nullptr) {
+      const at::Tensor& cos = rotary->cos;
+      a.rot = {cos.data_ptr<float>(), rotary->sin.data_ptr<float>(), cos.size(0) == 1 ? 0 : cos.stride(0),
+               cos.stride(1), int(cos.size(2))};
+    }
     check_launch(launch_attention_bwd<K>(a, current_stream()), op);
   });
   return {dq, dk, dv};
@@ -277,13 +264,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 namespace {
 
 void register_attention(pybind11::module_& m) {
-  m.def("attention_fwd",
-        [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-           const std::optional<at::Tensor>& key_padding_mask, bool causal, double p, double scale,
-           const PhiloxTuple& rng, const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& out,
-           const std::optional<at::Tensor>& lse) {
-          return attention_fwd(q, k, v, key_padding_mask, causal, p, scale, rng, keep, out, lse);
-        },
+  m.def("attention_fwd", &attention_fwd,
         "Fused attention forward: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32); into "
         "out / lse when given",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("key_padding_mask"),

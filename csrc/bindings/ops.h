@@ -67,23 +67,20 @@ std::tuple<at::Tensor, at::Tensor> rotary_bwd(const at::Tensor& grad_q, const at
                                               const std::optional<at::Tensor>& q_out = std::nullopt,
                                               const std::optional<at::Tensor>& k_out = std::nullopt);
 
-// The rotary tables of a self-attention inside the attention kernels (AttentionRotary, attention.h): float32
-// [1 or batch, len, rot_dim], unit last stride.
-struct RotaryTables {
-  at::Tensor cos, sin;
-};
-
 // attention.cpp: (out [b, h, lq, d] over a [b, lq, h, d] buffer, lse [b, h, lq] float32).
 // keep: int32 [attention_keep_numel] that receives the dropout keep bits for attention_bwd to read.
 // out / lse: where the output and lse go when given (out of q's shape, rows 16-byte aligned).
-// rotary: q and k are rotated in place first (the layer's self-attention; they are its saved projection).
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const std::optional<at::Tensor>& key_padding_mask, bool causal,
                                                  double p, double scale, const PhiloxTuple& rng,
                                                  const std::optional<at::Tensor>& keep = std::nullopt,
                                                  const std::optional<at::Tensor>& out = std::nullopt,
-                                                 const std::optional<at::Tensor>& lse = std::nullopt,
-                                                 const RotaryTables* rotary = nullptr);
+                                                 const std::optional<at::Tensor>& lse = std::nullopt);
+// The rotary tables a self-attention backward folds into its dQ and dK stores (AttentionRotary, attention.h):
+// float32 [1 or batch, len, rot_dim], unit last stride.
+struct RotaryTables {
+  at::Tensor cos, sin;
+};
 
 // (dq, dk, dv), into dq/dk/dv when given; keep: the forward's keep bits, or none (drawn again); rotary: q and k are
 // the rotated Q and K and dq, dk are to be the gradients of the unrotated ones (the layer's self-attention).

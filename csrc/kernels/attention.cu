@@ -86,7 +86,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
     st.vis.fill_key_bias(sBias + buf * kBlock, kt);
   };
   const int n_tiles = (key_end + kBlock - 1) / kBlock;
-  if (a.rot.dim > 0) rotary_prologue(a, st, q0, kBlock, n_tiles, reinterpret_cast<int*>(smem), threadIdx.x, kThreads);
   // Prologue: group 0 = Q and key tile 0, group 1 = key tile 1 (still in flight while group 0 is
   // waited for and tile 0 computed on). With no visible key nothing is loaded (the output is 0 and Q is
   // never read), so no copy is ever left in flight at exit.

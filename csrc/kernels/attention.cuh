@@ -618,7 +618,6 @@ __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], c
     }
   }
 }
-
 // dK and dV of the warp's key rows g, g + 8 (key_bias: theirs) that no query sees: 0, whatever tile_ds_t gave them.
 template <int N>
 __device__ __forceinline__ void zero_masked_keys(float (&dk)[N][4], float (&dv)[N][4], const float (&key_bias)[2]) {
@@ -627,96 +626,6 @@ __device__ __forceinline__ void zero_masked_keys(float (&dk)[N][4], float (&dv)[
     if (key_bias[r] != 0.f)
 #pragma unroll
       for (int n = 0; n < N; ++n) dk[n][2 * r] = dk[n][2 * r + 1] = dv[n][2 * r] = dv[n][2 * r + 1] = 0.f;
-}
-
-// ---- rotary positions in the forward (AttentionArgs::rot) ----------------------------------------------------
-// Rows [i0, i0 + rows) of a per-head matrix x (row stride `stride`; row i at position i of batch b) rotated in place
-// by threads tid of n: rotary.cu's forward map, rotate-half, fp32 math and one rounding. A thread takes 8 pairs at
-// a time (16-byte loads) where the half and the tables allow it, else one.
-template <typename T>
-__device__ __forceinline__ void rotate_rows(T* x, int64_t stride, int i0, int rows, const AttentionRotary& rot, int b,
-                                            int tid, int n) {
-  const int half = rot.dim / 2;
-  const bool wide = half % 8 == 0 && rot.stride_batch % 4 == 0 && rot.stride_seq % 4 == 0 &&
-                    (reinterpret_cast<uintptr_t>(rot.cos) | reinterpret_cast<uintptr_t>(rot.sin)) % 16 == 0;
-  const int units = wide ? half / 8 : half;  // a row's
-  for (int item = tid; item < rows * units; item += n) {
-    const int r = item / units, u = item - r * units;
-    T* p = x + int64_t(i0 + r) * stride;
-    const int64_t at = b * rot.stride_batch + int64_t(i0 + r) * rot.stride_seq;
-    const float* c = rot.cos + at;
-    const float* s = rot.sin + at;
-    if (wide) {
-      const int j = 8 * u;
-      float xa[8], xb[8], ca[8], cb[8], sa[8], sb[8], ya[8], yb[8];
-      load_pack<T, 8>(p + j, xa);
-      load_pack<T, 8>(p + j + half, xb);
-#pragma unroll
-      for (int h = 0; h < 8; h += 4) {
-        load_pack<float, 4>(c + j + h, reinterpret_cast<float(&)[4]>(ca[h]));
-        load_pack<float, 4>(c + j + half + h, reinterpret_cast<float(&)[4]>(cb[h]));
-        load_pack<float, 4>(s + j + h, reinterpret_cast<float(&)[4]>(sa[h]));
-        load_pack<float, 4>(s + j + half + h, reinterpret_cast<float(&)[4]>(sb[h]));
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        ya[e] = xa[e] * ca[e] + xb[e] * -sa[e];
-        yb[e] = xb[e] * cb[e] + xa[e] * sb[e];
-      }
-      store_pack<T, 8>(p + j, ya);
-      store_pack<T, 8>(p + j + half, yb);
-    } else {
-      const float xa = to_float(p[u]), xb = to_float(p[u + half]);
-      p[u] = from_float<T>(xa * c[u] + xb * -s[u]);
-      p[u + half] = from_float<T>(xb * c[u + half] + xa * s[u + half]);
-    }
-  }
-}
-
-__device__ __forceinline__ int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void store_release(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-
-// The forward's first step with rotary positions: the CTA's query rows [q0, q0 + q_rows), then the key blocks
-// [0, key_blocks) of its K/V head (the ones it reads), rotated in place before the CTA loads any of them. A key
-// block is read by many CTAs and rotated once: the CTA that claims it (its rot_claims word: 0 → 1) rotates it and
-// marks it done (2), the others wait for the mark. Each CTA first tries its own block (q0's), so that in the first
-// wave each rotates at most one; a block whose claimer has not started yet is claimed by the first CTA that needs
-// it. A CTA holds claims only while it rotates, waiting for nothing, so every wait ends. scratch: shared memory
-// not in use yet, key_blocks + 1 ints; tid of n threads, all of the CTA.
-template <typename T>
-__device__ void rotary_prologue(const AttentionArgs<T>& a, const Setup<T>& st, int q0, int q_rows, int key_blocks,
-                                int* scratch, int tid, int n) {
-  rotate_rows(const_cast<T*>(st.at(a.q)), a.q.row, q0, min(q_rows, a.q_len - q0), a.rot, st.b, tid, n);
-  const int nkb = (a.k_len + kBlock - 1) / kBlock;
-  int* claims = a.rot_claims + (int64_t(st.b) * a.kv_heads + st.h / (a.heads / a.kv_heads)) * nkb;
-  int* won = scratch;  // won[0]: how many; the blocks from won[1] on
-  const int own = q0 / kBlock;
-  if (tid == 0) {
-    won[0] = 0;
-    if (own < key_blocks && atomicCAS(claims + own, 0, 1) == 0) won[++won[0]] = own;
-  }
-  __syncthreads();
-  for (int t = tid; t < key_blocks; t += n)
-    if (t != own && load_acquire(claims + t) == 0 && atomicCAS(claims + t, 0, 1) == 0) won[1 + atomicAdd(won, 1)] = t;
-  __syncthreads();
-  const int count = won[0];
-  T* k = const_cast<T*>(st.at_kv(a.k, a));
-  for (int w = 1; w <= count; ++w) {
-    const int k0 = won[w] * kBlock;
-    rotate_rows(k, a.k.row, k0, min(kBlock, a.k_len - k0), a.rot, st.b, tid, n);
-  }
-  __threadfence();  // this thread's rotated rows are visible device-wide; after the barrier, every thread's are
-  __syncthreads();
-  for (int w = 1 + tid; w <= count; w += n) store_release(claims + won[w], 2);
-  for (int t = tid; t < key_blocks; t += n)
-    while (load_acquire(claims + t) != 2) __nanosleep(100);
-  __syncthreads();  // every block this CTA reads is rotated; scratch is free again
 }
 
 // The (batch, query head) index of the first query head of K/V group bkv = batch·kv_heads + K/V head: the dK/dV

@@ -28,13 +28,11 @@ struct Strided {
   int64_t batch, head, row;
 };
 
-// Rotary positions inside the attention kernels (AttentionArgs::rot), rotate-half over the first dim dimensions of
-// each Q and K head, rotary.cu's map: with dim > 0 the forward rotates q and k in place before it reads them (so q
-// and k are written: they must not alias anything else), and the backward, given those rotated q and k, folds the
-// transpose of the rotation (launch_rotary_bwd's map) into its dQ and dK stores, so that dq and dk are the
-// gradients of Q and K before it. cos, sin: float32, element (b, i, r) at [b·stride_batch + i·stride_seq + r] for
-// query or key i of batch b (stride_batch 0 shares one table). Self-attention only: q_len == k_len, query and key i
-// at position i.
+// Rotary positions the backward folds into its dQ and dK stores (AttentionArgs::rot): with dim > 0, q and k are
+// the forward's Q and K after rotary positions (rotate-half over their first dim dimensions), and dq and dk receive
+// the gradients of Q and K before them: the stores apply the transpose of the rotation (launch_rotary_bwd's map,
+// rotary.cu). cos, sin: float32, element (b, i, r) at [b·stride_batch + i·stride_seq + r] for query or key i of
+// batch b (stride_batch 0 shares one table). Self-attention only: q_len == k_len, query and key i at position i.
 struct AttentionRotary {
   const float* cos;
   const float* sin;
@@ -60,15 +58,12 @@ struct AttentionArgs {
   // one per lane of the warp that holds each 16-query × 64-key tile (attention.cu's bit order; the
   // kernels work in blocks of 64 queries, so a partial last block has all four row groups).
   uint32_t* keep;
-  // Forward with rot.dim > 0: [batch·kv_heads·ceil(k_len/64)] zeros, one per key block, which the kernel marks as
-  // it rotates the blocks (a block is read by many CTAs and rotated once).
-  int* rot_claims;
   int batch, heads, kv_heads, q_len, k_len, head_dim;
   float scale;
   bool causal;
   float dropout_p;
   PhiloxArgs rng;  // not read when dropout_p == 0
-  AttentionRotary rot;  // dim 0 when the call has none
+  AttentionRotary rot;  // backward; dim 0 when the call has none
 };
 
 // Words of AttentionArgs::keep for one call.

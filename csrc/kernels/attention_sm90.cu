@@ -47,7 +47,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_
     st.vis.fill_key_bias(sBias + buf * kBlock, kt);
   };
   const int n_tiles = (st.vis.key_end(q0) + kBlock - 1) / kBlock;
-  if (a.rot.dim > 0) rotary_prologue(a, st, q0, kBlock, n_tiles, reinterpret_cast<int*>(smem), threadIdx.x, kThreads);
   if (n_tiles > 0) {  // as attention.cu: Q and key tile 0 in group 0, nothing loaded without a visible key
     load_tile_sw<T, D>(sQ, st.at(a.q) + int64_t(q0) * a.q.row, a.q.row, min(kBlock, a.q_len - q0));
     pipeline_start<true>(n_tiles, issue_kv);
@@ -127,8 +126,6 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   int n_tiles = 0;
 #pragma unroll
   for (int c = 0; c < kWsConsumers; ++c) n_tiles = max(n_tiles, tiles_of(c));
-  if (a.rot.dim > 0)  // (before the barriers: its scratch is where Q goes)
-    rotary_prologue(a, st, q0, kWsQueries, n_tiles, reinterpret_cast<int*>(smem), int(threadIdx.x), int(blockDim.x));
 
   // Every consumer with queries frees every stage it reads. A consumer reads a prefix of the key tiles, at most
   // kWsConsumers − 1 fewer than the producer loads (its queries end 64 before the next one's), so every tile

@@ -14,13 +14,13 @@
 //             activation (swiglu, geglu) weight_in = [2F, H] = [gate | up] rows, bias_in in the GEMM's epilogue
 // norm: LayerNorm (weight, bias) or RMSNorm (weight; no bias). Any bias (bias_in, bias_out, norm_bias) may be
 // absent (None): no add, no gradient.
-// Attention core: QKV GEMM with the bias in its epilogue, with qk_norm a pass on Q and K of a self block (an RMSNorm
-// over head_dim of each head, then the rotary positions from the caller's cos/sin tables, in place in the
-// projection), the fused attention kernel reading Q/K/V as head views of the projection (kv_heads K/V heads, each
-// read by heads / kv_heads query heads; without qk_norm it applies the rotary positions itself, in place, as it
-// first reads Q and K) and writing the merged context, the output GEMM. FFN core: GEMM, bias_act_dropout (or the
-// glu kernel on the [gate | up] output), GEMM. Every step between GEMMs is an lsmini kernel, called through the
-// bindings' functions (ops.h) or, where the layer hands it strided views or room of its own, its launcher.
+// Attention core: QKV GEMM with the bias in its epilogue, then on Q and K of a self block, in place in the
+// projection, rotary positions (from the caller's cos/sin tables), with qk_norm (an RMSNorm over head_dim of
+// each head) before them in the same pass, the fused attention kernel reading Q/K/V as head views of the
+// projection (kv_heads K/V heads, each read by heads / kv_heads query heads) and writing the merged context,
+// the output GEMM. FFN core: GEMM, bias_act_dropout (or the glu kernel on the [gate | up] output), GEMM. Every
+// step between GEMMs is an lsmini kernel, called through the bindings' functions (ops.h) or, where the layer
+// hands it strided views or room of its own, its launcher.
 // A block leaves its output bias, dropout and residual add to the norm kernel's residual form (norm_residual.h),
 // which writes the sum and normalizes it: the next block's norm (pre-norm) or its own (post-norm); only the last
 // pre-norm block, and a block whose output bias differs in dtype from that norm's parameters, run
@@ -71,6 +71,7 @@
 #include "layernorm.h"
 #include "qk_norm.h"
 #include "rms_norm.h"
+#include "rotary.h"
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -769,6 +770,29 @@ std::array<at::Tensor, 3> norm_fwd(const at::Tensor& x, const Params& p, const O
   return {y, at::Tensor(), r};
 }
 
+// Rotary positions on q and k, [b, heads, l, d] views of one projection, in place. (The backward undoes them in the
+// attention backward's stores.)
+void rotary_in_place(const at::Tensor& q, const at::Tensor& k, const Inputs& in, const Options& o) {
+  const char* op = "lsmini::layer";
+  const at::Tensor &cos = *in.rotary_cos, &sin = *in.rotary_sin;
+  const int64_t cs_stride_batch = cos.size(0) == 1 ? 0 : cos.stride(0);
+  dispatch_float(q.scalar_type(), op, [&](auto tag) {
+    using T = typename KernelType<decltype(tag)>::type;
+    auto operand = [](const at::Tensor& x) {
+      RotaryTensors<T> r;
+      r.in = ptr<const T>(x);
+      r.out = ptr<T>(x);
+      r.heads = x.size(1);
+      for (int d = 0; d < 3; ++d) r.in_stride[d] = r.out_stride[d] = x.stride(d);
+      return r;
+    };
+    check_launch(launch_rotary_fwd<T, float>(operand(q), operand(k), ptr<const float>(cos), ptr<const float>(sin),
+                                             cs_stride_batch, cos.stride(1), q.size(0), q.size(2), int(o.head_dim),
+                                             int(o.rotary_dim), false, current_stream()),
+                 op);
+  });
+}
+
 // The rotary tables as the QK-norm kernels read them, for tokens b·seq + s (none when rotary_dim is 0).
 QkRotary qk_rotary(const Inputs& in, const Options& o, int64_t seq) {
   QkRotary r;
@@ -870,10 +894,9 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
     const OptTensor given = dest.at(kQKRaw, {s.tokens, (o.heads + o.kv_heads) * o.head_dim}, dtype);
     slots[kQKRaw] = given ? *given : at::empty({s.tokens, (o.heads + o.kv_heads) * o.head_dim}, x.options());
     qk_norm_fwd(projection, slots[kQKRaw], p, o, qk_rotary(in, o, s.q_len));
+  } else if (self && o.rotary_dim > 0) {
+    rotary_in_place(q, k, in, o);
   }
-  // without qk_norm the attention kernels rotate Q and K (in place, in the projection) as they first read them
-  const bool rotate = self && o.rotary_dim > 0 && !o.qk_norm;
-  const RotaryTables tables = rotate ? RotaryTables{*in.rotary_cos, *in.rotary_sin} : RotaryTables{};
   const OptTensor& mask = self ? in.key_padding_mask : in.encoder_padding_mask;
   rng = draw(o.attn_dropout);
   const int64_t k_len = k.size(2);
@@ -883,7 +906,7 @@ at::Tensor attention_core_fwd(Kind kind, const at::Tensor& x, const Params& p, c
   const OptTensor context_out = dest.at(kContext, {s.tokens, o.hidden}, dtype);
   auto [out, lse] = attention_fwd(q, k, v, mask, self && o.causal, o.attn_dropout, o.scale, rng, bits,
                                   context_out ? OptTensor(split(*context_out, s, o)) : std::nullopt,
-                                  dest.at(kLse, {s.batch, o.heads, s.q_len}, at::kFloat), rotate ? &tables : nullptr);
+                                  dest.at(kLse, {s.batch, o.heads, s.q_len}, at::kFloat));
   // out is a [b, h, lq, d] view of a contiguous [b, lq, h, d] buffer: the merged-heads context, no copy
   at::Tensor context = strided_view(out, {s.tokens, o.hidden}, {o.hidden, 1}, out.storage_offset());
   slots[kCoreInput] = x;
