@@ -618,6 +618,7 @@ __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], c
     }
   }
 }
+
 // dK and dV of the warp's key rows g, g + 8 (key_bias: theirs) that no query sees: 0, whatever tile_ds_t gave them.
 template <int N>
 __device__ __forceinline__ void zero_masked_keys(float (&dk)[N][4], float (&dv)[N][4], const float (&key_bias)[2]) {

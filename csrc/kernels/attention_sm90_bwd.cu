@@ -30,8 +30,10 @@ __device__ __forceinline__ void wg_s_dp(float (&s)[8][4], float (&dp)[8][4], uin
 }
 #endif
 
+// Four CTAs an SM at head dim 64 without dropout (128 registers, no spill); the keep-bit selects need more.
 template <typename T, int D, bool kDropout>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2) attention_bwd_dq_sm90_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
+    attention_bwd_dq_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
   // Q, dO, then K and V double-buffered (swizzled tiles), then Δ, lse and the key bias of each buffer.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
