@@ -4,8 +4,9 @@
 
 Each op family has a module in benchmarks/kernels/ with a function `bench(ctx)` that calls
 `ctx.row(...)` once per (op, dtype, shape). Memory-bound rows report GB/s (bytes each input read once
-plus each output written once, over the lsmini time) and the percentage of the device-to-device copy
-bandwidth measured at the start of this run. Results: a table on stdout; rows appended to
+plus each output written once, over the lsmini time), the percentage of the device-to-device copy
+bandwidth measured at the start of this run (2 GiB), and the percentage of a copy that moves the row's bytes,
+timed as the row is (what the size itself allows: a small call does not reach the large copy's rate). Results: a table on stdout; rows appended to
 benchmarks/results/kernels.csv (one row per variant: lsmini, torch, torch+compile where timed), from which
 benchmarks/report.py writes RESULTS.md; with --out, this run's table as kernels.csv and kernels.md in DIR.
 """
@@ -24,7 +25,7 @@ import common  # noqa: E402
 import kernels  # noqa: E402
 
 COLUMNS = ["row", "dtype", "shape", "lsmini_ms", "torch_ms", "compiled_ms", "speedup", "speedup_compiled",
-           "GB/s", "%copy", "note"]
+           "GB/s", "%copy", "%copy_same", "note"]
 
 
 class Context:
@@ -34,6 +35,16 @@ class Context:
         self.rows = []
         self.results = []  # one row per (config, variant), for benchmarks/results/kernels.csv
         self.copy_gbs = common.copy_bandwidth_gbs()
+        self._same_copy_ms = {}  # bytes moved → ms of a device-to-device copy moving as many
+
+    def same_copy_ms(self, nbytes, iters):
+        """ms of a device-to-device copy that reads nbytes / 2 and writes as many, timed as the rows are."""
+        half = nbytes // 2
+        if half not in self._same_copy_ms:
+            src = torch.empty(half, dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
+            self._same_copy_ms[half] = common.time_ms(lambda: dst.copy_(src), warmup=5, iters=iters)
+        return self._same_copy_ms[half]
 
     def wanted(self, name):
         return not self.only or any(name.startswith(p) for p in self.only)
@@ -57,6 +68,7 @@ class Context:
         if nbytes:
             r["GB/s"] = nbytes / ms / 1e6
             r["%copy"] = 100.0 * r["GB/s"] / self.copy_gbs
+            r["%copy_same"] = 100.0 * self.same_copy_ms(nbytes, iters) / ms
         self.rows.append(r)
         self._record(r, variant, baseline, baseline_kind, c_ms)
         print(common.markdown_table([r], COLUMNS).splitlines()[-1], flush=True)
@@ -64,15 +76,16 @@ class Context:
     def _record(self, r, variant, baseline, baseline_kind, c_ms):
         config = f"{r['row']} {r['dtype']} {r['shape']}"
         seen = {(x["config"], x["variant"]) for x in self.results}
-        timed = [(variant, "lsmini", r["lsmini_ms"], r.get("GB/s"), r.get("%copy")),
-                 (baseline, baseline_kind, r["torch_ms"], None, None)]
+        timed = [(variant, "lsmini", r["lsmini_ms"], r.get("GB/s"), r.get("%copy"), r.get("%copy_same")),
+                 (baseline, baseline_kind, r["torch_ms"], None, None, None)]
         if c_ms is not None:
-            timed.append(("torch+compile", "pytorch", c_ms, None, None))
-        for v, kind, ms, gbs, pct in timed:
+            timed.append(("torch+compile", "pytorch", c_ms, None, None, None))
+        for v, kind, ms, gbs, pct, pct_same in timed:
             if (config, v) in seen:  # the same lsmini call timed again beside another baseline
                 continue
             self.results.append({"benchmark": "kernels", "config": config, "variant": v, "kind": kind, "ms": ms,
-                                 "gbs": gbs, "pct_copy": pct, "copy_gbs": self.copy_gbs, "note": r["note"]})
+                                 "gbs": gbs, "pct_copy": pct, "copy_gbs": self.copy_gbs,
+                                 "pct_copy_same": pct_same, "note": r["note"]})
 
 
 def main():

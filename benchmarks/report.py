@@ -50,8 +50,9 @@ SECTIONS = {  # benchmark: (title, script, what a row is)
                   "forward + backward at 16,384 tokens a row, hidden 1024, dropout 0.1, beside the fastest SDPA "
                   "backend; `lsmini bits=always` keeps the dropout bits at every length"),
     "kernels": ("Kernels", "bench_kernels.py",
-                "one op beside its plain PyTorch equivalent; memory-bound rows also as GB/s and % of the "
-                "device-to-device copy bandwidth measured in the same run"),
+                "one op beside its plain PyTorch equivalent; memory-bound rows also as GB/s, % of the "
+                "device-to-device copy bandwidth measured in the same run, and % of a copy of the row's bytes "
+                "timed as the row is"),
     "host": ("Host time per call", "bench_host.py",
              "µs of host time per eager call on tiny inputs (best of 5 repeats), and the call's device time"),
     "defaults": ("The examples' defaults against tuned flags", "bench_defaults.py",
@@ -60,7 +61,8 @@ SECTIONS = {  # benchmark: (title, script, what a row is)
                  "the whole command's wall time"),
 }
 LABELS = {"ms": "ms", "tokens_s": "tokens/s", "peak_mb": "peak MB", "scaling": "× 1 GPU", "gbs": "GB/s",
-          "pct_copy": "% of copy", "copy_gbs": "copy GB/s", "fwd_ms": "fwd ms", "tflops": "TFLOP/s",
+          "pct_copy": "% of copy", "copy_gbs": "copy GB/s", "pct_copy_same": "% of a same-size copy",
+          "fwd_ms": "fwd ms", "tflops": "TFLOP/s",
           "compile_s": "compile s", "tgt_tokens_s": "target tokens/s", "loss_first": "first loss",
           "loss_final": "final loss", "us": "µs", "device_us": "device µs", "valid_loss": "valid loss",
           "command_s": "command s", "train_s": "training s", "duration_s": "duration s", "bleu": "BLEU",
