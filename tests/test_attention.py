@@ -347,7 +347,8 @@ def test_bad_input_errors():
     with pytest.raises(TypeError, match="dropout_p must be a float, got bool"):
         attention(q, k, v, dropout_p=True)
     for bad in (-1.0, 0.0, 1e-40, 1e39, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match=f"scale must be a positive float from 1e-38 to 1e38 .*, got {re.escape(str(bad))}$"):
+        message = f"scale must be a positive float from 1e-38 to 1e38 .*, got {re.escape(str(bad))}$"
+        with pytest.raises(ValueError, match=message):
             attention(q, k, v, scale=bad)
     with pytest.raises(TypeError, match="scale must be a float or None, got Tensor"):
         attention(q, k, v, scale=torch.tensor(0.5))
