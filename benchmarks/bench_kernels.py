@@ -6,9 +6,10 @@ Each op family has a module in benchmarks/kernels/ with a function `bench(ctx)` 
 `ctx.row(...)` once per (op, dtype, shape). Memory-bound rows report GB/s (bytes each input read once
 plus each output written once, over the lsmini time), the percentage of the device-to-device copy
 bandwidth measured at the start of this run (2 GiB), and the percentage of a copy that moves the row's bytes,
-timed as the row is (what the size itself allows: a small call does not reach the large copy's rate). Results: a table on stdout; rows appended to
-benchmarks/results/kernels.csv (one row per variant: lsmini, torch, torch+compile where timed), from which
-benchmarks/report.py writes RESULTS.md; with --out, this run's table as kernels.csv and kernels.md in DIR.
+timed as the row is (what the size itself allows: a small call does not reach the large copy's rate).
+Results: a table on stdout; rows appended to benchmarks/results/kernels.csv (one row per variant: lsmini,
+torch, torch+compile where timed), from which benchmarks/report.py writes RESULTS.md; with --out, this run's
+table as kernels.csv and kernels.md in DIR.
 """
 import argparse
 import importlib
