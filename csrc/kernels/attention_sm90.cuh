@@ -63,20 +63,26 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // ---- descriptors (PTX ISA, "matrix descriptor") ------------------------------------------------------
 // Start address, leading and stride byte offsets (each >> 4), swizzle mode 1 (128 bytes) in bits 62-63.
-// The stride byte offset is 1 KB for both majors here: the distance between 8-row groups.
-__device__ __forceinline__ uint64_t sw_desc(uint32_t addr, uint32_t leading_bytes) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(leading_bytes >> 4) << 16 | uint64_t(1024 >> 4) << 32 |
-         uint64_t(1) << 62;
-}
+// The stride byte offset is 1 KB for both majors here: the distance between 8-row groups. The start field (14
+// bits) takes the address's low 18 bits (masked: without the mask the clustered dK/dV kernel read wrong tiles), and
+// the CTA's shared memory lies below 256 KB, so a descriptor moves to an address `bytes` further (a multiple of 16)
+// by adding bytes >> 4 to its low word (at). The high word is a constant, so the products' descriptors cost one
+// 32-bit add each, not a rebuild.
+struct SwDesc {
+  uint32_t lo;
+  __device__ __forceinline__ SwDesc(uint32_t addr, uint32_t leading_bytes)
+      : lo((addr & 0x3FFFF) >> 4 | (leading_bytes >> 4) << 16) {}
+  __device__ __forceinline__ uint64_t at(uint32_t bytes) const {
+    return uint64_t((1u << 30) | (1024 >> 4)) << 32 | (lo + (bytes >> 4));
+  }
+};
 // K-major: the 16 columns [16kk, 16kk + 16) of a swizzled tile, 32 bytes into its 128-byte rows (the
 // hardware applies the swizzle to the address it computes, so the start moves like an unswizzled one).
-__device__ __forceinline__ uint64_t desc_k(uint32_t tile, int kk) {
-  return sw_desc(tile + (kk >> 2) * kSwBlockBytes + (kk & 3) * 32, 16);
+__device__ __forceinline__ uint64_t desc_k(const SwDesc& tile, int kk) {
+  return tile.at((kk >> 2) * kSwBlockBytes + (kk & 3) * 32);
 }
 // MN-major: the 16 rows [16kk, 16kk + 16) of a swizzled tile; the next 64 columns lie one block further.
-__device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int kk) {
-  return sw_desc(tile + kk * 16 * 128, kSwBlockBytes);
-}
+__device__ __forceinline__ uint64_t desc_mn(const SwDesc& tile, int kk) { return tile.at(kk * 16 * 128); }
 
 #if defined(LSMINI_SM90A_DEVICE)
 // ---- warpgroup MMA ----------------------------------------------------------------------------------
@@ -166,9 +172,10 @@ LSMINI_WGMMA(__nv_bfloat16, "bf16", 128, LSMINI_D64, LSMINI_ACC64, "64", "65", "
 // acc = the tile at a × (the tile at b)ᵀ over D columns: both K-major, e.g. S = Q·Kᵀ.
 template <typename T, int D>
 __device__ __forceinline__ void wg_abt(float (&acc)[8][4], uint32_t a, uint32_t b) {
+  const SwDesc da(a, 16), db(b, 16);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, 64>::template ss<0, 0>(acc, desc_k(a, kk), desc_k(b, kk), kk > 0);
+  for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, 64>::template ss<0, 0>(acc, desc_k(da, kk), desc_k(db, kk), kk > 0);
 }
 
 // acc += X·(the [64 × D] tile at b), X the warpgroup's 64×64 tile held as C tiles x: B MN-major, e.g. O += P̃V.
@@ -177,9 +184,10 @@ __device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8
   uint32_t xa[kBlock / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kBlock / 16; ++kk) c_to_a<T>(xa[kk], x, kk);
+  const SwDesc db(b, kSwBlockBytes);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template rs<1>(acc, xa[kk], desc_mn(b, kk), 1);
+  for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template rs<1>(acc, xa[kk], desc_mn(db, kk), 1);
 }
 
 // ---- mbarriers (PTX ISA, "mbarrier"): the hand-off of shared tiles between warpgroups -----------------
