@@ -629,6 +629,22 @@ __device__ __forceinline__ void zero_masked_keys(float (&dk)[N][4], float (&dv)[
       for (int n = 0; n < N; ++n) dk[n][2 * r] = dk[n][2 * r + 1] = dv[n][2 * r] = dv[n][2 * r + 1] = 0.f;
 }
 
+// The query tiles a dK/dV CTA walks: query tiles [0, q_tiles) (queries from begin + 64·tile) of its first query
+// head, then of the next head, ... A caller that takes the tiles one at a time in order holds a walk of its own and
+// steps it (an add and a compare) instead of dividing a tile's index by q_tiles.
+struct QueryWalk {
+  int head = 0, start;
+  __device__ __forceinline__ explicit QueryWalk(int begin) : start(begin) {}
+  // To the next tile; end = begin + 64·q_tiles.
+  __device__ __forceinline__ void step(int begin, int end) {
+    start += kBlock;
+    if (start >= end) {
+      start = begin;
+      ++head;
+    }
+  }
+};
+
 // The (batch, query head) index of the first query head of K/V group bkv = batch·kv_heads + K/V head: the dK/dV
 // kernels run one CTA (per key block) for each K/V head and walk its heads / kv_heads query heads.
 template <typename T>

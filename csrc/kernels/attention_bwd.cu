@@ -129,15 +129,15 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
   const int q_begin = st.vis.query_begin(k0);
   // The tiles walked: query tiles [0, q_tiles) of the group's first head, then of the next, ...: tile u is
   // query tile u % q_tiles (queries from q_begin + 64·(u % q_tiles)) of query head st.h + u / q_tiles.
-  const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
+  // issued and current walk them for issue_q and the loop.
+  const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock, q_end = q_begin + q_tiles * kBlock;
   const int n_tiles = kGrouped ? q_tiles * (a.heads / a.kv_heads) : q_tiles;
-  auto head_of = [&](int u) { return kGrouped ? u / q_tiles : 0; };
-  auto tile_start = [&](int u) { return q_begin + (u - head_of(u) * q_tiles) * kBlock; };
-  // Tile u into buffer u & 1: Q, dO (asynchronous), lse and Δ, and with dropout this thread's keep word of the
-  // tile as the forward's lane threadIdx.x % 32 of row group threadIdx.x / 32 has it (plain stores, published by
-  // the same barrier as the copies).
+  QueryWalk issued(q_begin), current(q_begin);
+  // Tile u, the next one, into buffer u & 1: Q, dO (asynchronous), lse and Δ, and with dropout this thread's keep
+  // word of the tile as the forward's lane threadIdx.x % 32 of row group threadIdx.x / 32 has it (plain stores,
+  // published by the same barrier as the copies).
   auto issue_q = [&](int u) {
-    const int j = head_of(u), qt = tile_start(u), buf = u & 1;
+    const int j = kGrouped ? issued.head : 0, qt = issued.start, buf = u & 1;
     const int qvalid = min(kBlock, a.q_len - qt);
     load_tile_async<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid);
     load_tile_async<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row,
@@ -149,6 +149,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
       sDelta[buf * kBlock + r] = r < qvalid ? a.delta[row] : 0.f;
     }
     if (kDropout) sWords[buf * kThreads + threadIdx.x] = st.head(j).tile_keep_bits(qt + r0, k0);
+    issued.step(q_begin, q_end);
   };
   // Prologue: group 0 = this block's K and V and tile 0, group 1 = tile 1. With no query tile (causal,
   // every query before the block) nothing is loaded and dK = dV = 0, so no copy is left in flight at exit.
@@ -170,7 +171,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     float s[8][4] = {}, dp[8][4] = {};
     tile_s_dp<T, D>(s, dp, sK, sV, r0, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ: the warp's 16 keys
     tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, sWords + buf * kThreads,
-                           k0 + r0, tile_start(t));
+                           k0 + r0, current.start);
+    current.step(q_begin, q_end);
     tile_xb<T, D>(dv, dp, cdO);
     tile_xb<T, D>(dk, s, cQ);
     pipeline_next(t, n_tiles, issue_q);

@@ -227,33 +227,35 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   const T* q = st.at(a.q);
   const T* dout = st.at(a.dout);
   const int q_begin = st.vis.query_begin(k0);
-  // Tile u: query tile u % q_tiles of query head st.h + u / q_tiles, as in attention_bwd.cu.
-  const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock;
+  // Tile u: query tile u % q_tiles of query head st.h + u / q_tiles, as in attention_bwd.cu; issued, fetched and
+  // current walk them for issue_q, fetch_stats and the loop.
+  const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock, q_end = q_begin + q_tiles * kBlock;
   const int n_tiles = kGrouped ? q_tiles * heads_per_cta : q_tiles;
-  auto head_of = [&](int u) { return kGrouped ? u / q_tiles : 0; };
-  auto tile_start = [&](int u) { return q_begin + (u - head_of(u) * q_tiles) * kBlock; };
-  auto issue_q = [&](int u) {  // tile u into buffer u & 1
-    const int j = head_of(u), qt = tile_start(u), buf = u & 1;
+  QueryWalk issued(q_begin), fetched(q_begin), current(q_begin);
+  auto issue_q = [&](int u) {  // tile u, the next one, into buffer u & 1
+    const int j = kGrouped ? issued.head : 0, qt = issued.start, buf = u & 1;
     const int qvalid = min(kBlock, a.q_len - qt);
     load_tile_sw<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid);
     load_tile_sw<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
+    issued.step(q_begin, q_end);
   };
-  // What tile u's products need besides Q and dO, into buffer u & 1: (lse·log2 e, Δ) of row threadIdx.x < kBlock
-  // (a row past q_len gives P̃ = dS = 0) and, with dropout, this thread's keep word of the tile as the forward's
-  // lane threadIdx.x % 32 of row group threadIdx.x / 32 has it. Fetched (fetch_stats) while tile u − 1's products
-  // run, then staged after them (stage_stats); the pipeline's barrier shows them.
+  // What the next tile's products need besides Q and dO, into buffer u & 1 for tile u: (lse·log2 e, Δ) of row
+  // threadIdx.x < kBlock (a row past q_len gives P̃ = dS = 0) and, with dropout, this thread's keep word of the tile
+  // as the forward's lane threadIdx.x % 32 of row group threadIdx.x / 32 has it. Fetched (fetch_stats) while tile
+  // u − 1's products run, then staged after them (stage_stats); the pipeline's barrier shows them.
   struct Stats {
     float2 row;
     uint32_t word;
   };
-  auto fetch_stats = [&](int u) {
-    const int j = head_of(u), qt = tile_start(u), i = qt + threadIdx.x;
+  auto fetch_stats = [&]() {
+    const int j = kGrouped ? fetched.head : 0, qt = fetched.start, i = qt + threadIdx.x;
     Stats v{make_float2(kInf, 0.f), 0u};
     if (threadIdx.x < kBlock && i < a.q_len) {
       const int64_t row = (st.bh + j) * a.q_len + i;
       v.row = make_float2(a.lse[row] * kLog2e, a.delta[row]);
     }
     if (kDropout) v.word = st.head(j).tile_keep_bits(qt + r0, k0);
+    fetched.step(q_begin, q_end);
     return v;
   };
   auto stage_stats = [&](const Stats& v, int u) {
@@ -269,7 +271,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     load_tile_sw<T, D>(sK, st.at_kv(a.k, a) + int64_t(k0) * a.k.row, a.k.row, kvalid);
     load_tile_sw<T, D>(sV, st.at_kv(a.v, a) + int64_t(k0) * a.v.row, a.v.row, kvalid);
     st.vis.fill_key_bias(sBias, k0);
-    stage_stats(fetch_stats(0), 0);
+    stage_stats(fetch_stats(), 0);
     pipeline_start<true>(n_tiles, issue_q);
   }
 
@@ -282,11 +284,12 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     float s[8][4], dp[8][4];
     wg_s_dp<T, D>(s, dp, sK, sV, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
     tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, sWords + buf * kThreads,
-                           k0 + r0, tile_start(t));
+                           k0 + r0, current.start);
+    current.step(q_begin, q_end);
     // Loaded before the MMAs are issued: code between issue and wait makes ptxas fence them.
     const bool stage_next = t + 1 < n_tiles;
     Stats next{};
-    if (stage_next) next = fetch_stats(t + 1);
+    if (stage_next) next = fetch_stats();
     wg_xb<T, D>(dv, dp, cdO);  // the warpgroup's rows are the block's 64 keys: the warp's [r0, r0 + 16)
     wg_xb<T, D>(dk, s, cQ);
     wgmma_sync(dv, dk);
