@@ -23,8 +23,10 @@
 namespace lsmini {
 namespace {
 
+// At head dim 64 five CTAs an SM fit without spills; with dropout's keep bits the kernel needs the registers of four.
 template <typename T, int D, bool kKeep>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
+    attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
   // Q, then K and V double-buffered (swizzled tiles), then the key bias of each buffer.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 4 : 2) attention_fwd_sm90_
 // At head dim 128 the one-warpgroup kernel holds two CTAs an SM, too few to hide each CTA's waits for its tiles and
 // its MMAs behind the other's softmax; this kernel splits the work by role instead: a producer warpgroup that only
 // copies and kWsConsumers warpgroups that only compute, one CTA an SM. (At head dim 64 the one-warpgroup kernel
-// holds four CTAs an SM and is the faster.)
+// holds four or five CTAs an SM and is the faster.)
 constexpr int kWsConsumers = 2, kWsStages = 3, kWsQueries = kWsConsumers * kBlock;
 // Head dim 128 takes the warp-specialized kernel past this many keys (the switch below).
 constexpr int kWsMinKeys = 512;
