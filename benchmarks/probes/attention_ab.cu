@@ -4,10 +4,13 @@
  * (benchmarks/probes/attention_ab.py). Not part of the build: scripts/ab_attention.sh compiles it with each tree's
  * csrc/kernels into a shared library of its own.
  *
- * attn_run(backward, q, k, v, out, dout, dq, dk, dv, lse, delta, b, h, hk, lq, lk, d, causal, stream, p, keep):
- * bf16 q, out, dout, dq [b, lq, h, d] and k, v, dk, dv [b, lk, hk, d], contiguous; lse, delta float [b, h, lq];
- * keep (dropout bits, keep_numel words) or null; the forward when backward is 0, else the backward (which reads
- * out and lse). Returns the launchers' cudaError_t. attn_use_sm90(enabled): whether the calls run the Hopper
+ * attn_run(backward, q, k, v, out, dout, dq, dk, dv, lse, delta, b, h, hk, lq, lk, d, causal, stream, p, keep,
+ *          q_row, kv_row, cos, sin, rot_dim):
+ * bf16 q, out, dout, dq [b, lq, h, d] and k, v, dk, dv [b, lk, hk, d], unit head stride d, rows q_row (q, dq) and
+ * kv_row (k, v, dk, dv) elements apart (h·d and hk·d when contiguous; out and dout are contiguous); lse, delta
+ * float [b, h, lq]; keep (dropout bits, keep_numel words) or null; cos, sin float [lq, rot_dim] with rot_dim > 0
+ * for the backward's rotary fold (as the layer passes them), else null and 0. The forward when backward is 0, else
+ * the backward (which reads out and lse). Returns the launchers' cudaError_t. attn_use_sm90(enabled): whether the calls run the Hopper
  * kernels (the default) or the sm_80 ones (set_attention_sm90); returns the previous setting.
  */
 #include <cuda_bf16.h>
@@ -24,18 +27,20 @@ extern "C" __attribute__((visibility("default"))) int attn_run(int backward, voi
                                                                 void* dout, void* dq, void* dk, void* dv, float* lse,
                                                                 float* delta, int b, int h, int hk, int lq, int lk,
                                                                 int d, int causal, void* stream, float dropout_p,
-                                                                void* keep) {
+                                                                void* keep, int q_row, int kv_row, const float* cos,
+                                                                const float* sin, int rot_dim) {
   using T = __nv_bfloat16;
   lsmini::AttentionArgs<T> a{};
-  const int64_t qb = int64_t(lq) * h * d, kb = int64_t(lk) * hk * d;
-  a.q = {static_cast<const T*>(q), qb, d, int64_t(h) * d};
-  a.k = {static_cast<const T*>(k), kb, d, int64_t(hk) * d};
-  a.v = {static_cast<const T*>(v), kb, d, int64_t(hk) * d};
-  a.out = {static_cast<T*>(out), qb, d, int64_t(h) * d};
-  a.dout = {static_cast<const T*>(dout), qb, d, int64_t(h) * d};
-  a.dq = {static_cast<T*>(dq), qb, d, int64_t(h) * d};
-  a.dk = {static_cast<T*>(dk), kb, d, int64_t(hk) * d};
-  a.dv = {static_cast<T*>(dv), kb, d, int64_t(hk) * d};
+  const int64_t ob = int64_t(lq) * h * d, qb = int64_t(lq) * q_row, kb = int64_t(lk) * kv_row;
+  a.q = {static_cast<const T*>(q), qb, d, q_row};
+  a.k = {static_cast<const T*>(k), kb, d, kv_row};
+  a.v = {static_cast<const T*>(v), kb, d, kv_row};
+  a.out = {static_cast<T*>(out), ob, d, int64_t(h) * d};
+  a.dout = {static_cast<const T*>(dout), ob, d, int64_t(h) * d};
+  a.dq = {static_cast<T*>(dq), qb, d, q_row};
+  a.dk = {static_cast<T*>(dk), kb, d, kv_row};
+  a.dv = {static_cast<T*>(dv), kb, d, kv_row};
+  if (rot_dim > 0) a.rot = {cos, sin, 0, rot_dim, rot_dim};
   a.lse = lse;
   a.delta = delta;
   a.key_padding_mask = nullptr;

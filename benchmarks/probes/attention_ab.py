@@ -19,6 +19,12 @@ a bug the trees share. Timing: forward and backward (dQ and dK/dV kernels) of ea
 bits kept); printed as ms and base / library.
 With --rounding (a change to the arithmetic) every output but the dropout bits is compared within 2% of the
 base's largest instead, and the deviations are printed. Exit status 1 when a check fails.
+
+The layer's conditions, which the kernels meet inside a training step, each on its own so that their costs can be
+told apart (checks and timings then take them, and skip the shapes with q_len ≠ k_len): --packed, Q, K and V as
+views of one [b, len, h + 2·hk, d] projection and dQ, dK and dV of one such gradient (the layer's layout);
+--rotary, the backward folds rotary positions over all of head_dim into its dQ and dK stores; --cold, every timed
+call after a 256 MB write that leaves none of its inputs in L2 (each call timed on its own).
 """
 import argparse
 import ctypes
@@ -49,52 +55,94 @@ def load(path):
     lib = ctypes.CDLL(os.path.abspath(path))
     lib.attn_run.restype = ctypes.c_int
     lib.attn_run.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 10 + [ctypes.c_int] * 7 +
-                             [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
+                             [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
     lib.attn_use_sm90.restype = ctypes.c_int
     lib.attn_use_sm90.argtypes = [ctypes.c_int]
     return lib
 
 
-def inputs(shape, seed):
+class Mode:
+    """The layer's conditions a run takes (module docstring): packed, rotary, cold."""
+
+    def __init__(self, packed=False, rotary=False, cold=False):
+        self.packed, self.rotary, self.cold = packed, rotary, cold
+        self.tables = {}
+
+    def takes(self, shape):
+        return not (self.packed or self.rotary) or shape[3] == shape[4]
+
+    def split(self, t, shape):
+        """[b, len, h + 2·hk, d] → its q, k, v views, or t itself unpacked."""
+        h, hk = shape[1], shape[2]
+        return (t[:, :, :h], t[:, :, h:h + hk], t[:, :, h + hk:]) if self.packed else t
+
+    def rot(self, shape):
+        """(cos, sin, rot_dim) as the layer passes them: float32 [len, head_dim], rotate-half, theta 10000."""
+        if not self.rotary:
+            return None, None, 0
+        lq, d = shape[3], shape[5]
+        if (lq, d) not in self.tables:
+            inv = 10000.0 ** (-torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+            ang = torch.arange(lq, device="cuda", dtype=torch.float32)[:, None] * inv
+            ang = torch.cat([ang, ang], dim=1)
+            self.tables[lq, d] = ang.cos().contiguous(), ang.sin().contiguous()
+        cos, sin = self.tables[lq, d]
+        return cos, sin, d
+
+
+def inputs(shape, seed, mode):
     b, h, hk, lq, lk, d = shape
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, dout = (torch.randn(b, lq, h, d, device="cuda", dtype=BF16, generator=g) for _ in range(2))
-    k, v = (torch.randn(b, lk, hk, d, device="cuda", dtype=BF16, generator=g) for _ in range(2))
+    dout = torch.randn(b, lq, h, d, device="cuda", dtype=BF16, generator=g)
+    if mode.packed:
+        q, k, v = mode.split(torch.randn(b, lq, h + 2 * hk, d, device="cuda", dtype=BF16, generator=g), shape)
+    else:
+        q = torch.randn(b, lq, h, d, device="cuda", dtype=BF16, generator=g)
+        k, v = (torch.randn(b, lk, hk, d, device="cuda", dtype=BF16, generator=g) for _ in range(2))
     return q, k, v, dout
 
 
-def outputs(q, k, shape, p):
+def outputs(q, k, shape, p, mode):
     """out, dq, dk, dv, lse, delta (NaN-filled: a value a kernel fails to write shows), keep (or None)."""
     b, h, hk, lq, lk, d = shape
     nan = float("nan")
     keep = torch.zeros(b * h * ((lq + 63) // 64 * 4) * ((lk + 63) // 64) * 32, dtype=torch.int32, device="cuda") \
         if p > 0 else None
-    return [torch.full_like(q, nan), torch.full_like(q, nan), torch.full_like(k, nan), torch.full_like(k, nan),
+    if mode.packed:
+        dq, dk, dv = mode.split(torch.full((b, lq, h + 2 * hk, d), nan, device="cuda", dtype=BF16), shape)
+    else:
+        dq, dk, dv = torch.full_like(q, nan), torch.full_like(k, nan), torch.full_like(k, nan)
+    return [torch.full((b, lq, h, d), nan, device="cuda", dtype=BF16), dq, dk, dv,
             torch.full((b, h, lq), nan, device="cuda"), torch.full((b, h, lq), nan, device="cuda"), keep]
 
 
-def run(lib, backward, tensors, outs, shape, causal, p=0.0):
+def run(lib, backward, tensors, outs, shape, causal, mode, p=0.0):
     q, k, v, dout = tensors
     out, dq, dk, dv, lse, delta, keep = outs
+    cos, sin, rot_dim = mode.rot(shape)
     rc = lib.attn_run(backward, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
                       dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), lse.data_ptr(), delta.data_ptr(), *shape,
                       int(causal), torch.cuda.current_stream().cuda_stream, p,
-                      keep.data_ptr() if keep is not None else None)
+                      keep.data_ptr() if keep is not None else None, q.stride(1), k.stride(1),
+                      cos.data_ptr() if cos is not None else None, sin.data_ptr() if sin is not None else None,
+                      rot_dim)
     if rc != 0:
         raise RuntimeError(f"attn_run returned CUDA error {rc}")
 
 
-def forward_backward(lib, tensors, shape, causal, p):
-    outs = outputs(tensors[0], tensors[1], shape, p)
-    run(lib, 0, tensors, outs, shape, causal, p)
-    run(lib, 1, tensors, outs, shape, causal, p)
+def forward_backward(lib, tensors, shape, causal, p, mode):
+    outs = outputs(tensors[0], tensors[1], shape, p, mode)
+    run(lib, 0, tensors, outs, shape, causal, mode, p)
+    run(lib, 1, tensors, outs, shape, causal, mode, p)
     torch.cuda.synchronize()
     return outs
 
 
-def check(base, lib, name, shape, causal, p, rounding=False):
-    tensors = inputs(shape, seed=1)
-    want, got = forward_backward(base, tensors, shape, causal, p), forward_backward(lib, tensors, shape, causal, p)
+def check(base, lib, name, shape, causal, p, mode, rounding=False):
+    tensors = inputs(shape, seed=1, mode=mode)
+    want, got = (forward_backward(base, tensors, shape, causal, p, mode),
+                 forward_backward(lib, tensors, shape, causal, p, mode))
     grouped = shape[1] != shape[2]
     bad, devs = [], []
     for label, w, g in zip(LABELS, want, got):
@@ -113,7 +161,7 @@ def check(base, lib, name, shape, causal, p, rounding=False):
                 bad.append(f"{label} off by {rel:.2e} of its largest")
         elif not torch.equal(w, g):
             bad.append(f"{label} differs")
-    if grouped and not all(torch.equal(x, y) for x, y in zip(forward_backward(lib, tensors, shape, causal, p)[:6],
+    if grouped and not all(torch.equal(x, y) for x, y in zip(forward_backward(lib, tensors, shape, causal, p, mode)[:6],
                                                              got[:6])):
         bad.append("a second call differs")
     err = ""
@@ -131,30 +179,39 @@ def check(base, lib, name, shape, causal, p, rounding=False):
     return not bad
 
 
-def medians(libs, ways, call, iters, rounds):
+def medians(libs, ways, call, iters, rounds, flush=None):
     """{(library name, way): ms a call}: call(lib, way) timed with CUDA events around `iters` calls (after 3
-    untimed), the median of `rounds` rounds that alternate the libraries and ways."""
+    untimed), the median of `rounds` rounds that alternate the libraries and ways. With flush, each call is timed
+    on its own after flush() and the round's mean taken."""
     times = {}
     for _ in range(rounds):
         for name, lib in libs.items():
             for way in ways:
                 for _ in range(3):
                     call(lib, way)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    call(lib, way)
-                end.record()
-                end.synchronize()
-                times.setdefault((name, way), []).append(start.elapsed_time(end) / iters)
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(iters if flush else 1)]
+                for start, end in events:
+                    if flush:
+                        flush()
+                    start.record()
+                    for _ in range(1 if flush else iters):
+                        call(lib, way)
+                    end.record()
+                torch.cuda.synchronize()
+                times.setdefault((name, way), []).append(sum(s.elapsed_time(e) for s, e in events) / iters)
     return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
 
 
-def timing(libs, shape, causal, p=0.0, iters=20, rounds=3):
-    tensors = inputs(shape, seed=2)
-    outs = outputs(tensors[0], tensors[1], shape, p)
-    med = medians(libs, (0, 1), lambda lib, backward: run(lib, backward, tensors, outs, shape, causal, p), iters,
-                  rounds)
+def timing(libs, shape, causal, mode, p=0.0, iters=20, rounds=3):
+    tensors = inputs(shape, seed=2, mode=mode)
+    outs = outputs(tensors[0], tensors[1], shape, p, mode)
+    flush = None
+    if mode.cold:
+        scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        flush = scratch.zero_
+    med = medians(libs, (0, 1), lambda lib, backward: run(lib, backward, tensors, outs, shape, causal, mode, p),
+                  iters, rounds, flush)
     names = list(libs)
     line = f"{shape} causal={causal} p={p}: {names[0]} fwd {med[names[0], 0]:.4f} bwd {med[names[0], 1]:.4f} ms"
     for name in names[1:]:
@@ -170,7 +227,11 @@ def main(argv=None):
     ap.add_argument("--sm80", action="store_true", help="the sm_80 kernels instead of the Hopper ones")
     ap.add_argument("--rounding", action="store_true",
                     help="libraries whose arithmetic rounds differently: compare within 2%% of the base's largest")
+    ap.add_argument("--packed", action="store_true", help="Q, K, V and their gradients in the layer's layout")
+    ap.add_argument("--rotary", action="store_true", help="the backward folds rotary positions into dQ and dK")
+    ap.add_argument("--cold", action="store_true", help="L2 written over before each timed call")
     args = ap.parse_args(argv)
+    mode = Mode(args.packed, args.rotary, args.cold)
     if len(args.libs) < 2:
         ap.error("give the base and at least one library to compare with it")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -183,16 +244,16 @@ def main(argv=None):
     names = list(libs)
     ok = True
     for name in names[1:]:
-        for shape, causal in CHECKS:
-            ok &= check(libs[names[0]], libs[name], name, shape, causal, 0.0, args.rounding)
-        for shape, causal in DROPOUT_CHECKS:
-            ok &= check(libs[names[0]], libs[name], name, shape, causal, 0.1, args.rounding)
+        for p, shapes in ((0.0, CHECKS), (0.1, DROPOUT_CHECKS)):
+            for shape, causal in shapes:
+                if mode.takes(shape):
+                    ok &= check(libs[names[0]], libs[name], name, shape, causal, p, mode, args.rounding)
     print("checks:", "all passed" if ok else "FAILED", flush=True)
     if not args.no_timing:
-        for shape, causal in TIMINGS:
-            timing(libs, shape, causal)
-        for shape, causal in DROPOUT_TIMINGS:
-            timing(libs, shape, causal, 0.1)
+        for p, shapes in ((0.0, TIMINGS), (0.1, DROPOUT_TIMINGS)):
+            for shape, causal in shapes:
+                if mode.takes(shape):
+                    timing(libs, shape, causal, mode, p)
     return 0 if ok else 1
 
 
