@@ -10,8 +10,8 @@
  * kv_row (k, v, dk, dv) elements apart (h·d and hk·d when contiguous; out and dout are contiguous); lse, delta
  * float [b, h, lq]; keep (dropout bits, keep_numel words) or null; cos, sin float [lq, rot_dim] with rot_dim > 0
  * for the backward's rotary fold (as the layer passes them), else null and 0. The forward when backward is 0, else
- * the backward (which reads out and lse). Returns the launchers' cudaError_t. attn_use_sm90(enabled): whether the calls run the Hopper
- * kernels (the default) or the sm_80 ones (set_attention_sm90); returns the previous setting.
+ * the backward (which reads out and lse). Returns the launchers' cudaError_t. attn_use_sm90(enabled): whether the
+ * calls run the Hopper kernels (the default) or the sm_80 ones (set_attention_sm90); returns the previous setting.
  */
 #include <cuda_bf16.h>
 
