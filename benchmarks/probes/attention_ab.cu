@@ -1,8 +1,8 @@
 /*
  * attention_ab.cu — a C entry to one tree's attention launchers (launch_attention_fwd / launch_attention_bwd, as
  * the extension calls them), so that several trees' kernels load into one process side by side
- * (benchmarks/probes/attention_ab.py). Not part of the build: scripts/ab_attention.sh compiles it with each tree's
- * csrc/kernels into a shared library of its own.
+ * (benchmarks/probes/attention_ab.py). Not part of the build: scripts/ab_probe.sh attention compiles it with each
+ * tree's kernel files below into a shared library of its own.
  *
  * attn_run(backward, q, k, v, out, dout, dq, dk, dv, lse, delta, b, h, hk, lq, lk, d, causal, stream, p, keep,
  *          q_row, kv_row, cos, sin, rot_dim):
@@ -13,6 +13,7 @@
  * the backward (which reads out and lse). Returns the launchers' cudaError_t. attn_use_sm90(enabled): whether the
  * calls run the Hopper kernels (the default) or the sm_80 ones (set_attention_sm90); returns the previous setting.
  */
+// ab-sources: attention.cu attention_bwd.cu attention_bwd_short.cu attention_sm90.cu attention_sm90_bwd.cu
 #include <cuda_bf16.h>
 
 #include <cmath>

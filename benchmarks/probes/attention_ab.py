@@ -1,6 +1,6 @@
 """Same-process A/B of several trees' attention kernels (bf16, head dims 64 and 128, sm_90a build):
 
-    scripts/ab_attention.sh DIR BASE_REV REV[,NVCC_FLAG...] ...     # here: one shared library a tree
+    scripts/ab_probe.sh attention DIR BASE_REV REV[,NVCC_FLAG...] ...   # here: one shared library a tree
     python benchmarks/probes/attention_ab.py [--sm80] DIR/*.so       # on an H100/H200; the first is the base
 
 The Hopper kernels, or with --sm80 the sm_80 ones (as `lsmini._debug.sm90_attention(False)` runs them).
@@ -32,6 +32,8 @@ import os
 import sys
 
 import torch
+
+from ab_common import medians
 
 BF16 = torch.bfloat16
 # (batch, heads, kv_heads, q_len, k_len, head_dim), causal
@@ -179,30 +181,6 @@ def check(base, lib, name, shape, causal, p, mode, rounding=False):
     return not bad
 
 
-def medians(libs, ways, call, iters, rounds, flush=None):
-    """{(library name, way): ms a call}: call(lib, way) timed with CUDA events around `iters` calls (after 3
-    untimed), the median of `rounds` rounds that alternate the libraries and ways. With flush, each call is timed
-    on its own after flush() and the round's mean taken."""
-    times = {}
-    for _ in range(rounds):
-        for name, lib in libs.items():
-            for way in ways:
-                for _ in range(3):
-                    call(lib, way)
-                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                          for _ in range(iters if flush else 1)]
-                for start, end in events:
-                    if flush:
-                        flush()
-                    start.record()
-                    for _ in range(1 if flush else iters):
-                        call(lib, way)
-                    end.record()
-                torch.cuda.synchronize()
-                times.setdefault((name, way), []).append(sum(s.elapsed_time(e) for s, e in events) / iters)
-    return {key: sorted(v)[len(v) // 2] for key, v in times.items()}
-
-
 def timing(libs, shape, causal, mode, p=0.0, iters=20, rounds=3):
     tensors = inputs(shape, seed=2, mode=mode)
     outs = outputs(tensors[0], tensors[1], shape, p, mode)
@@ -222,7 +200,7 @@ def timing(libs, shape, causal, mode, p=0.0, iters=20, rounds=3):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("libs", nargs="+", help="shared libraries from scripts/ab_attention.sh; the first is the base")
+    ap.add_argument("libs", nargs="+", help="shared libraries from scripts/ab_probe.sh; the first is the base")
     ap.add_argument("--no-timing", action="store_true", help="the checks only")
     ap.add_argument("--sm80", action="store_true", help="the sm_80 kernels instead of the Hopper ones")
     ap.add_argument("--rounding", action="store_true",
