@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from ab_common import medians
+from ab_common import add_library_arguments, load_libraries, medians
 
 BF16 = torch.bfloat16
 # (batch, heads, kv_heads, q_len, k_len, head_dim), causal
@@ -200,8 +200,7 @@ def timing(libs, shape, causal, mode, p=0.0, iters=20, rounds=3):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("libs", nargs="+", help="shared libraries from scripts/ab_probe.sh; the first is the base")
-    ap.add_argument("--no-timing", action="store_true", help="the checks only")
+    add_library_arguments(ap)
     ap.add_argument("--sm80", action="store_true", help="the sm_80 kernels instead of the Hopper ones")
     ap.add_argument("--rounding", action="store_true",
                     help="libraries whose arithmetic rounds differently: compare within 2%% of the base's largest")
@@ -210,13 +209,7 @@ def main(argv=None):
     ap.add_argument("--cold", action="store_true", help="L2 written over before each timed call")
     args = ap.parse_args(argv)
     mode = Mode(args.packed, args.rotary, args.cold)
-    if len(args.libs) < 2:
-        ap.error("give the base and at least one library to compare with it")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        sys.exit("attention_ab.py: the Hopper kernels need a compute capability 9.0 device")
-    libs = {os.path.splitext(os.path.basename(p))[0]: load(p) for p in args.libs}
-    if len(libs) != len(args.libs):
-        ap.error("give the libraries distinct file names: they name the columns")
+    libs = load_libraries(ap, args.libs, load, "attention_ab.py")
     for lib in libs.values():
         lib.attn_use_sm90(0 if args.sm80 else 1)
     names = list(libs)

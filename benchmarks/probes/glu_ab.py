@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from ab_common import medians
+from ab_common import add_library_arguments, load_libraries, medians
 
 BF16 = torch.bfloat16
 SILU, GELU_TANH = 0, 2  # GluAct
@@ -96,16 +96,9 @@ def timing(libs, shape, act, p, iters=20, rounds=3):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("libs", nargs="+", help="shared libraries from scripts/ab_probe.sh; the first is the base")
-    ap.add_argument("--no-timing", action="store_true", help="the checks only")
+    add_library_arguments(ap)
     args = ap.parse_args(argv)
-    if len(args.libs) < 2:
-        ap.error("give the base and at least one library to compare with it")
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        sys.exit("glu_ab.py: the libraries hold sm_90a code only; run it on a compute capability 9.0 device")
-    libs = {os.path.splitext(os.path.basename(p))[0]: load(p) for p in args.libs}
-    if len(libs) != len(args.libs):
-        ap.error("give the libraries distinct file names: they name the columns")
+    libs = load_libraries(ap, args.libs, load, "glu_ab.py")
     names = list(libs)
     ok = True
     for name in names[1:]:
