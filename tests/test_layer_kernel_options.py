@@ -160,7 +160,10 @@ def _reference_fn(options, masks, rotary):
 def test_kernel_path_matches_reference(case, dtype):
     """Output and every gradient (x, encoder K/V, each parameter given) of the kernel path against the float64
     reference, at most twice the error of the reference run in dtype (atol: 1e-3 of the magnitude)."""
-    options, x, params, rotary, kv, masks, grad = _setup(case, dtype)
+    _check_against_reference(*_setup(case, dtype))
+
+
+def _check_against_reference(options, x, params, rotary, kv, masks, grad):
     assert kernel_path(options, x)
     y_k, g_k = _run(_kernel_fn(options, masks, rotary), x, kv, params, grad)
     y_r, g_r = _run(_reference_fn(options, masks, rotary), x, kv, params, grad)
@@ -170,6 +173,24 @@ def test_kernel_path_matches_reference(case, dtype):
     for name, k, r, o in zip(names, [y_k, *g_k], [y_r, *g_r], [y_o, *g_o]):
         assert k is not None and k.dtype == r.dtype, name
         assert_lowp_rule(k.float(), o, r.float(), atol=1e-3 * max(1.0, o.abs().max().item()), name=name)
+
+
+# head_dim 16 (the sm_80 kernels), 64 and 128 (Hopper); grouped K/V heads, whose Hopper dK/dV kernel runs in
+# clusters on grids this small; rotary_dim a multiple of 16 or not
+@pytest.mark.parametrize("head_dim,heads,kv_heads,length,causal,rotary_dim", [
+    (64, 3, 1, 300, True, 64), (64, 3, 1, 300, False, 34), (128, 2, 1, 600, True, 128), (16, 4, 2, 300, True, 10)])
+def test_rotary_folded_into_the_attention_backward_over_many_blocks(head_dim, heads, kv_heads, length, causal,
+                                                                    rotary_dim):
+    """The attention backward undoes the rotary positions in its dQ and dK stores, also where a cluster of CTAs
+    sums dK: over several key and query blocks, every output and gradient as the reference's."""
+    options = _options(("self", "ffn"), hidden=heads * head_dim, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                       scale=head_dim ** -0.5, rotary_dim=rotary_dim, causal=causal)
+    params = _params(options, "all", torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, length, options.hidden, generator=gen).to("cuda", torch.bfloat16)
+    grad = torch.randn(2, length, options.hidden, generator=gen).to("cuda", torch.bfloat16)
+    rotary = rotary_cos_sin(length, options.rotary_dim, device="cuda")
+    _check_against_reference(options, x, params, rotary, [None, None], (None, None), grad)
 
 
 @pytest.mark.parametrize("case", ["llama", "decoder", "llama_gqa", "decoder_qk_norm"])
