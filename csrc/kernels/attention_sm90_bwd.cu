@@ -194,19 +194,25 @@ __device__ __forceinline__ void cluster_barrier() {
 }
 #endif
 
+// The Q/dO stages of the dK/dV kernel: at head dim 64 three, so that each tile is issued two iterations before its
+// use (three CTAs an SM still fit); at 128 two, which keep two CTAs an SM.
+template <int D>
+constexpr int kDkvStages = D <= 64 ? 3 : 2;
+
 // kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu, launched one CTA or one cluster
 // (dkv_tail_bound) a key block. kDropout: dropout_p > 0, also separate: the keep words' registers would make the
 // kernel without dropout spill.
 template <typename T, int D, bool kGrouped, bool kDropout>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
 #if defined(LSMINI_SM90A_DEVICE)
-  // K, V (loaded once), Q and dO double-buffered (swizzled tiles), then per buffer the lse and Δ of its query
-  // tile, the key bias, and per buffer the tile's dropout keep words.
+  // K, V (loaded once), kStages buffers each of Q and dO (swizzled tiles), then per buffer the lse and Δ of its
+  // query tile, the key bias, and per buffer the tile's dropout keep words (these two-buffered: staged one
+  // iteration ahead).
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_1k(smem_raw);
-  constexpr int kTile = kSwTileBytes<D>;
-  const uint32_t sK = smem_u32(smem), sV = sK + kTile, sQ = sV + kTile, sdO = sQ + 2 * kTile;
-  float* sLse = reinterpret_cast<float*>(smem + 6 * kTile);  // [2][kBlock]
+  constexpr int kTile = kSwTileBytes<D>, kStages = kDkvStages<D>;
+  const uint32_t sK = smem_u32(smem), sV = sK + kTile, sQ = sV + kTile, sdO = sQ + kStages * kTile;
+  float* sLse = reinterpret_cast<float*>(smem + (2 + 2 * kStages) * kTile);  // [2][kBlock]
   float* sDelta = sLse + 2 * kBlock;                          // [2][kBlock]
   float* sBias = sDelta + 2 * kBlock;                         // [kBlock]
   uint32_t* sWords = reinterpret_cast<uint32_t*>(sBias + kBlock);  // [2][kThreads]
@@ -232,8 +238,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock, q_end = q_begin + q_tiles * kBlock;
   const int n_tiles = kGrouped ? q_tiles * heads_per_cta : q_tiles;
   QueryWalk issued(q_begin), fetched(q_begin), current(q_begin);
-  auto issue_q = [&](int u) {  // tile u, the next one, into buffer u & 1
-    const int j = kGrouped ? issued.head : 0, qt = issued.start, buf = u & 1;
+  auto issue_q = [&](int u) {  // tile u, the next one, into buffer u % kStages
+    const int j = kGrouped ? issued.head : 0, qt = issued.start, buf = u % kStages;
     const int qvalid = min(kBlock, a.q_len - qt);
     load_tile_sw<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid);
     load_tile_sw<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
@@ -272,15 +278,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     load_tile_sw<T, D>(sV, st.at_kv(a.v, a) + int64_t(k0) * a.v.row, a.v.row, kvalid);
     st.vis.fill_key_bias(sBias, k0);
     stage_stats(fetch_stats(), 0);
-    pipeline_start<true>(n_tiles, issue_q);
+    pipeline_start<true, kStages>(n_tiles, issue_q);
   }
 
   // One barrier per iteration, the pipeline's: tile t's lse, Δ and keep words are in buffer t & 1, staged during
   // iteration t − 1 into the buffer iteration t − 2 read.
   const float key_bias[2] = {sBias[r0 + g], sBias[r0 + g + 8]};
   for (int t = 0; t < n_tiles; ++t) {
-    const int buf = t & 1;
-    const uint32_t cQ = sQ + buf * kTile, cdO = sdO + buf * kTile;
+    const int buf = t & 1, stage = t % kStages;
+    const uint32_t cQ = sQ + stage * kTile, cdO = sdO + stage * kTile;
     float s[8][4], dp[8][4];
     wg_s_dp<T, D>(s, dp, sK, sV, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
     tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, sWords + buf * kThreads,
@@ -294,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     wg_xb<T, D>(dk, s, cQ);
     wgmma_sync(dv, dk);
     if (stage_next) stage_stats(next, t + 1);
-    pipeline_next<true>(t, n_tiles, issue_q);
+    pipeline_next<true, kStages>(t, n_tiles, issue_q);
   }
 
   zero_masked_keys(dk, dv, key_bias);
@@ -329,11 +335,13 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
 
 template <typename T, int D, bool kDropout>
 cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
-  // K + V + 2×Q + 2×dO tiles, 2 × (lse, Δ), bias, 2 × 128 keep words: D = 64 → 51 456 B, D = 128 → 100 608 B,
-  // under the 115 712 B (half of 228 KB, less 1 KB reserved a CTA) that lets two CTAs share an SM.
-  const size_t bytes = 6 * kSwTileBytes<D> + 5 * kBlock * sizeof(float) + 2 * kThreads * sizeof(uint32_t);
+  // K + V + kStages × (Q + dO) tiles, 2 × (lse, Δ), bias, 2 × 128 keep words: D = 64 → 67 840 B (three CTAs an
+  // SM), D = 128 → 100 608 B, under the 115 712 B (half of 228 KB, less 1 KB reserved a CTA) that lets two CTAs
+  // share an SM.
+  constexpr int kTiles = 2 + 2 * kDkvStages<D>;
+  const size_t bytes = kTiles * kSwTileBytes<D> + 5 * kBlock * sizeof(float) + 2 * kThreads * sizeof(uint32_t);
   // The sum of a grouped cluster's parts takes 2 × 64 × D floats of it: 32 or 64 KB, within those bytes.
-  static_assert(2 * kBlock * D * sizeof(float) <= 6 * kSwTileBytes<D>, "");
+  static_assert(2 * kBlock * D * sizeof(float) <= kTiles * kSwTileBytes<D>, "");
   const int64_t blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
   if (a.kv_heads != a.heads) {
     auto kernel = attention_bwd_dkv_sm90_kernel<T, D, true, kDropout>;
