@@ -132,28 +132,31 @@ bool dkv_tail_bound(const AttentionArgs<T>& a, int resident_ctas) {
 }
 
 #if defined(LSMINI_SM90A_DEVICE)
-// The sum over the cluster's n CTAs of float e of the part at `partial` in each one's shared memory, in rank order.
-__device__ __forceinline__ float cluster_sum_at(uint32_t partial, int n, int e) {
-  float sum = 0.f;
-  for (int q = 0; q < n; ++q) {
-    uint32_t remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(partial + 4 * e), "r"(q));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-    sum += v;
+// With rotary positions: the transpose of the rotation applied in place to the fp32 [rows × D] dK part at `part`
+// (row r is key k0 + r of batch b), before the cluster sums the parts. The rotation is linear, so the sum of the
+// rotated parts is the rotated sum; each CTA reads only its own shared memory. One pair of columns (j, j + half)
+// a thread at a time: dx_j = g_j·cos_j + g_p·sin_p, dx_p = g_p·cos_p − g_j·sin_j (rotary.cu).
+__device__ __forceinline__ void rotate_dk_part(float* part, int D, int rows, const AttentionRotary& rot, int b,
+                                               int k0) {
+  const int half = rot.dim / 2;
+#pragma unroll 4
+  for (int idx = threadIdx.x; idx < rows * half; idx += kThreads) {
+    const int r = idx / half, j = idx % half, p = j + half;
+    const int64_t at = b * rot.stride_batch + int64_t(k0 + r) * rot.stride_seq;
+    const float cj = __ldg(rot.cos + at + j), cp = __ldg(rot.cos + at + p);
+    const float sj = __ldg(rot.sin + at + j), sp = __ldg(rot.sin + at + p);
+    const float x = part[r * D + j], y = part[r * D + p];
+    part[r * D + j] = fmaf(x, cj, y * sp);
+    part[r * D + p] = fmaf(y, cp, -(x * sj));
   }
-  return sum;
 }
 
 // Sum the fp32 [64 × D] dK and dV each CTA of the cluster put at the same offset of its shared memory (dK then
 // dV, row-major), in rank order (so the result does not depend on timing); CTA `rank` of `n` takes every n-th
-// 4-element chunk from `rank` on, and writes the rows below k_len, dK times scale. With rotary positions the dK
-// columns below rot.dim go through the transpose of the rotation as store_rows writes them (row r is key k0 + r of
-// batch b), their partners' sums taken one float at a time.
+// 4-element chunk from `rank` on, and writes the rows below k_len, dK times scale.
 template <typename T, int D>
 __device__ __forceinline__ void cluster_sum_dkv(uint32_t partial, int rank, int n, T* dk, int64_t dk_row, T* dv,
-                                                int64_t dv_row, int rows, float scale, const AttentionRotary& rot,
-                                                int b, int k0) {
+                                                int64_t dv_row, int rows, float scale) {
   constexpr int kChunks = 2 * kBlock * D / 4;
   for (int i = rank * kThreads + threadIdx.x; i < kChunks; i += n * kThreads) {
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -170,22 +173,8 @@ __device__ __forceinline__ void cluster_sum_dkv(uint32_t partial, int rank, int 
     const int e = 4 * i, is_dv = e >= kBlock * D, r = (e % (kBlock * D)) / D, col = e % D;
     if (r >= rows) continue;
     const float f = is_dv ? 1.f : scale;
-    const float x[4] = {sum.x * f, sum.y * f, sum.z * f, sum.w * f};
-    float y[4] = {x[0], x[1], x[2], x[3]};
-    if (!is_dv && col < rot.dim) {
-      const int half = rot.dim / 2;
-      const int64_t at = b * rot.stride_batch + int64_t(k0 + r) * rot.stride_seq;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int j = col + u;
-        if (j >= rot.dim) continue;
-        const int p = j < half ? j + half : j - half;
-        const float t = cluster_sum_at(partial, n, r * D + p) * f * rot.sin[at + p];
-        y[u] = fmaf(x[u], rot.cos[at + j], j < half ? t : -t);
-      }
-    }
     T* out = is_dv ? dv + int64_t(r) * dv_row + col : dk + int64_t(r) * dk_row + col;
-    *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(y[0], y[1]), pack2<T>(y[2], y[3]));
+    *reinterpret_cast<uint2*>(out) = make_uint2(pack2<T>(sum.x * f, sum.y * f), pack2<T>(sum.z * f, sum.w * f));
   }
 }
 
@@ -323,10 +312,13 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
       *reinterpret_cast<float2*>(part + at) = make_float2(dk[n][2 * r], dk[n][2 * r + 1]);
       *reinterpret_cast<float2*>(part + kBlock * D + at) = make_float2(dv[n][2 * r], dv[n][2 * r + 1]);
     }
+  if (a.rot.dim > 0) {
+    __syncthreads();
+    rotate_dk_part(part, D, min(kBlock, a.k_len - k0), a.rot, st.b, k0);
+  }
   cluster_barrier();
   cluster_sum_dkv<T, D>(smem_u32(smem), rank, cluster, st.at_kv(a.dk, a) + int64_t(k0) * a.dk.row, a.dk.row,
-                        st.at_kv(a.dv, a) + int64_t(k0) * a.dv.row, a.dv.row, a.k_len - k0, a.scale, a.rot,
-                        st.b, k0);
+                        st.at_kv(a.dv, a) + int64_t(k0) * a.dv.row, a.dv.row, a.k_len - k0, a.scale);
   cluster_barrier();
 #else
   __trap();  // never launched: attention_sm90_runs is false without sm_90a code
