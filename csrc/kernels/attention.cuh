@@ -198,6 +198,31 @@ __device__ __forceinline__ void store_rows(T* out, int64_t stride, int i0, int r
     store_tile<T, D / 8>(out, stride, i0, rows, 0, acc, scale);
     return;
   }
+  const bool pairs = (reinterpret_cast<uintptr_t>(rot.cos) | reinterpret_cast<uintptr_t>(rot.sin) |
+                      uintptr_t(rot.stride_batch | rot.stride_seq) * 4) % 8 == 0;
+  if (rot.dim == D && pairs) {
+    // Over the whole head dim each column's partner (j ± D/2) is D/16 of the lane's 8-column tiles away, in the
+    // lane's own registers: the rotation needs no staging. Same arithmetic as below, tables read as pairs.
+    constexpr int kHalf = D / 16;
+    const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
+    float y[D / 8][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = min(i0 + g + 8 * r, rows - 1);  // a row past the end is not stored: any row's tables do
+      const int64_t at = b * rot.stride_batch + int64_t(i) * rot.stride_seq + 2 * c;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const int m = n < kHalf ? n + kHalf : n - kHalf;
+        const float2 cs = __ldg(reinterpret_cast<const float2*>(rot.cos + at + 8 * n));
+        const float2 sn = __ldg(reinterpret_cast<const float2*>(rot.sin + at + 8 * m));
+        const float t0 = acc[m][2 * r] * scale * sn.x, t1 = acc[m][2 * r + 1] * scale * sn.y;
+        y[n][2 * r] = fmaf(acc[n][2 * r] * scale, cs.x, n < kHalf ? t0 : -t0);
+        y[n][2 * r + 1] = fmaf(acc[n][2 * r + 1] * scale, cs.y, n < kHalf ? t1 : -t1);
+      }
+    }
+    store_tile<T, D / 8>(out, stride, i0, rows, 0, y, 1.f);
+    return;
+  }
   constexpr int ld = D + 4;
   const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
