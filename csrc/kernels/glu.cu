@@ -23,9 +23,9 @@
  * read the (seed, offset) that torch sets before each replay.
  *
  * Work split (column_partials.cuh's tiling, no column sums here): a thread owns V adjacent columns (16
- * bytes of T when cols % V == 0 and the pointers are 16-byte aligned, else 1) and walks down the rows of
- * its slab; the grid is one resident wave. Each thread loads the next row before computing the current one
- * (software pipelining), so memory stays busy while it runs the activation and the Philox draws.
+ * bytes of T when cols % V == 0 and the pointers are 16-byte aligned, else 1) of one row group's rows; the
+ * grid has a block for every tile of columns and group of rows (up to 65535 groups, then the blocks walk on
+ * down the rows), so blocks start as others end and keep memory busy while they run the activation.
  *
  * Napkin math (H100, bf16, 32768 × 4096 outputs = 256 MiB a tensor): forward moves 3 tensors, backward 5
  * (grad_out, gate, up in; grad_gate, grad_up out) — 0.27 and 0.45 ms at ≈ 3 TB/s. Per element: one
@@ -82,16 +82,11 @@ __global__ void __launch_bounds__(kGluThreads)
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   const int64_t step = int64_t(gridDim.y) * blockDim.y;
   int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
-  if (col >= cols || r >= rows) return;  // no block-wide sync follows
-  Pack<T, V> g_next = ld_pack<T, V>(gate + r * in_stride + col), u_next = ld_pack<T, V>(up + r * in_stride + col);
+  if (col >= cols) return;  // no block-wide sync follows
   for (; r < rows; r += step) {
     float g[V], u[V];
-    unpack(g_next, g);
-    unpack(u_next, u);
-    if (r + step < rows) {
-      g_next = ld_pack<T, V>(gate + (r + step) * in_stride + col);
-      u_next = ld_pack<T, V>(up + (r + step) * in_stride + col);
-    }
+    unpack(ld_pack<T, V>(gate + r * in_stride + col), g);
+    unpack(ld_pack<T, V>(up + r * in_stride + col), u);
 #pragma unroll
     for (int k = 0; k < V; ++k) g[k] = glu_act<ACT>(g[k]) * u[k];
     const int64_t i = r * cols + col;
@@ -114,18 +109,11 @@ __global__ void __launch_bounds__(kGluThreads)
   int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
   if (col >= cols || r >= rows) return;
   with_philox<DROPOUT>(rng, [&](const PhiloxSeedOffset philox) {
-    Pack<T, V> d_next = ld_pack<T, V>(grad_out + r * cols + col);
-    Pack<T, V> g_next = ld_pack<T, V>(gate + r * in_stride + col), u_next = ld_pack<T, V>(up + r * in_stride + col);
     for (; r < rows; r += step) {
       float d[V], g[V], u[V];
-      unpack(d_next, d);
-      unpack(g_next, g);
-      unpack(u_next, u);
-      if (r + step < rows) {
-        d_next = ld_pack<T, V>(grad_out + (r + step) * cols + col);
-        g_next = ld_pack<T, V>(gate + (r + step) * in_stride + col);
-        u_next = ld_pack<T, V>(up + (r + step) * in_stride + col);
-      }
+      unpack(ld_pack<T, V>(grad_out + r * cols + col), d);
+      unpack(ld_pack<T, V>(gate + r * in_stride + col), g);
+      unpack(ld_pack<T, V>(up + r * in_stride + col), u);
       if (DROPOUT) dropout_apply<V>(d, philox.seed, philox.offset, uint64_t(r * cols + col), threshold, scale);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
@@ -142,12 +130,12 @@ __global__ void __launch_bounds__(kGluThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Launch: one resident wave of blocks (tiles of columns × slabs of rows).
+// Launch: a block for every tile of columns and group of rows (up to 65535 groups).
 // ---------------------------------------------------------------------------------------------
 template <typename Kernel, typename... Args>
-cudaError_t launch_wave(Kernel kernel, int64_t rows, int64_t nvec, cudaStream_t stream, Args... args) {
+cudaError_t launch_grid(Kernel kernel, int64_t rows, int64_t nvec, cudaStream_t stream, Args... args) {
   Tiling t = column_tiling(rows, nvec, kGluThreads);
-  t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, 0), INT64_MAX);
+  t.slabs = std::min<int64_t>((rows + t.by - 1) / t.by, 65535);
   kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream>>>(args...);
   return cudaGetLastError();
 }
@@ -178,7 +166,7 @@ cudaError_t launch_glu_fwd(const T* gate, const T* up, int64_t in_stride, T* out
   dropout_params(p, &threshold, &scale);
   return with_variant<T>(vec, act, p, [&](auto v, auto a, auto d) {
     constexpr int V = decltype(v)::value;
-    return launch_wave(glu_fwd_kernel<T, V, decltype(a)::value, decltype(d)::value>, rows, cols / V, stream, gate, up,
+    return launch_grid(glu_fwd_kernel<T, V, decltype(a)::value, decltype(d)::value>, rows, cols / V, stream, gate, up,
                        in_stride, out, rows, cols, threshold, scale, rng);
   });
 }
@@ -197,7 +185,7 @@ cudaError_t launch_glu_bwd(const T* grad_out, const T* gate, const T* up, int64_
   dropout_params(p, &threshold, &scale);
   return with_variant<T>(vec, act, p, [&](auto v, auto a, auto d) {
     constexpr int V = decltype(v)::value;
-    return launch_wave(glu_bwd_kernel<T, V, decltype(a)::value, decltype(d)::value>, rows, cols / V, stream,
+    return launch_grid(glu_bwd_kernel<T, V, decltype(a)::value, decltype(d)::value>, rows, cols / V, stream,
                        grad_out, gate, up, in_stride, grad_gate, grad_up, rows, cols, threshold, scale, rng);
   });
 }
