@@ -1601,7 +1601,10 @@ std::tuple<at::Tensor, at::Tensor> layer_cuda(const at::Tensor& x, const OptTens
   const Inputs in{key_padding_mask,           heads_of(encoder_k, o),   heads_of(encoder_v, o),
                   encoder_padding_mask,       rotary_table(rotary_cos), rotary_table(rotary_sin)};
   auto [y, rngs] = layer_fwd_impl(o, x, in, weights, state, *plan);
-  philox_state_fwd(rngs, rng_rows(state, *plan, int64_t(rngs.size())));
+  // the dropout states for the backward; a layer without dropout draws none, and its backward reads none
+  if (std::any_of(rngs.begin(), rngs.end(), [](const PhiloxTuple& r) { return r != kNoRng; })) {
+    philox_state_fwd(rngs, rng_rows(state, *plan, int64_t(rngs.size())));
+  }
   return {y, state};
 }
 
