@@ -149,7 +149,7 @@ def check(base, lib, name, shape, causal, p, mode, rounding=False):
     grouped = shape[1] != shape[2]
     bad, devs = [], []
     for label, w, g in zip(LABELS, want, got):
-        if w is None:
+        if w is None or torch.isnan(w.float()).all():  # the base leaves this buffer unwritten
             continue
         if torch.isnan(g.float()).any():
             bad.append(f"{label} NaN")
@@ -164,8 +164,8 @@ def check(base, lib, name, shape, causal, p, mode, rounding=False):
                 bad.append(f"{label} off by {rel:.2e} of its largest")
         elif not torch.equal(w, g):
             bad.append(f"{label} differs")
-    if grouped and not all(torch.equal(x, y) for x, y in zip(forward_backward(lib, tensors, shape, causal, p, mode)[:6],
-                                                             got[:6])):
+    again = forward_backward(lib, tensors, shape, causal, p, mode)[:6]
+    if grouped and not all(torch.allclose(x, y, rtol=0, atol=0, equal_nan=True) for x, y in zip(again, got[:6])):
         bad.append("a second call differs")
     err = ""
     b, h, hk, lq, lk, d = shape
