@@ -10,8 +10,8 @@
  *   S = Q·Kᵀ     m64n64k16 × D/16, A = Q and B = K from shared memory (both K-major);
  *   online softmax, masks and dropout on S in registers (softmax_step, as the sm_80 kernel);
  *   O += P̃·V     m64nDk16 × 4, A = P̃ from registers, B = V from shared memory (N-major).
- * K and V stream through two buffers by cp.async as in attention.cu; a proxy fence after each tile's
- * copies lands makes them visible to the tensor cores' (async proxy) reads.
+ * Q, K and V arrive by the TMA unit (tensor maps encoded at launch; one thread issues a tile's copies, which
+ * complete on an mbarrier and land already swizzled); K and V stream through two buffers.
  * Head dim 128 over more than 512 keys: the same per-tile steps in a warp-specialized kernel (below): two such
  * warpgroups a CTA, each with its own 64 queries, fed by a third that only copies K/V tiles into a ring of
  * shared-memory stages.
@@ -19,39 +19,67 @@
 #include "attention_sm90.cuh"
 
 #include <atomic>
+#include <type_traits>
 
 namespace lsmini {
 namespace {
 
+// The one-warpgroup forward's operands as tensor maps: Q [batch][heads][q_len][D], K and V
+// [batch][kv_heads][k_len][D] in their strides, boxes of one swizzled block (64 rows × 64 elements).
+struct AttentionMaps {
+  CUtensorMap q, k, v;
+};
+
 // At head dim 64 five CTAs an SM fit without spills; with dropout's keep bits the kernel needs the registers of four.
 template <typename T, int D, bool kKeep>
 __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
-    attention_fwd_sm90_kernel(const AttentionArgs<T> a) {
+    attention_fwd_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
 #if defined(LSMINI_SM90A_DEVICE)
-  // Q, then K and V double-buffered (swizzled tiles), then the key bias of each buffer.
+  // Q, then K and V double-buffered (swizzled tiles), then the key bias of each buffer, then the mbarriers of Q
+  // and of the two K/V buffers.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_1k(smem_raw);
   constexpr int kTile = kSwTileBytes<D>;
   const uint32_t sQ = smem_u32(smem), sK = sQ + kTile, sV = sK + 2 * kTile;
   float* sBias = reinterpret_cast<float*>(smem + 5 * kTile);  // [2][kBlock]
+  const uint32_t bar_q = smem_u32(sBias + 2 * kBlock), bar_kv = bar_q + 8;  // bar_kv + 8·buffer
 
   const int nqb = (a.q_len + kBlock - 1) / kBlock;
   const int q0 = (blockIdx.x % nqb) * kBlock;
   const Setup<T> st(a, blockIdx.x / nqb);
   const int i0 = q0 + (threadIdx.x >> 5) * 16;  // the warp's first query
+  const int h_kv = st.h / (a.heads / a.kv_heads);
 
-  const T* k = st.at_kv(a.k, a);
-  const T* v = st.at_kv(a.v, a);
-  auto issue_kv = [&](int t) {  // key tile t into buffer t & 1, as in attention.cu
+  // Key tile t into buffer t & 1: thread 0 has the TMA unit copy K and V (complete on the buffer's mbarrier),
+  // the first 64 threads write the key bias (visible after the next __syncthreads).
+  auto issue_kv = [&](int t) {
     const int kt = t * kBlock, buf = t & 1;
-    load_tile_sw<T, D>(sK + buf * kTile, k + int64_t(kt) * a.k.row, a.k.row, min(kBlock, a.k_len - kt));
-    load_tile_sw<T, D>(sV + buf * kTile, v + int64_t(kt) * a.v.row, a.v.row, min(kBlock, a.k_len - kt));
+    if (threadIdx.x == 0) {
+      const uint32_t bar = bar_kv + 8 * buf;
+      mbar_expect_tx(bar, 2 * kTile);
+#pragma unroll
+      for (int c = 0; c < D; c += 64) {
+        tma_load(sK + buf * kTile + c / 64 * kSwBlockBytes, &maps.k, c, kt, h_kv, st.b, bar);
+        tma_load(sV + buf * kTile + c / 64 * kSwBlockBytes, &maps.v, c, kt, h_kv, st.b, bar);
+      }
+    }
     st.vis.fill_key_bias(sBias + buf * kBlock, kt);
   };
   const int n_tiles = (st.vis.key_end(q0) + kBlock - 1) / kBlock;
-  if (n_tiles > 0) {  // as attention.cu: Q and key tile 0 in group 0, nothing loaded without a visible key
-    load_tile_sw<T, D>(sQ, st.at(a.q) + int64_t(q0) * a.q.row, a.q.row, min(kBlock, a.q_len - q0));
-    pipeline_start<true>(n_tiles, issue_kv);
+  if (n_tiles > 0) {  // nothing loaded without a visible key
+    if (threadIdx.x == 0) {
+      mbar_init(bar_q, 1);
+      mbar_init(bar_kv, 1);
+      mbar_init(bar_kv + 8, 1);
+      fence_mbar_init();
+      mbar_expect_tx(bar_q, kTile);
+#pragma unroll
+      for (int c = 0; c < D; c += 64) tma_load(sQ + c / 64 * kSwBlockBytes, &maps.q, c, q0, st.h, st.b, bar_q);
+    }
+    issue_kv(0);
+    if (n_tiles > 1) issue_kv(1);
+    __syncthreads();  // the mbarriers initialized, and the key bias of tiles 0 and 1, for every thread
+    mbar_wait(bar_q, 0);
   }
 
   uint32_t* const keep_row = kKeep ? st.keep_word(i0, 0) : nullptr;
@@ -60,6 +88,7 @@ __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
   float l[2] = {0.f, 0.f};
   for (int t = 0; t < n_tiles; ++t) {
     const uint32_t cK = sK + (t & 1) * kTile, cV = sV + (t & 1) * kTile;
+    mbar_wait(bar_kv + 8 * (t & 1), (t >> 1) & 1);  // the buffer's (t >> 1)-th fill
     float s[8][4];
     wg_abt<T, D>(s, sQ, cK);
     wgmma_sync(s);
@@ -67,7 +96,10 @@ __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
                               kKeep ? keep_row + 32 * t : nullptr);
     wg_xb<T, D>(o, s, cV);
     wgmma_sync(o);
-    pipeline_next<true>(t, n_tiles, issue_kv);
+    if (t + 1 < n_tiles) {
+      __syncthreads();  // no warp reads buffer t & 1 any more; tile t + 1's key bias is visible
+      if (t + 2 < n_tiles) issue_kv(t + 2);
+    }
   }
 
   store_out_lse<T, D>(a, st, i0, o, m, l);
@@ -227,15 +259,60 @@ cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   return launch(attention_fwd_ws_sm90_kernel<T, D, false>, blocks, bytes, a, stream, threads);
 }
 
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link against the driver library); null where the
+// driver lacks it.
+using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiled>(p) : nullptr;
+  }();
+  return fn;
+}
+
+// The map of one operand ([batch][heads][rows][D] in s's strides, 2-byte elements): boxes of 64 rows × 64 elements
+// with the 128-byte swizzle. The strides, like the base, must be 16-byte multiples (the kernels' 16-byte copies
+// needed that before); false where the driver refuses the map.
+template <typename T>
+bool encode_map(CUtensorMap* map, const Strided<const T>& s, int batch, int heads, int rows, int d) {
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return false;
+  // Extents of at least 1 (no CTA copies rows of an empty operand); a dimension of extent 1 is never stepped
+  // along, so its stride only has to be a valid one.
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(max(rows, 1)), cuuint64_t(heads), cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(s.row) * sizeof(T), heads > 1 ? cuuint64_t(s.head) * sizeof(T) : 16,
+                                 batch > 1 ? cuuint64_t(s.batch) * sizeof(T) : 16};
+  const cuuint32_t box[4] = {64, kBlock, 1, 1}, unit[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type =
+      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode(map, type, 4, const_cast<T*>(s.ptr), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 template <typename T, int D>
 cudaError_t fwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const int64_t blocks = int64_t(a.batch) * a.heads * ((a.q_len + kBlock - 1) / kBlock);
-  // Q + 2×K + 2×V tiles + 2 bias arrays: D = 64 → 41 472 B, D = 128 → 82 432 B.
-  const size_t bytes = 5 * kSwTileBytes<D> + 2 * kBlock * sizeof(float);
-  if (a.keep != nullptr && a.dropout_p > 0.f) {
-    return launch(attention_fwd_sm90_kernel<T, D, true>, blocks, bytes, a, stream);
+  if (blocks == 0) return cudaSuccess;
+  AttentionMaps maps;
+  if (!encode_map(&maps.q, a.q, a.batch, a.heads, a.q_len, D) ||
+      !encode_map(&maps.k, a.k, a.batch, a.kv_heads, a.k_len, D) ||
+      !encode_map(&maps.v, a.v, a.batch, a.kv_heads, a.k_len, D)) {
+    return cudaErrorInvalidValue;
   }
-  return launch(attention_fwd_sm90_kernel<T, D, false>, blocks, bytes, a, stream);
+  // Q + 2×K + 2×V tiles + 2 bias arrays + 3 mbarriers: D = 64 → 41 496 B, D = 128 → 82 456 B.
+  const size_t bytes = 5 * kSwTileBytes<D> + 2 * kBlock * sizeof(float) + 3 * 8;
+  const auto kernel = a.keep != nullptr && a.dropout_p > 0.f ? attention_fwd_sm90_kernel<T, D, true>
+                                                              : attention_fwd_sm90_kernel<T, D, false>;
+  if (bytes > 48 * 1024) {
+    const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(a, maps);
+  return cudaGetLastError();
 }
 
 std::atomic<bool> g_sm90_enabled{true};

@@ -13,6 +13,8 @@
 // when the build holds sm_90a code (LSMINI_SM90A, set by setup.py) and the device is compute capability 9.0.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the type only: the launchers encode maps through the runtime's driver entry point)
+
 #include "attention.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -190,12 +192,35 @@ __device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8
   for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template rs<1>(acc, xa[kk], desc_mn(db, kk), 1);
 }
 
+// ---- tensor memory access (PTX ISA, "cp.async.bulk.tensor") ------------------------------------------
+// One box of a 4-D tensor map (coordinates: element, row, head, batch; attention_sm90.cu's maps have boxes of 64
+// rows × 64 elements) into shared memory at dst, 1 KB aligned, with the map's 128-byte swizzle: one swizzled
+// block. The bytes count toward bar's transaction count; rows past the tensor's end arrive as zeros.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int col, int row, int head, int batch,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+      : "memory");
+}
+#endif  // LSMINI_SM90A_DEVICE
+
 // ---- mbarriers (PTX ISA, "mbarrier"): the hand-off of shared tiles between warpgroups -----------------
+#if defined(LSMINI_SM90A_DEVICE)
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrive once and expect `bytes` more of copies (tma_load) before the barrier's phase completes.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// This thread's mbarrier inits visible to the async proxy (the copies that complete on them).
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 // Wait for the completion of the barrier's phase of this parity (phase k has parity k & 1).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
