@@ -19,16 +19,9 @@
 #include "attention_sm90.cuh"
 
 #include <atomic>
-#include <type_traits>
 
 namespace lsmini {
 namespace {
-
-// The one-warpgroup forward's operands as tensor maps: Q [batch][heads][q_len][D], K and V
-// [batch][kv_heads][k_len][D] in their strides, boxes of one swizzled block (64 rows × 64 elements).
-struct AttentionMaps {
-  CUtensorMap q, k, v;
-};
 
 // At head dim 64 five CTAs an SM fit without spills; with dropout's keep bits the kernel needs the registers of four.
 template <typename T, int D, bool kKeep>
@@ -259,60 +252,17 @@ cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   return launch(attention_fwd_ws_sm90_kernel<T, D, false>, blocks, bytes, a, stream, threads);
 }
 
-// cuTensorMapEncodeTiled, from the driver through the runtime (no link against the driver library); null where the
-// driver lacks it.
-using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t err =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
-    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiled>(p) : nullptr;
-  }();
-  return fn;
-}
-
-// The map of one operand ([batch][heads][rows][D] in s's strides, 2-byte elements): boxes of 64 rows × 64 elements
-// with the 128-byte swizzle. The strides, like the base, must be 16-byte multiples (the kernels' 16-byte copies
-// needed that before); false where the driver refuses the map.
-template <typename T>
-bool encode_map(CUtensorMap* map, const Strided<const T>& s, int batch, int heads, int rows, int d) {
-  const EncodeTiled encode = encode_tiled();
-  if (encode == nullptr) return false;
-  // Extents of at least 1 (no CTA copies rows of an empty operand); a dimension of extent 1 is never stepped
-  // along, so its stride only has to be a valid one.
-  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(max(rows, 1)), cuuint64_t(heads), cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(s.row) * sizeof(T), heads > 1 ? cuuint64_t(s.head) * sizeof(T) : 16,
-                                 batch > 1 ? cuuint64_t(s.batch) * sizeof(T) : 16};
-  const cuuint32_t box[4] = {64, kBlock, 1, 1}, unit[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type =
-      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  return encode(map, type, 4, const_cast<T*>(s.ptr), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 template <typename T, int D>
 cudaError_t fwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const int64_t blocks = int64_t(a.batch) * a.heads * ((a.q_len + kBlock - 1) / kBlock);
-  if (blocks == 0) return cudaSuccess;
   AttentionMaps maps;
-  if (!encode_map(&maps.q, a.q, a.batch, a.heads, a.q_len, D) ||
-      !encode_map(&maps.k, a.k, a.batch, a.kv_heads, a.k_len, D) ||
-      !encode_map(&maps.v, a.v, a.batch, a.kv_heads, a.k_len, D)) {
-    return cudaErrorInvalidValue;
-  }
+  if (blocks > 0 && !encode_maps(&maps, a, false)) return cudaErrorInvalidValue;
   // Q + 2×K + 2×V tiles + 2 bias arrays + 3 mbarriers: D = 64 → 41 496 B, D = 128 → 82 456 B.
   const size_t bytes = 5 * kSwTileBytes<D> + 2 * kBlock * sizeof(float) + 3 * 8;
-  const auto kernel = a.keep != nullptr && a.dropout_p > 0.f ? attention_fwd_sm90_kernel<T, D, true>
-                                                              : attention_fwd_sm90_kernel<T, D, false>;
-  if (bytes > 48 * 1024) {
-    const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
-    if (err != cudaSuccess) return err;
+  if (a.keep != nullptr && a.dropout_p > 0.f) {
+    return launch_with_maps(attention_fwd_sm90_kernel<T, D, true>, blocks, bytes, a, maps, stream);
   }
-  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(a, maps);
-  return cudaGetLastError();
+  return launch_with_maps(attention_fwd_sm90_kernel<T, D, false>, blocks, bytes, a, maps, stream);
 }
 
 std::atomic<bool> g_sm90_enabled{true};

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (the type only: the launchers encode maps through the runtime's driver entry point)
+#include <type_traits>
 
 #include "attention.cuh"
 
@@ -191,8 +192,72 @@ __device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8
 #pragma unroll
   for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template rs<1>(acc, xa[kk], desc_mn(db, kk), 1);
 }
+#endif  // LSMINI_SM90A_DEVICE
 
 // ---- tensor memory access (PTX ISA, "cp.async.bulk.tensor") ------------------------------------------
+// The operands as tensor maps: Q and dO [batch][heads][q_len][D], K and V [batch][kv_heads][k_len][D] in their
+// strides, boxes of one swizzled block (64 rows × 64 elements, 128-byte swizzle). The forward has no dO map.
+struct AttentionMaps {
+  CUtensorMap q, k, v, dout;
+};
+
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link against the driver library); null where the
+// driver lacks it.
+using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
+inline EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiled>(p) : nullptr;
+  }();
+  return fn;
+}
+
+// The map of one operand ([batch][heads][rows][D] in s's strides). The base and strides must be 16-byte multiples,
+// as the binding checks; false where the driver refuses the map.
+template <typename T>
+bool encode_map(CUtensorMap* map, const Strided<const T>& s, int batch, int heads, int rows, int d) {
+  const EncodeTiled encode = encode_tiled();
+  if (encode == nullptr) return false;
+  // Extents of at least 1 (no CTA copies rows of an empty operand); a dimension of extent 1 is never stepped
+  // along, so its stride only has to be a valid one.
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(rows > 1 ? rows : 1), cuuint64_t(heads), cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(s.row) * sizeof(T), heads > 1 ? cuuint64_t(s.head) * sizeof(T) : 16,
+                                 batch > 1 ? cuuint64_t(s.batch) * sizeof(T) : 16};
+  const cuuint32_t box[4] = {64, kBlock, 1, 1}, unit[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type =
+      std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode(map, type, 4, const_cast<T*>(s.ptr), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The maps of a's q, k and v, and of dout for the backward; false where one is refused.
+template <typename T>
+bool encode_maps(AttentionMaps* m, const AttentionArgs<T>& a, bool backward) {
+  const int d = a.head_dim;
+  return encode_map(&m->q, a.q, a.batch, a.heads, a.q_len, d) &&
+         encode_map(&m->k, a.k, a.batch, a.kv_heads, a.k_len, d) &&
+         encode_map(&m->v, a.v, a.batch, a.kv_heads, a.k_len, d) &&
+         (!backward || encode_map(&m->dout, a.dout, a.batch, a.heads, a.q_len, d));
+}
+
+// launch (attention.cuh) of a kernel that also takes the maps (one CTA a cluster).
+template <typename Kernel, typename T>
+cudaError_t launch_with_maps(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a,
+                             const AttentionMaps& maps, cudaStream_t stream) {
+  if (blocks == 0) return cudaSuccess;
+  if (bytes > 48 * 1024) {
+    const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(a, maps);
+  return cudaGetLastError();
+}
+
+#if defined(LSMINI_SM90A_DEVICE)
 // One box of a 4-D tensor map (coordinates: element, row, head, batch; attention_sm90.cu's maps have boxes of 64
 // rows × 64 elements) into shared memory at dst, 1 KB aligned, with the map's 128-byte swizzle: one swizzled
 // block. The bytes count toward bar's transaction count; rows past the tensor's end arrive as zeros.

@@ -33,9 +33,10 @@ __device__ __forceinline__ void wg_s_dp(float (&s)[8][4], float (&dp)[8][4], uin
 // Four CTAs an SM at head dim 64 without dropout (128 registers, no spill); the keep-bit selects need more.
 template <typename T, int D, bool kDropout>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
-    attention_bwd_dq_sm90_kernel(const AttentionArgs<T> a) {
+    attention_bwd_dq_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
 #if defined(LSMINI_SM90A_DEVICE)
-  // Q, dO, then K and V double-buffered (swizzled tiles), then Δ, lse and the key bias of each buffer.
+  // Q, dO, then K and V double-buffered (swizzled tiles), then Δ, lse and the key bias of each buffer, then the
+  // mbarriers of Q and dO and of the two K/V buffers.
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_1k(smem_raw);
   constexpr int kTile = kSwTileBytes<D>;
@@ -43,6 +44,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
   float* sDelta = reinterpret_cast<float*>(smem + 6 * kTile);
   float* sLse = sDelta + kBlock;
   float* sBias = sLse + kBlock;  // [2][kBlock]
+  const uint32_t bar_q = smem_u32(sBias + 2 * kBlock), bar_kv = bar_q + 8;  // bar_kv + 8·buffer
 
   const int nqb = (a.q_len + kBlock - 1) / kBlock;
   const int q0 = (blockIdx.x % nqb) * kBlock;
@@ -50,19 +52,40 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int i0 = q0 + warp * 16;
   const int valid = min(kBlock, a.q_len - q0);
+  const int h_kv = st.h / (a.heads / a.kv_heads);
 
-  const T* k = st.at_kv(a.k, a);
-  const T* v = st.at_kv(a.v, a);
+  // As in the forward (attention_sm90.cu): thread 0 has the TMA unit copy key tile t's K and V into buffer t & 1,
+  // the first 64 threads write its key bias.
   auto issue_kv = [&](int t) {
     const int kt = t * kBlock, buf = t & 1;
-    load_tile_sw<T, D>(sK + buf * kTile, k + int64_t(kt) * a.k.row, a.k.row, min(kBlock, a.k_len - kt));
-    load_tile_sw<T, D>(sV + buf * kTile, v + int64_t(kt) * a.v.row, a.v.row, min(kBlock, a.k_len - kt));
+    if (threadIdx.x == 0) {
+      const uint32_t bar = bar_kv + 8 * buf;
+      mbar_expect_tx(bar, 2 * kTile);
+#pragma unroll
+      for (int c = 0; c < D; c += 64) {
+        tma_load(sK + buf * kTile + c / 64 * kSwBlockBytes, &maps.k, c, kt, h_kv, st.b, bar);
+        tma_load(sV + buf * kTile + c / 64 * kSwBlockBytes, &maps.v, c, kt, h_kv, st.b, bar);
+      }
+    }
     st.vis.fill_key_bias(sBias + buf * kBlock, kt);
   };
   const int n_tiles = (st.vis.key_end(q0) + kBlock - 1) / kBlock;
-  load_tile_sw<T, D>(sQ, st.at(a.q) + int64_t(q0) * a.q.row, a.q.row, valid);
-  load_tile_sw<T, D>(sdO, st.at(a.dout) + int64_t(q0) * a.dout.row, a.dout.row, valid);
-  pipeline_start<true>(n_tiles, issue_kv);
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    mbar_init(bar_kv, 1);
+    mbar_init(bar_kv + 8, 1);
+    fence_mbar_init();
+    mbar_expect_tx(bar_q, 2 * kTile);
+#pragma unroll
+    for (int c = 0; c < D; c += 64) {
+      tma_load(sQ + c / 64 * kSwBlockBytes, &maps.q, c, q0, st.h, st.b, bar_q);
+      tma_load(sdO + c / 64 * kSwBlockBytes, &maps.dout, c, q0, st.h, st.b, bar_q);
+    }
+  }
+  if (n_tiles > 0) issue_kv(0);
+  if (n_tiles > 1) issue_kv(1);
+  __syncthreads();  // the mbarriers initialized, and the key bias of tiles 0 and 1, for every thread
+  mbar_wait(bar_q, 0);
   {  // Δ_i = dout_i·out_i: two threads per row, dO from its swizzled tile
     const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
     float acc = 0.f;
@@ -92,11 +115,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
   for (int t = 0; t < n_tiles; ++t) {
     const uint32_t cK = sK + (t & 1) * kTile, cV = sV + (t & 1) * kTile;
     float s[8][4], dp[8][4];
+    mbar_wait(bar_kv + 8 * (t & 1), (t >> 1) & 1);  // the buffer's (t >> 1)-th fill
     wg_s_dp<T, D>(s, dp, sQ, sdO, cK, cV);
     tile_ds<T, kDropout>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, t * kBlock);
     wg_xb<T, D>(dq, s, cK);
     wgmma_sync(dq);
-    pipeline_next<true>(t, n_tiles, issue_kv);
+    if (t + 1 < n_tiles) {
+      __syncthreads();  // no warp reads buffer t & 1 any more; tile t + 1's key bias is visible
+      if (t + 2 < n_tiles) issue_kv(t + 2);
+    }
   }
 
   if (a.rot.dim > 0) __syncthreads();  // the tiles' shared memory becomes the warps' staging rows
@@ -350,12 +377,15 @@ cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
 template <typename T, int D>
 cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const int64_t bh = int64_t(a.batch) * a.heads;
-  // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays: D = 64 → 50 176 B, D = 128 → 99 328 B.
-  const size_t dq_bytes = 6 * kSwTileBytes<D> + 4 * kBlock * sizeof(float);
+  // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays, 3 mbarriers: D = 64 → 50 200 B, D = 128 → 99 352 B.
+  const size_t dq_bytes = 6 * kSwTileBytes<D> + 4 * kBlock * sizeof(float) + 3 * 8;
   const int64_t blocks = bh * ((a.q_len + kBlock - 1) / kBlock);
+  AttentionMaps maps;
+  if (blocks > 0 && !encode_maps(&maps, a, true)) return cudaErrorInvalidValue;
   const bool dropout = a.dropout_p > 0.f;
-  const cudaError_t err = dropout ? launch(attention_bwd_dq_sm90_kernel<T, D, true>, blocks, dq_bytes, a, stream)
-                                  : launch(attention_bwd_dq_sm90_kernel<T, D, false>, blocks, dq_bytes, a, stream);
+  const cudaError_t err =
+      dropout ? launch_with_maps(attention_bwd_dq_sm90_kernel<T, D, true>, blocks, dq_bytes, a, maps, stream)
+              : launch_with_maps(attention_bwd_dq_sm90_kernel<T, D, false>, blocks, dq_bytes, a, maps, stream);
   if (err != cudaSuccess) return err;
   return dropout ? bwd_dkv_sm90<T, D, true>(a, stream) : bwd_dkv_sm90<T, D, false>(a, stream);
 }
