@@ -244,17 +244,27 @@ bool encode_maps(AttentionMaps* m, const AttentionArgs<T>& a, bool backward) {
          (!backward || encode_map(&m->dout, a.dout, a.batch, a.heads, a.q_len, d));
 }
 
-// launch (attention.cuh) of a kernel that also takes the maps (one CTA a cluster).
+// launch (attention.cuh) of a kernel that also takes the maps: kThreads threads a CTA, in clusters of `cluster`.
 template <typename Kernel, typename T>
 cudaError_t launch_with_maps(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a,
-                             const AttentionMaps& maps, cudaStream_t stream) {
+                             const AttentionMaps& maps, cudaStream_t stream, int cluster = 1) {
   if (blocks == 0) return cudaSuccess;
   if (bytes > 48 * 1024) {
     const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(a, maps);
-  return cudaGetLastError();
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster;
+  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = cluster > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, a, maps);
 }
 
 #if defined(LSMINI_SM90A_DEVICE)

@@ -219,7 +219,8 @@ constexpr int kDkvStages = D <= 64 ? 3 : 2;
 // (dkv_tail_bound) a key block. kDropout: dropout_p > 0, also separate: the keep words' registers would make the
 // kernel without dropout spill.
 template <typename T, int D, bool kGrouped, bool kDropout>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2)
+    attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
 #if defined(LSMINI_SM90A_DEVICE)
   // K, V (loaded once), kStages buffers each of Q and dO (swizzled tiles), then per buffer the lse and Δ of its
   // query tile, the key bias, and per buffer the tile's dropout keep words (these two-buffered: staged one
@@ -232,6 +233,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   float* sDelta = sLse + 2 * kBlock;                          // [2][kBlock]
   float* sBias = sDelta + 2 * kBlock;                         // [kBlock]
   uint32_t* sWords = reinterpret_cast<uint32_t*>(sBias + kBlock);  // [2][kThreads]
+  const uint32_t bar_kv = smem_u32(sWords + 2 * kThreads), bar_q = bar_kv + 8;  // mbarriers: K/V, then a stage each
 
   // One CTA (or cluster) per key block of each (batch, K/V head); st is the CTA's first query head: the
   // group's first plus rank · heads_per_cta.
@@ -254,11 +256,19 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
   const int q_tiles = (max(0, a.q_len - q_begin) + kBlock - 1) / kBlock, q_end = q_begin + q_tiles * kBlock;
   const int n_tiles = kGrouped ? q_tiles * heads_per_cta : q_tiles;
   QueryWalk issued(q_begin), fetched(q_begin), current(q_begin);
-  auto issue_q = [&](int u) {  // tile u, the next one, into buffer u % kStages
-    const int j = kGrouped ? issued.head : 0, qt = issued.start, buf = u % kStages;
-    const int qvalid = min(kBlock, a.q_len - qt);
-    load_tile_sw<T, D>(sQ + buf * kTile, q + j * a.q.head + int64_t(qt) * a.q.row, a.q.row, qvalid);
-    load_tile_sw<T, D>(sdO + buf * kTile, dout + j * a.dout.head + int64_t(qt) * a.dout.row, a.dout.row, qvalid);
+  // Tile u, the next one, into buffer u % kStages: thread 0 has the TMA unit copy its Q and dO (complete on the
+  // buffer's mbarrier).
+  auto issue_q = [&](int u) {
+    const int h = st.h + (kGrouped ? issued.head : 0), qt = issued.start, buf = u % kStages;
+    if (threadIdx.x == 0) {
+      const uint32_t bar = bar_q + 8 * buf;
+      mbar_expect_tx(bar, 2 * kTile);
+#pragma unroll
+      for (int col = 0; col < D; col += 64) {
+        tma_load(sQ + buf * kTile + col / 64 * kSwBlockBytes, &maps.q, col, qt, h, st.b, bar);
+        tma_load(sdO + buf * kTile + col / 64 * kSwBlockBytes, &maps.dout, col, qt, h, st.b, bar);
+      }
+    }
     issued.step(q_begin, q_end);
   };
   // What the next tile's products need besides Q and dO, into buffer u & 1 for tile u: (lse·log2 e, Δ) of row
@@ -289,12 +299,25 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     if (kDropout) sWords[buf * kThreads + threadIdx.x] = v.word;
   };
   if (n_tiles > 0) {
-    const int kvalid = min(kBlock, a.k_len - k0);
-    load_tile_sw<T, D>(sK, st.at_kv(a.k, a) + int64_t(k0) * a.k.row, a.k.row, kvalid);
-    load_tile_sw<T, D>(sV, st.at_kv(a.v, a) + int64_t(k0) * a.v.row, a.v.row, kvalid);
+    if (threadIdx.x == 0) {
+      const int h_kv = st.h / (a.heads / a.kv_heads);
+#pragma unroll
+      for (int s = 0; s <= kStages; ++s) mbar_init(bar_kv + 8 * s, 1);
+      fence_mbar_init();
+      mbar_expect_tx(bar_kv, 2 * kTile);
+#pragma unroll
+      for (int col = 0; col < D; col += 64) {
+        tma_load(sK + col / 64 * kSwBlockBytes, &maps.k, col, k0, h_kv, st.b, bar_kv);
+        tma_load(sV + col / 64 * kSwBlockBytes, &maps.v, col, k0, h_kv, st.b, bar_kv);
+      }
+    }
     st.vis.fill_key_bias(sBias, k0);
     stage_stats(fetch_stats(), 0);
-    pipeline_start<true, kStages>(n_tiles, issue_q);
+#pragma unroll
+    for (int u = 0; u < kStages; ++u)
+      if (u < n_tiles) issue_q(u);
+    __syncthreads();  // the mbarriers initialized, the key bias and tile 0's stats, for every thread
+    mbar_wait(bar_kv, 0);
   }
 
   // One barrier per iteration, the pipeline's: tile t's lse, Δ and keep words are in buffer t & 1, staged during
@@ -304,6 +327,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     const int buf = t & 1, stage = t % kStages;
     const uint32_t cQ = sQ + stage * kTile, cdO = sdO + stage * kTile;
     float s[8][4], dp[8][4];
+    mbar_wait(bar_q + 8 * stage, (t / kStages) & 1);  // the stage's (t / kStages)-th fill
     wg_s_dp<T, D>(s, dp, sK, sV, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
     tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, sWords + buf * kThreads,
                            k0 + r0, current.start);
@@ -316,7 +340,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
     wg_xb<T, D>(dk, s, cQ);
     wgmma_sync(dv, dk);
     if (stage_next) stage_stats(next, t + 1);
-    pipeline_next<true, kStages>(t, n_tiles, issue_q);
+    if (t + 1 < n_tiles) {
+      __syncthreads();  // no warp reads stage t % kStages any more; tile t + 1's stats are visible
+      if (t + kStages < n_tiles) issue_q(t + kStages);
+    }
   }
 
   zero_masked_keys(dk, dv, key_bias);
@@ -354,14 +381,17 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_bwd_dkv_s
 
 template <typename T, int D, bool kDropout>
 cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
-  // K + V + kStages × (Q + dO) tiles, 2 × (lse, Δ), bias, 2 × 128 keep words: D = 64 → 67 840 B (three CTAs an
-  // SM), D = 128 → 100 608 B, under the 115 712 B (half of 228 KB, less 1 KB reserved a CTA) that lets two CTAs
-  // share an SM.
+  // K + V + kStages × (Q + dO) tiles, 2 × (lse, Δ), bias, 2 × 128 keep words, 1 + kStages mbarriers: D = 64 →
+  // 67 872 B (three CTAs an SM), D = 128 → 100 632 B, under the 115 712 B (half of 228 KB, less 1 KB reserved a
+  // CTA) that lets two CTAs share an SM.
   constexpr int kTiles = 2 + 2 * kDkvStages<D>;
-  const size_t bytes = kTiles * kSwTileBytes<D> + 5 * kBlock * sizeof(float) + 2 * kThreads * sizeof(uint32_t);
+  const size_t bytes = kTiles * kSwTileBytes<D> + 5 * kBlock * sizeof(float) + 2 * kThreads * sizeof(uint32_t) +
+                       (1 + kDkvStages<D>) * 8;
   // The sum of a grouped cluster's parts takes 2 × 64 × D floats of it: 32 or 64 KB, within those bytes.
   static_assert(2 * kBlock * D * sizeof(float) <= kTiles * kSwTileBytes<D>, "");
   const int64_t blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
+  AttentionMaps maps;
+  if (blocks > 0 && !encode_maps(&maps, a, true)) return cudaErrorInvalidValue;
   if (a.kv_heads != a.heads) {
     auto kernel = attention_bwd_dkv_sm90_kernel<T, D, true, kDropout>;
     int per_sm = 0;
@@ -369,9 +399,9 @@ cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
     if (err == cudaSuccess) err = max_active_blocks(kernel, kThreads, bytes, &per_sm);
     if (err != cudaSuccess) return err;
     const int cluster = dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
-    return launch(kernel, blocks * cluster, bytes, a, stream, kThreads, cluster);
+    return launch_with_maps(kernel, blocks * cluster, bytes, a, maps, stream, cluster);
   }
-  return launch(attention_bwd_dkv_sm90_kernel<T, D, false, kDropout>, blocks, bytes, a, stream);
+  return launch_with_maps(attention_bwd_dkv_sm90_kernel<T, D, false, kDropout>, blocks, bytes, a, maps, stream);
 }
 
 template <typename T, int D>
