@@ -271,43 +271,31 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// The tile pipeline of every kernel here, kStages buffers (two unless a kernel says otherwise); issue(t) starts
-// the copies (and plain shared-memory stores) of tile t into buffer t % kStages. Every step commits one group of
-// copies, empty when there is no tile to issue, so that group t is tile t's. Start: what the caller issued
-// before, plus tile 0 when there is one, is group 0, tiles 1 … kStages − 1 the next groups; returns once group 0
-// is visible to all threads, the others still in flight.
-// Shared memory written by this thread's generic-proxy stores (cp.async included) becomes visible to the
-// async proxy, through which wgmma reads its operands (sm_90; the barrier after it publishes it to all).
-__device__ __forceinline__ void fence_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-
-// kAsyncProxy: the tiles are read by wgmma (attention_sm90.cuh) as well.
-template <bool kAsyncProxy = false, int kStages = 2, typename Issue>
+// The tile pipeline of the sm_80 kernels, two buffers: issue(t) starts the copies (and plain shared-memory stores)
+// of tile t into buffer t & 1. Every step commits one group of copies, empty when there is no tile to issue, so
+// that group t is tile t's. Start: what the caller issued before, plus tile 0 when there is one, is group 0, tile 1
+// group 1; returns once group 0 is visible to all threads, group 1 still in flight. (The Hopper kernels have the
+// TMA unit copy their tiles instead: attention_sm90.cuh.)
+template <typename Issue>
 __device__ __forceinline__ void pipeline_start(int n_tiles, Issue&& issue) {
-  static_assert(kStages >= 2, "");
 #pragma unroll
-  for (int s = 0; s < kStages; ++s) {
+  for (int s = 0; s < 2; ++s) {
     if (s < n_tiles) issue(s);
     cp_async_commit();
   }
-  cp_async_wait<kStages - 1>();
-  if constexpr (kAsyncProxy) fence_async_shared();
+  cp_async_wait<1>();
   __syncthreads();
 }
 
-// End of iteration t (block-uniform): tile t + 1 becomes visible to all, and no thread reads buffer
-// t % kStages — nor anything else iteration t read — any more, so tile t + kStages goes there, in flight while
-// tiles t + 1 … are computed on. After the last tile shared memory is no longer touched.
-template <bool kAsyncProxy = false, int kStages = 2, typename Issue>
+// End of iteration t (block-uniform): tile t + 1 becomes visible to all, and no thread reads buffer t & 1 — nor
+// anything else iteration t read — any more, so tile t + 2 goes there, in flight while tile t + 1 is computed on.
+// After the last tile shared memory is no longer touched.
+template <typename Issue>
 __device__ __forceinline__ void pipeline_next(int t, int n_tiles, Issue&& issue) {
   if (t + 1 < n_tiles) {
-    cp_async_wait<kStages - 2>();
-    if constexpr (kAsyncProxy) fence_async_shared();
+    cp_async_wait<0>();
     __syncthreads();
-    if (t + kStages < n_tiles) issue(t + kStages);
+    if (t + 2 < n_tiles) issue(t + 2);
     cp_async_commit();
   }
 }

@@ -13,8 +13,8 @@
  * Q, K and V arrive by the TMA unit (tensor maps encoded at launch; one thread issues a tile's copies, which
  * complete on an mbarrier and land already swizzled); K and V stream through two buffers.
  * Head dim 128 over more than 512 keys: the same per-tile steps in a warp-specialized kernel (below): two such
- * warpgroups a CTA, each with its own 64 queries, fed by a third that only copies K/V tiles into a ring of
- * shared-memory stages.
+ * warpgroups a CTA, each with its own 64 queries, fed by a third that fills a ring of shared-memory stages
+ * (the key bias, and one thread's TMA copies of the K/V tiles).
  */
 #include "attention_sm90.cuh"
 
@@ -130,7 +130,7 @@ struct WsSmem {
 // data it reads, and one's softmax runs while the other's products do.
 template <typename T, int D, bool kKeep>
 __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
-    attention_fwd_ws_sm90_kernel(const AttentionArgs<T> a) {
+    attention_fwd_ws_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
 #if defined(LSMINI_SM90A_DEVICE)
   using L = WsSmem<D>;
   constexpr int kStages = kWsStages, kTile = L::kTile;
@@ -161,51 +161,45 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     const int consumers = min(kWsConsumers, (a.q_len - q0 + kBlock - 1) / kBlock);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full + 8 * s, kThreads);  // every producer thread, once its copies of the stage have landed
+      mbar_init(full + 8 * s, kThreads);  // every producer thread, once it wrote its key bias (and the copies' bytes)
       mbar_init(empty + 8 * s, consumers * kThreads);
     }
+    fence_mbar_init();
   }
   __syncthreads();
 
   const int wg = threadIdx.x / kThreads;
   if (wg == 0) {  // ---- the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
-    const int tid = threadIdx.x;
-    const T* k = st.at_kv(a.k, a);
-    const T* v = st.at_kv(a.v, a);
-    if (n_tiles > 0) {  // Q goes with key tile 0
-      const T* q = st.at(a.q);
-#pragma unroll
-      for (int c = 0; c < kWsConsumers; ++c) {
-        const int qc = q0 + c * kBlock;
-        if (qc < a.q_len)
-          load_tile_sw<T, D>(base + L::q + c * kTile, q + int64_t(qc) * a.q.row, a.q.row, min(kBlock, a.q_len - qc),
-                             tid);
-      }
-    }
-    // Tile t into stage t % kStages once the consumers are done with tile t − kStages; tile t − 1 published once
-    // its copies have landed (one tile in flight behind the one being issued).
-    auto publish = [&](int t) {
-      fence_async_shared();  // this thread's copies, now landed, visible to the tensor cores
-      mbar_arrive(full + 8 * (t % kStages));
-    };
+    const int tid = threadIdx.x, h_kv = st.h / (a.heads / a.kv_heads);
+    // Tile t into stage t % kStages once the consumers are done with tile t − kStages: every producer thread writes
+    // its key bias and arrives; thread 0 instead arrives expecting the bytes of the tile's copies, which it has the
+    // TMA unit make (Q with tile 0). The stage's phase completes when both are in.
     for (int t = 0; t < n_tiles; ++t) {
       const int s = t % kStages, kt = t * kBlock;
       if (t >= kStages) mbar_wait(empty + 8 * s, (t / kStages - 1) & 1);
-      load_tile_sw<T, D>(base + L::k + s * kTile, k + int64_t(kt) * a.k.row, a.k.row, min(kBlock, a.k_len - kt),
-                         tid);
-      load_tile_sw<T, D>(base + L::v + s * kTile, v + int64_t(kt) * a.v.row, a.v.row, min(kBlock, a.k_len - kt),
-                         tid);
-      cp_async_commit();
       if (tid < kBlock) sBias[s * kBlock + tid] = st.vis.key_bias(kt + tid);
-      if (t > 0) {
-        cp_async_wait<1>();
-        publish(t - 1);
+      if (tid != 0) {
+        mbar_arrive(full + 8 * s);
+        continue;
       }
-    }
-    if (n_tiles > 0) {
-      cp_async_wait<0>();
-      publish(n_tiles - 1);
+      const uint32_t bar = full + 8 * s;
+      if (t == 0) {
+        const int queries = min(kWsConsumers, (a.q_len - q0 + kBlock - 1) / kBlock);
+        mbar_expect_tx(bar, (2 + queries) * kTile);
+        for (int c = 0; c < queries; ++c)
+#pragma unroll
+          for (int col = 0; col < D; col += 64)
+            tma_load(base + L::q + c * kTile + col / 64 * kSwBlockBytes, &maps.q, col, q0 + c * kBlock, st.h, st.b,
+                     bar);
+      } else {
+        mbar_expect_tx(bar, 2 * kTile);
+      }
+#pragma unroll
+      for (int col = 0; col < D; col += 64) {
+        tma_load(base + L::k + s * kTile + col / 64 * kSwBlockBytes, &maps.k, col, kt, h_kv, st.b, bar);
+        tma_load(base + L::v + s * kTile + col / 64 * kSwBlockBytes, &maps.v, col, kt, h_kv, st.b, bar);
+      }
     }
     return;
   }
@@ -246,10 +240,12 @@ cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   // a Q tile a consumer, kWsStages × (K, V, key bias), the barriers: 131 632 B.
   const size_t bytes = WsSmem<D>::bytes;
   const int threads = kThreads * (1 + kWsConsumers);
+  AttentionMaps maps;
+  if (blocks > 0 && !encode_maps(&maps, a, false)) return cudaErrorInvalidValue;
   if (a.keep != nullptr && a.dropout_p > 0.f) {
-    return launch(attention_fwd_ws_sm90_kernel<T, D, true>, blocks, bytes, a, stream, threads);
+    return launch_with_maps(attention_fwd_ws_sm90_kernel<T, D, true>, blocks, bytes, a, maps, stream, threads);
   }
-  return launch(attention_fwd_ws_sm90_kernel<T, D, false>, blocks, bytes, a, stream, threads);
+  return launch_with_maps(attention_fwd_ws_sm90_kernel<T, D, false>, blocks, bytes, a, maps, stream, threads);
 }
 
 template <typename T, int D>

@@ -27,8 +27,9 @@ namespace {
 
 // ---- the swizzled tile -------------------------------------------------------------------------------
 // A [64 rows × D] tile of 2-byte elements as D/64 blocks of [64 rows][64 elements]: 128-byte rows, 8-row
-// groups of 1 KB, the 16-byte chunk j of row r stored at chunk j ^ (r % 8) (the 128-byte swizzle, so that
-// neither the row-wise copies nor the tensor cores' reads meet bank conflicts). Blocks start 1 KB aligned.
+// groups of 1 KB, the 16-byte chunk j of row r stored at chunk j ^ (r % 8) (the 128-byte swizzle, as the TMA unit
+// writes a box of a map with CU_TENSOR_MAP_SWIZZLE_128B, so that the tensor cores' reads meet no bank conflicts).
+// Blocks start 1 KB aligned.
 // The same bytes serve as a K-major operand (rows are the M or N index: Q, K in S = QKᵀ) and as an
 // MN-major one (rows are the k index: V in O = P̃V).
 template <int D>
@@ -38,26 +39,6 @@ constexpr int kSwBlockBytes = kBlock * 128;
 // Byte offset of element (r, col) of a swizzled tile; col a multiple of 8.
 __device__ __forceinline__ uint32_t sw_offset(int r, int col) {
   return (col >> 6) * kSwBlockBytes + r * 128 + ((((col & 63) >> 3) ^ (r & 7)) << 4);
-}
-
-// load_tile_async (attention.cuh) into a swizzled tile at shared address s.
-template <typename T, int D>
-__device__ __forceinline__ void load_tile_sw(uint32_t s, const T* g, int64_t row_stride, int valid,
-                                             int tid = threadIdx.x) {
-  constexpr int kChunks = D / 8;
-  constexpr int kRowsPerPass = kThreads / kChunks;  // 16 or 8: a multiple of 8, so the swizzle keeps each
-  static_assert(kRowsPerPass % 8 == 0, "");         // thread's chunk at the same place in every pass
-  const int r = tid / kChunks, col = (tid % kChunks) * 8;
-  const T* src = g + r * row_stride + col;
-  const int64_t step = kRowsPerPass * row_stride;
-  const uint32_t dst = s + sw_offset(r, col);
-#pragma unroll
-  for (int it = 0; it < kBlock / kRowsPerPass; ++it, src += step) {
-    const bool in = r + it * kRowsPerPass < valid;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + it * kRowsPerPass * 128),
-                 "l"(in ? src : g), "r"(in ? 16 : 0)
-                 : "memory");
-  }
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -244,10 +225,11 @@ bool encode_maps(AttentionMaps* m, const AttentionArgs<T>& a, bool backward) {
          (!backward || encode_map(&m->dout, a.dout, a.batch, a.heads, a.q_len, d));
 }
 
-// launch (attention.cuh) of a kernel that also takes the maps: kThreads threads a CTA, in clusters of `cluster`.
+// launch (attention.cuh) of a kernel that also takes the maps.
 template <typename Kernel, typename T>
 cudaError_t launch_with_maps(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a,
-                             const AttentionMaps& maps, cudaStream_t stream, int cluster = 1) {
+                             const AttentionMaps& maps, cudaStream_t stream, int threads = kThreads,
+                             int cluster = 1) {
   if (blocks == 0) return cudaSuccess;
   if (bytes > 48 * 1024) {
     const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
@@ -259,7 +241,7 @@ cudaError_t launch_with_maps(Kernel kernel, int64_t blocks, size_t bytes, const 
   attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = bytes;
   cfg.stream = stream;
   cfg.attrs = &attr;

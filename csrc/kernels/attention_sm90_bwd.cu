@@ -399,7 +399,7 @@ cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
     if (err == cudaSuccess) err = max_active_blocks(kernel, kThreads, bytes, &per_sm);
     if (err != cudaSuccess) return err;
     const int cluster = dkv_tail_bound(a, per_sm * sm_count()) ? dkv_cluster(a.heads / a.kv_heads) : 1;
-    return launch_with_maps(kernel, blocks * cluster, bytes, a, maps, stream, cluster);
+    return launch_with_maps(kernel, blocks * cluster, bytes, a, maps, stream, kThreads, cluster);
   }
   return launch_with_maps(attention_bwd_dkv_sm90_kernel<T, D, false, kDropout>, blocks, bytes, a, maps, stream);
 }
