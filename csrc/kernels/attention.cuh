@@ -665,18 +665,18 @@ __device__ __forceinline__ int group_first_head(const AttentionArgs<T>& a, int b
   return (bkv / a.kv_heads) * a.heads + (bkv % a.kv_heads) * (a.heads / a.kv_heads);
 }
 
-// Launch with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed), in clusters of
-// `cluster` consecutive CTAs when more than one (sm_90).
-template <typename Kernel, typename T>
-cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a, cudaStream_t stream,
-                   int threads = kThreads, int cluster = 1) {
+// Launch kernel(args...) with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed), in
+// clusters of `cluster` consecutive CTAs when more than one (sm_90).
+template <typename Kernel, typename... Args>
+cudaError_t launch_kernel(Kernel kernel, int64_t blocks, size_t bytes, cudaStream_t stream, int threads, int cluster,
+                          const Args&... args) {
   if (blocks == 0) return cudaSuccess;
   if (bytes > 48 * 1024) {
     const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
     if (err != cudaSuccess) return err;
   }
   if (cluster == 1) {
-    kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(a);
+    kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(args...);
     return cudaGetLastError();
   }
   cudaLaunchAttribute attr = {};
@@ -690,7 +690,14 @@ cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionA
   cfg.stream = stream;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, a);
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+// The launch of a kernel that takes the arguments alone.
+template <typename Kernel, typename T>
+cudaError_t launch(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a, cudaStream_t stream,
+                   int threads = kThreads, int cluster = 1) {
+  return launch_kernel(kernel, blocks, bytes, stream, threads, cluster, a);
 }
 
 }  // namespace

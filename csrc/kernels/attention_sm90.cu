@@ -43,31 +43,13 @@ __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
   const int i0 = q0 + (threadIdx.x >> 5) * 16;  // the warp's first query
   const int h_kv = st.h / (a.heads / a.kv_heads);
 
-  // Key tile t into buffer t & 1: thread 0 has the TMA unit copy K and V (complete on the buffer's mbarrier),
-  // the first 64 threads write the key bias (visible after the next __syncthreads).
-  auto issue_kv = [&](int t) {
-    const int kt = t * kBlock, buf = t & 1;
-    if (threadIdx.x == 0) {
-      const uint32_t bar = bar_kv + 8 * buf;
-      mbar_expect_tx(bar, 2 * kTile);
-#pragma unroll
-      for (int c = 0; c < D; c += 64) {
-        tma_load(sK + buf * kTile + c / 64 * kSwBlockBytes, &maps.k, c, kt, h_kv, st.b, bar);
-        tma_load(sV + buf * kTile + c / 64 * kSwBlockBytes, &maps.v, c, kt, h_kv, st.b, bar);
-      }
-    }
-    st.vis.fill_key_bias(sBias + buf * kBlock, kt);
-  };
+  auto issue_kv = [&](int t) { issue_kv_tile<T, D>(t, sK, sV, sBias, bar_kv, maps, st, h_kv); };
   const int n_tiles = (st.vis.key_end(q0) + kBlock - 1) / kBlock;
   if (n_tiles > 0) {  // nothing loaded without a visible key
     if (threadIdx.x == 0) {
-      mbar_init(bar_q, 1);
-      mbar_init(bar_kv, 1);
-      mbar_init(bar_kv + 8, 1);
-      fence_mbar_init();
+      mbar_init_copies(bar_q, 3);
       mbar_expect_tx(bar_q, kTile);
-#pragma unroll
-      for (int c = 0; c < D; c += 64) tma_load(sQ + c / 64 * kSwBlockBytes, &maps.q, c, q0, st.h, st.b, bar_q);
+      tma_tile<D>(sQ, &maps.q, q0, st.h, st.b, bar_q);
     }
     issue_kv(0);
     if (n_tiles > 1) issue_kv(1);
@@ -188,18 +170,12 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
         const int queries = min(kWsConsumers, (a.q_len - q0 + kBlock - 1) / kBlock);
         mbar_expect_tx(bar, (2 + queries) * kTile);
         for (int c = 0; c < queries; ++c)
-#pragma unroll
-          for (int col = 0; col < D; col += 64)
-            tma_load(base + L::q + c * kTile + col / 64 * kSwBlockBytes, &maps.q, col, q0 + c * kBlock, st.h, st.b,
-                     bar);
+          tma_tile<D>(base + L::q + c * kTile, &maps.q, q0 + c * kBlock, st.h, st.b, bar);
       } else {
         mbar_expect_tx(bar, 2 * kTile);
       }
-#pragma unroll
-      for (int col = 0; col < D; col += 64) {
-        tma_load(base + L::k + s * kTile + col / 64 * kSwBlockBytes, &maps.k, col, kt, h_kv, st.b, bar);
-        tma_load(base + L::v + s * kTile + col / 64 * kSwBlockBytes, &maps.v, col, kt, h_kv, st.b, bar);
-      }
+      tma_tile<D>(base + L::k + s * kTile, &maps.k, kt, h_kv, st.b, bar);
+      tma_tile<D>(base + L::v + s * kTile, &maps.v, kt, h_kv, st.b, bar);
     }
     return;
   }

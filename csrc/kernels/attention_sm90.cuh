@@ -225,28 +225,12 @@ bool encode_maps(AttentionMaps* m, const AttentionArgs<T>& a, bool backward) {
          (!backward || encode_map(&m->dout, a.dout, a.batch, a.heads, a.q_len, d));
 }
 
-// launch (attention.cuh) of a kernel that also takes the maps.
+// The launch (attention.cuh) of a kernel that also takes the maps.
 template <typename Kernel, typename T>
 cudaError_t launch_with_maps(Kernel kernel, int64_t blocks, size_t bytes, const AttentionArgs<T>& a,
                              const AttentionMaps& maps, cudaStream_t stream, int threads = kThreads,
                              int cluster = 1) {
-  if (blocks == 0) return cudaSuccess;
-  if (bytes > 48 * 1024) {
-    const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
-    if (err != cudaSuccess) return err;
-  }
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = cluster;
-  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = cluster > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, a, maps);
+  return launch_kernel(kernel, blocks, bytes, stream, threads, cluster, a, maps);
 }
 
 #if defined(LSMINI_SM90A_DEVICE)
@@ -260,6 +244,13 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       "[%6];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
       : "memory");
+}
+// A [64 rows × D] swizzled tile at dst (D / 64 boxes): rows [row, row + 64) of one head of one batch.
+template <int D>
+__device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, int row, int head, int batch,
+                                         uint32_t bar) {
+#pragma unroll
+  for (int col = 0; col < D; col += 64) tma_load(dst + col / 64 * kSwBlockBytes, map, col, row, head, batch, bar);
 }
 #endif  // LSMINI_SM90A_DEVICE
 
@@ -287,6 +278,28 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       "@!done bra wait_%=;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+// Thread 0 (the caller sees to it): n mbarriers of one arrival each from `first` on, 8 bytes apart, initialized and
+// visible to the copies that complete on them.
+__device__ __forceinline__ void mbar_init_copies(uint32_t first, int n) {
+  for (int i = 0; i < n; ++i) mbar_init(first + 8 * i, 1);
+  fence_mbar_init();
+}
+
+// Key tile t of the CTA's K/V head into buffer t & 1 of the double-buffered K and V tiles at k and v (the forward
+// and the dQ kernel): thread 0 has the TMA unit copy both, completing on the buffer's mbarrier bar_kv + 8·(t & 1);
+// the first 64 threads write the tile's key bias into bias + 64·(t & 1) (visible after the next __syncthreads).
+template <typename T, int D>
+__device__ __forceinline__ void issue_kv_tile(int t, uint32_t k, uint32_t v, float* bias, uint32_t bar_kv,
+                                              const AttentionMaps& maps, const Setup<T>& st, int h_kv) {
+  const int kt = t * kBlock, buf = t & 1;
+  if (threadIdx.x == 0) {
+    const uint32_t bar = bar_kv + 8 * buf;
+    mbar_expect_tx(bar, 2 * kSwTileBytes<D>);
+    tma_tile<D>(k + buf * kSwTileBytes<D>, &maps.k, kt, h_kv, st.b, bar);
+    tma_tile<D>(v + buf * kSwTileBytes<D>, &maps.v, kt, h_kv, st.b, bar);
+  }
+  st.vis.fill_key_bias(bias + buf * kBlock, kt);
 }
 #endif  // LSMINI_SM90A_DEVICE
 

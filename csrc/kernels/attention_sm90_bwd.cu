@@ -54,33 +54,13 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
   const int valid = min(kBlock, a.q_len - q0);
   const int h_kv = st.h / (a.heads / a.kv_heads);
 
-  // As in the forward (attention_sm90.cu): thread 0 has the TMA unit copy key tile t's K and V into buffer t & 1,
-  // the first 64 threads write its key bias.
-  auto issue_kv = [&](int t) {
-    const int kt = t * kBlock, buf = t & 1;
-    if (threadIdx.x == 0) {
-      const uint32_t bar = bar_kv + 8 * buf;
-      mbar_expect_tx(bar, 2 * kTile);
-#pragma unroll
-      for (int c = 0; c < D; c += 64) {
-        tma_load(sK + buf * kTile + c / 64 * kSwBlockBytes, &maps.k, c, kt, h_kv, st.b, bar);
-        tma_load(sV + buf * kTile + c / 64 * kSwBlockBytes, &maps.v, c, kt, h_kv, st.b, bar);
-      }
-    }
-    st.vis.fill_key_bias(sBias + buf * kBlock, kt);
-  };
+  auto issue_kv = [&](int t) { issue_kv_tile<T, D>(t, sK, sV, sBias, bar_kv, maps, st, h_kv); };
   const int n_tiles = (st.vis.key_end(q0) + kBlock - 1) / kBlock;
   if (threadIdx.x == 0) {
-    mbar_init(bar_q, 1);
-    mbar_init(bar_kv, 1);
-    mbar_init(bar_kv + 8, 1);
-    fence_mbar_init();
+    mbar_init_copies(bar_q, 3);
     mbar_expect_tx(bar_q, 2 * kTile);
-#pragma unroll
-    for (int c = 0; c < D; c += 64) {
-      tma_load(sQ + c / 64 * kSwBlockBytes, &maps.q, c, q0, st.h, st.b, bar_q);
-      tma_load(sdO + c / 64 * kSwBlockBytes, &maps.dout, c, q0, st.h, st.b, bar_q);
-    }
+    tma_tile<D>(sQ, &maps.q, q0, st.h, st.b, bar_q);
+    tma_tile<D>(sdO, &maps.dout, q0, st.h, st.b, bar_q);
   }
   if (n_tiles > 0) issue_kv(0);
   if (n_tiles > 1) issue_kv(1);
@@ -263,11 +243,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2)
     if (threadIdx.x == 0) {
       const uint32_t bar = bar_q + 8 * buf;
       mbar_expect_tx(bar, 2 * kTile);
-#pragma unroll
-      for (int col = 0; col < D; col += 64) {
-        tma_load(sQ + buf * kTile + col / 64 * kSwBlockBytes, &maps.q, col, qt, h, st.b, bar);
-        tma_load(sdO + buf * kTile + col / 64 * kSwBlockBytes, &maps.dout, col, qt, h, st.b, bar);
-      }
+      tma_tile<D>(sQ + buf * kTile, &maps.q, qt, h, st.b, bar);
+      tma_tile<D>(sdO + buf * kTile, &maps.dout, qt, h, st.b, bar);
     }
     issued.step(q_begin, q_end);
   };
@@ -301,15 +278,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2)
   if (n_tiles > 0) {
     if (threadIdx.x == 0) {
       const int h_kv = st.h / (a.heads / a.kv_heads);
-#pragma unroll
-      for (int s = 0; s <= kStages; ++s) mbar_init(bar_kv + 8 * s, 1);
-      fence_mbar_init();
+      mbar_init_copies(bar_kv, 1 + kStages);
       mbar_expect_tx(bar_kv, 2 * kTile);
-#pragma unroll
-      for (int col = 0; col < D; col += 64) {
-        tma_load(sK + col / 64 * kSwBlockBytes, &maps.k, col, k0, h_kv, st.b, bar_kv);
-        tma_load(sV + col / 64 * kSwBlockBytes, &maps.v, col, k0, h_kv, st.b, bar_kv);
-      }
+      tma_tile<D>(sK, &maps.k, k0, h_kv, st.b, bar_kv);
+      tma_tile<D>(sV, &maps.v, k0, h_kv, st.b, bar_kv);
     }
     st.vis.fill_key_bias(sBias, k0);
     stage_stats(fetch_stats(), 0);
