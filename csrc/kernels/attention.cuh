@@ -558,13 +558,14 @@ __device__ __forceinline__ void store_out_lse(const AttentionArgs<T>& a, const S
 
 // ---- what the backward kernels (attention_bwd.cu, attention_sm90_bwd.cu) do with a score tile ---------
 // From S (s, raw scores) and dP (dp) of a 16×64 tile: dS into s. lse2/delta: the two rows' lse (exp2 domain) and Δ.
-// kDropout: st.dropout, as a template parameter so that the tile without dropout has no keep-bit selects.
+// kDropout: st.dropout, as a template parameter so that the tile without dropout has no keep-bit selects; bits:
+// the tile's keep bits (st.tile_keep_bits, which the Hopper kernel reads while S's and dP's MMAs run), read only
+// with kDropout.
 template <typename T, bool kDropout>
 __device__ __forceinline__ void tile_ds(float (&s)[8][4], const float (&dp)[8][4], const Setup<T>& st,
                                         const float* bias, const float (&lse2)[2], const float (&delta)[2], int i0,
-                                        int k0) {
+                                        int k0, uint32_t bits) {
   mask_scores(s, bias, st.vis, i0, k0);
-  const uint32_t bits = kDropout ? st.tile_keep_bits(i0, k0) : 0xFFFFFFFFu;
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -599,14 +600,14 @@ __device__ __forceinline__ uint32_t tile_keep_t(const uint32_t* words) {
 
 // tile_ds on transposed tiles, as the dK/dV kernels compute them (rows are the CTA's keys): from Sᵀ (s) and dPᵀ
 // (dp) of the warp's 16 keys (rows kr0 + g, kr0 + g + 8) × the 64 queries q0 + column, dSᵀ into s and P̃ᵀ into dp.
-// lse2 / delta: the query tile's 64 lse (exp2 domain) and Δ; words: the tile's keep words (tile_keep_t), kDropout.
+// lse2 / delta: the query tile's 64 lse (exp2 domain) and Δ; bits: the tile's keep bits (tile_keep_t), read only
+// with kDropout.
 // Each element's arithmetic is tile_ds's, so P̃ and dS are bitwise the same, except in the rows of keys with key
 // bias −inf, which are left unmasked: a row of P̃ᵀ or dSᵀ reaches only its own key's row of dV or dK, which
 // zero_masked_keys then sets.
 template <typename T, bool kDropout>
 __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], const Setup<T>& st,
-                                          const float* lse2, const float* delta, const uint32_t* words, int kr0,
-                                          int q0) {
+                                          const float* lse2, const float* delta, uint32_t bits, int kr0, int q0) {
   const int g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int shift = st.vis.k_len - st.vis.q_len;
   if (st.vis.causal && kr0 + 15 > q0 + shift) {  // a tile the diagonal crosses: −inf above it (a uniform branch)
@@ -616,7 +617,6 @@ __device__ __forceinline__ void tile_ds_t(float (&s)[8][4], float (&dp)[8][4], c
       for (int e = 0; e < 4; ++e)
         if (kr0 + g + 8 * (e >> 1) > q0 + n * 8 + 2 * c + (e & 1) + shift) s[n][e] = -kInf;
   }
-  const uint32_t bits = kDropout ? tile_keep_t(words) : 0xFFFFFFFFu;
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
     const float2 l = *reinterpret_cast<const float2*>(lse2 + n * 8 + 2 * c);

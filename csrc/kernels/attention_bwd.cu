@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
     float s[8][4] = {}, dp[8][4] = {};
     tile_abt<T, D>(s, qa, cK);
     tile_abt<T, D>(dp, da, cV);
-    tile_ds<T, kDropout>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, k0);
+    tile_ds<T, kDropout>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, k0,
+                         kDropout ? st.tile_keep_bits(i0, k0) : 0u);
     tile_xb<T, D>(dq, s, cK);
     pipeline_next(t, n_tiles, issue_kv);
   }
@@ -170,8 +171,8 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
     const T* cdO = sdO + buf * kTile;
     float s[8][4] = {}, dp[8][4] = {};
     tile_s_dp<T, D>(s, dp, sK, sV, r0, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ: the warp's 16 keys
-    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, sWords + buf * kThreads,
-                           k0 + r0, current.start);
+    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock,
+                           kDropout ? tile_keep_t(sWords + buf * kThreads) : 0u, k0 + r0, current.start);
     current.step(q_begin, q_end);
     tile_xb<T, D>(dv, dp, cdO);
     tile_xb<T, D>(dk, s, cQ);

@@ -75,8 +75,8 @@ __device__ __forceinline__ uint64_t desc_mn(const SwDesc& tile, int kk) { return
 // A from registers has the mma.m16n8k16 A layout of the warp's 16 rows (c_to_a builds it).
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 
-// Commit the MMAs issued since the last commit and wait for all of them; then the compiler must not move
-// reads of their accumulators above the wait (the MMA's asm statement is where it thinks they were written).
+// After a wait the compiler must not move reads of the accumulators above it (the MMA's asm statement is where
+// it thinks they were written).
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
 #pragma unroll
@@ -84,11 +84,18 @@ __device__ __forceinline__ void fence_acc(float (&d)[N][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
+// wgmma_commit makes the MMAs issued since the last commit one group; wgmma_wait waits for every group and
+// fences the accumulators. Work between the two runs while the MMAs do; wgmma_sync is both at once.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <typename... Acc>
-__device__ __forceinline__ void wgmma_sync(Acc&... acc) {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+__device__ __forceinline__ void wgmma_wait(Acc&... acc) {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
   (fence_acc(acc), ...);
+}
+template <typename... Acc>
+__device__ __forceinline__ void wgmma_sync(Acc&... acc) {
+  wgmma_commit();
+  wgmma_wait(acc...);
 }
 
 #define LSMINI_D32                                                                                           \

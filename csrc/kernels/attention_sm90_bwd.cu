@@ -21,12 +21,16 @@ namespace {
 
 #if defined(LSMINI_SM90A_DEVICE)
 // The backward's two score tiles, waited for: s = S = Q·Kᵀ and dp = dP = dO·Vᵀ (tiles at shared addresses).
-template <typename T, int D>
-__device__ __forceinline__ void wg_s_dp(float (&s)[8][4], float (&dp)[8][4], uint32_t q, uint32_t dout, uint32_t k,
-                                        uint32_t v) {
+// keep_bits() runs while their MMAs do (the tile's dropout bits: a load or Philox, or a constant without dropout).
+template <typename T, int D, typename KeepBits>
+__device__ __forceinline__ uint32_t wg_s_dp(float (&s)[8][4], float (&dp)[8][4], uint32_t q, uint32_t dout,
+                                            uint32_t k, uint32_t v, KeepBits keep_bits) {
   wg_abt<T, D>(s, q, k);
   wg_abt<T, D>(dp, dout, v);
-  wgmma_sync(s, dp);
+  wgmma_commit();
+  const uint32_t bits = keep_bits();
+  wgmma_wait(s, dp);
+  return bits;
 }
 #endif
 
@@ -96,8 +100,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
     const uint32_t cK = sK + (t & 1) * kTile, cV = sV + (t & 1) * kTile;
     float s[8][4], dp[8][4];
     mbar_wait(bar_kv + 8 * (t & 1), (t >> 1) & 1);  // the buffer's (t >> 1)-th fill
-    wg_s_dp<T, D>(s, dp, sQ, sdO, cK, cV);
-    tile_ds<T, kDropout>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, t * kBlock);
+    const uint32_t bits = wg_s_dp<T, D>(s, dp, sQ, sdO, cK, cV, [&] {
+      return kDropout ? st.tile_keep_bits(i0, t * kBlock) : 0u;
+    });
+    tile_ds<T, kDropout>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, t * kBlock, bits);
     wg_xb<T, D>(dq, s, cK);
     wgmma_sync(dq);
     if (t + 1 < n_tiles) {
@@ -300,9 +306,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2)
     const uint32_t cQ = sQ + stage * kTile, cdO = sdO + stage * kTile;
     float s[8][4], dp[8][4];
     mbar_wait(bar_q + 8 * stage, (t / kStages) & 1);  // the stage's (t / kStages)-th fill
-    wg_s_dp<T, D>(s, dp, sK, sV, cQ, cdO);  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
-    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, sWords + buf * kThreads,
-                           k0 + r0, current.start);
+    const uint32_t bits = wg_s_dp<T, D>(s, dp, sK, sV, cQ, cdO, [&] {  // Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ
+      return kDropout ? tile_keep_t(sWords + buf * kThreads) : 0u;
+    });
+    tile_ds_t<T, kDropout>(s, dp, st, sLse + buf * kBlock, sDelta + buf * kBlock, bits, k0 + r0, current.start);
     current.step(q_begin, q_end);
     // Loaded before the MMAs are issued: code between issue and wait makes ptxas fence them.
     const bool stage_next = t + 1 < n_tiles;
