@@ -233,11 +233,8 @@ __device__ __forceinline__ void store_rows(T* out, int64_t stride, int i0, int r
           make_float2(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
   __syncwarp();
   const int half = rot.dim / 2;
-  // Unrolled, and the tables read through the read-only path, so that every item's loads are issued before the
-  // first store instead of one item's round trip after another's.
-#pragma unroll
-  for (int k = 0; k < D / 16; ++k) {
-    const int item = lane + 32 * k, row = item / (D / 8), col = item % (D / 8) * 8, i = i0 + row;
+  for (int item = lane; item < 16 * (D / 8); item += 32) {
+    const int row = item / (D / 8), col = item % (D / 8) * 8, i = i0 + row;
     if (i >= rows) continue;
     const float* x = stage + row * ld;
     const int64_t at = b * rot.stride_batch + int64_t(i) * rot.stride_seq;
@@ -251,8 +248,8 @@ __device__ __forceinline__ void store_rows(T* out, int64_t stride, int i0, int r
         y[u] = x[j];
         if (j < rot.dim) {  // dx_a = g_a·cos_a + g_b·sin_b, dx_b = g_b·cos_b − g_a·sin_a (rotary.cu)
           const int p = j < half ? j + half : j - half;
-          const float t = x[p] * __ldg(rot.sin + at + p);
-          y[u] = fmaf(x[j], __ldg(rot.cos + at + j), j < half ? t : -t);
+          const float t = x[p] * rot.sin[at + p];
+          y[u] = fmaf(x[j], rot.cos[at + j], j < half ? t : -t);
         }
       }
       packed[e / 2] = pack2<T>(y[0], y[1]);
