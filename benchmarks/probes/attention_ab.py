@@ -16,7 +16,8 @@ arithmetic alone); with grouped K/V heads dK and dV within 2% of the base's larg
 be summed in another order) and bitwise equal on a second call. A loose check against fp32 SDPA guards against
 a bug the trees share. Timing: forward and backward (dQ and dK/dV kernels) of each library, CUDA events around
 20 calls, the median of 3 rounds that alternate the libraries (a few shapes also with dropout 0.1, the forward's
-bits kept); printed as ms and base / library.
+bits kept); printed as ms and base / library. Host time: the CPU time to issue a forward or a backward call
+(the median of 3 rounds of 100 calls, no synchronization inside a round), at two shapes.
 With --rounding (a change to the arithmetic) every output but the dropout bits is compared within 2% of the
 base's largest instead, and the deviations are printed. Exit status 1 when a check fails.
 
@@ -30,6 +31,7 @@ import argparse
 import ctypes
 import os
 import sys
+import time
 
 import torch
 
@@ -51,6 +53,8 @@ TIMINGS = [((8, 12, 4, 1024, 1024, 64), True), ((8, 12, 4, 2048, 2048, 64), True
 # with dropout 0.1, the forward's bits kept
 DROPOUT_TIMINGS = [((8, 12, 12, 1024, 1024, 64), True), ((8, 16, 16, 2048, 2048, 64), True),
                    ((8, 12, 4, 2048, 2048, 128), True), ((32, 12, 12, 128, 128, 64), False)]
+# the host's time a call
+HOST_TIMINGS = [((8, 12, 4, 1024, 1024, 64), True), ((32, 12, 12, 128, 128, 64), False)]
 LABELS = ("out", "dq", "dk", "dv", "lse", "delta", "keep")
 
 
@@ -199,6 +203,25 @@ def timing(libs, shape, causal, mode, p=0.0, iters=20, rounds=3):
     print(line, flush=True)
 
 
+def host_timing(libs, shape, causal, mode, calls=100, rounds=3):
+    """Microseconds of CPU time to issue one forward and one backward call of each library."""
+    tensors = inputs(shape, seed=2, mode=mode)
+    outs = outputs(tensors[0], tensors[1], shape, 0.0, mode)
+    times = {}
+    for _ in range(rounds):
+        for name, lib in libs.items():
+            for backward in (0, 1):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(calls):
+                    run(lib, backward, tensors, outs, shape, causal, mode)
+                times.setdefault((name, backward), []).append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    med = {key: sorted(v)[len(v) // 2] for key, v in times.items()}
+    print(f"{shape} causal={causal} host µs a call: " + " | ".join(
+        f"{name} fwd {med[name, 0]:.1f} bwd {med[name, 1]:.1f}" for name in libs), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     add_library_arguments(ap)
@@ -226,6 +249,9 @@ def main(argv=None):
             for shape, causal in shapes:
                 if mode.takes(shape):
                     timing(libs, shape, causal, mode, p)
+        for shape, causal in HOST_TIMINGS:
+            if mode.takes(shape):
+                host_timing(libs, shape, causal, mode)
     return 0 if ok else 1
 
 
