@@ -35,7 +35,7 @@ lsmini+compile, eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-comp
     lsmini+graph+saved  the same with the layers' ``recompute = False``: backward reads saved attention
               probabilities, FFN activations and LayerNorm outputs instead of recomputing them (llama: the
               SwiGLU products and the RMSNorm outputs), for more memory.
-    lsmini+lce, lsmini+graph+lce  (extra) the output projection and the criterion as one op over chunks
+    lsmini+lce, lsmini+graph+lce, lsmini+graph+saved+lce  (extra) the output projection and the criterion as one op over chunks
               of tokens (LinearCrossEntropyLoss): the logits are never all in memory, for ~0.6–1 ms a step.
     lsmini+compile  (extra but for llama) the lsmini variant with the model and its criterion under
               torch.compile(fullgraph=True); backward as torch.compile produces it, FusedAdam outside.
@@ -117,7 +117,7 @@ LLAMA_VARIANTS = ("lsmini", "lsmini+graph", "lsmini+graph+saved", "lsmini+compil
                   "compiled-graphs") + HF_VARIANTS
 # recompute off without a graph (e.g. for --nproc); the output projection and criterion over chunks of tokens
 # (LinearCrossEntropyLoss), never all the logits in memory; the lsmini model and criterion under torch.compile
-EXTRA_VARIANTS = ("lsmini+saved", "lsmini+lce", "lsmini+graph+lce", "lsmini+compile")
+EXTRA_VARIANTS = ("lsmini+saved", "lsmini+lce", "lsmini+graph+lce", "lsmini+graph+saved+lce", "lsmini+compile")
 ALL_VARIANTS = tuple(dict.fromkeys(VARIANTS + LLAMA_VARIANTS + EXTRA_VARIANTS))
 COLUMNS = ["config", "variant", "ms_step", "tokens_s", "peak_mb", "x_eager", "x_compiled", "x_compiled_graphs",
            "mem_vs_eager"]
