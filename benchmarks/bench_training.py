@@ -35,8 +35,9 @@ lsmini+compile, eager, compiled, compiled-graphs, hf-eager, hf-compiled, hf-comp
     lsmini+graph+saved  the same with the layers' ``recompute = False``: backward reads saved attention
               probabilities, FFN activations and LayerNorm outputs instead of recomputing them (llama: the
               SwiGLU products and the RMSNorm outputs), for more memory.
-    lsmini+lce, lsmini+graph+lce, lsmini+graph+saved+lce  (extra) the output projection and the criterion as one op over chunks
-              of tokens (LinearCrossEntropyLoss): the logits are never all in memory, for ~0.6–1 ms a step.
+    lsmini+lce, lsmini+graph+lce, lsmini+graph+saved+lce  (extra) the output projection and the criterion
+              as one op over chunks of tokens (LinearCrossEntropyLoss): the logits are never all in memory, for
+              ~0.6–1 ms a step.
     lsmini+compile  (extra but for llama) the lsmini variant with the model and its criterion under
               torch.compile(fullgraph=True); backward as torch.compile produces it, FusedAdam outside.
     compiled  the eager variant with the model and loss under torch.compile.
