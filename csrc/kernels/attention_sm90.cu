@@ -213,7 +213,7 @@ template <typename T>
 cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   constexpr int D = 128;
   const int64_t blocks = int64_t(a.batch) * a.heads * ((a.q_len + kWsQueries - 1) / kWsQueries);
-  // a Q tile a consumer, kWsStages × (K, V, key bias), the barriers: 131 632 B.
+  // a Q tile a consumer, kWsStages × (K, V, key bias), the barriers: 131 888 B.
   const size_t bytes = WsSmem<D>::bytes;
   const int threads = kThreads * (1 + kWsConsumers);
   AttentionMaps maps;
