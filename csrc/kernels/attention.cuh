@@ -458,11 +458,12 @@ struct Setup {
   // This (batch, head)'s matrix of a per-query-head operand (q, out, dout, dq) ...
   template <typename U>
   __device__ U* at(const Strided<U>& s) const { return s.ptr + b * s.batch + h * s.head; }
-  // ... and of a per-K/V-head one (k, v, dk, dv): K/V head h / (heads / kv_heads). (Derived here, not kept:
-  // the dK/dV kernels are at their register cap.)
+  // ... and of a per-K/V-head one (k, v, dk, dv): K/V head kv_head(a). (Derived here, not kept: the dK/dV kernels
+  // are at their register cap.)
+  __device__ int kv_head(const AttentionArgs<T>& a) const { return h / (a.heads / a.kv_heads); }
   template <typename U>
   __device__ U* at_kv(const Strided<U>& s, const AttentionArgs<T>& a) const {
-    return s.ptr + b * s.batch + h / (a.heads / a.kv_heads) * s.head;
+    return s.ptr + b * s.batch + kv_head(a) * s.head;
   }
   // The setup of query head h + j (same batch and K/V group): the dK/dV kernels walk a group's heads.
   __device__ Setup head(int j) const {

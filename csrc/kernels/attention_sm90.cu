@@ -41,9 +41,8 @@ __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
   const int q0 = (blockIdx.x % nqb) * kBlock;
   const Setup<T> st(a, blockIdx.x / nqb);
   const int i0 = q0 + (threadIdx.x >> 5) * 16;  // the warp's first query
-  const int h_kv = st.h / (a.heads / a.kv_heads);
 
-  auto issue_kv = [&](int t) { issue_kv_tile<T, D>(t, sK, sV, sBias, bar_kv, maps, st, h_kv); };
+  auto issue_kv = [&](int t) { issue_kv_tile<T, D>(t, sK, sV, sBias, bar_kv, maps, st, st.kv_head(a)); };
   const int n_tiles = (st.vis.key_end(q0) + kBlock - 1) / kBlock;
   if (n_tiles > 0) {  // nothing loaded without a visible key
     if (threadIdx.x == 0) {
@@ -153,7 +152,7 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   const int wg = threadIdx.x / kThreads;
   if (wg == 0) {  // ---- the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
-    const int tid = threadIdx.x, h_kv = st.h / (a.heads / a.kv_heads);
+    const int tid = threadIdx.x, h_kv = st.kv_head(a);
     // Tile t into stage t % kStages once the consumers are done with tile t − kStages: every producer thread writes
     // its key bias and arrives; thread 0 instead arrives expecting the bytes of the tile's copies, which it has the
     // TMA unit make (Q with tile 0). The stage's phase completes when both are in.

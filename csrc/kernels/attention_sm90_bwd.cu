@@ -56,9 +56,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int i0 = q0 + warp * 16;
   const int valid = min(kBlock, a.q_len - q0);
-  const int h_kv = st.h / (a.heads / a.kv_heads);
 
-  auto issue_kv = [&](int t) { issue_kv_tile<T, D>(t, sK, sV, sBias, bar_kv, maps, st, h_kv); };
+  auto issue_kv = [&](int t) { issue_kv_tile<T, D>(t, sK, sV, sBias, bar_kv, maps, st, st.kv_head(a)); };
   const int n_tiles = (st.vis.key_end(q0) + kBlock - 1) / kBlock;
   if (threadIdx.x == 0) {
     mbar_init_copies(bar_q, 3);
@@ -283,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2)
   };
   if (n_tiles > 0) {
     if (threadIdx.x == 0) {
-      const int h_kv = st.h / (a.heads / a.kv_heads);
+      const int h_kv = st.kv_head(a);
       mbar_init_copies(bar_kv, 1 + kStages);
       mbar_expect_tx(bar_kv, 2 * kTile);
       tma_tile<D>(sK, &maps.k, k0, h_kv, st.b, bar_kv);
@@ -359,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2)
 }
 
 template <typename T, int D, bool kDropout>
-cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
+cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, const AttentionMaps& maps, cudaStream_t stream) {
   // K + V + kStages × (Q + dO) tiles, 2 × (lse, Δ), bias, 2 × 128 keep words, 1 + kStages mbarriers: D = 64 →
   // 67 872 B (three CTAs an SM), D = 128 → 100 632 B, under the 115 712 B (half of 228 KB, less 1 KB reserved a
   // CTA) that lets two CTAs share an SM.
@@ -369,8 +368,6 @@ cudaError_t bwd_dkv_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   // The sum of a grouped cluster's parts takes 2 × 64 × D floats of it: 32 or 64 KB, within those bytes.
   static_assert(2 * kBlock * D * sizeof(float) <= kTiles * kSwTileBytes<D>, "");
   const int64_t blocks = int64_t(a.batch) * a.kv_heads * ((a.k_len + kBlock - 1) / kBlock);
-  AttentionMaps maps;
-  if (blocks > 0 && !encode_maps(&maps, a, true)) return cudaErrorInvalidValue;
   if (a.kv_heads != a.heads) {
     auto kernel = attention_bwd_dkv_sm90_kernel<T, D, true, kDropout>;
     int per_sm = 0;
@@ -389,14 +386,14 @@ cudaError_t bwd_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   // dq: Q + dO + 2×K + 2×V tiles, Δ, lse, 2 bias arrays, 3 mbarriers: D = 64 → 50 200 B, D = 128 → 99 352 B.
   const size_t dq_bytes = 6 * kSwTileBytes<D> + 4 * kBlock * sizeof(float) + 3 * 8;
   const int64_t blocks = bh * ((a.q_len + kBlock - 1) / kBlock);
-  AttentionMaps maps;
+  AttentionMaps maps;  // the dQ and the dK/dV kernels read the same operands
   if (blocks > 0 && !encode_maps(&maps, a, true)) return cudaErrorInvalidValue;
   const bool dropout = a.dropout_p > 0.f;
   const cudaError_t err =
       dropout ? launch_with_maps(attention_bwd_dq_sm90_kernel<T, D, true>, blocks, dq_bytes, a, maps, stream)
               : launch_with_maps(attention_bwd_dq_sm90_kernel<T, D, false>, blocks, dq_bytes, a, maps, stream);
   if (err != cudaSuccess) return err;
-  return dropout ? bwd_dkv_sm90<T, D, true>(a, stream) : bwd_dkv_sm90<T, D, false>(a, stream);
+  return dropout ? bwd_dkv_sm90<T, D, true>(a, maps, stream) : bwd_dkv_sm90<T, D, false>(a, maps, stream);
 }
 
 }  // namespace
