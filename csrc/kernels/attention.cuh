@@ -485,21 +485,25 @@ struct Setup {
 
 
 // ---- what the forward kernels (attention.cu, attention_sm90.cu) do with a score tile ------------------
-// One step of the online softmax on the warp's 16×64 tile of raw scores s (rows i0 + g, i0 + g + 8; keys
-// k0 + column): masked and scaled, the rows' running max m and this lane's part of their running sum l
-// updated, o rescaled to the new max, s replaced by p̃ = z·exp2(s − m). With kKeep the tile's dropout
-// bits also go to *keep_out.
-template <typename T, int D, bool kKeep>
-__device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
-                                             const Setup<T>& st, const float* bias, int i0, int k0,
-                                             uint32_t* keep_out) {
+// One step of the online softmax over the warp's 16×64 tiles of raw scores s (rows i0 + g, i0 + g + 8; keys
+// k0 + column) that the step takes, in three parts: tile_max on each tile (masked; the rows' max over the step's
+// tiles), rescale_rows once (the rows' running max m and this lane's part of their running sum l updated, o
+// rescaled to the new max), tile_probs on each tile (s replaced by p̃ = z·exp2(s − m); with kKeep the tile's dropout
+// bits also go to *keep_out). softmax_step is the step of one tile.
+template <typename T>
+__device__ __forceinline__ void tile_max(float (&s)[8][4], const Setup<T>& st, const float* bias, int i0, int k0,
+                                         float (&mx)[2]) {
   mask_scores(s, bias, st.vis, i0, k0);
-  float mx[2] = {-kInf, -kInf};
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-  float base[2];
+}
+
+// mx: this lane's max of the step's raw scores (tile_max); base: the rows' new max, the exp2 offset of tile_probs.
+template <typename T, int D>
+__device__ __forceinline__ void rescale_rows(float (&mx)[2], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+                                             const Setup<T>& st, float (&base)[2]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -516,6 +520,11 @@ __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8]
       o[n][2 * r + 1] *= alpha;
     }
   }
+}
+
+template <typename T, bool kKeep>
+__device__ __forceinline__ void tile_probs(float (&s)[8][4], const float (&base)[2], float (&l)[2],
+                                           const Setup<T>& st, int i0, int k0, uint32_t* keep_out) {
 #pragma unroll
   for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -531,6 +540,16 @@ __device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8]
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = (bits >> keep_bit(n, e)) & 1u ? s[n][e] * st.inv_keep : 0.f;
   }
+}
+
+template <typename T, int D, bool kKeep>
+__device__ __forceinline__ void softmax_step(float (&s)[8][4], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
+                                             const Setup<T>& st, const float* bias, int i0, int k0,
+                                             uint32_t* keep_out) {
+  float mx[2] = {-kInf, -kInf}, base[2];
+  tile_max(s, st, bias, i0, k0, mx);
+  rescale_rows<T, D>(mx, o, m, l, st, base);
+  tile_probs<T, kKeep>(s, base, l, st, i0, k0, keep_out);
 }
 
 // The forward's end: the warp's 16 rows of out = o / l and their lse.

@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
 // its MMAs behind the other's softmax; this kernel splits the work by role instead: a producer warpgroup that only
 // copies and kWsConsumers warpgroups that only compute, one CTA an SM. (At head dim 64 the one-warpgroup kernel
 // holds four or five CTAs an SM and is the faster.)
-constexpr int kWsConsumers = 2, kWsStages = 3, kWsQueries = kWsConsumers * kBlock;
+constexpr int kWsConsumers = 2, kWsStages = 4, kWsQueries = kWsConsumers * kBlock;
 // Head dim 128 takes the warp-specialized kernel past this many keys (the switch below).
 constexpr int kWsMinKeys = 512;
 // Registers a thread of the producer and of a consumer warpgroup holds after setmaxnreg (multiples of 8, the CTA's
@@ -190,7 +190,31 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   float o[D / 8][4] = {};
   float m[2] = {-kInf, -kInf};
   float l[2] = {0.f, 0.f};
-  for (int t = 0; t < my_tiles; ++t) {
+  // Two key tiles a step: one max and one rescale of o for 128 keys (o is 64 registers a thread at head dim 128).
+  // The last tile of an odd count takes a step of its own, outside the loop: a branch between MMAs makes ptxas
+  // serialize them.
+  int t = 0;
+  for (; t + 1 < my_tiles; t += 2) {
+    const int s0 = t % kStages, s1 = (t + 1) % kStages;
+    mbar_wait(full + 8 * s0, (t / kStages) & 1);
+    mbar_wait(full + 8 * s1, ((t + 1) / kStages) & 1);
+    float sc[2][8][4];
+    wg_abt<T, D>(sc[0], sQ, base + L::k + s0 * kTile);
+    wg_abt<T, D>(sc[1], sQ, base + L::k + s1 * kTile);
+    wgmma_sync(sc[0], sc[1]);
+    float mx[2] = {-kInf, -kInf}, shift[2];
+    tile_max(sc[0], st, sBias + s0 * kBlock, i0, t * kBlock, mx);
+    tile_max(sc[1], st, sBias + s1 * kBlock, i0, (t + 1) * kBlock, mx);
+    rescale_rows<T, D>(mx, o, m, l, st, shift);
+    tile_probs<T, kKeep>(sc[0], shift, l, st, i0, t * kBlock, kKeep ? keep_row + 32 * t : nullptr);
+    tile_probs<T, kKeep>(sc[1], shift, l, st, i0, (t + 1) * kBlock, kKeep ? keep_row + 32 * (t + 1) : nullptr);
+    wg_xb<T, D>(o, sc[0], base + L::v + s0 * kTile);
+    wg_xb<T, D>(o, sc[1], base + L::v + s1 * kTile);
+    wgmma_sync(o);
+    mbar_arrive(empty + 8 * s0);
+    mbar_arrive(empty + 8 * s1);
+  }
+  if (t < my_tiles) {
     const int s = t % kStages;
     mbar_wait(full + 8 * s, (t / kStages) & 1);
     float sc[8][4];
@@ -212,7 +236,7 @@ template <typename T>
 cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   constexpr int D = 128;
   const int64_t blocks = int64_t(a.batch) * a.heads * ((a.q_len + kWsQueries - 1) / kWsQueries);
-  // a Q tile a consumer, kWsStages × (K, V, key bias), the barriers: 131 888 B.
+  // a Q tile a consumer, kWsStages × (K, V, key bias), the barriers: 164 928 B.
   const size_t bytes = WsSmem<D>::bytes;
   const int threads = kThreads * (1 + kWsConsumers);
   AttentionMaps maps;
