@@ -500,25 +500,35 @@ __device__ __forceinline__ void tile_max(float (&s)[8][4], const Setup<T>& st, c
     for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
 }
 
-// mx: this lane's max of the step's raw scores (tile_max); base: the rows' new max, the exp2 offset of tile_probs.
+// mx: this lane's max of the step's raw scores (tile_max); base: the exp2 offset of tile_probs.
+// m is the exp2 offset of l and o, not always the rows' max: it moves (and o and l are rescaled) only when a row of
+// the warp sees a score more than kLazyRescale above it, so p̃ stays ≤ 2^kLazyRescale and most steps after the
+// first few skip the rescale. lse = m + log2(l) holds for any such m.
 template <typename T, int D>
 __device__ __forceinline__ void rescale_rows(float (&mx)[2], float (&o)[D / 8][4], float (&m)[2], float (&l)[2],
                                              const Setup<T>& st, float (&base)[2]) {
+  constexpr float kLazyRescale = 8.f;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
     mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
     mx[r] *= st.scale2;  // the max of the scaled scores (scale2 > 0, and rounding keeps their order)
-    const float m_new = fmaxf(m[r], mx[r]);
-    base[r] = m_new == -kInf ? 0.f : m_new;  // a row with nothing visible yet: exp2(−inf − 0) = 0
-    const float alpha = exp2f(m[r] - base[r]);
-    m[r] = m_new;
-    l[r] *= alpha;
+  }
+  const bool move = __any_sync(0xffffffffu, mx[0] > m[0] + kLazyRescale || mx[1] > m[1] + kLazyRescale);
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][2 * r] *= alpha;
-      o[n][2 * r + 1] *= alpha;
+  for (int r = 0; r < 2; ++r) {
+    if (move) {
+      const float m_new = fmaxf(m[r], mx[r]);
+      const float alpha = exp2f(m[r] - (m_new == -kInf ? 0.f : m_new));
+      m[r] = m_new;
+      l[r] *= alpha;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][2 * r] *= alpha;
+        o[n][2 * r + 1] *= alpha;
+      }
     }
+    base[r] = m[r] == -kInf ? 0.f : m[r];  // a row with nothing visible yet: exp2(−inf − 0) = 0
   }
 }
 
