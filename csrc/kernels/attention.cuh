@@ -487,9 +487,9 @@ struct Setup {
 // ---- what the forward kernels (attention.cu, attention_sm90.cu) do with a score tile ------------------
 // One step of the online softmax over the warp's 16×64 tiles of raw scores s (rows i0 + g, i0 + g + 8; keys
 // k0 + column) that the step takes, in three parts: tile_max on each tile (masked; the rows' max over the step's
-// tiles), rescale_rows once (the rows' running max m and this lane's part of their running sum l updated, o
-// rescaled to the new max), tile_probs on each tile (s replaced by p̃ = z·exp2(s − m); with kKeep the tile's dropout
-// bits also go to *keep_out). softmax_step is the step of one tile.
+// tiles), rescale_rows once (the rows' exp2 offset m moved when a score passes it, and this lane's part of their
+// running sum l and o rescaled to it), tile_probs on each tile (s replaced by p̃ = z·exp2(s − m); with kKeep the
+// tile's dropout bits also go to *keep_out). softmax_step is the step of one tile.
 template <typename T>
 __device__ __forceinline__ void tile_max(float (&s)[8][4], const Setup<T>& st, const float* bias, int i0, int k0,
                                          float (&mx)[2]) {
