@@ -104,6 +104,37 @@ struct WsSmem {
                        full = bias + kWsStages * kBlock * 4, empty = full + kWsStages * 8, bytes = empty + kWsStages * 8;
 };
 
+// The two consumers take turns issuing their score MMAs, consumer 0 first: a consumer's step waits for the
+// other's score MMAs of the step before to be committed (named barrier 1 + c, both consumers' threads), so that the
+// two run half a step apart and one's softmax tends to run while the other's products do. Consumer c's step j waits
+// only if the other has a step that passes it the turn (consumer 1's step j − 1 for consumer 0, whose step 0
+// consumer 1 passes at its start; consumer 0's step j for consumer 1): one that runs out of steps leaves no
+// barrier half-arrived, and each pass is taken before the next, so a barrier never sees two arrivals in a row.
+struct WsTurns {
+  int c, other, done = 0;  // this consumer, the other's step count, this one's steps taken
+  __device__ WsTurns(int c_, int other_) : c(c_), other(other_) {
+    static_assert(kWsConsumers == 2, "turns between two consumers");
+    barrier(c == 1 && other > 0, false, 1);
+  }
+  // bar.sync or bar.arrive under a predicate: pass() sits between the MMAs' commit and their wait, where a branch
+  // would make ptxas wait for them first.
+  __device__ static void barrier(bool when, bool sync, int id) {
+    if (sync)
+      asm volatile("{ .reg .pred p; setp.ne.u32 p, %0, 0; @p bar.sync %1, %2; }" ::"r"(int(when)), "r"(id),
+                   "n"(2 * kThreads) : "memory");
+    else
+      asm volatile("{ .reg .pred p; setp.ne.u32 p, %0, 0; @p bar.arrive %1, %2; }" ::"r"(int(when)), "r"(id),
+                   "n"(2 * kThreads));
+  }
+  // Before the step's score MMAs.
+  __device__ void wait() { barrier(done < other + 1 - c, true, 1 + c); }
+  // Once they are committed.
+  __device__ void pass() {
+    barrier(done + c < other, false, 2 - c);
+    ++done;
+  }
+};
+
 // Warp-specialized: warpgroup 0 (the producer) streams Q and the K/V tiles into a ring of kWsStages stages by
 // cp.async, and publishes each with the stage's full barrier once its copies have landed; the other warpgroups (the
 // consumers) each own 64 of the CTA's queries and run the loop of the one-warpgroup kernel on every stage, then
@@ -184,6 +215,7 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   const int c = wg - 1, qc = q0 + c * kBlock;
   const int i0 = qc + ((threadIdx.x >> 5) & 3) * 16;  // the warp's first query
   const int my_tiles = tiles_of(c);
+  WsTurns turns(c, (tiles_of(1 - c) + 1) / 2);
   if (qc >= a.q_len) return;
   const uint32_t sQ = base + L::q + c * kTile;
   uint32_t* const keep_row = kKeep ? st.keep_word(i0, 0) : nullptr;
@@ -199,9 +231,12 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     mbar_wait(full + 8 * s0, (t / kStages) & 1);
     mbar_wait(full + 8 * s1, ((t + 1) / kStages) & 1);
     float sc[2][8][4];
+    turns.wait();
     wg_abt<T, D>(sc[0], sQ, base + L::k + s0 * kTile);
     wg_abt<T, D>(sc[1], sQ, base + L::k + s1 * kTile);
-    wgmma_sync(sc[0], sc[1]);
+    wgmma_commit();
+    turns.pass();
+    wgmma_wait(sc[0], sc[1]);
     float mx[2] = {-kInf, -kInf}, shift[2];
     tile_max(sc[0], st, sBias + s0 * kBlock, i0, t * kBlock, mx);
     tile_max(sc[1], st, sBias + s1 * kBlock, i0, (t + 1) * kBlock, mx);
@@ -218,8 +253,11 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     const int s = t % kStages;
     mbar_wait(full + 8 * s, (t / kStages) & 1);
     float sc[8][4];
+    turns.wait();
     wg_abt<T, D>(sc, sQ, base + L::k + s * kTile);
-    wgmma_sync(sc);
+    wgmma_commit();
+    turns.pass();
+    wgmma_wait(sc);
     softmax_step<T, D, kKeep>(sc, o, m, l, st, sBias + s * kBlock, i0, t * kBlock,
                               kKeep ? keep_row + 32 * t : nullptr);
     wg_xb<T, D>(o, sc, base + L::v + s * kTile);
