@@ -415,6 +415,34 @@ def test_kernel_reads_and_writes_rows_at_their_stride(vocab, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [7, 1000, 50257])
+def test_kernel_forward_writes_the_gradient(vocab, dtype):
+    """With grad_rows the forward also writes the backward's gradient over the logits (linear_cross_entropy's
+    chunks): the same losses and the same gradient bit for bit as the forward then the in-place backward, ignored
+    rows zero and a bad target's row NaN, the columns past the view untouched. Vocabularies of a warp a row and
+    of a block a row."""
+    C = _backend.ext()
+    rows, extra = 37, 9
+    logits, t = _cuda_inputs(rows, vocab, dtype, seed=12)
+    t[5] = vocab + 3  # out of range: NaN row
+    assert (t == -100).any()
+    wide = torch.full((rows, vocab + extra), 7.0, dtype=dtype, device="cuda")
+    wide[:, :vocab] = logits
+    fused, split = wide.clone(), wide.clone()
+    grad_rows = torch.rand(rows, device="cuda")
+    want = C.cross_entropy_fwd(split[:, :vocab], t, 0.1, -100)
+    C.cross_entropy_bwd(grad_rows, split[:, :vocab], t, want[2], 0.1, -100, True)
+    got = C.cross_entropy_fwd(fused[:, :vocab], t, 0.1, -100, grad_rows)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(fused, split, rtol=0, atol=0, equal_nan=True)
+    assert torch.all(fused[t == -100, :vocab] == 0) and torch.all(fused[5, :vocab].isnan())
+    assert torch.all(fused[:, vocab:] == 7)
+    assert not torch.equal(fused[:, :vocab], logits)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_large_offset_and_masked_vocab(dtype):
     # 1000 + N(0,1): the online max must carry the row (no overflow, no cancellation).
     logits, t = _cuda_inputs(64, 32000, torch.float32, seed=9, scale=1.0)
@@ -526,3 +554,9 @@ def test_binding_checks():
         C.cross_entropy_bwd(g.half(), x, t, lse, 0.0, -100, False)
     with pytest.raises(RuntimeError, match="cross_entropy_bwd: inplace=True needs logits with contiguous rows"):
         C.cross_entropy_bwd(g, torch.randn(10, 4, device="cuda").t(), t, lse, 0.0, -100, True)
+    with pytest.raises(RuntimeError, match="cross_entropy_fwd: grad_rows must be Float"):
+        C.cross_entropy_fwd(x, t, 0.0, -100, g.half())
+    with pytest.raises(RuntimeError, match=r"cross_entropy_fwd: grad_rows must have shape \[4\]"):
+        C.cross_entropy_fwd(x, t, 0.0, -100, g[:3])
+    with pytest.raises(RuntimeError, match="cross_entropy_fwd: grad_rows needs logits with contiguous rows"):
+        C.cross_entropy_fwd(torch.randn(10, 4, device="cuda").t(), t, 0.0, -100, g)

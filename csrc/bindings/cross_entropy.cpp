@@ -36,16 +36,26 @@ void check_smoothing(double label_smoothing, const char* op) {
 
 // Returns (loss_rows, nll_rows, lse), fp32 [rows]; rows whose target is ignore_index hold 0, rows
 // whose target is out of range hold NaN (no bounds check here: that is the caller's sync-costing job).
+// With grad_rows (fp32 [rows]) the kernel also writes cross_entropy_bwd's gradient for them over the logits,
+// in place (their rows must be contiguous), right after each row's lse.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd(const at::Tensor& logits_in,
                                                                  const at::Tensor& target_in,
-                                                                 double label_smoothing, int64_t ignore_index) {
+                                                                 double label_smoothing, int64_t ignore_index,
+                                                                 const std::optional<at::Tensor>& grad_rows_in) {
   const char* op = "cross_entropy_fwd";
   check_logits(logits_in, op);
   check_rows(target_in, logits_in, at::kLong, op, "target");
   check_smoothing(label_smoothing, op);
+  if (grad_rows_in) {
+    check_rows(*grad_rows_in, logits_in, at::kFloat, op, "grad_rows");
+    LSMINI_CHECK(has_row_major(logits_in), op,
+                ": grad_rows needs logits with contiguous rows (the gradient is written over them), got strides ",
+                logits_in.strides());
+  }
   c10::cuda::CUDAGuard guard(logits_in.device());
   const at::Tensor logits = row_major(logits_in);
   const at::Tensor target = target_in.contiguous();
+  const at::Tensor grad_rows = grad_rows_in ? grad_rows_in->contiguous() : at::Tensor();
   const int64_t rows = logits.size(0);
   const int vocab = static_cast<int>(logits.size(1));
   const at::TensorOptions f32 = logits.options().dtype(at::kFloat);
@@ -55,8 +65,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cross_entropy_fwd(const at::Tenso
   dispatch_float(logits.scalar_type(), op, [&](auto tag) {
     using scalar_t = decltype(tag);
     check_launch(launch_cross_entropy_fwd(kptr<scalar_t>(logits), target.data_ptr<int64_t>(), loss.data_ptr<float>(),
-                                          nll.data_ptr<float>(), lse.data_ptr<float>(), rows, vocab, row_stride(logits),
-                                          static_cast<float>(label_smoothing), ignore_index, current_stream()),
+                                          nll.data_ptr<float>(), lse.data_ptr<float>(),
+                                          grad_rows.defined() ? grad_rows.data_ptr<float>() : nullptr, rows, vocab,
+                                          row_stride(logits), static_cast<float>(label_smoothing), ignore_index,
+                                          current_stream()),
                  op);
   });
   return {loss, nll, lse};
@@ -97,9 +109,10 @@ at::Tensor cross_entropy_bwd(const at::Tensor& grad_rows_in, const at::Tensor& l
 
 void register_cross_entropy(pybind11::module_& m) {
   m.def("cross_entropy_fwd", &cross_entropy_fwd,
-        "Label-smoothed cross-entropy forward, per row: (loss_rows, nll_rows, lse), fp32 [rows]",
+        "Label-smoothed cross-entropy forward, per row: (loss_rows, nll_rows, lse), fp32 [rows]; with grad_rows "
+        "also the backward's gradient, written over the logits",
         pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("label_smoothing"),
-        pybind11::arg("ignore_index"));
+        pybind11::arg("ignore_index"), pybind11::arg("grad_rows") = pybind11::none());
   m.def("cross_entropy_bwd", &cross_entropy_bwd,
         "Label-smoothed cross-entropy backward: grad_logits (logits' own storage when inplace)",
         pybind11::arg("grad_rows"), pybind11::arg("logits"), pybind11::arg("target"), pybind11::arg("lse"),

@@ -25,7 +25,10 @@
  * max and one float2 sum reduction combine the threads. Nothing per element is written: the row of
  * log-probabilities never exists in memory. The target logit is a single scalar load by thread 0.
  * The backward reads each element once and writes it once (exp(x − lse) needs no reduction), in
- * place when grad_logits == logits (each element is read before it is written, by the same thread).
+ * place when grad_logits == logits (each element is read before it is written, by the same thread). The
+ * forward can write that gradient too, in place, right after the row's lse (linear_cross_entropy, which
+ * needs the gradient at once): the row's second read then comes from L2, and the logits cross memory twice
+ * instead of three times.
  *
  * Alignment: each row is split into a scalar head up to its first 16-byte boundary, aligned
  * vectors, and a scalar tail, so any V (odd vocabularies such as 50257 included) and any element-
@@ -112,102 +115,12 @@ struct OnlineLse {
   }
 };
 
+// The gradient of one row (a normal one: t ∈ [0, vocab)) from its lse, by the row group's threads: each element
+// read once and written once, by the same thread, so grad may be logits itself (in place).
 template <typename T, int VEC>
-__global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
-cross_entropy_fwd_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
-                         float* __restrict__ loss_rows, float* __restrict__ nll_rows, float* __restrict__ lse_rows,
-                         int64_t rows, int vocab, int64_t row_stride, float smoothing, int64_t ignore_index) {
-  __shared__ float red_max[32];
-  __shared__ float2 red_sum[32];
-  // The row group is a whole block when it spans several warps (blockDim.y == 1) or a lone warp
-  // without block barriers, so every exit below is uniform over the threads that synchronize.
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row >= rows) return;
+__device__ __forceinline__ void write_row_grad(const T* x, T* g, const RowSplit& sp, int vocab, int64_t t,
+                                               float scale, float lse, float smoothing) {
   const int tid = threadIdx.x, nthr = blockDim.x;
-  const int64_t t = target[row];
-  const RowKind kind = classify(t, ignore_index, vocab);
-  if (kind != kRowNormal) {
-    if (tid == 0) {
-      const float v = kind == kRowIgnored ? 0.f : quiet_nan();
-      loss_rows[row] = v;
-      nll_rows[row] = v;
-      lse_rows[row] = v;
-    }
-    return;
-  }
-  const T* x = logits + row * row_stride;
-  const float x_t = tid == 0 ? to_float(x[t]) : 0.f;  // t ∈ [0, vocab) here; issued early, used last
-
-  OnlineLse st;
-  const RowSplit sp = split_row<T, VEC>(x, vocab, true);
-  for (int j = tid; j < sp.head; j += nthr) {
-    const float v[1] = {to_float(x[j])};
-    st.add(v);
-  }
-  for (int j = sp.tail + tid; j < vocab; j += nthr) {
-    const float v[1] = {to_float(x[j])};
-    st.add(v);
-  }
-  const T* xv = x + sp.head;
-  int c = tid;
-  for (; c + (kUnroll - 1) * nthr < sp.nvec; c += kUnroll * nthr) {
-    float v[kUnroll * VEC];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load_floats<T, VEC>(xv + (c + u * nthr) * VEC, v + u * VEC);
-    st.add(v);
-  }
-  for (; c < sp.nvec; c += nthr) {
-    float v[VEC];
-    load_floats<T, VEC>(xv + c * VEC, v);
-    st.add(v);
-  }
-
-  const float row_max = block_max(st.m, red_max);  // warp-only when the group is one warp
-  const float2 sums = group_sum2(make_float2(st.s * __expf(st.m - row_max), st.sx), red_sum);
-  if (tid == 0) {
-    // lse − x_t as (max − x_t) + log Σ: the first difference is exact for nearby values, so a large
-    // common offset (logits ≈ 1000) does not cost the nll the rounding of lse at that magnitude.
-    const float log_sum = __logf(sums.x);
-    const float lse = row_max + log_sum;
-    const float nll = (row_max - x_t) + log_sum;
-    // ε = 0 must not touch the smoothing term: with a −inf logit it is +inf and 0·inf = NaN.
-    const float loss =
-        smoothing > 0.f ? (1.f - smoothing) * nll + smoothing * ((row_max - sums.y / vocab) + log_sum) : nll;
-    loss_rows[row] = loss;
-    nll_rows[row] = nll;
-    lse_rows[row] = lse;
-  }
-}
-
-// logits and grad may be the same buffer (in-place backward): no __restrict__ on them.
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
-cross_entropy_bwd_kernel(const float* __restrict__ grad_rows, const T* logits, const int64_t* __restrict__ target,
-                         const float* __restrict__ lse_rows, T* grad, int64_t rows, int vocab, int64_t row_stride,
-                         int64_t grad_stride, float smoothing, int64_t ignore_index, bool vec_ok) {
-  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
-  if (row >= rows) return;
-  const int tid = threadIdx.x, nthr = blockDim.x;
-  // The three row scalars are independent loads: issue them together, before the branch.
-  const int64_t t = target[row];
-  const float scale = grad_rows[row];
-  const float lse = lse_rows[row];
-  const RowKind kind = classify(t, ignore_index, vocab);
-  const T* x = logits + row * row_stride;
-  T* g = grad + row * grad_stride;
-  const RowSplit sp = split_row<T, VEC>(x, vocab, vec_ok);  // same split for g: same offset mod 16
-
-  if (kind != kRowNormal) {  // constant row, logits not read
-    const float f = kind == kRowIgnored ? 0.f : quiet_nan();
-    float fv[VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) fv[k] = f;
-    for (int j = tid; j < sp.head; j += nthr) g[j] = from_float<T>(f);
-    for (int j = sp.tail + tid; j < vocab; j += nthr) g[j] = from_float<T>(f);
-    for (int c = tid; c < sp.nvec; c += nthr) store_pack<T, VEC>(g + sp.head + c * VEC, fv);
-    return;
-  }
-
   const float c_all = scale * (smoothing / vocab);       // s·ε/V, every element
   const float c_hit = c_all + scale * (1.f - smoothing);  // plus s·(1 − ε) at the target
   const int ti = static_cast<int>(t);
@@ -240,6 +153,118 @@ cross_entropy_bwd_kernel(const float* __restrict__ grad_rows, const T* logits, c
   }
 }
 
+// A constant gradient row f (0 for an ignored row, NaN for a bad target), the logits not read.
+template <typename T, int VEC>
+__device__ __forceinline__ void fill_row(T* g, const RowSplit& sp, int vocab, float f) {
+  const int tid = threadIdx.x, nthr = blockDim.x;
+  float fv[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) fv[k] = f;
+  for (int j = tid; j < sp.head; j += nthr) g[j] = from_float<T>(f);
+  for (int j = sp.tail + tid; j < vocab; j += nthr) g[j] = from_float<T>(f);
+  for (int c = tid; c < sp.nvec; c += nthr) store_pack<T, VEC>(g + sp.head + c * VEC, fv);
+}
+
+// logits and grad may be the same buffer (in-place backward): no __restrict__ on them.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
+cross_entropy_bwd_kernel(const float* __restrict__ grad_rows, const T* logits, const int64_t* __restrict__ target,
+                         const float* __restrict__ lse_rows, T* grad, int64_t rows, int vocab, int64_t row_stride,
+                         int64_t grad_stride, float smoothing, int64_t ignore_index, bool vec_ok) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows) return;
+  // The three row scalars are independent loads: issue them together, before the branch.
+  const int64_t t = target[row];
+  const float scale = grad_rows[row];
+  const float lse = lse_rows[row];
+  const RowKind kind = classify(t, ignore_index, vocab);
+  const T* x = logits + row * row_stride;
+  T* g = grad + row * grad_stride;
+  const RowSplit sp = split_row<T, VEC>(x, vocab, vec_ok);  // same split for g: same offset mod 16
+  if (kind != kRowNormal) {
+    fill_row<T, VEC>(g, sp, vocab, kind == kRowIgnored ? 0.f : quiet_nan());
+    return;
+  }
+  write_row_grad<T, VEC>(x, g, sp, vocab, t, scale, lse, smoothing);
+}
+
+// kGrad: the row's gradient too, scaled by grad_rows[row] and written over the logits (what the backward kernel
+// writes in place), once the row's lse is known: the second read of the row comes from L2 rather than memory.
+template <typename T, int VEC, bool kGrad>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
+cross_entropy_fwd_kernel(T* logits, const int64_t* __restrict__ target, float* __restrict__ loss_rows,
+                         float* __restrict__ nll_rows, float* __restrict__ lse_rows,
+                         const float* __restrict__ grad_rows, int64_t rows, int vocab, int64_t row_stride,
+                         float smoothing, int64_t ignore_index) {
+  __shared__ float red_max[32];
+  __shared__ float2 red_sum[32];
+  // The row group is a whole block when it spans several warps (blockDim.y == 1) or a lone warp
+  // without block barriers, so every exit below is uniform over the threads that synchronize.
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (row >= rows) return;
+  const int tid = threadIdx.x, nthr = blockDim.x;
+  const int64_t t = target[row];
+  const RowKind kind = classify(t, ignore_index, vocab);
+  T* const x = logits + row * row_stride;
+  if (kind != kRowNormal) {
+    const float v = kind == kRowIgnored ? 0.f : quiet_nan();
+    if (tid == 0) {
+      loss_rows[row] = v;
+      nll_rows[row] = v;
+      lse_rows[row] = v;
+    }
+    if (kGrad) fill_row<T, VEC>(x, split_row<T, VEC>(x, vocab, true), vocab, v);
+    return;
+  }
+  const float x_t = tid == 0 ? to_float(x[t]) : 0.f;  // t ∈ [0, vocab) here; issued early, used last
+
+  OnlineLse st;
+  const RowSplit sp = split_row<T, VEC>(x, vocab, true);
+  for (int j = tid; j < sp.head; j += nthr) {
+    const float v[1] = {to_float(x[j])};
+    st.add(v);
+  }
+  for (int j = sp.tail + tid; j < vocab; j += nthr) {
+    const float v[1] = {to_float(x[j])};
+    st.add(v);
+  }
+  const T* xv = x + sp.head;
+  int c = tid;
+  for (; c + (kUnroll - 1) * nthr < sp.nvec; c += kUnroll * nthr) {
+    float v[kUnroll * VEC];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load_floats<T, VEC>(xv + (c + u * nthr) * VEC, v + u * VEC);
+    st.add(v);
+  }
+  for (; c < sp.nvec; c += nthr) {
+    float v[VEC];
+    load_floats<T, VEC>(xv + c * VEC, v);
+    st.add(v);
+  }
+
+  // Both reductions return to every thread of the row. With kGrad the gradient goes over the row after every
+  // thread's reads above: behind the reductions' barriers when the group spans warps, the __syncwarp when not.
+  const float row_max = block_max(st.m, red_max);  // warp-only when the group is one warp
+  const float2 sums = group_sum2(make_float2(st.s * __expf(st.m - row_max), st.sx), red_sum);
+  const float log_sum = __logf(sums.x);
+  const float lse = row_max + log_sum;
+  if (kGrad) {
+    __syncwarp();  // a one-warp row group has no barrier above: every lane's reads (x_t's too) before any write
+    write_row_grad<T, VEC>(x, x, sp, vocab, t, grad_rows[row], lse, smoothing);
+  }
+  if (tid == 0) {
+    // lse − x_t as (max − x_t) + log Σ: the first difference is exact for nearby values, so a large
+    // common offset (logits ≈ 1000) does not cost the nll the rounding of lse at that magnitude.
+    const float nll = (row_max - x_t) + log_sum;
+    // ε = 0 must not touch the smoothing term: with a −inf logit it is +inf and 0·inf = NaN.
+    const float loss =
+        smoothing > 0.f ? (1.f - smoothing) * nll + smoothing * ((row_max - sums.y / vocab) + log_sum) : nll;
+    loss_rows[row] = loss;
+    nll_rows[row] = nll;
+    lse_rows[row] = lse;
+  }
+}
+
 struct CeConfig {
   dim3 block;
   int64_t grid;
@@ -264,14 +289,18 @@ inline bool valid_sizes(int64_t rows, int vocab, int64_t row_stride, int64_t gri
 }  // namespace
 
 template <typename T>
-cudaError_t launch_cross_entropy_fwd(const T* logits, const int64_t* target, float* loss_rows, float* nll_rows,
-                                     float* lse_rows, int64_t rows, int vocab, int64_t row_stride,
-                                     float label_smoothing, int64_t ignore_index, cudaStream_t stream) {
+cudaError_t launch_cross_entropy_fwd(T* logits, const int64_t* target, float* loss_rows, float* nll_rows,
+                                     float* lse_rows, const float* grad_rows, int64_t rows, int vocab,
+                                     int64_t row_stride, float label_smoothing, int64_t ignore_index,
+                                     cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   const CeConfig cfg = ce_config<T>(rows, vocab);
   if (!valid_sizes(rows, vocab, row_stride, cfg.grid)) return cudaErrorInvalidValue;
-  cross_entropy_fwd_kernel<T, Vec16<T>::value><<<static_cast<unsigned>(cfg.grid), cfg.block, 0, stream>>>(
-      logits, target, loss_rows, nll_rows, lse_rows, rows, vocab, row_stride, label_smoothing, ignore_index);
+  const auto kernel = grad_rows != nullptr ? cross_entropy_fwd_kernel<T, Vec16<T>::value, true>
+                                           : cross_entropy_fwd_kernel<T, Vec16<T>::value, false>;
+  kernel<<<static_cast<unsigned>(cfg.grid), cfg.block, 0, stream>>>(logits, target, loss_rows, nll_rows, lse_rows,
+                                                                      grad_rows, rows, vocab, row_stride,
+                                                                      label_smoothing, ignore_index);
   return cudaGetLastError();
 }
 
@@ -294,8 +323,8 @@ cudaError_t launch_cross_entropy_bwd(const float* grad_rows, const T* logits, co
 }
 
 #define LSMINI_INSTANTIATE_CE(T)                                                                               \
-  template cudaError_t launch_cross_entropy_fwd<T>(const T*, const int64_t*, float*, float*, float*, int64_t, \
-                                                   int, int64_t, float, int64_t, cudaStream_t);               \
+  template cudaError_t launch_cross_entropy_fwd<T>(T*, const int64_t*, float*, float*, float*, const float*,    \
+                                                   int64_t, int, int64_t, float, int64_t, cudaStream_t);      \
   template cudaError_t launch_cross_entropy_bwd<T>(const float*, const T*, const int64_t*, const float*, T*,  \
                                                    int64_t, int, int64_t, int64_t, float, int64_t, cudaStream_t);
 

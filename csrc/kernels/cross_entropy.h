@@ -16,11 +16,14 @@ constexpr int kCrossEntropyMaxVocab = 1 << 30;
 //   loss_rows = (1 − ε)·(lse − x[t]) + ε·(lse − mean_j x[j]),  nll_rows = lse − x[t],  lse_rows = lse.
 // Rows whose target is ignore_index get 0 in all three; rows whose target is outside [0, vocab)
 // get NaN in all three (the target logit is never read for them).
+// grad_rows non-null: also the gradient of launch_cross_entropy_bwd with these grad_rows, written over the
+// logits (in place); logits is only read otherwise.
 // T: float, __half, __nv_bfloat16. vocab ≥ 1.
 template <typename T>
-cudaError_t launch_cross_entropy_fwd(const T* logits, const int64_t* target, float* loss_rows, float* nll_rows,
-                                     float* lse_rows, int64_t rows, int vocab, int64_t row_stride,
-                                     float label_smoothing, int64_t ignore_index, cudaStream_t stream);
+cudaError_t launch_cross_entropy_fwd(T* logits, const int64_t* target, float* loss_rows, float* nll_rows,
+                                     float* lse_rows, const float* grad_rows, int64_t rows, int vocab,
+                                     int64_t row_stride, float label_smoothing, int64_t ignore_index,
+                                     cudaStream_t stream);
 
 // grad_logits[r, j] = grad_rows[r] · (exp(x[r, j] − lse[r]) − (1 − ε)·[j == t_r] − ε/vocab);
 // 0 for rows whose target is ignore_index, NaN for rows whose target is outside [0, vocab).

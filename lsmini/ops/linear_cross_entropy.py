@@ -11,16 +11,17 @@ activation memory peaks. This op never holds more than one chunk of them.
 CUDA path (float32/float16/bfloat16): the rows go in chunks of ``chunk_tokens`` (default
 ``default_chunk_tokens``: 4096 rows, more where the logits of more fit 64 MiB). Per chunk, in the forward: the
 logits GEMM (against the weight with zero rows appended up to a 16-byte multiple, so that every GEMM runs
-aligned), the cross-entropy kernel's forward (per-row losses and log-sum-exp), and — when a gradient will be
-needed — at once its backward, written into the chunk's logits, then the two gradient GEMMs: d x = d logits ·
-W into the chunk's rows of a float32 [N, H] buffer, d W += d logitsᵀ · x into a float32 [V, H] buffer (cuBLAS
-accumulates in place, so the sum over chunks is rounded once, to float32). The logits' gradient is that of the
-*summed* loss; it is written scaled by ``GRAD_SCALE`` (2¹⁵: each entry is softmax − target distribution, in
-[−1, 1]), so that float16 keeps the small entries that an unscaled gradient would flush to zero, and the GEMMs
-divide it back out in their epilogue (alpha = 1/2¹⁵, exact). The backward only multiplies the two float32 sums
-by the incoming gradient (÷ the row count for "mean") and rounds them to the parameters' dtypes: no GEMM runs
-there. The cost is the float32 sums, alive in place of the logits: [N, H] + [V, H] floats. Without a gradient
-(``torch.no_grad``, inputs that do not require grad) only the loss is computed.
+aligned), the cross-entropy kernel's forward (per-row losses and log-sum-exp) — which, when a gradient will be
+needed, writes the backward's gradient into the chunk's logits right after each row's log-sum-exp, while the
+row is still in L2 — then the two gradient GEMMs: d x = d logits · W into the chunk's rows of a float32 [N, H]
+buffer, d W += d logitsᵀ · x into a float32 [V, H] buffer (cuBLAS accumulates in place, so the sum over chunks
+is rounded once, to float32). The logits' gradient is that of the *summed* loss; it is written scaled by
+``GRAD_SCALE`` (2¹⁵: each entry is softmax − target distribution, in [−1, 1]), so that float16 keeps the small
+entries that an unscaled gradient would flush to zero, and the GEMMs divide it back out in their epilogue
+(alpha = 1/2¹⁵, exact). The backward only multiplies the two float32 sums by the incoming gradient (÷ the row
+count for "mean") and rounds them to the parameters' dtypes: no GEMM runs there. The cost is the float32 sums,
+alive in place of the logits: [N, H] + [V, H] floats. Without a gradient (``torch.no_grad``, inputs that do not
+require grad) only the loss is computed.
 
 The op is registered once (see ``lsmini.ops.library``) as ``lsmini::linear_cross_entropy``, which returns
 the two sums and the two float32 gradients: the chunks above on CUDA; on CPU ``linear_cross_entropy_ref``
@@ -90,12 +91,13 @@ def _chunks(x, weight, target, label_smoothing, ignore_index, chunk_tokens, with
         t_c = target[start:start + chunk_tokens]
         wide = torch.mm(x_c, weight.t())  # [chunk, padded vocab]: the padding columns are x·0 = 0
         logits = wide[:, :vocab]  # the kernels read rows at wide's stride
-        loss_rows, nll_rows, lse = ext.cross_entropy_fwd(logits, t_c, label_smoothing, ignore_index)
+        # With the gradient rows' scale, the kernel also writes the gradient into the logits' storage, right after
+        # each row's log-sum-exp (the padding columns keep their zeros).
+        loss_rows, nll_rows, _ = ext.cross_entropy_fwd(logits, t_c, label_smoothing, ignore_index,
+                                                       scale[:x_c.shape[0]] if with_grad else None)
         loss_sum += loss_rows.sum()
         nll_sum += nll_rows.sum()
         if with_grad:
-            ext.cross_entropy_bwd(scale[:x_c.shape[0]], logits, t_c, lse, label_smoothing, ignore_index,
-                                  True)  # into the logits' storage; the padding columns keep their zeros
             _gemm_into(grad_x[start:start + chunk_tokens], wide, weight, False)
             _gemm_into(grad_weight, wide.t(), x_c, start > 0)
     return loss_sum, nll_sum, grad_x, grad_weight[:vocab] if with_grad else grad_weight
