@@ -68,9 +68,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kerne
   T* sV = sK + 2 * kTile;
   float* sBias = reinterpret_cast<float*>(sV + 2 * kTile);  // [2][kBlock]
 
-  const int nqb = (a.q_len + kBlock - 1) / kBlock;
-  const int q0 = (blockIdx.x % nqb) * kBlock;
-  const Setup<T> st(a, blockIdx.x / nqb);
+  const GridSlot slot = grid_slot(blockIdx.x, a.batch * a.heads, (a.q_len + kBlock - 1) / kBlock, a.causal, true);
+  const int q0 = slot.block * kBlock;
+  const Setup<T> st(a, slot.unit);
   const int warp = threadIdx.x >> 5;
   const int i0 = q0 + warp * 16;  // the warp's first query
 

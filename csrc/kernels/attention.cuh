@@ -692,6 +692,24 @@ __device__ __forceinline__ int group_first_head(const AttentionArgs<T>& a, int b
   return (bkv / a.kv_heads) * a.heads + (bkv % a.kv_heads) * (a.heads / a.kv_heads);
 }
 
+// The unit and block of CTA x of a grid of `blocks` blocks a unit (a unit: a (batch, query head) for the forward
+// and dQ kernels, a (batch, K/V head) group for dK/dV). Under a causal mask with at least kLongestFirstBlocks
+// blocks a unit, the blocks from the longest walk (the last query block, or the first key block: last_longest
+// false) to the shortest, each over all units, so that the grid ends on short walks instead of some unit's
+// longest; otherwise a unit's blocks one after another, which keeps their shared tiles in L2 (with fewer, longer-
+// first order loses more in L2 than it saves at the grid's end: performance-notes.md).
+constexpr int kLongestFirstBlocks = 16;
+struct GridSlot {
+  int unit, block;
+};
+__device__ __forceinline__ GridSlot grid_slot(int x, int units, int blocks, bool causal, bool last_longest) {
+  if (causal && blocks >= kLongestFirstBlocks) {
+    const int r = x / units;
+    return {x % units, last_longest ? blocks - 1 - r : r};
+  }
+  return {x / blocks, x % blocks};
+}
+
 // Launch kernel(args...) with `bytes` of dynamic shared memory (opting in above the 48 KB default when needed), in
 // clusters of `cluster` consecutive CTAs when more than one (sm_90).
 template <typename Kernel, typename... Args>

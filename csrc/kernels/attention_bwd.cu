@@ -23,9 +23,9 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
   float* sLse = sDelta + kBlock;
   float* sBias = sLse + kBlock;  // [2][kBlock]
 
-  const int nqb = (a.q_len + kBlock - 1) / kBlock;
-  const int q0 = (blockIdx.x % nqb) * kBlock;
-  const Setup<T> st(a, blockIdx.x / nqb);
+  const GridSlot slot = grid_slot(blockIdx.x, a.batch * a.heads, (a.q_len + kBlock - 1) / kBlock, a.causal, true);
+  const int q0 = slot.block * kBlock;
+  const Setup<T> st(a, slot.unit);
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int i0 = q0 + warp * 16;
   const int valid = min(kBlock, a.q_len - q0);
@@ -117,10 +117,10 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const Atten
   float* sBias = sDelta + 2 * kBlock;                        // [kBlock]
   uint32_t* sWords = reinterpret_cast<uint32_t*>(sBias + kBlock);  // [2][kThreads]
 
-  // One CTA per key block of each (batch, K/V head); st is the group's first query head.
-  const int nkb = (a.k_len + kBlock - 1) / kBlock;
-  const int k0 = (blockIdx.x % nkb) * kBlock;
-  const Setup<T> st(a, kGrouped ? group_first_head(a, blockIdx.x / nkb) : int(blockIdx.x / nkb));
+  // One CTA per key block of each (batch, K/V head) group, in grid_slot's order; st is the group's first query head.
+  const GridSlot slot = grid_slot(blockIdx.x, a.batch * a.kv_heads, (a.k_len + kBlock - 1) / kBlock, a.causal, false);
+  const int k0 = slot.block * kBlock;
+  const Setup<T> st(a, kGrouped ? group_first_head(a, slot.unit) : slot.unit);
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int r0 = warp * 16;  // the warp's key rows of the block (and its row group of a query tile's keep words)
 

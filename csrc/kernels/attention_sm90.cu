@@ -37,9 +37,9 @@ __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
   float* sBias = reinterpret_cast<float*>(smem + 5 * kTile);  // [2][kBlock]
   const uint32_t bar_q = smem_u32(sBias + 2 * kBlock), bar_kv = bar_q + 8;  // bar_kv + 8·buffer
 
-  const int nqb = (a.q_len + kBlock - 1) / kBlock;
-  const int q0 = (blockIdx.x % nqb) * kBlock;
-  const Setup<T> st(a, blockIdx.x / nqb);
+  const GridSlot slot = grid_slot(blockIdx.x, a.batch * a.heads, (a.q_len + kBlock - 1) / kBlock, a.causal, true);
+  const int q0 = slot.block * kBlock;
+  const Setup<T> st(a, slot.unit);
   const int i0 = q0 + (threadIdx.x >> 5) * 16;  // the warp's first query
 
   auto issue_kv = [&](int t) { issue_kv_tile<T, D>(t, sK, sV, sBias, bar_kv, maps, st, st.kv_head(a)); };

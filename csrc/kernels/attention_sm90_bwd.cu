@@ -50,9 +50,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
   float* sBias = sLse + kBlock;  // [2][kBlock]
   const uint32_t bar_q = smem_u32(sBias + 2 * kBlock), bar_kv = bar_q + 8;  // bar_kv + 8·buffer
 
-  const int nqb = (a.q_len + kBlock - 1) / kBlock;
-  const int q0 = (blockIdx.x % nqb) * kBlock;
-  const Setup<T> st(a, blockIdx.x / nqb);
+  const GridSlot slot = grid_slot(blockIdx.x, a.batch * a.heads, (a.q_len + kBlock - 1) / kBlock, a.causal, true);
+  const int q0 = slot.block * kBlock;
+  const Setup<T> st(a, slot.unit);
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
   const int i0 = q0 + warp * 16;
   const int valid = min(kBlock, a.q_len - q0);
@@ -220,15 +220,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2)
   uint32_t* sWords = reinterpret_cast<uint32_t*>(sBias + kBlock);  // [2][kThreads]
   const uint32_t bar_kv = smem_u32(sWords + 2 * kThreads), bar_q = bar_kv + 8;  // mbarriers: K/V, then a stage each
 
-  // One CTA (or cluster) per key block of each (batch, K/V head); st is the CTA's first query head: the
-  // group's first plus rank · heads_per_cta.
+  // One CTA (or cluster) per key block of each (batch, K/V head) group, in grid_slot's order; st is the CTA's first
+  // query head: the group's first plus rank · heads_per_cta.
   unsigned cluster = 1;
   if (kGrouped) asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(cluster));
   const unsigned rank = blockIdx.x % cluster, block = blockIdx.x / cluster;
   const int heads_per_cta = kGrouped ? a.heads / a.kv_heads / cluster : 1;
-  const int nkb = (a.k_len + kBlock - 1) / kBlock;
-  const int k0 = (block % nkb) * kBlock;
-  const Setup<T> st(a, kGrouped ? group_first_head(a, block / nkb) + rank * heads_per_cta : int(block / nkb));
+  const GridSlot slot = grid_slot(block, a.batch * a.kv_heads, (a.k_len + kBlock - 1) / kBlock, a.causal, false);
+  const int k0 = slot.block * kBlock;
+  const Setup<T> st(a, kGrouped ? group_first_head(a, slot.unit) + rank * heads_per_cta : slot.unit);
   const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, c = threadIdx.x & 3;
   const int r0 = warp * 16;  // the warp's key rows of the block
 
