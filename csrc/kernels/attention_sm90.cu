@@ -110,6 +110,7 @@ struct WsSmem {
 // only if the other has a step that passes it the turn (consumer 1's step j − 1 for consumer 0, whose step 0
 // consumer 1 passes at its start; consumer 0's step j for consumer 1): one that runs out of steps leaves no
 // barrier half-arrived, and each pass is taken before the next, so a barrier never sees two arrivals in a row.
+#if defined(LSMINI_SM90A_DEVICE)
 struct WsTurns {
   int c, other, done = 0;  // this consumer, the other's step count, this one's steps taken
   __device__ WsTurns(int c_, int other_) : c(c_), other(other_) {
@@ -134,6 +135,7 @@ struct WsTurns {
     ++done;
   }
 };
+#endif
 
 // Warp-specialized: warpgroup 0 (the producer) streams Q and the K/V tiles into a ring of kWsStages stages by
 // cp.async, and publishes each with the stage's full barrier once its copies have landed; the other warpgroups (the
