@@ -638,6 +638,33 @@ def test_sm90_kernels_match_sm80(lq, lk, kind, d, dtype):
         torch.testing.assert_close(x, y, atol=GRAD_ATOL[dtype], rtol=2e-2, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
+# Head dim 128 past 512 keys takes the Hopper warp-specialized forward. 48 heads give it more query blocks than an
+# H100 or H200 has SMs, so that its CTAs walk several blocks each: a partial last block, causal with q_len > k_len
+# (blocks that see no key), padding, and dropout (the stored bits compared too).
+@pytest.mark.parametrize("lq,lk,kind,p", [(1100, 1100, "causal", 0.0), (1500, 600, "causal", 0.0),
+                                          (700, 900, "pad", 0.0), (1100, 1100, "causal", P)])
+def test_sm90_forward_over_many_blocks_matches_sm80(lq, lk, kind, p, dtype):
+    if not sm90_kernels_available():
+        pytest.skip("the Hopper attention kernels need an sm_90a build and a compute capability 9.0 device")
+    ext = _backend.ext()
+    b, h, d = 4, 12, 128
+    q, k, v, _, gen = _inputs(b, h, lq, lk, d, dtype, "cuda", seed=13)
+    kpm, causal, _ = attention_masks(b, lq, lk, kind, gen, "cuda")
+    results = {}
+    for hopper in (True, False):
+        keep = torch.full((keep_numel(b, h, lq, lk),), -1, dtype=torch.int32, device="cuda") if p > 0 else None
+        with sm90_attention(hopper):
+            out, lse = ext.attention_fwd(q, k, v, kpm, causal, p, 1.0 / math.sqrt(d), RNG, keep)
+        results[hopper] = (out, lse, keep)
+    (out9, lse9, keep9), (out8, lse8, keep8) = results[True], results[False]
+    if p > 0:
+        assert torch.equal(keep9, keep8), "the two kernel families drew different dropout bits"
+    torch.testing.assert_close(lse9, lse8, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out9, out8, atol=2e-3, rtol=1e-2)
+
+
 def test_keep_buffer_policy():
     # kept with dropout while the bits take no more memory than q (k_len ≤ 16·head_dim)
     q, k = torch.empty(2, 3, 100, 64), torch.empty(2, 3, 1024, 64)
