@@ -96,12 +96,14 @@ constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;
 static_assert(kThreads * (kWsProducerRegs + kWsConsumers * kWsConsumerRegs) <= 65536, "");
 static_assert(kWsConsumers <= kWsStages, "");
 
-// The shared memory: Q of each consumer, the stages' K, V and key bias, then a full and an empty barrier a stage.
+// The shared memory: two Q buffers of each consumer (a block's and the next one's), the stages' K, V and key bias,
+// then a full and an empty barrier a stage and a free barrier a Q buffer.
 template <int D>
 struct WsSmem {
   static constexpr int kTile = kSwTileBytes<D>;
-  static constexpr int q = 0, k = q + kWsConsumers * kTile, v = k + kWsStages * kTile, bias = v + kWsStages * kTile,
-                       full = bias + kWsStages * kBlock * 4, empty = full + kWsStages * 8, bytes = empty + kWsStages * 8;
+  static constexpr int q = 0, k = q + 2 * kWsConsumers * kTile, v = k + kWsStages * kTile,
+                       bias = v + kWsStages * kTile, full = bias + kWsStages * kBlock * 4, empty = full + kWsStages * 8,
+                       q_free = empty + kWsStages * 8, bytes = q_free + 2 * kWsConsumers * 8;
 };
 
 // The two consumers take turns issuing their score MMAs, consumer 0 first: a consumer's step waits for the
@@ -137,11 +139,14 @@ struct WsTurns {
 };
 #endif
 
-// Warp-specialized: warpgroup 0 (the producer) streams Q and the K/V tiles into a ring of kWsStages stages by
-// cp.async, and publishes each with the stage's full barrier once its copies have landed; the other warpgroups (the
-// consumers) each own 64 of the CTA's queries and run the loop of the one-warpgroup kernel on every stage, then
-// free it with the stage's empty barrier. No __syncthreads couples the consumers: each waits only for the
-// data it reads, and one's softmax runs while the other's products do.
+// Warp-specialized and persistent: one CTA an SM walks the query blocks x = blockIdx.x, + gridDim.x, ... (128
+// queries of one head each, from the last block, under a causal mask the longest walk, to the first, each over all
+// heads). Warpgroup 0 (the producer) streams each block's Q and its K/V tiles into a ring of kWsStages stages by TMA
+// and publishes each stage with its full barrier; the other warpgroups (the consumers) each own 64 of the block's
+// queries and run the loop of the one-warpgroup kernel on every stage, then free it with the stage's empty barrier.
+// The ring and its phases run on across blocks (g counts the CTA's tiles), and Q has two buffers a consumer, so the
+// next block's Q and first tiles load while the consumers finish a block and store its output. No __syncthreads
+// couples the consumers: each waits only for the data it reads, and one's softmax runs while the other's products do.
 template <typename T, int D, bool kKeep>
 __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     attention_fwd_ws_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
@@ -152,32 +157,32 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   unsigned char* smem = smem_1k(smem_raw);
   const uint32_t base = smem_u32(smem);
   float* const sBias = reinterpret_cast<float*>(smem + L::bias);  // [kStages][kBlock]
-  const uint32_t full = base + L::full, empty = base + L::empty;
+  const uint32_t full = base + L::full, empty = base + L::empty, q_free = base + L::q_free;
 
-  // The query blocks from the last (under a causal mask the longest walk) to the first, each over all heads: the
-  // one CTA an SM holds takes a long walk first and a short one at the grid's end.
-  const int nqb = (a.q_len + kWsQueries - 1) / kWsQueries, bh = a.batch * a.heads;
-  const int q0 = (nqb - 1 - int(blockIdx.x) / bh) * kWsQueries;
-  const Setup<T> st(a, int(blockIdx.x) % bh);
-  // The key tiles each consumer reads (none for one whose queries start past q_len); the producer loads the most.
-  auto tiles_of = [&](int c) {
+  const int nqb = (a.q_len + kWsQueries - 1) / kWsQueries, bh = a.batch * a.heads, blocks = nqb * bh;
+  // Block x: its first query, its (batch, head), the key tiles consumer c reads (none for one whose queries start
+  // past q_len) and the tiles the producer loads (the most of them).
+  auto first_query = [&](int x) { return (nqb - 1 - x / bh) * kWsQueries; };
+  auto tiles_of = [&](const Setup<T>& st, int q0, int c) {
     const int qc = q0 + c * kBlock;
     return qc < a.q_len ? (st.vis.key_end(qc) + kBlock - 1) / kBlock : 0;
   };
-  int n_tiles = 0;
+  auto tiles = [&](const Setup<T>& st, int q0) {
+    int n = 0;
 #pragma unroll
-  for (int c = 0; c < kWsConsumers; ++c) n_tiles = max(n_tiles, tiles_of(c));
+    for (int c = 0; c < kWsConsumers; ++c) n = max(n, tiles_of(st, q0, c));
+    return n;
+  };
 
-  // Every consumer with queries frees every stage it reads. A consumer reads a prefix of the key tiles, at most
-  // kWsConsumers − 1 fewer than the producer loads (its queries end 64 before the next one's), so every tile
-  // whose stage the producer reuses has been read by all of them.
+  // Every consumer frees every stage the producer fills, read or not, and each of its Q buffers once a block.
   if (threadIdx.x == 0) {
-    const int consumers = min(kWsConsumers, (a.q_len - q0 + kBlock - 1) / kBlock);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + 8 * s, kThreads);  // every producer thread, once it wrote its key bias (and the copies' bytes)
-      mbar_init(empty + 8 * s, consumers * kThreads);
+      mbar_init(empty + 8 * s, kWsConsumers * kThreads);
     }
+#pragma unroll
+    for (int b = 0; b < 2 * kWsConsumers; ++b) mbar_init(q_free + 8 * b, kThreads);
     fence_mbar_init();
   }
   __syncthreads();
@@ -185,88 +190,117 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   const int wg = threadIdx.x / kThreads;
   if (wg == 0) {  // ---- the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
-    const int tid = threadIdx.x, h_kv = st.kv_head(a);
-    // Tile t into stage t % kStages once the consumers are done with tile t − kStages: every producer thread writes
-    // its key bias and arrives; thread 0 instead arrives expecting the bytes of the tile's copies, which it has the
-    // TMA unit make (Q with tile 0). The stage's phase completes when both are in.
-    for (int t = 0; t < n_tiles; ++t) {
-      const int s = t % kStages, kt = t * kBlock;
-      if (t >= kStages) mbar_wait(empty + 8 * s, (t / kStages - 1) & 1);
-      if (tid < kBlock) sBias[s * kBlock + tid] = st.vis.key_bias(kt + tid);
-      if (tid != 0) {
-        mbar_arrive(full + 8 * s);
-        continue;
+    const int tid = threadIdx.x;
+    int g = 0, n = 0;  // the CTA's tiles and its blocks with tiles so far
+    for (int x = blockIdx.x; x < blocks; x += gridDim.x) {
+      const int q0 = first_query(x);
+      const Setup<T> st(a, x % bh);
+      const int n_tiles = tiles(st, q0), h_kv = st.kv_head(a);
+      // Tile t into stage g % kStages once the consumers are done with the tile kStages before: every producer
+      // thread writes its key bias and arrives; thread 0 instead arrives expecting the bytes of the tile's copies,
+      // which it has the TMA unit make (the block's Q with its first tile, into buffer n % 2 once the consumers
+      // freed it, two blocks with tiles ago). The stage's phase completes when both are in.
+      for (int t = 0; t < n_tiles; ++t, ++g) {
+        const int s = g % kStages, kt = t * kBlock;
+        if (g >= kStages) mbar_wait(empty + 8 * s, (g / kStages - 1) & 1);
+        if (tid < kBlock) sBias[s * kBlock + tid] = st.vis.key_bias(kt + tid);
+        if (tid != 0) {
+          mbar_arrive(full + 8 * s);
+          continue;
+        }
+        const uint32_t bar = full + 8 * s;
+        if (t == 0) {
+          const int queries = min(kWsConsumers, (a.q_len - q0 + kBlock - 1) / kBlock);
+          if (n >= 2) {
+#pragma unroll
+            for (int c = 0; c < kWsConsumers; ++c) mbar_wait(q_free + 8 * (2 * c + n % 2), (n / 2 - 1) & 1);
+          }
+          mbar_expect_tx(bar, (2 + queries) * kTile);
+          for (int c = 0; c < queries; ++c)
+            tma_tile<D>(base + L::q + (2 * c + n % 2) * kTile, &maps.q, q0 + c * kBlock, st.h, st.b, bar);
+        } else {
+          mbar_expect_tx(bar, 2 * kTile);
+        }
+        tma_tile<D>(base + L::k + s * kTile, &maps.k, kt, h_kv, st.b, bar);
+        tma_tile<D>(base + L::v + s * kTile, &maps.v, kt, h_kv, st.b, bar);
       }
-      const uint32_t bar = full + 8 * s;
-      if (t == 0) {
-        const int queries = min(kWsConsumers, (a.q_len - q0 + kBlock - 1) / kBlock);
-        mbar_expect_tx(bar, (2 + queries) * kTile);
-        for (int c = 0; c < queries; ++c)
-          tma_tile<D>(base + L::q + c * kTile, &maps.q, q0 + c * kBlock, st.h, st.b, bar);
-      } else {
-        mbar_expect_tx(bar, 2 * kTile);
-      }
-      tma_tile<D>(base + L::k + s * kTile, &maps.k, kt, h_kv, st.b, bar);
-      tma_tile<D>(base + L::v + s * kTile, &maps.v, kt, h_kv, st.b, bar);
+      n += n_tiles > 0;
     }
     return;
   }
 
-  // ---- a consumer: queries [qc, qc + 64) of the CTA's block
+  // ---- a consumer: queries [qc, qc + 64) of each block
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
-  const int c = wg - 1, qc = q0 + c * kBlock;
-  const int i0 = qc + ((threadIdx.x >> 5) & 3) * 16;  // the warp's first query
-  const int my_tiles = tiles_of(c);
-  WsTurns turns(c, (tiles_of(1 - c) + 1) / 2);
-  if (qc >= a.q_len) return;
-  const uint32_t sQ = base + L::q + c * kTile;
-  uint32_t* const keep_row = kKeep ? st.keep_word(i0, 0) : nullptr;
-  float o[D / 8][4] = {};
-  float m[2] = {-kInf, -kInf};
-  float l[2] = {0.f, 0.f};
-  // Two key tiles a step: one max and one rescale of o for 128 keys (o is 64 registers a thread at head dim 128).
-  // The last tile of an odd count takes a step of its own, outside the loop: a branch between MMAs makes ptxas
-  // serialize them.
-  int t = 0;
-  for (; t + 1 < my_tiles; t += 2) {
-    const int s0 = t % kStages, s1 = (t + 1) % kStages;
-    mbar_wait(full + 8 * s0, (t / kStages) & 1);
-    mbar_wait(full + 8 * s1, ((t + 1) / kStages) & 1);
-    float sc[2][8][4];
-    turns.wait();
-    wg_abt<T, D>(sc[0], sQ, base + L::k + s0 * kTile);
-    wg_abt<T, D>(sc[1], sQ, base + L::k + s1 * kTile);
-    wgmma_commit();
-    turns.pass();
-    wgmma_wait(sc[0], sc[1]);
-    float mx[2] = {-kInf, -kInf}, shift[2];
-    tile_max(sc[0], st, sBias + s0 * kBlock, i0, t * kBlock, mx);
-    tile_max(sc[1], st, sBias + s1 * kBlock, i0, (t + 1) * kBlock, mx);
-    rescale_rows<T, D>(mx, o, m, l, st, shift);
-    tile_probs<T, kKeep>(sc[0], shift, l, st, i0, t * kBlock, kKeep ? keep_row + 32 * t : nullptr);
-    tile_probs<T, kKeep>(sc[1], shift, l, st, i0, (t + 1) * kBlock, kKeep ? keep_row + 32 * (t + 1) : nullptr);
-    wg_xb<T, D>(o, sc[0], base + L::v + s0 * kTile);
-    wg_xb<T, D>(o, sc[1], base + L::v + s1 * kTile);
-    wgmma_sync(o);
-    mbar_arrive(empty + 8 * s0);
-    mbar_arrive(empty + 8 * s1);
+  const int c = wg - 1;
+  int g = 0, n = 0;  // as the producer's
+  for (int x = blockIdx.x, started = 0; x < blocks; x += gridDim.x, started = 1) {
+    const int q0 = first_query(x);
+    const Setup<T> st(a, x % bh);
+    const int n_tiles = tiles(st, q0), my_tiles = tiles_of(st, q0, c), qc = q0 + c * kBlock;
+    const int i0 = qc + ((threadIdx.x >> 5) & 3) * 16;  // the warp's first query
+    // Both consumers start a block together: the turns of the block before are all taken (a named barrier must
+    // not see one consumer's passes of two blocks in a row).
+    if (started) asm volatile("bar.sync 3, %0;\n" ::"n"(2 * kThreads) : "memory");
+    WsTurns turns(c, (tiles_of(st, q0, 1 - c) + 1) / 2);
+    const uint32_t sQ = base + L::q + (2 * c + n % 2) * kTile;
+    uint32_t* const keep_row = kKeep && qc < a.q_len ? st.keep_word(i0, 0) : nullptr;
+    float o[D / 8][4] = {};
+    float m[2] = {-kInf, -kInf};
+    float l[2] = {0.f, 0.f};
+    // Two key tiles a step: one max and one rescale of o for 128 keys (o is 64 registers a thread at head dim
+    // 128). The last tile of an odd count takes a step of its own, outside the loop: a branch between MMAs makes
+    // ptxas serialize them.
+    int t = 0;
+    for (; t + 1 < my_tiles; t += 2) {
+      const int s0 = (g + t) % kStages, s1 = (g + t + 1) % kStages;
+      mbar_wait(full + 8 * s0, ((g + t) / kStages) & 1);
+      mbar_wait(full + 8 * s1, ((g + t + 1) / kStages) & 1);
+      float sc[2][8][4];
+      turns.wait();
+      wg_abt<T, D>(sc[0], sQ, base + L::k + s0 * kTile);
+      wg_abt<T, D>(sc[1], sQ, base + L::k + s1 * kTile);
+      wgmma_commit();
+      turns.pass();
+      wgmma_wait(sc[0], sc[1]);
+      float mx[2] = {-kInf, -kInf}, shift[2];
+      tile_max(sc[0], st, sBias + s0 * kBlock, i0, t * kBlock, mx);
+      tile_max(sc[1], st, sBias + s1 * kBlock, i0, (t + 1) * kBlock, mx);
+      rescale_rows<T, D>(mx, o, m, l, st, shift);
+      tile_probs<T, kKeep>(sc[0], shift, l, st, i0, t * kBlock, kKeep ? keep_row + 32 * t : nullptr);
+      tile_probs<T, kKeep>(sc[1], shift, l, st, i0, (t + 1) * kBlock, kKeep ? keep_row + 32 * (t + 1) : nullptr);
+      wg_xb<T, D>(o, sc[0], base + L::v + s0 * kTile);
+      wg_xb<T, D>(o, sc[1], base + L::v + s1 * kTile);
+      wgmma_sync(o);
+      mbar_arrive(empty + 8 * s0);
+      mbar_arrive(empty + 8 * s1);
+    }
+    if (t < my_tiles) {
+      const int s = (g + t) % kStages;
+      mbar_wait(full + 8 * s, ((g + t) / kStages) & 1);
+      float sc[8][4];
+      turns.wait();
+      wg_abt<T, D>(sc, sQ, base + L::k + s * kTile);
+      wgmma_commit();
+      turns.pass();
+      wgmma_wait(sc);
+      softmax_step<T, D, kKeep>(sc, o, m, l, st, sBias + s * kBlock, i0, t * kBlock,
+                                kKeep ? keep_row + 32 * t : nullptr);
+      wg_xb<T, D>(o, sc, base + L::v + s * kTile);
+      wgmma_sync(o);
+      mbar_arrive(empty + 8 * s);
+      ++t;
+    }
+    // The tiles this consumer does not read (its queries end before them, or it has none): freed once filled.
+    for (; t < n_tiles; ++t) {
+      const int s = (g + t) % kStages;
+      mbar_wait(full + 8 * s, ((g + t) / kStages) & 1);
+      mbar_arrive(empty + 8 * s);
+    }
+    if (n_tiles > 0) mbar_arrive(q_free + 8 * (2 * c + n % 2));
+    if (qc < a.q_len) store_out_lse<T, D>(a, st, i0, o, m, l);
+    g += n_tiles;
+    n += n_tiles > 0;
   }
-  if (t < my_tiles) {
-    const int s = t % kStages;
-    mbar_wait(full + 8 * s, (t / kStages) & 1);
-    float sc[8][4];
-    turns.wait();
-    wg_abt<T, D>(sc, sQ, base + L::k + s * kTile);
-    wgmma_commit();
-    turns.pass();
-    wgmma_wait(sc);
-    softmax_step<T, D, kKeep>(sc, o, m, l, st, sBias + s * kBlock, i0, t * kBlock,
-                              kKeep ? keep_row + 32 * t : nullptr);
-    wg_xb<T, D>(o, sc, base + L::v + s * kTile);
-    wgmma_sync(o);
-    mbar_arrive(empty + 8 * s);
-  }
-  store_out_lse<T, D>(a, st, i0, o, m, l);
 #else
   __trap();  // never launched: attention_sm90_runs is false without sm_90a code
 #endif
@@ -275,8 +309,10 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
 template <typename T>
 cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   constexpr int D = 128;
-  const int64_t blocks = int64_t(a.batch) * a.heads * ((a.q_len + kWsQueries - 1) / kWsQueries);
-  // a Q tile a consumer, kWsStages × (K, V, key bias), the barriers: 164 928 B.
+  // One CTA an SM, or one a block where there are fewer blocks.
+  const int64_t blocks = std::min<int64_t>(int64_t(a.batch) * a.heads * ((a.q_len + kWsQueries - 1) / kWsQueries),
+                                           sm_count());
+  // two Q tiles a consumer, kWsStages × (K, V, key bias), the barriers: 197 728 B.
   const size_t bytes = WsSmem<D>::bytes;
   const int threads = kThreads * (1 + kWsConsumers);
   AttentionMaps maps;
