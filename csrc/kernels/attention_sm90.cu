@@ -139,14 +139,15 @@ struct WsTurns {
 };
 #endif
 
-// Warp-specialized and persistent: one CTA an SM walks the query blocks x = blockIdx.x, + gridDim.x, ... (128
-// queries of one head each, from the last block, under a causal mask the longest walk, to the first, each over all
-// heads). Warpgroup 0 (the producer) streams each block's Q and its K/V tiles into a ring of kWsStages stages by TMA
-// and publishes each stage with its full barrier; the other warpgroups (the consumers) each own 64 of the block's
-// queries and run the loop of the one-warpgroup kernel on every stage, then free it with the stage's empty barrier.
-// The ring and its phases run on across blocks (g counts the CTA's tiles), and Q has two buffers a consumer, so the
-// next block's Q and first tiles load while the consumers finish a block and store its output. No __syncthreads
-// couples the consumers: each waits only for the data it reads, and one's softmax runs while the other's products do.
+// Warp-specialized and persistent: one CTA an SM walks query blocks of 128 queries of one head, one a round of the
+// grid (block_of); the rounds take them from the last block (under a causal mask the longest walk) to the first, each
+// over all heads. Warpgroup 0 (the producer) streams each block's Q and its K/V tiles into a ring of kWsStages stages
+// by TMA and publishes each stage with its full barrier; the other warpgroups (the consumers) each own 64 of the
+// block's queries and run the loop of the one-warpgroup kernel on every stage, then free it with the stage's empty
+// barrier. The ring and its phases run on across blocks (g counts the CTA's tiles), and Q has two buffers a consumer,
+// so the next block's Q and first tiles load while the consumers finish a block and store its output. No
+// __syncthreads couples the consumers: each waits only for the data it reads, and one's softmax runs while the
+// other's products do.
 template <typename T, int D, bool kKeep>
 __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     attention_fwd_ws_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
@@ -163,6 +164,13 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   // Block x: its first query, its (batch, head), the key tiles consumer c reads (none for one whose queries start
   // past q_len) and the tiles the producer loads (the most of them).
   auto first_query = [&](int x) { return (nqb - 1 - x / bh) * kWsQueries; };
+  // The CTA's block of round k: the grid takes the next gridDim.x blocks in order on even rounds and reversed
+  // on odd ones, so the CTA with a round's longest walk has the next round's shortest (a fixed stride would give
+  // CTA 0 the longest of every round). Past the last block the walk ends: only the last round is partial.
+  auto block_of = [&](int k) {
+    const int ctas = int(gridDim.x), i = int(blockIdx.x);
+    return k * ctas + (k % 2 ? ctas - 1 - i : i);
+  };
   auto tiles_of = [&](const Setup<T>& st, int q0, int c) {
     const int qc = q0 + c * kBlock;
     return qc < a.q_len ? (st.vis.key_end(qc) + kBlock - 1) / kBlock : 0;
@@ -192,7 +200,7 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
     const int tid = threadIdx.x;
     int g = 0, n = 0;  // the CTA's tiles and its blocks with tiles so far
-    for (int x = blockIdx.x; x < blocks; x += gridDim.x) {
+    for (int k = 0, x; (x = block_of(k)) < blocks; ++k) {
       const int q0 = first_query(x);
       const Setup<T> st(a, x % bh);
       const int n_tiles = tiles(st, q0), h_kv = st.kv_head(a);
@@ -233,14 +241,14 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWsConsumerRegs));
   const int c = wg - 1;
   int g = 0, n = 0;  // as the producer's
-  for (int x = blockIdx.x, started = 0; x < blocks; x += gridDim.x, started = 1) {
+  for (int k = 0, x; (x = block_of(k)) < blocks; ++k) {
     const int q0 = first_query(x);
     const Setup<T> st(a, x % bh);
     const int n_tiles = tiles(st, q0), my_tiles = tiles_of(st, q0, c), qc = q0 + c * kBlock;
     const int i0 = qc + ((threadIdx.x >> 5) & 3) * 16;  // the warp's first query
     // Both consumers start a block together: the turns of the block before are all taken (a named barrier must
     // not see one consumer's passes of two blocks in a row).
-    if (started) asm volatile("bar.sync 3, %0;\n" ::"n"(2 * kThreads) : "memory");
+    if (k > 0) asm volatile("bar.sync 3, %0;\n" ::"n"(2 * kThreads) : "memory");
     WsTurns turns(c, (tiles_of(st, q0, 1 - c) + 1) / 2);
     const uint32_t sQ = base + L::q + (2 * c + n % 2) * kTile;
     uint32_t* const keep_row = kKeep && qc < a.q_len ? st.keep_word(i0, 0) : nullptr;
