@@ -640,7 +640,7 @@ def test_sm90_kernels_match_sm80(lq, lk, kind, d, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ATTENTION_DTYPES)
-# Head dim 128 past 512 keys takes the Hopper warp-specialized forward. 48 heads give it more query blocks than an
+# Head dim 128 past 256 keys takes the Hopper warp-specialized forward. 48 heads give it more query blocks than an
 # H100 or H200 has SMs, so that its CTAs walk several blocks each: a partial last block, causal with q_len > k_len
 # (blocks that see no key), padding, and dropout (the stored bits compared too).
 @pytest.mark.parametrize("lq,lk,kind,p", [(1100, 1100, "causal", 0.0), (1500, 600, "causal", 0.0),

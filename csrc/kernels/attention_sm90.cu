@@ -12,7 +12,7 @@
  *   O += P̃·V     m64nDk16 × 4, A = P̃ from registers, B = V from shared memory (N-major).
  * Q, K and V arrive by the TMA unit (tensor maps encoded at launch; one thread issues a tile's copies, which
  * complete on an mbarrier and land already swizzled); K and V stream through two buffers.
- * Head dim 128 over more than 512 keys: the same per-tile steps in a warp-specialized kernel (below): two such
+ * Head dim 128 over more than 256 keys: the same per-tile steps in a warp-specialized kernel (below): two such
  * warpgroups a CTA, each with its own 64 queries, fed by a third that fills a ring of shared-memory stages
  * (the key bias, and one thread's TMA copies of the K/V tiles).
  */
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
 // holds four or five CTAs an SM and is the faster.)
 constexpr int kWsConsumers = 2, kWsStages = 4, kWsQueries = kWsConsumers * kBlock;
 // Head dim 128 takes the warp-specialized kernel past this many keys (the switch below).
-constexpr int kWsMinKeys = 512;
+constexpr int kWsMinKeys = 256;
 // Registers a thread of the producer and of a consumer warpgroup holds after setmaxnreg (multiples of 8, the CTA's
 // within the SM's 64 K).
 constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;
