@@ -87,23 +87,26 @@ __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
 // its MMAs behind the other's softmax; this kernel splits the work by role instead: a producer warpgroup that only
 // copies and kWsConsumers warpgroups that only compute, one CTA an SM. (At head dim 64 the one-warpgroup kernel
 // holds four or five CTAs an SM and is the faster.)
-constexpr int kWsConsumers = 2, kWsStages = 4, kWsQueries = kWsConsumers * kBlock;
+// A stage holds 128 keys, so that a consumer's score products are m64n128 MMAs: at N = 64 the products read their
+// two shared-memory operands at the rate shared memory delivers, at N = 128 a third less a product.
+constexpr int kWsConsumers = 2, kWsStages = 2, kWsStageKeys = 2 * kBlock, kWsQueries = kWsConsumers * kBlock;
 // Head dim 128 takes the warp-specialized kernel past this many keys (the switch below).
 constexpr int kWsMinKeys = 256;
 // Registers a thread of the producer and of a consumer warpgroup holds after setmaxnreg (multiples of 8, the CTA's
 // within the SM's 64 K).
-constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;
+constexpr int kWsProducerRegs = 48, kWsConsumerRegs = 232;
 static_assert(kThreads * (kWsProducerRegs + kWsConsumers * kWsConsumerRegs) <= 65536, "");
 static_assert(kWsConsumers <= kWsStages, "");
 
 // The shared memory: two Q buffers of each consumer (a block's and the next one's), the stages' K, V and key bias,
-// then a full and an empty barrier a stage and a free barrier a Q buffer.
+// then a full and an empty barrier a stage and a free barrier a Q buffer. A stage's K (and V) is one swizzled tile
+// of 128 rows: D / 64 blocks of [128 keys][64 elements], kPanel bytes apart, its two 64-key halves 8 KB apart in each.
 template <int D>
 struct WsSmem {
-  static constexpr int kTile = kSwTileBytes<D>;
-  static constexpr int q = 0, k = q + 2 * kWsConsumers * kTile, v = k + kWsStages * kTile,
-                       bias = v + kWsStages * kTile, full = bias + kWsStages * kBlock * 4, empty = full + kWsStages * 8,
-                       q_free = empty + kWsStages * 8, bytes = q_free + 2 * kWsConsumers * 8;
+  static constexpr int kTile = kSwTileBytes<D>, kStage = 2 * kTile, kPanel = kWsStageKeys * 128;
+  static constexpr int q = 0, k = q + 2 * kWsConsumers * kTile, v = k + kWsStages * kStage,
+                       bias = v + kWsStages * kStage, full = bias + kWsStages * kWsStageKeys * 4,
+                       empty = full + kWsStages * 8, q_free = empty + kWsStages * 8, bytes = q_free + 2 * kWsConsumers * 8;
 };
 
 // The two consumers take turns issuing their score MMAs, consumer 0 first: a consumer's step waits for the
@@ -144,7 +147,7 @@ struct WsTurns {
 // over all heads. Warpgroup 0 (the producer) streams each block's Q and its K/V tiles into a ring of kWsStages stages
 // by TMA and publishes each stage with its full barrier; the other warpgroups (the consumers) each own 64 of the
 // block's queries and run the loop of the one-warpgroup kernel on every stage, then free it with the stage's empty
-// barrier. The ring and its phases run on across blocks (g counts the CTA's tiles), and Q has two buffers a consumer,
+// barrier. The ring and its phases run on across blocks (g counts the CTA's stages), and Q has two buffers a consumer,
 // so the next block's Q and first tiles load while the consumers finish a block and store its output. No
 // __syncthreads couples the consumers: each waits only for the data it reads, and one's softmax runs while the
 // other's products do.
@@ -153,11 +156,11 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     attention_fwd_ws_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
 #if defined(LSMINI_SM90A_DEVICE)
   using L = WsSmem<D>;
-  constexpr int kStages = kWsStages, kTile = L::kTile;
+  constexpr int kStages = kWsStages, kTile = L::kTile, kStage = L::kStage, kPanel = L::kPanel;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_1k(smem_raw);
   const uint32_t base = smem_u32(smem);
-  float* const sBias = reinterpret_cast<float*>(smem + L::bias);  // [kStages][kBlock]
+  float* const sBias = reinterpret_cast<float*>(smem + L::bias);  // [kStages][kWsStageKeys]
   const uint32_t full = base + L::full, empty = base + L::empty, q_free = base + L::q_free;
 
   const int nqb = (a.q_len + kWsQueries - 1) / kWsQueries, bh = a.batch * a.heads, blocks = nqb * bh;
@@ -199,38 +202,46 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
   if (wg == 0) {  // ---- the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWsProducerRegs));
     const int tid = threadIdx.x;
-    int g = 0, n = 0;  // the CTA's tiles and its blocks with tiles so far
+    int g = 0, n = 0;  // the CTA's stages and its blocks with tiles so far
     for (int k = 0, x; (x = block_of(k)) < blocks; ++k) {
       const int q0 = first_query(x);
       const Setup<T> st(a, x % bh);
       const int n_tiles = tiles(st, q0), h_kv = st.kv_head(a);
-      // Tile t into stage g % kStages once the consumers are done with the tile kStages before: every producer
-      // thread writes its key bias and arrives; thread 0 instead arrives expecting the bytes of the tile's copies,
-      // which it has the TMA unit make (the block's Q with its first tile, into buffer n % 2 once the consumers
-      // freed it, two blocks with tiles ago). The stage's phase completes when both are in.
-      for (int t = 0; t < n_tiles; ++t, ++g) {
-        const int s = g % kStages, kt = t * kBlock;
+      // Stage j (key tiles 2j and 2j + 1, the second only where it exists) into ring stage g % kStages once the
+      // consumers are done with the stage kStages before: every producer thread writes its key bias and arrives;
+      // thread 0 instead arrives expecting the bytes of the stage's copies, which it has the TMA unit make (the
+      // block's Q with its first stage, into buffer n % 2 once the consumers freed it, two blocks with tiles ago).
+      // The stage's phase completes when both are in.
+      for (int j = 0; 2 * j < n_tiles; ++j, ++g) {
+        const int s = g % kStages, kt = j * kWsStageKeys, halves = min(2, n_tiles - 2 * j);
         if (g >= kStages) mbar_wait(empty + 8 * s, (g / kStages - 1) & 1);
-        if (tid < kBlock) sBias[s * kBlock + tid] = st.vis.key_bias(kt + tid);
+        static_assert(kThreads == kWsStageKeys, "a producer thread a key of the stage");
+        sBias[s * kWsStageKeys + tid] = st.vis.key_bias(kt + tid);
         if (tid != 0) {
           mbar_arrive(full + 8 * s);
           continue;
         }
         const uint32_t bar = full + 8 * s;
-        if (t == 0) {
+        if (j == 0) {
           const int queries = min(kWsConsumers, (a.q_len - q0 + kBlock - 1) / kBlock);
           if (n >= 2) {
 #pragma unroll
             for (int c = 0; c < kWsConsumers; ++c) mbar_wait(q_free + 8 * (2 * c + n % 2), (n / 2 - 1) & 1);
           }
-          mbar_expect_tx(bar, (2 + queries) * kTile);
+          mbar_expect_tx(bar, (2 * halves + queries) * kTile);
           for (int c = 0; c < queries; ++c)
             tma_tile<D>(base + L::q + (2 * c + n % 2) * kTile, &maps.q, q0 + c * kBlock, st.h, st.b, bar);
         } else {
-          mbar_expect_tx(bar, 2 * kTile);
+          mbar_expect_tx(bar, 2 * halves * kTile);
         }
-        tma_tile<D>(base + L::k + s * kTile, &maps.k, kt, h_kv, st.b, bar);
-        tma_tile<D>(base + L::v + s * kTile, &maps.v, kt, h_kv, st.b, bar);
+        for (int h = 0; h < halves; ++h) {
+#pragma unroll
+          for (int col = 0; col < D; col += 64) {
+            const uint32_t at = s * kStage + col / 64 * kPanel + h * kSwBlockBytes;
+            tma_load(base + L::k + at, &maps.k, col, kt + h * kBlock, h_kv, st.b, bar);
+            tma_load(base + L::v + at, &maps.v, col, kt + h * kBlock, h_kv, st.b, bar);
+          }
+        }
       }
       n += n_tiles > 0;
     }
@@ -255,58 +266,59 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     float o[D / 8][4] = {};
     float m[2] = {-kInf, -kInf};
     float l[2] = {0.f, 0.f};
-    // Two key tiles a step: one max and one rescale of o for 128 keys (o is 64 registers a thread at head dim
-    // 128). The last tile of an odd count takes a step of its own, outside the loop: a branch between MMAs makes
-    // ptxas serialize them.
-    int t = 0;
-    for (; t + 1 < my_tiles; t += 2) {
-      const int s0 = (g + t) % kStages, s1 = (g + t + 1) % kStages;
-      mbar_wait(full + 8 * s0, ((g + t) / kStages) & 1);
-      mbar_wait(full + 8 * s1, ((g + t + 1) / kStages) & 1);
+    // A stage (two key tiles) a step: one max and one rescale of o for 128 keys (o is 64 registers a thread at head
+    // dim 128), the scores of both tiles one m64n128 product. The last tile of an odd count takes a step of its own
+    // (an m64n64 product on the stage's first half), outside the loop: a branch between MMAs makes ptxas serialize
+    // them.
+    const int steps = my_tiles / 2, n_stages = (n_tiles + 1) / 2;
+    int j = 0;
+    for (; j < steps; ++j) {
+      const int s = (g + j) % kStages, t = 2 * j;
+      const uint32_t sK = base + L::k + s * kStage, sV = base + L::v + s * kStage;
+      const float* const bias = sBias + s * kWsStageKeys;
+      mbar_wait(full + 8 * s, ((g + j) / kStages) & 1);
       float sc[2][8][4];
       turns.wait();
-      wg_abt<T, D>(sc[0], sQ, base + L::k + s0 * kTile);
-      wg_abt<T, D>(sc[1], sQ, base + L::k + s1 * kTile);
+      wg_abt<T, D, 2 * kBlock>(*reinterpret_cast<float(*)[16][4]>(&sc), sQ, sK, kPanel);
       wgmma_commit();
       turns.pass();
       wgmma_wait(sc[0], sc[1]);
       float mx[2] = {-kInf, -kInf}, shift[2];
-      tile_max(sc[0], st, sBias + s0 * kBlock, i0, t * kBlock, mx);
-      tile_max(sc[1], st, sBias + s1 * kBlock, i0, (t + 1) * kBlock, mx);
+      tile_max(sc[0], st, bias, i0, t * kBlock, mx);
+      tile_max(sc[1], st, bias + kBlock, i0, (t + 1) * kBlock, mx);
       rescale_rows<T, D>(mx, o, m, l, st, shift);
       tile_probs<T, kKeep>(sc[0], shift, l, st, i0, t * kBlock, kKeep ? keep_row + 32 * t : nullptr);
       tile_probs<T, kKeep>(sc[1], shift, l, st, i0, (t + 1) * kBlock, kKeep ? keep_row + 32 * (t + 1) : nullptr);
-      wg_xb<T, D>(o, sc[0], base + L::v + s0 * kTile);
-      wg_xb<T, D>(o, sc[1], base + L::v + s1 * kTile);
+      wg_xb<T, D>(o, sc[0], sV, kPanel);
+      wg_xb<T, D>(o, sc[1], sV + kSwBlockBytes, kPanel);
       wgmma_sync(o);
-      mbar_arrive(empty + 8 * s0);
-      mbar_arrive(empty + 8 * s1);
+      mbar_arrive(empty + 8 * s);
     }
-    if (t < my_tiles) {
-      const int s = (g + t) % kStages;
-      mbar_wait(full + 8 * s, ((g + t) / kStages) & 1);
+    if (2 * j < my_tiles) {
+      const int s = (g + j) % kStages, t = 2 * j;
+      mbar_wait(full + 8 * s, ((g + j) / kStages) & 1);
       float sc[8][4];
       turns.wait();
-      wg_abt<T, D>(sc, sQ, base + L::k + s * kTile);
+      wg_abt<T, D>(sc, sQ, base + L::k + s * kStage, kPanel);
       wgmma_commit();
       turns.pass();
       wgmma_wait(sc);
-      softmax_step<T, D, kKeep>(sc, o, m, l, st, sBias + s * kBlock, i0, t * kBlock,
+      softmax_step<T, D, kKeep>(sc, o, m, l, st, sBias + s * kWsStageKeys, i0, t * kBlock,
                                 kKeep ? keep_row + 32 * t : nullptr);
-      wg_xb<T, D>(o, sc, base + L::v + s * kTile);
+      wg_xb<T, D>(o, sc, base + L::v + s * kStage, kPanel);
       wgmma_sync(o);
       mbar_arrive(empty + 8 * s);
-      ++t;
+      ++j;
     }
-    // The tiles this consumer does not read (its queries end before them, or it has none): freed once filled.
-    for (; t < n_tiles; ++t) {
-      const int s = (g + t) % kStages;
-      mbar_wait(full + 8 * s, ((g + t) / kStages) & 1);
+    // The stages this consumer does not read (its queries end before them, or it has none): freed once filled.
+    for (; j < n_stages; ++j) {
+      const int s = (g + j) % kStages;
+      mbar_wait(full + 8 * s, ((g + j) / kStages) & 1);
       mbar_arrive(empty + 8 * s);
     }
     if (n_tiles > 0) mbar_arrive(q_free + 8 * (2 * c + n % 2));
     if (qc < a.q_len) store_out_lse<T, D>(a, st, i0, o, m, l);
-    g += n_tiles;
+    g += n_stages;
     n += n_tiles > 0;
   }
 #else
@@ -320,7 +332,7 @@ cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   // One CTA an SM, or one a block where there are fewer blocks.
   const int64_t blocks = std::min<int64_t>(int64_t(a.batch) * a.heads * ((a.q_len + kWsQueries - 1) / kWsQueries),
                                            sm_count());
-  // two Q tiles a consumer, kWsStages × (K, V, key bias), the barriers: 197 728 B.
+  // two Q tiles a consumer, kWsStages × (K, V, key bias), the barriers: 197 696 B.
   const size_t bytes = WsSmem<D>::bytes;
   const int threads = kThreads * (1 + kWsConsumers);
   AttentionMaps maps;

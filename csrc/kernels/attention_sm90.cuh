@@ -61,9 +61,10 @@ struct SwDesc {
   }
 };
 // K-major: the 16 columns [16kk, 16kk + 16) of a swizzled tile, 32 bytes into its 128-byte rows (the
-// hardware applies the swizzle to the address it computes, so the start moves like an unswizzled one).
-__device__ __forceinline__ uint64_t desc_k(const SwDesc& tile, int kk) {
-  return tile.at((kk >> 2) * kSwBlockBytes + (kk & 3) * 32);
+// hardware applies the swizzle to the address it computes, so the start moves like an unswizzled one). A tile of
+// more than 64 rows (a stage of the warp-specialized forward) has blocks of `block` bytes.
+__device__ __forceinline__ uint64_t desc_k(const SwDesc& tile, int kk, uint32_t block = kSwBlockBytes) {
+  return tile.at((kk >> 2) * block + (kk & 3) * 32);
 }
 // MN-major: the 16 rows [16kk, 16kk + 16) of a swizzled tile; the next 64 columns lie one block further.
 __device__ __forceinline__ uint64_t desc_mn(const SwDesc& tile, int kk) { return tile.at(kk * 16 * 128); }
@@ -160,22 +161,27 @@ LSMINI_WGMMA(__nv_bfloat16, "bf16", 128, LSMINI_D64, LSMINI_ACC64, "64", "65", "
 
 // The tile products. Each issues its MMAs after a wgmma.fence; the caller waits with wgmma_sync (so that
 // several products can go in one group).
-// acc = the tile at a × (the tile at b)ᵀ over D columns: both K-major, e.g. S = Q·Kᵀ.
-template <typename T, int D>
-__device__ __forceinline__ void wg_abt(float (&acc)[8][4], uint32_t a, uint32_t b) {
+// acc = the [64 × D] tile at a × (N rows of the tile at b)ᵀ over D columns: both K-major, e.g. S = Q·Kᵀ. b's
+// blocks lie b_block bytes apart (a tile of more rows than N, or of 128 rows read as one N = 128 product).
+template <typename T, int D, int N = 64>
+__device__ __forceinline__ void wg_abt(float (&acc)[N / 8][4], uint32_t a, uint32_t b,
+                                       uint32_t b_block = kSwBlockBytes) {
   const SwDesc da(a, 16), db(b, 16);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, 64>::template ss<0, 0>(acc, desc_k(da, kk), desc_k(db, kk), kk > 0);
+  for (int kk = 0; kk < D / 16; ++kk)
+    Wgmma<T, N>::template ss<0, 0>(acc, desc_k(da, kk), desc_k(db, kk, b_block), kk > 0);
 }
 
-// acc += X·(the [64 × D] tile at b), X the warpgroup's 64×64 tile held as C tiles x: B MN-major, e.g. O += P̃V.
+// acc += X·(64 rows × D at b), X the warpgroup's 64×64 tile held as C tiles x: B MN-major, e.g. O += P̃V. b's
+// 64-column blocks lie b_block bytes apart.
 template <typename T, int D>
-__device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8][4], uint32_t b) {
+__device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8][4], uint32_t b,
+                                      uint32_t b_block = kSwBlockBytes) {
   uint32_t xa[kBlock / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kBlock / 16; ++kk) c_to_a<T>(xa[kk], x, kk);
-  const SwDesc db(b, kSwBlockBytes);
+  const SwDesc db(b, b_block);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kBlock / 16; ++kk) Wgmma<T, D>::template rs<1>(acc, xa[kk], desc_mn(db, kk), 1);
