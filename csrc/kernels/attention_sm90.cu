@@ -94,8 +94,13 @@ constexpr int kWsConsumers = 2, kWsStages = 2, kWsStageKeys = 2 * kBlock, kWsQue
 constexpr int kWsMinKeys = 256;
 // Registers a thread of the producer and of a consumer warpgroup holds after setmaxnreg (multiples of 8, the CTA's
 // within the SM's 64 K).
-constexpr int kWsProducerRegs = 48, kWsConsumerRegs = 232;
+constexpr int kWsProducerRegs = 40, kWsConsumerRegs = 232;
 static_assert(kThreads * (kWsProducerRegs + kWsConsumers * kWsConsumerRegs) <= 65536, "");
+// The consumers' setmaxnreg.inc waits until the producer's .dec has released the registers it takes: at launch every
+// thread holds the bound's 168 (65 536 over 384 threads, in multiples of 8), so the producer must give up at least
+// what the consumers gain, or they wait forever.
+constexpr int kWsLaunchRegs = 65536 / (kThreads * (1 + kWsConsumers)) / 8 * 8;
+static_assert(kWsLaunchRegs - kWsProducerRegs >= kWsConsumers * (kWsConsumerRegs - kWsLaunchRegs), "");
 static_assert(kWsConsumers <= kWsStages, "");
 
 // The shared memory: two Q buffers of each consumer (a block's and the next one's), the stages' K, V and key bias,
@@ -207,13 +212,13 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
       const int q0 = first_query(x);
       const Setup<T> st(a, x % bh);
       const int n_tiles = tiles(st, q0), h_kv = st.kv_head(a);
-      // Stage j (key tiles 2j and 2j + 1, the second only where it exists) into ring stage g % kStages once the
+      // Stage j (key tiles 2j and 2j + 1: one box of 128 rows a 64-column block) into ring stage g % kStages once the
       // consumers are done with the stage kStages before: every producer thread writes its key bias and arrives;
       // thread 0 instead arrives expecting the bytes of the stage's copies, which it has the TMA unit make (the
       // block's Q with its first stage, into buffer n % 2 once the consumers freed it, two blocks with tiles ago).
       // The stage's phase completes when both are in.
       for (int j = 0; 2 * j < n_tiles; ++j, ++g) {
-        const int s = g % kStages, kt = j * kWsStageKeys, halves = min(2, n_tiles - 2 * j);
+        const int s = g % kStages, kt = j * kWsStageKeys;
         if (g >= kStages) mbar_wait(empty + 8 * s, (g / kStages - 1) & 1);
         static_assert(kThreads == kWsStageKeys, "a producer thread a key of the stage");
         sBias[s * kWsStageKeys + tid] = st.vis.key_bias(kt + tid);
@@ -228,20 +233,14 @@ __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
 #pragma unroll
             for (int c = 0; c < kWsConsumers; ++c) mbar_wait(q_free + 8 * (2 * c + n % 2), (n / 2 - 1) & 1);
           }
-          mbar_expect_tx(bar, (2 * halves + queries) * kTile);
+          mbar_expect_tx(bar, 2 * kStage + queries * kTile);
           for (int c = 0; c < queries; ++c)
             tma_tile<D>(base + L::q + (2 * c + n % 2) * kTile, &maps.q, q0 + c * kBlock, st.h, st.b, bar);
         } else {
-          mbar_expect_tx(bar, 2 * halves * kTile);
+          mbar_expect_tx(bar, 2 * kStage);
         }
-        for (int h = 0; h < halves; ++h) {
-#pragma unroll
-          for (int col = 0; col < D; col += 64) {
-            const uint32_t at = s * kStage + col / 64 * kPanel + h * kSwBlockBytes;
-            tma_load(base + L::k + at, &maps.k, col, kt + h * kBlock, h_kv, st.b, bar);
-            tma_load(base + L::v + at, &maps.v, col, kt + h * kBlock, h_kv, st.b, bar);
-          }
-        }
+        tma_tile<D>(base + L::k + s * kStage, &maps.k, kt, h_kv, st.b, bar, kPanel);
+        tma_tile<D>(base + L::v + s * kStage, &maps.v, kt, h_kv, st.b, bar, kPanel);
       }
       n += n_tiles > 0;
     }
@@ -336,7 +335,7 @@ cudaError_t fwd_ws_sm90(const AttentionArgs<T>& a, cudaStream_t stream) {
   const size_t bytes = WsSmem<D>::bytes;
   const int threads = kThreads * (1 + kWsConsumers);
   AttentionMaps maps;
-  if (blocks > 0 && !encode_maps(&maps, a, false)) return cudaErrorInvalidValue;
+  if (blocks > 0 && !encode_maps(&maps, a, false, kWsStageKeys)) return cudaErrorInvalidValue;
   if (a.keep != nullptr && a.dropout_p > 0.f) {
     return launch_with_maps(attention_fwd_ws_sm90_kernel<T, D, true>, blocks, bytes, a, maps, stream, threads);
   }

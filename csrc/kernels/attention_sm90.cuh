@@ -190,7 +190,8 @@ __device__ __forceinline__ void wg_xb(float (&acc)[D / 8][4], const float (&x)[8
 
 // ---- tensor memory access (PTX ISA, "cp.async.bulk.tensor") ------------------------------------------
 // The operands as tensor maps: Q and dO [batch][heads][q_len][D], K and V [batch][kv_heads][k_len][D] in their
-// strides, boxes of one swizzled block (64 rows × 64 elements, 128-byte swizzle). The forward has no dO map.
+// strides, boxes of one swizzled block (64 rows × 64 elements, 128-byte swizzle; K and V of the warp-specialized
+// forward 128 rows). The forward has no dO map.
 struct AttentionMaps {
   CUtensorMap q, k, v, dout;
 };
@@ -209,10 +210,11 @@ inline EncodeTiled encode_tiled() {
   return fn;
 }
 
-// The map of one operand ([batch][heads][rows][D] in s's strides). The base and strides must be 16-byte multiples,
-// as the binding checks; false where the driver refuses the map.
+// The map of one operand ([batch][heads][rows][D] in s's strides), boxes of box_rows rows. The base and strides must
+// be 16-byte multiples, as the binding checks; false where the driver refuses the map.
 template <typename T>
-bool encode_map(CUtensorMap* map, const Strided<const T>& s, int batch, int heads, int rows, int d) {
+bool encode_map(CUtensorMap* map, const Strided<const T>& s, int batch, int heads, int rows, int d,
+                int box_rows = kBlock) {
   const EncodeTiled encode = encode_tiled();
   if (encode == nullptr) return false;
   // Extents of at least 1 (no CTA copies rows of an empty operand); a dimension of extent 1 is never stepped
@@ -220,7 +222,7 @@ bool encode_map(CUtensorMap* map, const Strided<const T>& s, int batch, int head
   const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(rows > 1 ? rows : 1), cuuint64_t(heads), cuuint64_t(batch)};
   const cuuint64_t strides[3] = {cuuint64_t(s.row) * sizeof(T), heads > 1 ? cuuint64_t(s.head) * sizeof(T) : 16,
                                  batch > 1 ? cuuint64_t(s.batch) * sizeof(T) : 16};
-  const cuuint32_t box[4] = {64, kBlock, 1, 1}, unit[4] = {1, 1, 1, 1};
+  const cuuint32_t box[4] = {64, cuuint32_t(box_rows), 1, 1}, unit[4] = {1, 1, 1, 1};
   const CUtensorMapDataType type =
       std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   return encode(map, type, 4, const_cast<T*>(s.ptr), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -228,13 +230,13 @@ bool encode_map(CUtensorMap* map, const Strided<const T>& s, int batch, int head
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The maps of a's q, k and v, and of dout for the backward; false where one is refused.
+// The maps of a's q, k and v (boxes of kv_rows rows), and of dout for the backward; false where one is refused.
 template <typename T>
-bool encode_maps(AttentionMaps* m, const AttentionArgs<T>& a, bool backward) {
+bool encode_maps(AttentionMaps* m, const AttentionArgs<T>& a, bool backward, int kv_rows = kBlock) {
   const int d = a.head_dim;
   return encode_map(&m->q, a.q, a.batch, a.heads, a.q_len, d) &&
-         encode_map(&m->k, a.k, a.batch, a.kv_heads, a.k_len, d) &&
-         encode_map(&m->v, a.v, a.batch, a.kv_heads, a.k_len, d) &&
+         encode_map(&m->k, a.k, a.batch, a.kv_heads, a.k_len, d, kv_rows) &&
+         encode_map(&m->v, a.v, a.batch, a.kv_heads, a.k_len, d, kv_rows) &&
          (!backward || encode_map(&m->dout, a.dout, a.batch, a.heads, a.q_len, d));
 }
 
@@ -247,9 +249,8 @@ cudaError_t launch_with_maps(Kernel kernel, int64_t blocks, size_t bytes, const 
 }
 
 #if defined(LSMINI_SM90A_DEVICE)
-// One box of a 4-D tensor map (coordinates: element, row, head, batch; attention_sm90.cu's maps have boxes of 64
-// rows × 64 elements) into shared memory at dst, 1 KB aligned, with the map's 128-byte swizzle: one swizzled
-// block. The bytes count toward bar's transaction count; rows past the tensor's end arrive as zeros.
+// One box of a 4-D tensor map (coordinates: element, row, head, batch; boxes of 64 elements × the map's rows) into
+// shared memory at dst, 1 KB aligned, with the map's 128-byte swizzle: one swizzled block. The bytes count toward bar's transaction count; rows past the tensor's end arrive as zeros.
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int col, int row, int head, int batch,
                                          uint32_t bar) {
   asm volatile(
@@ -258,12 +259,13 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
       : "memory");
 }
-// A [64 rows × D] swizzled tile at dst (D / 64 boxes): rows [row, row + 64) of one head of one batch.
+// A swizzled tile at dst (D / 64 boxes, `block` bytes apart): the map's box rows from row on, of one head of one
+// batch.
 template <int D>
 __device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, int row, int head, int batch,
-                                         uint32_t bar) {
+                                         uint32_t bar, uint32_t block = kSwBlockBytes) {
 #pragma unroll
-  for (int col = 0; col < D; col += 64) tma_load(dst + col / 64 * kSwBlockBytes, map, col, row, head, batch, bar);
+  for (int col = 0; col < D; col += 64) tma_load(dst + col / 64 * block, map, col, row, head, batch, bar);
 }
 #endif  // LSMINI_SM90A_DEVICE
 
