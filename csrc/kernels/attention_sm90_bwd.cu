@@ -5,7 +5,8 @@
  * keys the one-CTA sm_80 kernel (attention_bwd_short.cu) still runs.
  *
  * Per tile, one warpgroup (the CTA) computes
- *   bwd_dq:  S = Q·Kᵀ, dP = dO·Vᵀ (A and B K-major from shared memory), dS in registers (tile_ds),
+ *   bwd_dq:  S = Q·Kᵀ, dP = dO·Vᵀ (B K-major from shared memory; A too at head dim 64, from registers at
+ *            128), dS in registers (tile_ds),
  *            dQ += dS·K (A = dS from registers, B = K N-major);
  *   bwd_dkv: the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with the query tile streaming (rows are the
  *            CTA's keys), P̃ᵀ and dSᵀ in registers (tile_ds_t), dV += P̃ᵀ·dO and dK += dSᵀ·Q (A from
@@ -31,6 +32,32 @@ __device__ __forceinline__ uint32_t wg_s_dp(float (&s)[8][4], float (&dp)[8][4],
   const uint32_t bits = keep_bits();
   wgmma_wait(s, dp);
   return bits;
+}
+
+// The same with the two A operands held as register fragments (qa, da: the mma A layout of the warp's 16 rows,
+// frags_a): only the B tiles are read from shared memory.
+template <typename T, int D, typename KeepBits>
+__device__ __forceinline__ uint32_t wg_s_dp_rs(float (&s)[8][4], float (&dp)[8][4], const uint32_t (&qa)[D / 16][4],
+                                               const uint32_t (&da)[D / 16][4], uint32_t k, uint32_t v,
+                                               KeepBits keep_bits) {
+  const SwDesc dk(k, 16), dv(v, 16);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, 64>::template rs<0>(s, qa[kk], desc_k(dk, kk), kk > 0);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) Wgmma<T, 64>::template rs<0>(dp, da[kk], desc_k(dv, kk), kk > 0);
+  wgmma_commit();
+  const uint32_t bits = keep_bits();
+  wgmma_wait(s, dp);
+  return bits;
+}
+
+// The A fragments of the warp's 16 rows of the [64 × D] swizzled tile at tile (generic address).
+template <int D>
+__device__ __forceinline__ void frags_a(uint32_t (&a)[D / 16][4], const unsigned char* tile) {
+  const int lane = threadIdx.x & 31, row = (threadIdx.x >> 5) * 16 + (lane & 15);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) ldsm4<false>(a[kk], tile + sw_offset(row, kk * 16 + (lane >> 4) * 8));
 }
 #endif
 
@@ -95,13 +122,25 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
   const float delta[2] = {sDelta[warp * 16 + g], sDelta[warp * 16 + g + 8]};
 
   float dq[D / 8][4] = {};
+  // At head dim 128 Q and dO stay in registers as the score products' A operands, so those products read only
+  // the K and V tiles from shared memory (an m64n64 product that reads both operands there takes as many bytes a
+  // cycle as shared memory delivers). At 64 the fragments would make the kernel spill at four CTAs an SM.
+  constexpr bool kRegA = D > 64;
+  uint32_t qa[D / 16][4], da[D / 16][4];
+  if constexpr (kRegA) {
+    frags_a<D>(qa, smem);
+    frags_a<D>(da, smem + kTile);
+  }
   for (int t = 0; t < n_tiles; ++t) {
     const uint32_t cK = sK + (t & 1) * kTile, cV = sV + (t & 1) * kTile;
     float s[8][4], dp[8][4];
     mbar_wait(bar_kv + 8 * (t & 1), (t >> 1) & 1);  // the buffer's (t >> 1)-th fill
-    const uint32_t bits = wg_s_dp<T, D>(s, dp, sQ, sdO, cK, cV, [&] {
-      return kDropout ? st.tile_keep_bits(i0, t * kBlock) : 0u;
-    });
+    auto keep_bits = [&] { return kDropout ? st.tile_keep_bits(i0, t * kBlock) : 0u; };
+    uint32_t bits;
+    if constexpr (kRegA)
+      bits = wg_s_dp_rs<T, D>(s, dp, qa, da, cK, cV, keep_bits);
+    else
+      bits = wg_s_dp<T, D>(s, dp, sQ, sdO, cK, cV, keep_bits);
     tile_ds<T, kDropout>(s, dp, st, sBias + (t & 1) * kBlock, lse2, delta, i0, t * kBlock, bits);
     wg_xb<T, D>(dq, s, cK);
     wgmma_sync(dq);
