@@ -250,7 +250,8 @@ cudaError_t launch_with_maps(Kernel kernel, int64_t blocks, size_t bytes, const 
 
 #if defined(LSMINI_SM90A_DEVICE)
 // One box of a 4-D tensor map (coordinates: element, row, head, batch; boxes of 64 elements × the map's rows) into
-// shared memory at dst, 1 KB aligned, with the map's 128-byte swizzle: one swizzled block. The bytes count toward bar's transaction count; rows past the tensor's end arrive as zeros.
+// shared memory at dst, 1 KB aligned, with the map's 128-byte swizzle: one swizzled block. The bytes count toward
+// bar's transaction count; rows past the tensor's end arrive as zeros.
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int col, int row, int head, int batch,
                                          uint32_t bar) {
   asm volatile(
