@@ -111,7 +111,8 @@ struct WsSmem {
   static constexpr int kTile = kSwTileBytes<D>, kStage = 2 * kTile, kPanel = kWsStageKeys * 128;
   static constexpr int q = 0, k = q + 2 * kWsConsumers * kTile, v = k + kWsStages * kStage,
                        bias = v + kWsStages * kStage, full = bias + kWsStages * kWsStageKeys * 4,
-                       empty = full + kWsStages * 8, q_free = empty + kWsStages * 8, bytes = q_free + 2 * kWsConsumers * 8;
+                       empty = full + kWsStages * 8, q_free = empty + kWsStages * 8,
+                       bytes = q_free + 2 * kWsConsumers * 8;
 };
 
 // The two consumers take turns issuing their score MMAs, consumer 0 first: a consumer's step waits for the
