@@ -81,6 +81,7 @@ template <typename T>
 __global__ void __launch_bounds__(kSumsqThreads)
     adam_grad_sumsq_kernel(const T* __restrict__ grad, int64_t n, float inv_scale, const float* __restrict__ scale,
                            float2* __restrict__ partials, bool vec) {
+  begin_dependent_kernel();
   constexpr int V = Vec16<T>::value;
   const float mul = grad_multiplier(inv_scale, scale);
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -129,6 +130,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     adam_grad_norm_finalize_kernel(const float2* __restrict__ partials, int num_partials, float inv_scale,
                                    const float* __restrict__ scale, float max_norm, int check_overflow,
                                    float* __restrict__ ctrl) {
+  begin_dependent_kernel();
   float acc = 0.f;
   int bad = 0;
   for (int i = threadIdx.x; i < num_partials; i += blockDim.x) {
@@ -359,6 +361,7 @@ __global__ void __launch_bounds__(kStepThreads)
                      const int32_t* __restrict__ step_in, int32_t* __restrict__ step_out,
                      const double* __restrict__ lr, float inv_scale, const float* __restrict__ scale,
                      const float* __restrict__ ctrl) {
+  begin_dependent_kernel();
   constexpr int V = Vec16<T>::value;
   __shared__ AdamSmemTable st;
   if (!adam_step_prologue(tab, st, step_in, step_out, lr, ctrl)) return;
@@ -425,6 +428,7 @@ __global__ void __launch_bounds__(kBulkThreads)
                           const int32_t* __restrict__ step_in, int32_t* __restrict__ step_out,
                           const double* __restrict__ lr, float inv_scale, const float* __restrict__ scale,
                           const float* __restrict__ ctrl) {
+  begin_dependent_kernel();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int V = Vec16<T>::value;
   constexpr bool kInPlace = std::is_same<T, float>::value;
@@ -542,18 +546,16 @@ cudaError_t launch_adam_grad_sumsq(const T* grad, int64_t n, float inv_scale, co
                                    float2* partials, cudaStream_t stream) {
   const int blocks = adam_grad_sumsq_num_blocks(n);
   if (blocks == 0) return cudaSuccess;
-  adam_grad_sumsq_kernel<T><<<blocks, kSumsqThreads, 0, stream>>>(grad, n, inv_scale, scale, partials,
-                                                                  is_aligned(grad, 16));
-  return cudaGetLastError();
+  return launch_dependent(adam_grad_sumsq_kernel<T>, dim3(blocks), dim3(kSumsqThreads), 0, stream, grad, n, inv_scale,
+                          scale, partials, is_aligned(grad, 16));
 }
 
 cudaError_t launch_adam_grad_norm_finalize(const float2* partials, int num_partials, float inv_scale,
                                            const float* scale, float max_norm, int check_overflow, float* ctrl,
                                            cudaStream_t stream) {
   if (num_partials < 0) return cudaErrorInvalidValue;
-  adam_grad_norm_finalize_kernel<<<1, kFinalizeThreads, 0, stream>>>(partials, num_partials, inv_scale, scale,
-                                                                     max_norm, check_overflow, ctrl);
-  return cudaGetLastError();
+  return launch_dependent(adam_grad_norm_finalize_kernel, dim3(1), dim3(kFinalizeThreads), 0, stream, partials,
+                          num_partials, inv_scale, scale, max_norm, check_overflow, ctrl);
 }
 
 template <typename T>
@@ -608,16 +610,16 @@ cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_
     cudaError_t err = allow_dynamic_smem(kernel, smem);
     if (err == cudaSuccess) err = grid_for(kernel, kBulkThreads, smem, units, &grid);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, kBulkThreads, smem, stream>>>(param, grad, master, exp_avg, exp_avg_sq, tab, step_in, step_out, lr,
-                                                 inv_scale, scale, ctrl);
-  } else {
+    return launch_dependent(kernel, dim3(grid), dim3(kBulkThreads), smem, stream, param, grad, master, exp_avg,
+                            exp_avg_sq, tab, step_in, step_out, lr, inv_scale, scale, ctrl);
+  }
+  {
     auto kernel = vec ? adam_step_kernel<T, true> : adam_step_kernel<T, false>;
     const cudaError_t err = grid_for(kernel, kStepThreads, 0, (units + kStepThreads - 1) / kStepThreads, &grid);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, kStepThreads, 0, stream>>>(param, grad, master, exp_avg, exp_avg_sq, tab, step_in, step_out, lr,
-                                              inv_scale, scale, ctrl);
+    return launch_dependent(kernel, dim3(grid), dim3(kStepThreads), 0, stream, param, grad, master, exp_avg,
+                            exp_avg_sq, tab, step_in, step_out, lr, inv_scale, scale, ctrl);
   }
-  return cudaGetLastError();
 }
 
 bool adam_bulk_available() { return compute_capability() >= 90; }

@@ -59,6 +59,7 @@ namespace {
 // its register cap: the store's pointer alone made the one without it spill and run 3-5% slower.
 template <typename T, int D, bool kKeep>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) attention_fwd_kernel(const AttentionArgs<T> a) {
+  begin_dependent_kernel();
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;  // elements of one [64 × D] shared tile
   // Q, then K and V double-buffered (buffer b of K at sK + b·kTile), then the key bias of each buffer.

@@ -720,21 +720,21 @@ cudaError_t launch_kernel(Kernel kernel, int64_t blocks, size_t bytes, cudaStrea
     const cudaError_t err = allow_dynamic_smem(kernel, int(bytes));
     if (err != cudaSuccess) return err;
   }
-  if (cluster == 1) {
-    kernel<<<static_cast<unsigned>(blocks), threads, bytes, stream>>>(args...);
-    return cudaGetLastError();
-  }
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = cluster;
-  attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
+  if (cluster == 1) return launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), bytes, stream,
+                                           args...);
+  cudaLaunchAttribute attrs[2] = {};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = cluster;
+  attrs[0].val.clusterDim.y = attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // as launch_dependent's launches
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = bytes;
   cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = 2;  // clusters exist from sm_90 on, as dependent launches do
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 

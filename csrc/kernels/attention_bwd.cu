@@ -11,6 +11,7 @@ namespace {
 // ---- backward: Δ and dQ ------------------------------------------------------------------------------
 template <typename T, int D, bool kDropout>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const AttentionArgs<T> a) {
+  begin_dependent_kernel();
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;
   // Q, dO, then K and V double-buffered, then Δ, lse and the key bias of each buffer.
@@ -104,6 +105,7 @@ __global__ void __launch_bounds__(kThreads) attention_bwd_dq_kernel(const Attent
 // it the registers it would take in a kernel at its register cap); kDropout likewise.
 template <typename T, int D, bool kGrouped, bool kDropout>
 __global__ void __launch_bounds__(kThreads) attention_bwd_dkv_kernel(const AttentionArgs<T> a) {
+  begin_dependent_kernel();
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;
   // K, V (loaded once), Q and dO double-buffered, lse and Δ double-buffered, key bias, keep words double-buffered.

@@ -21,6 +21,7 @@ namespace {
 // kGrouped: heads > kv_heads, a separate instantiation as in attention_bwd.cu.
 template <typename T, int D, int KB, bool kGrouped>
 __global__ void __launch_bounds__(kThreads * KB) attention_bwd_short_kernel(const AttentionArgs<T> a) {
+  begin_dependent_kernel();
   constexpr int ld = D + kPad;
   constexpr int kTile = kBlock * ld;
   constexpr int kKeys = KB * kBlock;

@@ -27,6 +27,7 @@ namespace {
 template <typename T, int D, bool kKeep>
 __global__ void __launch_bounds__(kThreads, D > 64 ? 2 : kKeep ? 4 : 5)
     attention_fwd_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
+  begin_dependent_kernel();
 #if defined(LSMINI_SM90A_DEVICE)
   // Q, then K and V double-buffered (swizzled tiles), then the key bias of each buffer, then the mbarriers of Q
   // and of the two K/V buffers.
@@ -160,6 +161,7 @@ struct WsTurns {
 template <typename T, int D, bool kKeep>
 __global__ void __launch_bounds__(kThreads * (1 + kWsConsumers), 1)
     attention_fwd_ws_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
+  begin_dependent_kernel();
 #if defined(LSMINI_SM90A_DEVICE)
   using L = WsSmem<D>;
   constexpr int kStages = kWsStages, kTile = L::kTile, kStage = L::kStage, kPanel = L::kPanel;

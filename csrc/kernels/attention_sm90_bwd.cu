@@ -65,6 +65,7 @@ __device__ __forceinline__ void frags_a(uint32_t (&a)[D / 16][4], const unsigned
 template <typename T, int D, bool kDropout>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? (kDropout ? 3 : 4) : 2)
     attention_bwd_dq_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
+  begin_dependent_kernel();
 #if defined(LSMINI_SM90A_DEVICE)
   // Q, dO, then K and V double-buffered (swizzled tiles), then Δ, lse and the key bias of each buffer, then the
   // mbarriers of Q and dO and of the two K/V buffers.
@@ -245,6 +246,7 @@ constexpr int kDkvStages = D <= 64 ? 3 : 2;
 template <typename T, int D, bool kGrouped, bool kDropout>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2)
     attention_bwd_dkv_sm90_kernel(const AttentionArgs<T> a, const __grid_constant__ AttentionMaps maps) {
+  begin_dependent_kernel();
 #if defined(LSMINI_SM90A_DEVICE)
   // K, V (loaded once), kStages buffers each of Q and dO (swizzled tiles), then per buffer the lse and Δ of its
   // query tile, the key bias, and per buffer the tile's dropout keep words (these two-buffered: staged one

@@ -140,6 +140,7 @@ struct BwdArgs {
 template <typename T, int VEC, int ITEMS, int GROUP>
 __global__ void __launch_bounds__(GROUP == 0 ? kRowBlockMaxThreads : kRowsBlockThreads)
 attention_softmax_fwd_kernel(const FwdArgs<T> a) {
+  begin_dependent_kernel();
   static_assert(ITEMS * VEC <= kMaxValuesPerThread, "row chunk per thread too large");
   using G = RowGroup<GROUP>;
   __shared__ float smem[32];
@@ -216,6 +217,7 @@ attention_softmax_fwd_kernel(const FwdArgs<T> a) {
 template <typename T, int VEC, int ITEMS, int GROUP>
 __global__ void __launch_bounds__(GROUP == 0 ? kRowBlockMaxThreads : kRowsBlockThreads)
 attention_softmax_bwd_kernel(const BwdArgs<T> a) {
+  begin_dependent_kernel();
   static_assert(ITEMS * VEC <= kMaxValuesPerThread, "row chunk per thread too large");
   using G = RowGroup<GROUP>;
   __shared__ float smem[32];
@@ -341,8 +343,7 @@ cudaError_t fwd_dispatch(const FwdArgs<T>& a, cudaStream_t stream) {
     constexpr int I = decltype(items)::value, G = decltype(group)::value;
     dim3 grid, block;
     launch_shape<G>(plan, a.rows, &grid, &block);
-    attention_softmax_fwd_kernel<T, VEC, I, G><<<grid, block, 0, stream>>>(a);
-    return cudaGetLastError();
+    return launch_dependent(attention_softmax_fwd_kernel<T, VEC, I, G>, grid, block, 0, stream, a);
   });
 }
 
@@ -353,8 +354,7 @@ cudaError_t bwd_dispatch(const BwdArgs<T>& a, cudaStream_t stream) {
     constexpr int I = decltype(items)::value, G = decltype(group)::value;
     dim3 grid, block;
     launch_shape<G>(plan, a.rows, &grid, &block);
-    attention_softmax_bwd_kernel<T, VEC, I, G><<<grid, block, 0, stream>>>(a);
-    return cudaGetLastError();
+    return launch_dependent(attention_softmax_bwd_kernel<T, VEC, I, G>, grid, block, 0, stream, a);
   });
 }
 

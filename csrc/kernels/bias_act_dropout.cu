@@ -106,6 +106,7 @@ template <typename T, typename BT, int V, int ACT, bool DROPOUT>
 __global__ void __launch_bounds__(kFwdThreads)
     bias_act_dropout_fwd_kernel(const T* x, const BT* __restrict__ bias, T* out,
                                 int64_t rows, int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
+  begin_dependent_kernel();
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= hidden) return;  // no block-wide sync follows
@@ -134,9 +135,8 @@ cudaError_t fwd_impl(const T* x, const BT* bias, T* out, int64_t rows, int64_t h
   Tiling t = column_tiling(rows, hidden / V, kFwdThreads);
   auto kernel = bias_act_dropout_fwd_kernel<T, BT, V, ACT, DROPOUT>;
   t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, 0), INT64_MAX);
-  kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream>>>(
-      x, bias, out, rows, hidden, threshold, scale, rng);
-  return cudaGetLastError();
+  return launch_dependent(kernel, dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream, x, bias,
+                          out, rows, hidden, threshold, scale, rng);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -148,6 +148,7 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
     bias_act_dropout_bwd_kernel(const T* grad_out, const T* x, const BT* __restrict__ bias, T* grad_x,
                                 float* __restrict__ partials,
                                 int64_t rows, int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
+  wait_for_previous_kernel();  // before any access to global memory
   extern __shared__ float fold[];  // [by][bx * V] column sums, only when partials && by > 1
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   float acc[V];
@@ -193,9 +194,8 @@ cudaError_t bwd_main_impl(const T* grad_out, const T* x, const BT* bias, T* grad
   t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, smem),
                        partials != nullptr ? partial_slabs : INT64_MAX);
   *slabs_used = t.slabs;
-  kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), smem, stream>>>(
-      grad_out, x, bias, grad_x, partials, rows, hidden, threshold, scale, rng);
-  return cudaGetLastError();
+  return launch_dependent(kernel, dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), smem, stream,
+                          grad_out, x, bias, grad_x, partials, rows, hidden, threshold, scale, rng);
 }
 
 }  // namespace

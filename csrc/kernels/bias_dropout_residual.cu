@@ -56,6 +56,7 @@ __global__ void __launch_bounds__(kFwdThreads, kFwdMinBlocksPerSm)
     bias_dropout_residual_fwd_kernel(const T* __restrict__ x, const BT* __restrict__ bias,
                                      const T* __restrict__ residual, T* __restrict__ out, int64_t rows,
                                      int64_t hidden, uint32_t threshold, float scale, PhiloxArgs rng) {
+  begin_dependent_kernel();
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   if (col >= hidden) return;  // no block-wide sync follows
@@ -88,9 +89,8 @@ cudaError_t fwd_impl(const T* x, const BT* bias, const T* residual, T* out, int6
   Tiling t = column_tiling(rows, hidden / V, kFwdThreads);
   auto kernel = bias_dropout_residual_fwd_kernel<T, BT, V, DROPOUT>;
   t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, 0), INT64_MAX);
-  kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream>>>(
-      x, bias, residual, out, rows, hidden, threshold, scale, rng);
-  return cudaGetLastError();
+  return launch_dependent(kernel, dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream, x, bias,
+                          residual, out, rows, hidden, threshold, scale, rng);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -101,6 +101,7 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocksPerSm)
     bias_dropout_residual_bwd_kernel(const T* __restrict__ grad_out, T* __restrict__ grad_x,
                                      float* __restrict__ partials, int64_t rows, int64_t hidden,
                                      uint32_t threshold, float scale, PhiloxArgs rng) {
+  wait_for_previous_kernel();  // before any access to global memory
   extern __shared__ float fold[];  // [by][bx * V] column sums, only when partials && by > 1
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
@@ -133,9 +134,8 @@ cudaError_t bwd_main_impl(const T* grad_out, T* grad_x, float* partials, int64_t
   t.slabs = wave_slabs(t, rows, resident_blocks_per_sm(kernel, t.bx * t.by, smem),
                        partials != nullptr ? partial_slabs : INT64_MAX);
   *slabs_used = t.slabs;
-  kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), smem, stream>>>(
-      grad_out, grad_x, partials, rows, hidden, threshold, scale, rng);
-  return cudaGetLastError();
+  return launch_dependent(kernel, dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), smem, stream,
+                          grad_out, grad_x, partials, rows, hidden, threshold, scale, rng);
 }
 
 }  // namespace

@@ -31,6 +31,7 @@ struct CastChunks {
 
 template <typename S, typename D>
 __global__ void __launch_bounds__(kCastThreads) cast_segments_kernel(CastChunks c) {
+  begin_dependent_kernel();
   static_assert(sizeof(D) * kCastChunk == 16, "a chunk is one 16-byte store of the copy");
   constexpr int kSrcVec = 16 / int(sizeof(S));  // elements a 16-byte load of the source holds
   const int64_t total = c.first[c.s.count];
@@ -95,8 +96,7 @@ cudaError_t launch_cast_segments(const CastSegments& segments, cudaStream_t stre
   if (total == 0) return cudaSuccess;
   const int64_t blocks = (total + kCastSpan - 1) / kCastSpan;
   if (blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  cast_segments_kernel<S, D><<<unsigned(blocks), kCastThreads, 0, stream>>>(c);
-  return cudaGetLastError();
+  return launch_dependent(cast_segments_kernel<S, D>, dim3(unsigned(blocks)), dim3(kCastThreads), 0, stream, c);
 }
 
 #define LSMINI_CAST_SEGMENTS(S, D) template cudaError_t launch_cast_segments<S, D>(const CastSegments&, cudaStream_t);

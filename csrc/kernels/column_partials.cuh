@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kColsumCols* kColsumRows)
     column_sum_partials_kernel(const float* __restrict__ partials, int64_t slabs, int64_t columns,
                                BT* __restrict__ grad_bias) {
   const int64_t c = int64_t(blockIdx.x) * kColsumCols + threadIdx.x;
-  wait_for_previous_kernel();  // the pass that wrote the partials
+  begin_dependent_kernel();  // the pass that wrote the partials
   const float t = fold_column_sum(partials, slabs, columns, c);
   if (threadIdx.y == 0 && c < columns) grad_bias[c] = from_float<BT>(t);
 }

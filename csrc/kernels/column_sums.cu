@@ -12,6 +12,7 @@ namespace lsmini {
 namespace {
 
 __global__ void __launch_bounds__(kColsumCols* kColsumRows) column_sums_kernel(ColumnSums sums) {
+  begin_dependent_kernel();
   const int j = blockIdx.y;
   const int64_t columns = sums.columns[j];
   if (int64_t(blockIdx.x) * kColsumCols >= columns) return;  // a tile past this job's columns: the whole block leaves
@@ -37,8 +38,8 @@ cudaError_t launch_column_sums(ColumnSums& sums, cudaStream_t stream) {
   for (int j = 0; j < count; ++j) tiles = std::max<int64_t>(tiles, (sums.columns[j] + kColsumCols - 1) / kColsumCols);
   ColumnSums copy = sums;
   copy.count = count;
-  column_sums_kernel<<<dim3(unsigned(tiles), unsigned(count)), dim3(kColsumCols, kColsumRows), 0, stream>>>(copy);
-  return cudaGetLastError();
+  return launch_dependent(column_sums_kernel, dim3(unsigned(tiles), unsigned(count)), dim3(kColsumCols, kColsumRows), 0,
+                          stream, copy);
 }
 
 }  // namespace lsmini

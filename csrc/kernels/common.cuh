@@ -354,12 +354,13 @@ inline int compute_capability() {
 }
 
 // ---- programmatic dependent launch (sm_90+) -------------------------------------------------------------
-// A kernel launched by launch_dependent may be scheduled while the stream's previous kernel still runs, so that its
-// launch and ramp-up hide under that kernel's tail. It calls wait_for_previous_kernel() before its first access to
-// global memory: griddepcontrol.wait returns once the previous kernel has finished and its writes are visible, so
-// the order is that of a plain launch. The previous kernel lets the dependent's blocks in early with
-// allow_dependent_launch(), where only its own last writes are left (else they come in as its blocks exit). Below
-// sm_90 all three are plain stream order.
+// Every kernel of the extension is launched by launch_dependent: it may be scheduled while the stream's previous
+// kernel still runs, so that its launch and ramp-up hide under that kernel's tail. It calls
+// wait_for_previous_kernel() before its first access to global memory (reads and writes alike: the previous kernel
+// may still read what this one writes): griddepcontrol.wait returns once the previous kernel has finished and its
+// writes are visible, so the order is that of a plain launch. A kernel lets the next one's blocks in early with
+// allow_dependent_launch(): at its start (begin_dependent_kernel), or where only its own last writes are left for
+// the kernels whose next launch is their own second pass. Below sm_90 all three are plain stream order.
 __device__ __forceinline__ void wait_for_previous_kernel() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -369,6 +370,12 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+// The first statement of a kernel: wait for the previous kernel, then let the next one's blocks be scheduled into
+// the SM slots this grid's tail leaves free (they wait in turn before touching memory).
+__device__ __forceinline__ void begin_dependent_kernel() {
+  wait_for_previous_kernel();
+  allow_dependent_launch();
 }
 template <typename... Params, typename... Args>
 cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,

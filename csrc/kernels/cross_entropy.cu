@@ -171,6 +171,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
 cross_entropy_bwd_kernel(const float* __restrict__ grad_rows, const T* logits, const int64_t* __restrict__ target,
                          const float* __restrict__ lse_rows, T* grad, int64_t rows, int vocab, int64_t row_stride,
                          int64_t grad_stride, float smoothing, int64_t ignore_index, bool vec_ok) {
+  begin_dependent_kernel();
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= rows) return;
   // The three row scalars are independent loads: issue them together, before the branch.
@@ -196,6 +197,7 @@ cross_entropy_fwd_kernel(T* logits, const int64_t* __restrict__ target, float* _
                          float* __restrict__ nll_rows, float* __restrict__ lse_rows,
                          const float* __restrict__ grad_rows, int64_t rows, int vocab, int64_t row_stride,
                          float smoothing, int64_t ignore_index) {
+  begin_dependent_kernel();
   __shared__ float red_max[32];
   __shared__ float2 red_sum[32];
   // The row group is a whole block when it spans several warps (blockDim.y == 1) or a lone warp
@@ -298,10 +300,9 @@ cudaError_t launch_cross_entropy_fwd(T* logits, const int64_t* target, float* lo
   if (!valid_sizes(rows, vocab, row_stride, cfg.grid)) return cudaErrorInvalidValue;
   const auto kernel = grad_rows != nullptr ? cross_entropy_fwd_kernel<T, Vec16<T>::value, true>
                                            : cross_entropy_fwd_kernel<T, Vec16<T>::value, false>;
-  kernel<<<static_cast<unsigned>(cfg.grid), cfg.block, 0, stream>>>(logits, target, loss_rows, nll_rows, lse_rows,
-                                                                      grad_rows, rows, vocab, row_stride,
-                                                                      label_smoothing, ignore_index);
-  return cudaGetLastError();
+  return launch_dependent(kernel, dim3(static_cast<unsigned>(cfg.grid)), dim3(cfg.block), 0, stream, logits, target,
+                          loss_rows, nll_rows, lse_rows, grad_rows, rows, vocab, row_stride, label_smoothing,
+                          ignore_index);
 }
 
 template <typename T>
@@ -316,10 +317,9 @@ cudaError_t launch_cross_entropy_bwd(const float* grad_rows, const T* logits, co
   // a multiple of 16 bytes.
   const bool vec_ok = reinterpret_cast<uintptr_t>(logits) % 16 == reinterpret_cast<uintptr_t>(grad_logits) % 16 &&
                       (row_stride - grad_stride) * int64_t(sizeof(T)) % 16 == 0;
-  cross_entropy_bwd_kernel<T, Vec16<T>::value><<<static_cast<unsigned>(cfg.grid), cfg.block, 0, stream>>>(
-      grad_rows, logits, target, lse_rows, grad_logits, rows, vocab, row_stride, grad_stride, label_smoothing,
-      ignore_index, vec_ok);
-  return cudaGetLastError();
+  return launch_dependent(cross_entropy_bwd_kernel<T, Vec16<T>::value>, dim3(static_cast<unsigned>(cfg.grid)),
+                          dim3(cfg.block), 0, stream, grad_rows, logits, target, lse_rows, grad_logits, rows, vocab,
+                          row_stride, grad_stride, label_smoothing, ignore_index, vec_ok);
 }
 
 #define LSMINI_INSTANTIATE_CE(T)                                                                               \

@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(kThreads)
                          const T* __restrict__ pos /* row `step` of the table */, int64_t rows, int64_t len,
                          int64_t hidden, int64_t vocab, float scale, int64_t padding_idx, uint32_t threshold,
                          float inv_keep, PhiloxArgs rng) {
+  begin_dependent_kernel();
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= rows) return;
@@ -144,6 +145,7 @@ __global__ void __launch_bounds__(kThreads)
                          const IdT* __restrict__ sorted_ids, const int64_t* __restrict__ order, int64_t rows,
                          int64_t hidden, int64_t vocab, int64_t padding_idx, float factor, uint32_t threshold,
                          PhiloxArgs rng) {
+  begin_dependent_kernel();
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   constexpr int C = static_cast<int>(kEmbeddingBwdChunk);
   __shared__ int64_t s_id[C];
@@ -220,6 +222,7 @@ __global__ void __launch_bounds__(kThreads)
     embedding_bwd_finish_kernel(T* __restrict__ grad_weight, const float* __restrict__ partials,
                                 const IdT* __restrict__ sorted_ids, int64_t rows, int64_t hidden, int64_t vocab,
                                 int64_t padding_idx, float factor) {
+  begin_dependent_kernel();
   __shared__ float s_red[VEC * kThreads];
   constexpr int64_t C = kEmbeddingBwdChunk;
   const int64_t k = blockIdx.x;
@@ -272,6 +275,7 @@ __global__ void __launch_bounds__(kThreads)
                              const T* __restrict__ grad_out, const IdT* __restrict__ tokens, int64_t batch,
                              int64_t len, int64_t hidden, int64_t vocab, int64_t padding_idx, float factor,
                              uint32_t threshold, PhiloxArgs rng) {
+  begin_dependent_kernel();
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   __shared__ float s_red[VEC * kThreads];
   const int64_t j = blockIdx.x;
@@ -325,6 +329,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     embedding_pos_bwd_finish_kernel(T* __restrict__ grad_pos, const float* __restrict__ partials, int64_t n,
                                     int64_t splits, float factor) {
+  begin_dependent_kernel();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float s = 0.f;
@@ -364,17 +369,17 @@ cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, con
   const Shape2D s = row_shape(vec ? hidden / V : hidden, kFwdVecsPerThread);
   const dim3 block(s.x, s.y);
   const dim3 grid(static_cast<unsigned>((rows + s.y - 1) / s.y));
-#define LSMINI_EMB_FWD(VW, DO)                                                                             \
-  embedding_fwd_kernel<T, IdT, VW, DO><<<grid, block, 0, stream>>>(out, tokens, weight, pos, rows, len, hidden, \
-                                                                    vocab, scale, padding_idx, d.threshold,    \
-                                                                    d.inv_keep, rng)
+  cudaError_t err;
+#define LSMINI_EMB_FWD(VW, DO)                                                                                 \
+  err = launch_dependent(embedding_fwd_kernel<T, IdT, VW, DO>, grid, block, 0, stream, out, tokens, weight, pos, \
+                         rows, len, hidden, vocab, scale, padding_idx, d.threshold, d.inv_keep, rng)
   if (vec) {
     if (d.on) LSMINI_EMB_FWD(V, true); else LSMINI_EMB_FWD(V, false);
   } else {
     if (d.on) LSMINI_EMB_FWD(1, true); else LSMINI_EMB_FWD(1, false);
   }
 #undef LSMINI_EMB_FWD
-  return cudaGetLastError();
+  return err;
 }
 
 template <typename T, typename IdT>
@@ -389,31 +394,26 @@ cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_
   const int64_t chunks = (rows + kEmbeddingBwdChunk - 1) / kEmbeddingBwdChunk;
   const int64_t nvec = vec ? hidden / V : hidden;
   const dim3 block1(static_cast<unsigned>(std::min<int64_t>(kThreads, (nvec + 31) / 32 * 32)));
+  cudaError_t err;
 #define LSMINI_EMB_BWD(VW, DO)                                                                               \
-  embedding_bwd_kernel<T, IdT, VW, DO><<<static_cast<unsigned>(chunks), block1, 0, stream>>>(                    \
-      grad_weight, partials, grad_out, sorted_ids, order, rows, hidden, vocab, padding_idx, factor, d.threshold, \
-      rng)
+  err = launch_dependent(embedding_bwd_kernel<T, IdT, VW, DO>, dim3(static_cast<unsigned>(chunks)), block1, 0,     \
+                         stream, grad_weight, partials, grad_out, sorted_ids, order, rows, hidden, vocab, padding_idx, \
+                         factor, d.threshold, rng)
   if (vec) {
     if (d.on) LSMINI_EMB_BWD(V, true); else LSMINI_EMB_BWD(V, false);
   } else {
     if (d.on) LSMINI_EMB_BWD(1, true); else LSMINI_EMB_BWD(1, false);
   }
 #undef LSMINI_EMB_BWD
-  cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || chunks == 1) return err;
   // Finishing blocks: up to 32 threads along hidden (more vectors loop), the rest stride over pieces,
   // so a long run is summed by many lanes at once.
   const int fx = static_cast<int>(std::min<int64_t>(32, row_shape(nvec).x));
   const dim3 block2(fx, kThreads / fx);
   const unsigned grid2 = static_cast<unsigned>(chunks - 1);  // the last chunk never starts a crossing run
-  if (vec) {
-    embedding_bwd_finish_kernel<T, IdT, V><<<grid2, block2, 0, stream>>>(grad_weight, partials, sorted_ids, rows,
-                                                                          hidden, vocab, padding_idx, factor);
-  } else {
-    embedding_bwd_finish_kernel<T, IdT, 1><<<grid2, block2, 0, stream>>>(grad_weight, partials, sorted_ids, rows,
-                                                                          hidden, vocab, padding_idx, factor);
-  }
-  return cudaGetLastError();
+  return launch_dependent(vec ? embedding_bwd_finish_kernel<T, IdT, V> : embedding_bwd_finish_kernel<T, IdT, 1>,
+                          dim3(grid2), block2, 0, stream, grad_weight, partials, sorted_ids, rows, hidden, vocab,
+                          padding_idx, factor);
 }
 
 template <typename T, typename IdT>
@@ -429,22 +429,21 @@ cudaError_t launch_embedding_pos_bwd(T* grad_pos, float* partials, const T* grad
   const Shape2D s = row_shape(vec ? hidden / V : hidden);
   const dim3 block(s.x, s.y);
   const dim3 grid(static_cast<unsigned>(len), static_cast<unsigned>(splits));
-#define LSMINI_EMB_POS_BWD(VW, DO)                                                                      \
-  embedding_pos_bwd_kernel<T, IdT, VW, DO><<<grid, block, 0, stream>>>(gp, partials, grad_out, tokens, batch, \
-                                                                        len, hidden, vocab, padding_idx,     \
-                                                                        d.inv_keep, d.threshold, rng)
+  cudaError_t err;
+#define LSMINI_EMB_POS_BWD(VW, DO)                                                                             \
+  err = launch_dependent(embedding_pos_bwd_kernel<T, IdT, VW, DO>, grid, block, 0, stream, gp, partials, grad_out, \
+                         tokens, batch, len, hidden, vocab, padding_idx, d.inv_keep, d.threshold, rng)
   if (vec) {
     if (d.on) LSMINI_EMB_POS_BWD(V, true); else LSMINI_EMB_POS_BWD(V, false);
   } else {
     if (d.on) LSMINI_EMB_POS_BWD(1, true); else LSMINI_EMB_POS_BWD(1, false);
   }
 #undef LSMINI_EMB_POS_BWD
-  cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || splits == 1) return err;
   const int64_t n = len * hidden;
   const unsigned grid2 = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
-  embedding_pos_bwd_finish_kernel<T><<<grid2, kThreads, 0, stream>>>(gp, partials, n, splits, d.inv_keep);
-  return cudaGetLastError();
+  return launch_dependent(embedding_pos_bwd_finish_kernel<T>, dim3(grid2), dim3(kThreads), 0, stream, gp, partials, n,
+                          splits, d.inv_keep);
 }
 
 #define LSMINI_INSTANTIATE_EMBEDDING(T, IdT)                                                                      \

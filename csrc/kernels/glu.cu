@@ -78,6 +78,7 @@ template <typename T, int V, int ACT, bool DROPOUT>
 __global__ void __launch_bounds__(kGluThreads)
     glu_fwd_kernel(const T* __restrict__ gate, const T* __restrict__ up, int64_t in_stride, T* __restrict__ out,
                    int64_t rows, int64_t cols, uint32_t threshold, float scale, PhiloxArgs rng) {
+  begin_dependent_kernel();
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   const int64_t step = int64_t(gridDim.y) * blockDim.y;
@@ -104,6 +105,7 @@ __global__ void __launch_bounds__(kGluThreads)
     glu_bwd_kernel(const T* __restrict__ grad_out, const T* __restrict__ gate, const T* __restrict__ up,
                    int64_t in_stride, T* __restrict__ grad_gate, T* __restrict__ grad_up, int64_t rows, int64_t cols,
                    uint32_t threshold, float scale, PhiloxArgs rng) {
+  begin_dependent_kernel();
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * V;
   const int64_t step = int64_t(gridDim.y) * blockDim.y;
   int64_t r = int64_t(blockIdx.y) * blockDim.y + threadIdx.y;
@@ -136,8 +138,7 @@ template <typename Kernel, typename... Args>
 cudaError_t launch_grid(Kernel kernel, int64_t rows, int64_t nvec, cudaStream_t stream, Args... args) {
   Tiling t = column_tiling(rows, nvec, kGluThreads);
   t.slabs = std::min<int64_t>((rows + t.by - 1) / t.by, 65535);
-  kernel<<<dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream>>>(args...);
-  return cudaGetLastError();
+  return launch_dependent(kernel, dim3(unsigned(t.tiles_x), unsigned(t.slabs)), dim3(t.bx, t.by), 0, stream, args...);
 }
 
 // Calls f(V, ACT, DROPOUT) as compile-time constants for the runtime vector width, activation and rate.

@@ -151,6 +151,7 @@ template <typename T, typename TB, int V, bool HAS_BIAS>
 __global__ void __launch_bounds__(kThreads)
     split_heads_fwd_kernel(const T* __restrict__ x, const TB* __restrict__ bias, T* __restrict__ out,
                            HeadsGeometry g) {
+  begin_dependent_kernel();
   using P = Pack<T, V>;
   const int cv = blockIdx.x * blockDim.x + threadIdx.x;
   if (cv >= g.row_vecs) return;  // no block-wide sync in this kernel
@@ -189,6 +190,7 @@ template <typename T, int V, bool BIAS_GRAD>
 __global__ void __launch_bounds__(kThreads)
     split_heads_bwd_kernel(const T* __restrict__ grad_out, T* __restrict__ grad_x, float* __restrict__ partials,
                            HeadsGeometry g) {
+  wait_for_previous_kernel();  // before any access to global memory
   using P = Pack<T, V>;
   const int cv = blockIdx.x * blockDim.x + threadIdx.x;
   float acc[V];
@@ -234,8 +236,7 @@ cudaError_t run_to_head_major(const T* x, const TB* bias, T* out, const HeadsGeo
   cudaError_t err = resident_blocks(kernel, 0, &blocks);
   if (err != cudaSuccess) return err;
   const LaunchShape s = launch_shape(g.rows, g.row_vecs, blocks);
-  kernel<<<s.grid, s.block, 0, stream>>>(x, bias, out, g);
-  return cudaGetLastError();
+  return launch_dependent(kernel, s.grid, s.block, 0, stream, x, bias, out, g);
 }
 
 template <typename T, typename TB>
@@ -267,15 +268,14 @@ cudaError_t run_to_token_major(const T* grad_out, T* grad_x, float* partials, in
     LaunchShape s = launch_shape(g.rows, g.row_vecs, blocks);
     if (s.grid.y > *num_partials) s.grid.y = static_cast<unsigned>(*num_partials);
     *num_partials = s.grid.y;
-    kernel<<<s.grid, s.block, smem, stream>>>(grad_out, grad_x, partials, g);
+    return launch_dependent(kernel, s.grid, s.block, smem, stream, grad_out, grad_x, partials, g);
   } else {
     const auto kernel = split_heads_bwd_kernel<T, V, false>;
     cudaError_t err = resident_blocks(kernel, 0, &blocks);
     if (err != cudaSuccess) return err;
     const LaunchShape s = launch_shape(g.rows, g.row_vecs, blocks);
-    kernel<<<s.grid, s.block, 0, stream>>>(grad_out, grad_x, nullptr, g);
+    return launch_dependent(kernel, s.grid, s.block, 0, stream, grad_out, grad_x, nullptr, g);
   }
-  return cudaGetLastError();
 }
 
 // partials == nullptr: no column sums.

@@ -117,6 +117,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads)
 layernorm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, const W* __restrict__ bias,
                      T* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
                      int hidden, float eps, NormResidual<T, W> add, uint32_t threshold, float scale) {
+  begin_dependent_kernel();
   layernorm_fwd_rows<T, W, VEC, VPT, ADD, DROPOUT>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps, add,
                                                    threshold, scale);
 }
@@ -136,6 +137,7 @@ __global__ void LSMINI_FWD_40_REGISTERS
 layernorm_fwd_kernel_40_registers(const T* __restrict__ x, const W* __restrict__ weight,
                                   const W* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
                                   float* __restrict__ rstd_out, int64_t rows, int hidden, float eps) {
+  begin_dependent_kernel();
   layernorm_fwd_rows<T, W, VEC, VPT, false, false>(x, weight, bias, y, mean_out, rstd_out, rows, hidden, eps,
                                                    NormResidual<T, W>{}, 0u, 1.f);
 }
@@ -153,13 +155,12 @@ cudaError_t fwd_dispatch(const T* x, const W* w, const W* b, T* y, float* mean, 
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {
     constexpr int V = decltype(vpt)::value;
     if constexpr (VEC == 8 && V == 2 && !ADD) {  // 16-bit T, 16 elements a thread
-      layernorm_fwd_kernel_40_registers<T, W, VEC, V><<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows,
-                                                                                 hidden, eps);
+      return launch_dependent(layernorm_fwd_kernel_40_registers<T, W, VEC, V>, dim3(unsigned(grid)), block, 0, stream,
+                              x, w, b, y, mean, rstd, rows, hidden, eps);
     } else {
-      layernorm_fwd_kernel<T, W, VEC, V, ADD, DROPOUT>
-          <<<grid, block, 0, stream>>>(x, w, b, y, mean, rstd, rows, hidden, eps, add, threshold, scale);
+      return launch_dependent(layernorm_fwd_kernel<T, W, VEC, V, ADD, DROPOUT>, dim3(unsigned(grid)), block, 0,
+                              stream, x, w, b, y, mean, rstd, rows, hidden, eps, add, threshold, scale);
     }
-    return cudaGetLastError();
   });
 }
 

@@ -14,6 +14,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads)
 layernorm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
                      const float* __restrict__ mean, const float* __restrict__ rstd, const T* add, T* dx,
                      float* __restrict__ part_g, float* __restrict__ part_b, int64_t rows, int hidden) {
+  wait_for_previous_kernel();  // before any access to global memory
   __shared__ float2 smem[32];
   extern __shared__ float fold[];  // [2][R][hidden] when R > 1 and partials are wanted
   const int nvec = hidden / VEC;
@@ -188,7 +189,7 @@ __global__ void layernorm_bwd_reduce_kernel(const float* __restrict__ part_g, co
                                             W* __restrict__ dbias) {
   __shared__ float sg[16][33], sb[16][33];
   const int col = blockIdx.x * 32 + threadIdx.x;
-  wait_for_previous_kernel();  // the backward kernel, which wrote the partials
+  begin_dependent_kernel();  // the backward kernel, which wrote the partials
   float g = 0.f, b = 0.f;
   if (col < hidden) {
 #pragma unroll 4
@@ -226,8 +227,8 @@ cudaError_t bwd_dispatch(const T* dy, const T* x, const W* w, const float* mean,
     const int64_t need = (rows + cfg.R - 1) / cfg.R;
     grid = grid < need ? grid : need;
     *parts_used = grid;
-    kernel<<<grid, block, fold_bytes, stream>>>(dy, x, w, mean, rstd, add, dx, part_g, part_b, rows, hidden);
-    return cudaGetLastError();
+    return launch_dependent(kernel, dim3(unsigned(grid)), block, fold_bytes, stream, dy, x, w, mean, rstd, add, dx,
+                            part_g, part_b, rows, hidden);
   });
 }
 

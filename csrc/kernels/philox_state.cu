@@ -14,6 +14,7 @@
 namespace lsmini {
 
 __global__ void philox_state_fwd_kernel(PhiloxStateDraws draws, int n, int64_t* out) {
+  begin_dependent_kernel();
   const int i = threadIdx.x;
   if (i >= n) return;
   const PhiloxSeedOffset so = resolve_philox(draws.draw[i]);
@@ -23,8 +24,7 @@ __global__ void philox_state_fwd_kernel(PhiloxStateDraws draws, int n, int64_t* 
 
 cudaError_t launch_philox_state_fwd(const PhiloxStateDraws& draws, int n, int64_t* out, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  philox_state_fwd_kernel<<<1, kPhiloxStateMaxDraws, 0, stream>>>(draws, n, out);
-  return cudaGetLastError();
+  return launch_dependent(philox_state_fwd_kernel, dim3(1), dim3(kPhiloxStateMaxDraws), 0, stream, draws, n, out);
 }
 
 }  // namespace lsmini

@@ -69,6 +69,7 @@ template <typename T, typename W>
 __global__ void __launch_bounds__(kWarps * 32)
 qk_norm_fwd_kernel(T* __restrict__ x, int64_t token_stride, T* __restrict__ raw, const W* __restrict__ weight,
                    int64_t rows, int heads, int head_dim, float eps, QkRotary rot) {
+  begin_dependent_kernel();
   __shared__ float stage[kWarps][kQkNormMaxHeadDim];
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.y;
   if (row >= rows) return;  // a whole warp: no shuffle is left without its partners
@@ -109,6 +110,7 @@ template <typename T, typename W>
 __global__ void __launch_bounds__(kWarps * 32, kBwdBlocksPerSm)
 qk_norm_bwd_kernel(T* __restrict__ dout, int64_t token_stride, const T* __restrict__ raw, const W* __restrict__ weight,
                    float* __restrict__ partials, int64_t rows, int heads, int head_dim, float eps, QkRotary rot) {
+  begin_dependent_kernel();
   __shared__ float fold[kWarps][kQkNormMaxHeadDim];
   __shared__ float stage[kWarps][kQkNormMaxHeadDim];
   const int lane = threadIdx.x;
@@ -190,9 +192,8 @@ cudaError_t launch_qk_norm_fwd(T* x, int64_t token_stride, T* raw, const W* weig
   const int64_t rows = tokens * heads;
   if (rows == 0) return cudaSuccess;
   const int64_t blocks = (rows + kWarps - 1) / kWarps;
-  qk_norm_fwd_kernel<T, W><<<unsigned(blocks), dim3(32, kWarps), 0, stream>>>(x, token_stride, raw, weight, rows,
-                                                                               heads, head_dim, eps, rotary);
-  return cudaGetLastError();
+  return launch_dependent(qk_norm_fwd_kernel<T, W>, dim3(unsigned(blocks)), dim3(32, kWarps), 0, stream, x,
+                          token_stride, raw, weight, rows, heads, head_dim, eps, rotary);
 }
 
 template <typename T, typename W>
@@ -207,10 +208,9 @@ cudaError_t launch_qk_norm_bwd(T* dout, int64_t token_stride, const T* raw, cons
   const int64_t parts = qk_norm_bwd_partial_rows(rows);  // 0 rows: none, and the column sums write zeros
   if (rows > 0) {
     if (!partials) return cudaErrorInvalidValue;
-    qk_norm_bwd_kernel<T, W><<<unsigned(parts), dim3(32, kWarps), 0, stream>>>(dout, token_stride, raw, weight,
-                                                                              partials, rows, heads, head_dim, eps,
-                                                                              rotary);
-    const cudaError_t err = cudaGetLastError();
+    const cudaError_t err = launch_dependent(qk_norm_bwd_kernel<T, W>, dim3(unsigned(parts)), dim3(32, kWarps), 0,
+                                             stream, dout, token_stride, raw, weight, partials, rows, heads, head_dim,
+                                             eps, rotary);
     if (err != cudaSuccess) return err;
   }
   return finish_column_partials<W>(partials, parts, head_dim, dweight, sums, stream);

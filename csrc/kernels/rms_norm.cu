@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(kRmsFwdMaxThreads)
 rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ weight, T* __restrict__ y,
                     float* __restrict__ rstd_out, int64_t rows, int hidden, float eps, NormResidual<T, W> add,
                     uint32_t threshold, float scale) {
+  begin_dependent_kernel();
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(add.rng) : PhiloxSeedOffset{0, 0};
   __shared__ float smem[32];
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -108,9 +109,8 @@ cudaError_t fwd_dispatch(const T* x, const W* w, T* y, float* rstd, int64_t rows
   float scale = 1.f;
   if (DROPOUT) dropout_params(add.p, &threshold, &scale);
   return with_vpt<1, (VEC == 1 ? 32 : 32 / VEC)>(cfg.vpt, [&](auto vpt) {
-    rms_norm_fwd_kernel<T, W, VEC, decltype(vpt)::value, ADD, DROPOUT>
-        <<<grid, block, 0, stream>>>(x, w, y, rstd, rows, hidden, eps, add, threshold, scale);
-    return cudaGetLastError();
+    return launch_dependent(rms_norm_fwd_kernel<T, W, VEC, decltype(vpt)::value, ADD, DROPOUT>, dim3(unsigned(grid)),
+                            block, 0, stream, x, w, y, rstd, rows, hidden, eps, add, threshold, scale);
   });
 }
 

@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(NW > 0 ? 32 * kWarpRows : kRmsBwdMaxThreads)
 rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ weight,
                     const float* __restrict__ rstd, const T* __restrict__ add, T* __restrict__ dx,
                     float* __restrict__ partials, int64_t rows, int hidden) {
+  wait_for_previous_kernel();  // before any access to global memory
   constexpr bool WARP = NW > 0;
   static_assert(NW <= 1 || (NW <= 4 && kWarpRows <= 4 * NW), "named barriers 1-4: one a row");
   __shared__ float smem[32];
@@ -183,8 +184,8 @@ cudaError_t bwd_launch(dim3 block, const T* dy, const T* x, const W* w, const fl
     if (partials) grid = std::min(grid, max_parts);
     grid = std::min(grid, (rows + block.y - 1) / block.y);
     *parts_used = grid;
-    kernel<<<unsigned(grid), block, fold_bytes, stream>>>(dy, x, w, rstd, add, dx, partials, rows, hidden);
-    return cudaGetLastError();
+    return launch_dependent(kernel, dim3(unsigned(grid)), block, fold_bytes, stream, dy, x, w, rstd, add, dx, partials,
+                            rows, hidden);
   };
   return add ? launch(rms_norm_bwd_kernel<T, W, VEC, VPT, NW, true>)
              : launch(rms_norm_bwd_kernel<T, W, VEC, VPT, NW, false>);

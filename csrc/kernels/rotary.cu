@@ -204,6 +204,7 @@ __global__ void __launch_bounds__(kRotaryThreads)
 rotary_kernel(RotaryTensors<T> q, RotaryTensors<T> k, const C* __restrict__ cos, const C* __restrict__ sin,
               int64_t cs_stride_batch, int64_t cs_stride_seq, int64_t seq, int64_t items, int64_t chunks, int rot_dim,
               RotaryUnits split, bool backward) {
+  begin_dependent_kernel();
   const int64_t item = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (item >= items) return;  // no block-wide sync follows
   // item = (b·seq + s)·chunks + chunk; 32-bit divisions where the counts allow (the usual case): a 64-bit one is a
@@ -286,17 +287,11 @@ cudaError_t launch_rotary(RotaryTensors<T> q, RotaryTensors<T> k, const C* cos, 
   const int64_t blocks = (items + by - 1) / by;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks)), block(bx, by);
-  if (vec && interleaved) {
-    rotary_kernel<T, C, VW, true><<<grid, block, 0, stream>>>(q, k, cos, sin, cs_stride_batch, cs_stride_seq, seq,
-                                                               items, chunks, rot_dim, split, backward);
-  } else if (vec) {
-    rotary_kernel<T, C, VW, false><<<grid, block, 0, stream>>>(q, k, cos, sin, cs_stride_batch, cs_stride_seq, seq,
-                                                                items, chunks, rot_dim, split, backward);
-  } else {
-    rotary_kernel<T, C, 1, false><<<grid, block, 0, stream>>>(q, k, cos, sin, cs_stride_batch, cs_stride_seq, seq,
-                                                               items, chunks, rot_dim, split, backward);
-  }
-  return cudaGetLastError();
+  const auto kernel = vec && interleaved ? rotary_kernel<T, C, VW, true>
+                      : vec              ? rotary_kernel<T, C, VW, false>
+                                         : rotary_kernel<T, C, 1, false>;
+  return launch_dependent(kernel, grid, block, 0, stream, q, k, cos, sin, cs_stride_batch, cs_stride_seq, seq, items,
+                          chunks, rot_dim, split, backward);
 }
 
 }  // namespace
