@@ -610,16 +610,14 @@ cudaError_t launch_adam_step(T* param, const T* grad, float* master, float* exp_
     cudaError_t err = allow_dynamic_smem(kernel, smem);
     if (err == cudaSuccess) err = grid_for(kernel, kBulkThreads, smem, units, &grid);
     if (err != cudaSuccess) return err;
-    return launch_dependent(kernel, dim3(grid), dim3(kBulkThreads), smem, stream, param, grad, master, exp_avg,
-                            exp_avg_sq, tab, step_in, step_out, lr, inv_scale, scale, ctrl);
+    return launch_dependent(kernel, dim3(unsigned(grid)), dim3(kBulkThreads), smem, stream, param, grad, master,
+                            exp_avg, exp_avg_sq, tab, step_in, step_out, lr, inv_scale, scale, ctrl);
   }
-  {
-    auto kernel = vec ? adam_step_kernel<T, true> : adam_step_kernel<T, false>;
-    const cudaError_t err = grid_for(kernel, kStepThreads, 0, (units + kStepThreads - 1) / kStepThreads, &grid);
-    if (err != cudaSuccess) return err;
-    return launch_dependent(kernel, dim3(grid), dim3(kStepThreads), 0, stream, param, grad, master, exp_avg,
-                            exp_avg_sq, tab, step_in, step_out, lr, inv_scale, scale, ctrl);
-  }
+  auto kernel = vec ? adam_step_kernel<T, true> : adam_step_kernel<T, false>;
+  const cudaError_t err = grid_for(kernel, kStepThreads, 0, (units + kStepThreads - 1) / kStepThreads, &grid);
+  if (err != cudaSuccess) return err;
+  return launch_dependent(kernel, dim3(unsigned(grid)), dim3(kStepThreads), 0, stream, param, grad, master, exp_avg,
+                          exp_avg_sq, tab, step_in, step_out, lr, inv_scale, scale, ctrl);
 }
 
 bool adam_bulk_available() { return compute_capability() >= 90; }
