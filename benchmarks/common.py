@@ -278,19 +278,20 @@ def kernel_summary(prof, steps):
     if cur_e is not None:
         busy += cur_e - cur_s
     wall = (spans[-1][1] - spans[0][0]) if spans else 0.0
-    cats, names = {}, {}
+    cats, names, calls = {}, {}, {}
     for e in kernels:
         dur = e.time_range.end - e.time_range.start
         c = _category(e.name)
         cats[c] = cats.get(c, 0.0) + dur
         names[e.name] = names.get(e.name, 0.0) + dur
-    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+        calls[e.name] = calls.get(e.name, 0) + 1
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:20]
     host = sorted(((e.key[:80], e.count / steps, e.self_cpu_time_total / 1e3 / steps) for e in prof.key_averages()),
                   key=lambda r: -r[2])[:30]
     return {"steps": steps, "kernels_per_step": len(kernels) / steps, "gpu_span_ms": wall / 1e3 / steps,
             "busy_ms": busy / 1e3 / steps, "idle_ms": (wall - busy) / 1e3 / steps,
             "categories_ms": {k: v / 1e3 / steps for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [(n[:110], v / 1e3 / steps) for n, v in top], "host_ops_ms": host}
+            "top_kernels_ms": [(n[:110], calls[n] / steps, v / 1e3 / steps) for n, v in top], "host_ops_ms": host}
 
 
 def profile_report(results):
@@ -308,9 +309,9 @@ def profile_report(results):
         out.append("| where | ms per step | share of busy |\n|---|---|---|")
         for k, v in p["categories_ms"].items():
             out.append(f"| {k} | {v:.2f} | {100 * v / max(p['busy_ms'], 1e-9):.0f}% |")
-        out.append("\n| top kernels | ms per step |\n|---|---|")
-        for n, v in p["top_kernels_ms"]:
-            out.append(f"| `{n}` | {v:.3f} |")
+        out.append("\n| top kernels | calls per step | ms per step | µs a call |\n|---|---|---|---|")
+        for n, calls, v in p["top_kernels_ms"]:
+            out.append(f"| `{n}` | {calls:.1f} | {v:.3f} | {1e3 * v / max(calls, 1e-9):.1f} |")
         out.append("\n| host: ATen operators, CUDA runtime calls | calls per step | own ms per step |\n|---|---|---|")
         for n, calls, v in p["host_ops_ms"][:15]:
             out.append(f"| `{n}` | {calls:.1f} | {v:.3f} |")

@@ -129,8 +129,8 @@ def main():
           f"(idle {k['idle_ms']:.2f}), {k['kernels_per_step']:.0f} kernels")
     for cat, ms in k["categories_ms"].items():
         print(f"  {cat:<16} {ms:7.3f} ms")
-    for name, ms in k["top_kernels_ms"]:
-        print(f"  {ms:7.3f} ms  {name}")
+    for name, calls, ms in k["top_kernels_ms"]:
+        print(f"  {ms:7.3f} ms {calls:6.1f} calls  {name}")
     print("\nhost, ATen operators and CUDA runtime calls by own time (per step: calls, own ms)")
     for name, calls, own in k["host_ops_ms"]:
         print(f"  {calls:7.1f} {own:8.3f}  {name}")

@@ -99,12 +99,13 @@ def test_graph_variants_are_skipped_without_cuda():
 def test_profile_is_reported_by_model_and_variant():
     import common
     profile = {"steps": 5, "kernels_per_step": 40.0, "gpu_span_ms": 2.0, "busy_ms": 1.5, "idle_ms": 0.5,
-               "categories_ms": {"gemm": 1.0, "lsmini fused": 0.5}, "top_kernels_ms": [("gemm_kernel", 1.0)],
+               "categories_ms": {"gemm": 1.0, "lsmini fused": 0.5}, "top_kernels_ms": [("gemm_kernel", 4.0, 1.0)],
                "host_ops_ms": [("aten::mm", 4.0, 0.2)]}
     text = common.profile_report([{"model": "llama", "variant": "lsmini", "ms_step": 2.5, "profile": profile},
                                   {"model": "llama", "variant": "torch", "ms_step": 3.0}])
     assert text.startswith("### llama / lsmini: 2.50 ms per step, 40 kernels per step")
     assert "| gemm | 1.00 | 67% |" in text and "| `aten::mm` | 4.0 | 0.200 |" in text
+    assert "| `gemm_kernel` | 4.0 | 1.000 | 250.0 |" in text
     assert "torch" not in text  # a row without a profile has no section
     args = bench_hf.parse_args(["--profile"])
     assert args.profile
