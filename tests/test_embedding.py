@@ -1,3 +1,4 @@
+import importlib
 import math
 
 import pytest
@@ -280,6 +281,20 @@ def test_padding_row_gets_no_grad_and_learned_pos_grad():
     torch.testing.assert_close(p.grad, expected)
 
 
+def test_backward_op_adds_into_a_given_gradient_on_cpu():
+    tokens, weight, pos, grad = _inputs(3, 7, 8, 6, torch.float32, "cpu", pad=2)
+    state = torch.empty(0, dtype=torch.bool)
+    args = (grad, tokens, state, 6, 7, True, True, 2.0, 2, 0, 0.0)
+    fresh, fresh_pos = torch.ops.lsmini.embedding_backward.default(*args, None)
+    base = torch.randn(6, 8)
+    into = base.clone()
+    gw, gp = torch.ops.lsmini.embedding_backward.default(*args, into)
+    assert gw.numel() == 0 and torch.equal(gp, fresh_pos)
+    torch.testing.assert_close(into, base + fresh)
+    with pytest.raises(ValueError, match="weight_grad_into given with need_weight_grad false"):
+        torch.ops.lsmini.embedding_backward.default(*args[:5], False, *args[6:], into)
+
+
 def test_reference_dropout():
     tokens, weight, pos, _ = _inputs(8, 64, 64, 100, torch.float32, "cpu")
     base = embedding(tokens, weight, pos)
@@ -401,6 +416,76 @@ def test_kernel_single_id_everywhere_and_all_pad(dtype):
     out, gw, gp = _run(lambda w, q: embedding(tokens, w, q, padding_idx=3, learned_positions=True), weight, pos,
                        grad)
     assert not out.any() and not gw.any() and not gp.any()
+
+
+def _spy_grad_into(monkeypatch):
+    """Records what the embedding backward's grad_into returned, call by call."""
+    module = importlib.import_module("lsmini.ops.embedding")  # lsmini.ops.embedding is also the function
+    seen = []
+    real = module.grad_into
+
+    def spy(param, like):
+        seen.append(real(param, like))
+        return seen[-1]
+    monkeypatch.setattr(module, "grad_into", spy)
+    return seen
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_adds_into_the_existing_grad(dtype, monkeypatch):
+    """A table whose .grad autograd would accumulate into gets its gradient added there by the kernels: the
+    same tensor, the rows of ids that do not occur (and the padding row) untouched, the others the old value
+    plus the gradient a fresh backward gives."""
+    seen = _spy_grad_into(monkeypatch)
+    tokens, weight, pos, grad = _inputs(4, 300, 256, 2000, dtype, "cuda", pad=1)
+    fresh = _run(lambda w, q: embedding(tokens, w, q, padding_idx=1), weight, pos, grad, learned=False)[1]
+    assert seen == [None]  # no .grad yet: a fresh table for autograd
+    w = weight.clone().requires_grad_(True)
+    base = torch.randn_like(weight)
+    w.grad = base.clone()
+    held = w.grad
+    embedding(tokens, w, pos, padding_idx=1).backward(grad)
+    assert seen[-1] is held and w.grad is held
+    occurs = torch.zeros(2000, dtype=torch.bool, device="cuda")
+    occurs[tokens.flatten()] = True
+    occurs[1] = False
+    assert torch.equal(w.grad[~occurs], base[~occurs])
+    # one rounding of old + sum, against autograd's two (the sum's, then the add's): within a few rounding steps
+    # of the largest summand (a missing or extra term, about 16 = the scale in size, stays far outside)
+    atol = 4 * torch.finfo(dtype).eps * fresh.abs().max().item()
+    torch.testing.assert_close(w.grad.float(), base.float() + fresh.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.cuda
+def test_kernel_grad_into_keeps_autograd_semantics(monkeypatch):
+    """torch.autograd.grad returns the gradient and leaves .grad alone; a hook on the table sees the gradient and
+    autograd adds what it returns; a table tied to an output projection gets both gradients."""
+    seen = _spy_grad_into(monkeypatch)
+    tokens, weight, pos, grad = _inputs(2, 50, 64, 40, torch.float32, "cuda")
+    fresh = _run(lambda w, q: embedding(tokens, w, q), weight, pos, grad, learned=False)[1]
+    w = weight.clone().requires_grad_(True)
+    base = torch.randn_like(weight)
+    w.grad = base.clone()
+    (g,) = torch.autograd.grad(embedding(tokens, w, pos), w, grad)
+    assert seen[-1] is None and torch.equal(w.grad, base)
+    torch.testing.assert_close(g, fresh)
+    hooked = []
+    handle = w.register_hook(lambda g: hooked.append(g) or 2 * g)
+    embedding(tokens, w, pos).backward(grad)
+    handle.remove()
+    assert seen[-1] is None and len(hooked) == 1
+    torch.testing.assert_close(w.grad, base + 2 * fresh)
+    # (a tensor that ever had a hook keeps autograd's accumulation: a removed hook leaves an empty entry behind)
+    tied = weight.clone().requires_grad_(True)
+    tied.grad = base.clone()
+    h = torch.randn(2, 50, 64, device="cuda")
+    logits = F.linear(embedding(tokens, tied, pos) + h, tied)
+    logits.backward(torch.ones_like(logits))
+    assert seen[-1] is tied.grad
+    v = weight.clone().requires_grad_(True)
+    F.linear(embedding(tokens, v, pos) + h, v).backward(torch.ones_like(logits))
+    torch.testing.assert_close(tied.grad, base + v.grad, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.cuda

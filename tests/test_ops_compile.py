@@ -369,9 +369,11 @@ def _embedding_samples(rand, device, dtype, p, batch, q_len, hidden, vocab, **_)
     out, state = OPS.embedding(tokens, weight, pos, 2.0, 0, 3, p)
     return [(OPS.embedding, (tokens, weight, pos, 2.0, 0, 3, p)),
             (OPS.embedding_backward, (rand(batch, q_len, hidden), tokens, state, vocab, q_len + 4, True, True, 2.0, 0,
-                                     3, p)),
+                                     3, p, None)),
             (OPS.embedding_backward, (rand(batch, q_len, hidden), tokens, state, vocab, q_len + 4, True, False, 2.0,
-                                     -1, 3, p))]
+                                     -1, 3, p, None)),
+            (OPS.embedding_backward, (rand(batch, q_len, hidden), tokens, state, vocab, q_len + 4, True, True, 2.0, 0,
+                                     3, p, rand(vocab, hidden)))]
 
 
 def _bias_dropout_residual_samples(rand, device, dtype, p, rows, hidden, **_):

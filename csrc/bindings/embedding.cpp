@@ -1,7 +1,9 @@
 // Bindings of the fused token embedding (csrc/kernels/embedding.cu):
 //   embedding_fwd(tokens, weight, pos_table, scale, padding_idx, step, dropout_p, rng) -> out
 //   embedding_bwd(grad_out, tokens, vocab, max_positions, need_weight_grad, need_pos_grad, scale,
-//                 padding_idx, step, dropout_p, rng) -> (grad_weight | None, grad_pos | None)
+//                 padding_idx, step, dropout_p, rng, weight_grad_into=None) -> (grad_weight | None, grad_pos | None)
+// With weight_grad_into (a contiguous [vocab, hidden] tensor in grad_out's dtype, e.g. the table's .grad) the
+// token-table gradient is added into it and grad_weight is None.
 // rng: the 4-tuple of lsmini._backend.philox_seed_offset() (common.h's PhiloxTuple), ignored when
 // dropout_p == 0.
 // padding_idx = -1 means "no padding token". Token ids outside [0, vocab) are skipped by the kernels
@@ -85,7 +87,8 @@ at::Tensor embedding_fwd(const at::Tensor& tokens_in, const at::Tensor& weight_i
 std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, const at::Tensor& tokens_in,
                                                  int64_t vocab, int64_t max_positions, bool need_weight_grad,
                                                  bool need_pos_grad, double scale, int64_t padding_idx, int64_t step,
-                                                 double dropout_p, const PhiloxTuple& rng) {
+                                                 double dropout_p, const PhiloxTuple& rng,
+                                                 const std::optional<at::Tensor>& weight_grad_into) {
   const char* op = "embedding_bwd";
   check_tokens(tokens_in, op);
   check_cuda(grad_in, op, "grad_out");
@@ -94,11 +97,22 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, cons
   const int64_t batch = tokens_in.size(0), len = tokens_in.size(1);
   LSMINI_CHECK(grad_in.dim() == 3 && grad_in.size(0) == batch && grad_in.size(1) == len, op,
               ": grad_out must have shape [", batch, ", ", len, ", hidden], got ", grad_in.sizes());
-  LSMINI_CHECK(vocab >= 0, op, ": vocab must be >= 0, got ", vocab);
+  LSMINI_CHECK(vocab >= 0 && vocab < (int64_t{1} << 32), op, ": vocab must be in [0, 2^32), got ", vocab);
+  LSMINI_CHECK(batch * len < (int64_t{1} << 31), op, ": at most 2^31 - 1 tokens a call, got ", batch * len);
   check_common_params(op, vocab, padding_idx, dropout_p);
   check_positions(op, step, len, max_positions);
   const PhiloxArgs philox = philox_args(rng, op);
   const int64_t hidden = grad_in.size(2), rows = batch * len;
+  if (weight_grad_into) {
+    const at::Tensor& into = *weight_grad_into;
+    LSMINI_CHECK(need_weight_grad, op, ": weight_grad_into given with need_weight_grad false");
+    check_cuda(into, op, "weight_grad_into");
+    check_dtype(into, grad_in.scalar_type(), op, "weight_grad_into");
+    check_same_device(grad_in, into, op, "grad_out", "weight_grad_into");
+    LSMINI_CHECK(into.dim() == 2 && into.size(0) == vocab && into.size(1) == hidden && into.is_contiguous(), op,
+                 ": weight_grad_into must be a contiguous [", vocab, ", ", hidden, "] tensor, got shape ",
+                 into.sizes(), into.is_contiguous() ? "" : " (not contiguous)");
+  }
 
   c10::cuda::CUDAGuard guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();
@@ -108,24 +122,23 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, cons
   cudaError_t err = cudaSuccess;
 
   if (need_weight_grad) {
-    grad_weight = at::zeros({vocab, hidden}, grad.options());
+    // the kernels add into the table: the caller's gradient, or zeros (rows of ids that do not occur stay zero)
+    const at::Tensor table = weight_grad_into ? *weight_grad_into : at::zeros({vocab, hidden}, grad.options());
     if (rows > 0 && hidden > 0 && vocab > 0) {
-      // A stable sort keeps each run in original order, so the fp32 sums are bitwise reproducible.
-      at::Tensor sorted_ids, order;
-      std::tie(sorted_ids, order) = at::sort(tokens.reshape({-1}), /*stable=*/true, /*dim=*/0, /*descending=*/false);
-      at::Tensor partials = at::empty({embedding_bwd_partial_floats(rows, hidden)}, f32);
+      const auto bytes = static_cast<int64_t>(embedding_bwd_scratch_bytes(rows, hidden, vocab));
+      at::Tensor scratch = at::empty({bytes}, grad.options().dtype(at::kByte));
       dispatch_float(grad.scalar_type(), op, [&](auto tag) {
         using scalar_t = decltype(tag);
         dispatch_ids(tokens.scalar_type(), [&](auto id_tag) {
           using token_t = decltype(id_tag);
-          err = launch_embedding_bwd(kptr<scalar_t>(grad_weight), partials.data_ptr<float>(), kptr<scalar_t>(grad),
-                                     sorted_ids.data_ptr<token_t>(), order.data_ptr<int64_t>(), rows, hidden, vocab,
-                                     static_cast<float>(scale), padding_idx, static_cast<float>(dropout_p), philox,
-                                     current_stream());
+          err = launch_embedding_bwd(kptr<scalar_t>(table), scratch.data_ptr(), kptr<scalar_t>(grad),
+                                     tokens.data_ptr<token_t>(), rows, hidden, vocab, static_cast<float>(scale),
+                                     padding_idx, static_cast<float>(dropout_p), philox, current_stream());
         });
       });
       check_launch(err, op);
     }
+    if (!weight_grad_into) grad_weight = table;
   }
 
   if (need_pos_grad) {
@@ -156,7 +169,8 @@ void register_embedding(pybind11::module_& m) {
   m.def("embedding_bwd", &embedding_bwd, "gradients of embedding_fwd: (grad_weight | None, grad_pos | None)",
         pybind11::arg("grad_out"), pybind11::arg("tokens"), pybind11::arg("vocab"), pybind11::arg("max_positions"),
         pybind11::arg("need_weight_grad"), pybind11::arg("need_pos_grad"), pybind11::arg("scale"),
-        pybind11::arg("padding_idx"), pybind11::arg("step"), pybind11::arg("dropout_p"), pybind11::arg("rng"));
+        pybind11::arg("padding_idx"), pybind11::arg("step"), pybind11::arg("dropout_p"), pybind11::arg("rng"),
+        pybind11::arg("weight_grad_into") = std::nullopt);
 }
 
 }  // namespace

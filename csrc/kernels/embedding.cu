@@ -12,8 +12,11 @@
  * kernel resolves its PhiloxArgs once on entry (common.cuh), so under CUDA graph capture it reads the
  * (seed, offset) that torch sets before each replay.
  *
- * Backward, token table (dense, deterministic, no atomics): the binding sorts the flat token ids
- * stably, so equal ids form runs of consecutive sorted positions. The sorted array is cut into chunks
+ * Backward, token table (dense, deterministic, no atomics): the flat token ids are sorted stably
+ * (a radix sort over the bits of vocab only: ids that do not count, padding and ids outside [0, vocab),
+ * become the key vocab and sort last), so equal ids form runs of consecutive sorted positions. The
+ * sums are added into grad_weight (a zeroed table, or the parameter's existing gradient): rows of ids
+ * that do not occur are never touched. The sorted array is cut into chunks
  * of kEmbeddingBwdChunk positions, one block each. A run that lies inside one chunk is summed in fp32
  * registers and written to its grad_weight row directly. A run that crosses chunk boundaries leaves
  * fp32 pieces in a scratch buffer (each chunk has at most two: the run it starts with, if that began
@@ -31,6 +34,8 @@
  */
 #include "common.cuh"
 #include "embedding.h"
+
+#include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
 
@@ -134,17 +139,43 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Token-table gradient, the sort's input: key = the id where it counts, else vocab (after every id
+// that counts); value = the flat position, so that a stable sort keeps each run in position order.
+// ---------------------------------------------------------------------------------------------
+template <typename IdT>
+__global__ void __launch_bounds__(kThreads)
+    embedding_bwd_keys_kernel(uint32_t* __restrict__ keys, int32_t* __restrict__ positions,
+                              const IdT* __restrict__ tokens, int64_t rows, int64_t vocab, int64_t padding_idx) {
+  begin_dependent_kernel();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows) return;
+  const int64_t id = static_cast<int64_t>(tokens[i]);
+  keys[i] = static_cast<uint32_t>(is_counted(id, vocab, padding_idx) ? id : vocab);
+  positions[i] = static_cast<int32_t>(i);
+}
+
+// grad_weight[id] += factor · sum, rounded once.
+template <typename T, int VEC>
+__device__ __forceinline__ void add_row(T* dst, const float (&sum)[VEC], float factor) {
+  float o[VEC];
+  load_pack<T, VEC>(dst, o);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) o[k] += sum[k] * factor;
+  store_pack<T, VEC>(dst, o);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Token-table gradient, pass 1: one block per chunk of sorted positions; threads along hidden.
-// Runs are closed when the next sorted id differs. `factor` = scale (· 1/(1−p) with dropout) is applied
-// only where a row is final, so the pieces of a crossing run stay plain sums.
+// Runs are closed when the next sorted key differs. `factor` = scale (· 1/(1−p) with dropout) is applied
+// only where a row is final, so the pieces of a crossing run stay plain sums. Keys equal to vocab (ids
+// that do not count) sort last and are skipped.
 // partials: per chunk, [head piece (hidden floats), tail piece (hidden floats)].
 // ---------------------------------------------------------------------------------------------
-template <typename T, typename IdT, int VEC, bool DROPOUT>
+template <typename T, int VEC, bool DROPOUT>
 __global__ void __launch_bounds__(kThreads)
     embedding_bwd_kernel(T* __restrict__ grad_weight, float* __restrict__ partials, const T* __restrict__ grad_out,
-                         const IdT* __restrict__ sorted_ids, const int64_t* __restrict__ order, int64_t rows,
-                         int64_t hidden, int64_t vocab, int64_t padding_idx, float factor, uint32_t threshold,
-                         PhiloxArgs rng) {
+                         const uint32_t* __restrict__ sorted_keys, const int32_t* __restrict__ order, int64_t rows,
+                         int64_t hidden, int64_t vocab, float factor, uint32_t threshold, PhiloxArgs rng) {
   begin_dependent_kernel();
   const PhiloxSeedOffset philox = DROPOUT ? resolve_philox(rng) : PhiloxSeedOffset{0, 0};
   constexpr int C = static_cast<int>(kEmbeddingBwdChunk);
@@ -154,14 +185,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t p0 = static_cast<int64_t>(blockIdx.x) * C;
   const int n = static_cast<int>(min(static_cast<int64_t>(C), rows - p0));
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    s_id[i] = static_cast<int64_t>(sorted_ids[p0 + i]);
+    s_id[i] = sorted_keys[p0 + i];
     s_row[i] = order[p0 + i];
   }
   if (threadIdx.x == 0) {
     // head: the chunk's first run began in an earlier chunk; tail: its last run goes on in a later one.
-    s_head = p0 > 0 && static_cast<int64_t>(sorted_ids[p0 - 1]) == static_cast<int64_t>(sorted_ids[p0]);
-    s_tail = p0 + n < rows &&
-             static_cast<int64_t>(sorted_ids[p0 + n]) == static_cast<int64_t>(sorted_ids[p0 + n - 1]);
+    s_head = p0 > 0 && sorted_keys[p0 - 1] == sorted_keys[p0];
+    s_tail = p0 + n < rows && sorted_keys[p0 + n] == sorted_keys[p0 + n - 1];
   }
   __syncthreads();
   float* head_piece = partials + static_cast<int64_t>(blockIdx.x) * 2 * hidden;
@@ -177,7 +207,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int i = i0 + u;
-        if (i < n && is_counted(s_id[i], vocab, padding_idx)) {
+        if (i < n && s_id[i] < vocab) {
           const int64_t src = s_row[i] * hidden + c;
           load_pack<T, VEC>(grad_out + src, g[u]);
           // Scale 1: the backward applies 1/(1 − p) with the embedding scale, once per output row.
@@ -194,16 +224,13 @@ __global__ void __launch_bounds__(kThreads)
         for (int k = 0; k < VEC; ++k) acc[k] += g[u][k];
         const int64_t id = s_id[i];
         if (i == n - 1 || s_id[i + 1] != id) {
-          if (is_counted(id, vocab, padding_idx)) {
+          if (id < vocab) {
             if (first_run && s_head) {
               store_pack<float, VEC>(head_piece + c, acc);
             } else if (i == n - 1 && s_tail) {
               store_pack<float, VEC>(tail_piece + c, acc);
             } else {
-              float o[VEC];
-#pragma unroll
-              for (int k = 0; k < VEC; ++k) o[k] = acc[k] * factor;
-              store_pack<T, VEC>(grad_weight + id * hidden + c, o);
+              add_row<T, VEC>(grad_weight + id * hidden + c, acc, factor);
             }
           }
           first_run = false;
@@ -217,26 +244,26 @@ __global__ void __launch_bounds__(kThreads)
 // Token-table gradient, pass 2: block k finishes the run that starts in chunk k and continues past
 // it (if any): its tail piece plus the head pieces of the following chunks the run covers. threadIdx.x
 // walks hidden, threadIdx.y strides over the pieces; lanes are then summed in a fixed order.
-template <typename T, typename IdT, int VEC>
+template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads)
     embedding_bwd_finish_kernel(T* __restrict__ grad_weight, const float* __restrict__ partials,
-                                const IdT* __restrict__ sorted_ids, int64_t rows, int64_t hidden, int64_t vocab,
-                                int64_t padding_idx, float factor) {
+                                const uint32_t* __restrict__ sorted_keys, int64_t rows, int64_t hidden, int64_t vocab,
+                                float factor) {
   begin_dependent_kernel();
   __shared__ float s_red[VEC * kThreads];
   constexpr int64_t C = kEmbeddingBwdChunk;
   const int64_t k = blockIdx.x;
   const int64_t p0 = k * C, p1 = min(p0 + C, rows);
   if (p1 >= rows) return;  // the last chunk's runs cannot continue
-  const int64_t id = static_cast<int64_t>(sorted_ids[p1 - 1]);
-  if (static_cast<int64_t>(sorted_ids[p1]) != id) return;           // last run ends inside chunk k
-  if (p0 > 0 && static_cast<int64_t>(sorted_ids[p0 - 1]) == id) return;  // began earlier: not ours
-  if (!is_counted(id, vocab, padding_idx)) return;
-  // One past the run's last position: the first sorted position ≥ p1 holding another id.
+  const uint32_t id = sorted_keys[p1 - 1];
+  if (sorted_keys[p1] != id) return;                   // last run ends inside chunk k
+  if (p0 > 0 && sorted_keys[p0 - 1] == id) return;     // began earlier: not ours
+  if (id >= vocab) return;                             // ids that do not count
+  // One past the run's last position: the first sorted position ≥ p1 holding another key.
   int64_t lo = p1, hi = rows;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (static_cast<int64_t>(sorted_ids[mid]) == id) lo = mid + 1; else hi = mid;
+    if (sorted_keys[mid] == id) lo = mid + 1; else hi = mid;
   }
   const int64_t pieces = (lo - 1) / C - k + 1;  // piece 0: tail of chunk k; piece q: head of chunk k+q
 
@@ -256,11 +283,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     reduce_over_y<VEC>(acc, s_red);
-    if (threadIdx.y == 0 && active) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) acc[j] *= factor;
-      store_pack<T, VEC>(grad_weight + id * hidden + c, acc);
-    }
+    if (threadIdx.y == 0 && active) add_row<T, VEC>(grad_weight + static_cast<int64_t>(id) * hidden + c, acc, factor);
   }
 }
 
@@ -382,11 +405,64 @@ cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, con
   return err;
 }
 
+namespace {
+
+// Where the token-gradient scratch puts its parts (byte offsets, each 256-aligned), and how many key bits the
+// sort looks at: enough for the key vocab (ids that do not count).
+struct BwdScratch {
+  size_t keys_in, keys_out, pos_in, pos_out, partials, sort, sort_bytes, total;
+  int bits;
+};
+
+inline size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+BwdScratch bwd_scratch(int64_t rows, int64_t hidden, int64_t vocab) {
+  BwdScratch s{};
+  const size_t words = align256(static_cast<size_t>(rows) * 4);
+  s.keys_in = 0;
+  s.keys_out = s.keys_in + words;
+  s.pos_in = s.keys_out + words;
+  s.pos_out = s.pos_in + words;
+  s.partials = s.pos_out + words;
+  const int64_t chunks = (rows + kEmbeddingBwdChunk - 1) / kEmbeddingBwdChunk;
+  s.sort = s.partials + align256(static_cast<size_t>(chunks * 2 * hidden) * sizeof(float));
+  s.bits = 1;
+  while (s.bits < 32 && (uint64_t{1} << s.bits) <= static_cast<uint64_t>(vocab)) ++s.bits;
+  s.sort_bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, s.sort_bytes, static_cast<const uint32_t*>(nullptr),
+                                  static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), static_cast<int>(rows), 0, s.bits);
+  s.total = s.sort + align256(s.sort_bytes);
+  return s;
+}
+
+}  // namespace
+
+size_t embedding_bwd_scratch_bytes(int64_t rows, int64_t hidden, int64_t vocab) {
+  return bwd_scratch(rows, hidden, vocab).total;
+}
+
 template <typename T, typename IdT>
-cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_out, const IdT* sorted_ids,
-                                 const int64_t* order, int64_t rows, int64_t hidden, int64_t vocab, float scale,
-                                 int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream) {
+cudaError_t launch_embedding_bwd(T* grad_weight, void* scratch, const T* grad_out, const IdT* tokens, int64_t rows,
+                                 int64_t hidden, int64_t vocab, float scale, int64_t padding_idx, float dropout_p,
+                                 PhiloxArgs rng, cudaStream_t stream) {
   if (rows == 0 || hidden == 0 || vocab == 0) return cudaSuccess;
+  const BwdScratch sc = bwd_scratch(rows, hidden, vocab);
+  char* base = static_cast<char*>(scratch);
+  auto* keys_in = reinterpret_cast<uint32_t*>(base + sc.keys_in);
+  auto* keys = reinterpret_cast<uint32_t*>(base + sc.keys_out);
+  auto* pos_in = reinterpret_cast<int32_t*>(base + sc.pos_in);
+  auto* order = reinterpret_cast<int32_t*>(base + sc.pos_out);
+  auto* partials = reinterpret_cast<float*>(base + sc.partials);
+  cudaError_t err = launch_dependent(embedding_bwd_keys_kernel<IdT>, dim3(static_cast<unsigned>((rows + kThreads - 1) /
+                                     kThreads)), dim3(kThreads), 0, stream, keys_in, pos_in, tokens, rows, vocab,
+                                     padding_idx);
+  if (err != cudaSuccess) return err;
+  size_t sort_bytes = sc.sort_bytes;
+  err = cub::DeviceRadixSort::SortPairs(base + sc.sort, sort_bytes, keys_in, keys, pos_in, order,
+                                        static_cast<int>(rows), 0, sc.bits, stream);
+  if (err != cudaSuccess) return err;
+
   constexpr int V = Vec16<T>::value;
   const bool vec = hidden % V == 0 && is_aligned(grad_out, 16) && is_aligned(grad_weight, 16);
   const DropoutParams d = dropout_params(dropout_p);
@@ -394,11 +470,9 @@ cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_
   const int64_t chunks = (rows + kEmbeddingBwdChunk - 1) / kEmbeddingBwdChunk;
   const int64_t nvec = vec ? hidden / V : hidden;
   const dim3 block1(static_cast<unsigned>(std::min<int64_t>(kThreads, (nvec + 31) / 32 * 32)));
-  cudaError_t err;
-#define LSMINI_EMB_BWD(VW, DO)                                                                               \
-  err = launch_dependent(embedding_bwd_kernel<T, IdT, VW, DO>, dim3(static_cast<unsigned>(chunks)), block1, 0,     \
-                         stream, grad_weight, partials, grad_out, sorted_ids, order, rows, hidden, vocab, padding_idx, \
-                         factor, d.threshold, rng)
+#define LSMINI_EMB_BWD(VW, DO)                                                                                  \
+  err = launch_dependent(embedding_bwd_kernel<T, VW, DO>, dim3(static_cast<unsigned>(chunks)), block1, 0, stream, \
+                         grad_weight, partials, grad_out, keys, order, rows, hidden, vocab, factor, d.threshold, rng)
   if (vec) {
     if (d.on) LSMINI_EMB_BWD(V, true); else LSMINI_EMB_BWD(V, false);
   } else {
@@ -411,9 +485,8 @@ cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_
   const int fx = static_cast<int>(std::min<int64_t>(32, row_shape(nvec).x));
   const dim3 block2(fx, kThreads / fx);
   const unsigned grid2 = static_cast<unsigned>(chunks - 1);  // the last chunk never starts a crossing run
-  return launch_dependent(vec ? embedding_bwd_finish_kernel<T, IdT, V> : embedding_bwd_finish_kernel<T, IdT, 1>,
-                          dim3(grid2), block2, 0, stream, grad_weight, partials, sorted_ids, rows, hidden, vocab,
-                          padding_idx, factor);
+  return launch_dependent(vec ? embedding_bwd_finish_kernel<T, V> : embedding_bwd_finish_kernel<T, 1>, dim3(grid2),
+                          block2, 0, stream, grad_weight, partials, keys, rows, hidden, vocab, factor);
 }
 
 template <typename T, typename IdT>
@@ -450,9 +523,8 @@ cudaError_t launch_embedding_pos_bwd(T* grad_pos, float* partials, const T* grad
   template cudaError_t launch_embedding_fwd<T, IdT>(T*, const IdT*, const T*, const T*, int64_t, int64_t, int64_t, \
                                                     int64_t, int64_t, float, int64_t, float, PhiloxArgs,           \
                                                     cudaStream_t);                                                 \
-  template cudaError_t launch_embedding_bwd<T, IdT>(T*, float*, const T*, const IdT*, const int64_t*, int64_t,     \
-                                                    int64_t, int64_t, float, int64_t, float, PhiloxArgs,           \
-                                                    cudaStream_t);                                                 \
+  template cudaError_t launch_embedding_bwd<T, IdT>(T*, void*, const T*, const IdT*, int64_t, int64_t, int64_t,  \
+                                                    float, int64_t, float, PhiloxArgs, cudaStream_t);              \
   template cudaError_t launch_embedding_pos_bwd<T, IdT>(T*, float*, const T*, const IdT*, int64_t, int64_t,        \
                                                         int64_t, int64_t, int64_t, int64_t, float, PhiloxArgs,     \
                                                         cudaStream_t);

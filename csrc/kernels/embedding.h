@@ -15,11 +15,10 @@ namespace lsmini {
 // Sorted token positions handled by one block of the token-gradient kernel.
 constexpr int64_t kEmbeddingBwdChunk = 32;
 
-// fp32 scratch (in floats) that launch_embedding_bwd needs for `rows` tokens: two partial rows per chunk.
-inline int64_t embedding_bwd_partial_floats(int64_t rows, int64_t hidden) {
-  const int64_t chunks = (rows + kEmbeddingBwdChunk - 1) / kEmbeddingBwdChunk;
-  return chunks * 2 * hidden;
-}
+// Bytes of scratch launch_embedding_bwd needs for `rows` tokens and a table of `vocab` ids: the sort's keys
+// and positions (in and out), the radix sort's temporary storage and two fp32 partial rows per chunk.
+// rows must be < 2^31 and vocab < 2^32 (the sort's 32-bit positions and keys).
+size_t embedding_bwd_scratch_bytes(int64_t rows, int64_t hidden, int64_t vocab);
 
 // How many slices the batch is cut into for the positional gradient, so that short sequences with a
 // large batch still spread over the whole GPU. When > 1 the binding allocates
@@ -40,13 +39,13 @@ cudaError_t launch_embedding_fwd(T* out, const IdT* tokens, const T* weight, con
                                  int64_t len, int64_t hidden, int64_t vocab, int64_t step, float scale,
                                  int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream);
 
-// grad_weight [vocab, hidden] must be zero on entry (rows of ids that do not occur stay zero).
-// sorted_ids / order: the flat tokens sorted stably ascending and the original flat index of each
-// (at::sort(stable=true)). partials: embedding_bwd_partial_floats(rows, hidden) floats.
+// Adds the token-table gradient into grad_weight [vocab, hidden] (zeros, or a gradient to accumulate into):
+// only the rows of ids that occur and count are read and written. tokens: the flat [rows] ids.
+// scratch: embedding_bwd_scratch_bytes(rows, hidden, vocab) bytes, 16-byte aligned.
 template <typename T, typename IdT>
-cudaError_t launch_embedding_bwd(T* grad_weight, float* partials, const T* grad_out, const IdT* sorted_ids,
-                                 const int64_t* order, int64_t rows, int64_t hidden, int64_t vocab, float scale,
-                                 int64_t padding_idx, float dropout_p, PhiloxArgs rng, cudaStream_t stream);
+cudaError_t launch_embedding_bwd(T* grad_weight, void* scratch, const T* grad_out, const IdT* tokens, int64_t rows,
+                                 int64_t hidden, int64_t vocab, float scale, int64_t padding_idx, float dropout_p,
+                                 PhiloxArgs rng, cudaStream_t stream);
 
 // Writes rows step .. step+len-1 of grad_pos [max_positions, hidden] (the other rows are the caller's
 // to zero). partials: embedding_pos_bwd_splits(batch, len) · len · hidden floats when that is > 1,

@@ -10,7 +10,10 @@ Shapes: tokens [batch, len] (int64 or int32); weight [vocab, hidden]; pos_table 
 positions (incremental decoding: the token at column j sits at position step + j).
 
 Gradients: weight gets a dense [vocab, hidden] gradient (like nn.Embedding without sparse), summed
-in fp32 without atomics and bitwise reproducible; the padding row gets none. pos_table gets a
+in fp32 without atomics and bitwise reproducible; the padding row gets none. Where autograd would add
+it into weight's existing ``.grad`` in this very backward with nothing watching (the layers' rule,
+``lsmini.layers.runtime``), the kernels add it there themselves, touching only the rows of the ids
+that occur, instead of making a full table for autograd to add. pos_table gets a
 gradient when it requires grad (rows step .. step+len-1; pad tokens contribute nothing).
 Dropout element i is the flat index into the [batch, len, hidden] output; the CUDA backward
 regenerates the mask from the call's Philox state ``rng`` (``_backend.philox_seed_offset``), nothing
@@ -27,6 +30,7 @@ generator, is what the backward gets instead.
 - ``sinusoidal_positions``: the fixed positional table; ``check_token_range``: the id range check.
 """
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +39,8 @@ from torch import Tensor
 from lsmini import _backend, limits
 from lsmini.ops.checks import check_dropout_p, check_floating, check_same_device, check_tensor
 from lsmini.ops.dropout import dropout_ref
-from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, keep_mask_or_none,
-                                operator, optional_outputs, state_rng)
+from lsmini.ops.library import (RANDOM_TAGS, draw_dropout_state, draw_keep_mask, fake_dropout_state, grad_into,
+                                keep_mask_or_none, operator, state_rng)
 from lsmini.ops.reference_grads import reference_grads
 
 _TOKEN_DTYPES = (torch.int64, torch.int32)
@@ -112,24 +116,34 @@ def _(tokens, weight, pos_table, scale, padding_idx, step, dropout_p):
     return weight.new_empty(shape), fake_dropout_state(weight, shape, dropout_p)
 
 
-@operator("lsmini::embedding_backward", differentiable=False)
+@operator("lsmini::embedding_backward", mutates_args=("weight_grad_into",), differentiable=False)
 def _embedding_backward_op(grad_out: Tensor, tokens: Tensor, state: Tensor, vocab: int, max_positions: int,
                            need_weight_grad: bool, need_pos_grad: bool, scale: float, padding_idx: int, step: int,
-                           dropout_p: float) -> list[Tensor]:
-    """[grad_weight [vocab, hidden] (when need_weight_grad), grad_pos [max_positions, hidden] (when
-    need_pos_grad)], in grad_out's dtype; the forward's dropout mask applied again (the kernel regenerates
-    it from the Philox state)."""
+                           dropout_p: float, weight_grad_into: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(grad_weight [vocab, hidden], grad_pos [max_positions, hidden]) in grad_out's dtype, each an empty tensor
+    where it is not asked for (two plain tensors, not a list: that keeps an operator with a mutable argument
+    auto-functionalizable); the forward's dropout mask applied again (the kernel regenerates it from the Philox
+    state). With weight_grad_into (contiguous [vocab, hidden] in grad_out's dtype, needs need_weight_grad) the
+    token-table gradient is added into it, and grad_weight is empty."""
     grad_weight, grad_pos = _backend.ext().embedding_bwd(grad_out, tokens, vocab, max_positions, need_weight_grad,
                                                          need_pos_grad, scale, padding_idx, step, dropout_p,
-                                                         state_rng(state, dropout_p))
-    return [g for g in (grad_weight, grad_pos) if g is not None]
+                                                         state_rng(state, dropout_p), weight_grad_into)
+    if weight_grad_into is not None:
+        torch.autograd.graph.increment_version(weight_grad_into)
+    return _or_empty(grad_weight, grad_out), _or_empty(grad_pos, grad_out)
+
+
+def _or_empty(grad, like):
+    return like.new_empty((0,)) if grad is None else grad
 
 
 @_embedding_backward_op.register_kernel("cpu")
 def _embedding_backward_cpu(grad_out, tokens, state, vocab, max_positions, need_weight_grad, need_pos_grad, scale,
-                            padding_idx, step, dropout_p):
+                            padding_idx, step, dropout_p, weight_grad_into):
+    if weight_grad_into is not None and not need_weight_grad:
+        raise ValueError("embedding_backward: weight_grad_into given with need_weight_grad false")
     if not (need_weight_grad or need_pos_grad):
-        return []
+        return _or_empty(None, grad_out), _or_empty(None, grad_out)
     # The op is linear in weight and pos_table: its gradient is the same at every point, so zeros stand in
     # for them (and for the one whose gradient is not asked, a constant here).
     hidden = grad_out.shape[2]
@@ -144,20 +158,25 @@ def _embedding_backward_cpu(grad_out, tokens, state, vocab, max_positions, need_
 
     grads = reference_grads(reference, [weight if need_weight_grad else None, pos_table if need_pos_grad else None],
                             grad_out)
-    return [g for g in grads if g is not None]
+    if weight_grad_into is not None:
+        weight_grad_into.add_(grads[0])
+        grads[0] = None
+    return _or_empty(grads[0], grad_out), _or_empty(grads[1], grad_out)
 
 
 @_embedding_backward_op.register_fake
 def _(grad_out, tokens, state, vocab, max_positions, need_weight_grad, need_pos_grad, scale, padding_idx, step,
-      dropout_p):
+      dropout_p, weight_grad_into):
     hidden = grad_out.shape[2]
-    rows = ([vocab] if need_weight_grad else []) + ([max_positions] if need_pos_grad else [])
-    return [grad_out.new_empty((n, hidden)) for n in rows]
+    weight_rows = vocab if need_weight_grad and weight_grad_into is None else None
+    return tuple(grad_out.new_empty((0,) if n is None else (n, hidden))
+                 for n in (weight_rows, max_positions if need_pos_grad else None))
 
 
 def _embedding_setup_context(ctx, inputs, output):
     tokens, weight, pos_table, scale, padding_idx, step, dropout_p = inputs
     ctx.save_for_backward(tokens, output[1])
+    ctx.weight = weight  # the parameter itself, for grad_into (not its data: nothing of it is read)
     ctx.args = (weight.shape[0], pos_table.shape[0], scale, padding_idx, step, dropout_p)
 
 
@@ -165,10 +184,11 @@ def _embedding_backward(ctx, grad_out, _grad_state):
     tokens, state = ctx.saved_tensors
     vocab, max_positions, scale, padding_idx, step, dropout_p = ctx.args
     need_weight, need_pos = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    grads = torch.ops.lsmini.embedding_backward.default(grad_out, tokens, state, vocab, max_positions, need_weight,
-                                                        need_pos, scale, padding_idx, step, dropout_p)
-    grad_weight, grad_pos = optional_outputs(grads, need_weight, need_pos)
-    return None, grad_weight, grad_pos, None, None, None, None
+    into = grad_into(ctx.weight, grad_out) if need_weight else None
+    grad_weight, grad_pos = torch.ops.lsmini.embedding_backward.default(
+        grad_out, tokens, state, vocab, max_positions, need_weight, need_pos, scale, padding_idx, step, dropout_p, into)
+    return (None, grad_weight if need_weight and into is None else None, grad_pos if need_pos else None, None, None,
+            None, None)
 
 
 _embedding_op.register_autograd(_embedding_backward, setup_context=_embedding_setup_context)

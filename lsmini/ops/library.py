@@ -11,11 +11,13 @@ backward is an operator of its own), which eager and compiled code alike call:
 A custom operator is a pure function of its inputs, which shapes them:
 - Outputs are fresh tensors, never an input nor another output (opcheck checks it): where a binding
   would hand back an input, or one tensor twice, the operator returns something else or nothing there,
-  as its docstring says. The one operator that writes into an input, ``lsmini::cross_entropy_backward_``
-  (the in-place backward ``cross_entropy`` offers), declares it (``mutates_args``) and returns nothing.
+  as its docstring says. The operators that write into an input declare it (``mutates_args``):
+  ``lsmini::cross_entropy_backward_`` (the in-place backward ``cross_entropy`` offers) returns nothing;
+  ``lsmini::embedding_backward`` adds the token-table gradient into a given ``.grad`` (``grad_into``).
 - An operator cannot return None: outputs that exist only for some inputs (a bias gradient when there
   is a bias) come back as a ``list[Tensor]`` holding just the present ones, in a documented order
-  (``optional_outputs`` reads them back).
+  (``optional_outputs`` reads them back), except from an operator with a mutable argument, which returns
+  plain tensors, empty where absent (torch.compile cannot functionalize one that returns a list).
 - Dropout: a forward that draws a dropout mask returns what its backward needs to apply that mask again,
   the dropout state. On CUDA it is the call's Philox state as an int64 tensor [1, 2]
   (``draw_dropout_state``); the backward hands the kernels ``state_rng(state, p)``, which makes them read
@@ -117,6 +119,17 @@ def state_rng(state, p):
     """The rng a backward binding takes to regenerate the mask of the forward that returned ``state``;
     ``_backend.NO_RNG`` when p == 0, by lsmini's convention that a call without dropout reads none."""
     return _backend.rng_in(state, 0) if p > 0 else _backend.NO_RNG
+
+
+def grad_into(param, like):
+    """``param.grad`` where a CUDA backward in ``like``'s dtype may add ``param``'s gradient into it itself instead
+    of returning it: autograd would accumulate into that very tensor in this backward, with nothing watching
+    (``_C.layer_grad_into``'s rule, see ``lsmini.layers.runtime``). None elsewhere, and always in compiled code
+    (a compiled backward returns every gradient)."""
+    if not like.is_cuda or torch.compiler.is_compiling():
+        return None
+    into = _backend.ext().layer_grad_into([param])[0]
+    return into if into is not None and into.dtype == like.dtype else None
 
 
 def optional_outputs(values, *present):
