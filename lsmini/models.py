@@ -2,10 +2,10 @@
 causal language model. Both run on CPU (reference path) and CUDA (fused kernels), with float32
 parameters (also under torch.autocast), float16 or bfloat16."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lsmini.layers import TransformerConfig, TransformerDecoder, TransformerEmbedding, TransformerEncoder
+from lsmini.layers.runtime import output_projection
 
 
 def _check_common(owner, config, padding_idx, vocabs):
@@ -94,7 +94,7 @@ class Transformer(nn.Module):
         _check_tokens("Transformer.decode", "tgt_tokens", tgt_tokens)
         step = cache.get("step", 0) if cache is not None else 0
         y = self.decoder(self.tgt_embed(tgt_tokens, step), encoder_out, encoder_padding_mask, cache)
-        return y if features_only else F.linear(y, self.output_weight())
+        return y if features_only else output_projection(y, self.output_weight())
 
     def forward(self, src_tokens, tgt_tokens, features_only=False):
         encoder_out, mask = self.encode(src_tokens)
@@ -147,7 +147,7 @@ class TransformerLM(nn.Module):
             h = self.decoder(self.embed(tokens, cache.get("step", 0)), mask, causal=True, cache=cache)
             if mask is not None:
                 cache["padding_mask"] = mask
-        return h if features_only else F.linear(h, self.output_weight())
+        return h if features_only else output_projection(h, self.output_weight())
 
     def reorder_cache(self, cache, new_order):
         return self.decoder.reorder_cache(cache, new_order)

@@ -385,3 +385,47 @@ def test_other_head_dims_train_on_the_reference():
     x = torch.randn(2, 5, 60, device="cuda", dtype=torch.float16, requires_grad=True)
     enc(x).float().sum().backward()
     assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in enc.parameters())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_output_projection_adds_its_weight_gradient_into_grad(device, monkeypatch):
+    """output_projection gives F.linear's logits and gradients; on CUDA, where autograd would accumulate into the
+    weight's .grad, the backward's GEMM adds into that very tensor (the old value plus the gradient); with
+    torch.autograd.grad, or a hook on the weight, .grad keeps PyTorch's semantics."""
+    import lsmini.layers.runtime as runtime
+    from lsmini.layers.runtime import output_projection
+    seen = []
+    real = runtime.grad_into
+    monkeypatch.setattr(runtime, "grad_into", lambda p, like: seen.append(real(p, like)) or seen[-1])
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(4)
+    h0 = torch.randn(3, 7, 32, generator=gen).to(device, dtype)
+    w0 = torch.randn(50, 32, generator=gen).to(device, dtype)
+    g = torch.randn(3, 7, 50, generator=gen).to(device, dtype)
+
+    def run(fn, w, **kw):
+        h = h0.clone().requires_grad_()
+        out = fn(h, w)
+        out.backward(g, **kw)
+        return out, h.grad
+
+    w_ref = w0.clone().requires_grad_()
+    ref_out, ref_h = run(torch.nn.functional.linear, w_ref)
+    w = w0.clone().requires_grad_()
+    base = torch.randn(50, 32, generator=gen).to(device, dtype)
+    w.grad = base.clone()
+    held = w.grad
+    out, gh = run(output_projection, w)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(gh, ref_h)
+    assert w.grad is held
+    torch.testing.assert_close(w.grad, base + w_ref.grad)
+    assert seen == ([held] if device == "cuda" else [])
+    (gw,) = torch.autograd.grad(output_projection(h0, w), w, g)
+    torch.testing.assert_close(gw, w_ref.grad)
+    torch.testing.assert_close(w.grad, base + w_ref.grad)
+    handle = w.register_hook(lambda grad: 2 * grad)
+    run(output_projection, w)
+    handle.remove()
+    torch.testing.assert_close(w.grad, base + 3 * w_ref.grad)
+    assert seen == ([held, None, None] if device == "cuda" else [])

@@ -9,7 +9,9 @@ tensors to add their gradients into (a GEMM's beta = 1 instead of a fresh gradie
 in another pass) only for parameters whose ``.grad`` autograd would accumulate into in this very backward,
 with nothing watching (``_C.layer_grad_into`` decides: hooks, ``retain_grad``, ``backward(inputs=...)``,
 ``torch.autograd.grad``, double backward and data-parallel reducers all keep PyTorch's semantics). A compiled
-graph's backward returns every gradient: autograd's accumulation is part of what the compiler traced.
+graph's backward returns every gradient: autograd's accumulation is part of what the compiler traced. A model's
+output projection (``output_projection``) and the token embedding (``lsmini.ops.embedding``) follow the same
+rule for their weights (``lsmini.ops.library.grad_into``).
 
 Cross-attention of a decoder stack: the encoder output is the same input to every layer's K/V projection, so
 one GEMM ([b·ls, H] × [H, L·2W], W = kv_heads·head_dim) gives them all, and each layer takes its K and V as
@@ -27,6 +29,7 @@ from lsmini.layers.reference import reference_layer
 from lsmini.layers.spec import GATED, PARAMS_PER_BLOCK
 from lsmini.ops.attention import fused_attention_supported
 from lsmini.ops.bias_dropout_residual import bias_grad
+from lsmini.ops.library import grad_into
 
 
 def kernel_path(options, x):
@@ -116,6 +119,45 @@ def cross_kv(enc, weight, bias, parts, slots=None):
     weight, bias = cast_block((weight, bias), enc.dtype)
     kv = F.linear(enc, weight, None if bias is None else bias.to(enc.dtype))
     return kv.view(b, ls, parts, weight.shape[0] // parts).unbind(2)
+
+
+class OutputProjectionFunction(torch.autograd.Function):
+    """apply(h [..., H], weight [V, H], both in one dtype) → h · weightᵀ, as F.linear, except that the backward
+    adds the weight's gradient into its .grad with the GEMM itself (beta = 1) where autograd would accumulate it
+    there (``grad_into``: the layers' rule, module docstring), instead of making a fresh [V, H] gradient that
+    autograd then adds in another pass."""
+
+    @staticmethod
+    def forward(ctx, h, weight):
+        ctx.save_for_backward(h, weight)
+        return F.linear(h, weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        grad2d = grad.reshape(-1, grad.shape[-1])
+        grad_h = torch.mm(grad2d, weight).view(h.shape) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            h2d = h.reshape(-1, h.shape[-1])
+            into = grad_into(weight, grad2d)
+            if into is None:
+                grad_weight = torch.mm(grad2d.t(), h2d)
+            else:
+                into.addmm_(grad2d.t(), h2d)
+        return grad_h, grad_weight
+
+
+def output_projection(h, weight):
+    """h · weightᵀ, a model's logits: OutputProjectionFunction in eager CUDA code where h and weight share the
+    dtype autocast (if on) computes in, F.linear elsewhere (CPU, compiled code, mixed dtypes)."""
+    device = h.device.type
+    same = h.dtype == weight.dtype and (not torch.is_autocast_enabled(device)
+                                        or torch.get_autocast_dtype(device) == h.dtype)
+    if h.is_cuda and same and not torch.compiler.is_compiling():
+        return OutputProjectionFunction.apply(h, weight)
+    return F.linear(h, weight)
 
 
 def _contiguous_strides(shape):
