@@ -80,8 +80,9 @@ HEADLINES = [
     ("convert", "nn.Transformer 6+6 d512 h8 ffn2048 vocab8000 post-LN bf16 b128 64/64 masks=per-model cached-compiles",
      "lsmini+compile-graphs", "NVIDIA H200",
      "An nn.Transformer script with `lsmini.convert`, `torch.compile(mode=\"reduce-overhead\")`"),
-    ("training", "llama", "lsmini+graph", "NVIDIA H200",
-     "Training step, Llama-style 125M (RMSNorm, RoPE, SwiGLU, 4 K/V heads), 8 × 1024 tokens, one CUDA graph"),
+    ("training", "llama", "lsmini+graph+saved", "NVIDIA H200",
+     "Training step, Llama-style 125M (RMSNorm, RoPE, SwiGLU, 4 K/V heads), 8 × 1024 tokens, one CUDA graph, "
+     "activations saved (recompute=False)"),
     ("hf", "LlamaForCausalLM 12L d768 h12 kv4 ffn2048 vocab32000 bf16 b8x1024 attn=sdpa", "lsmini+compile-graphs",
      "NVIDIA H200",
      "Hugging Face LlamaForCausalLM 125M with `lsmini.convert`, `torch.compile(mode=\"reduce-overhead\")`"),
