@@ -98,7 +98,8 @@ std::tuple<at::Tensor, at::Tensor> embedding_bwd(const at::Tensor& grad_in, cons
   LSMINI_CHECK(grad_in.dim() == 3 && grad_in.size(0) == batch && grad_in.size(1) == len, op,
               ": grad_out must have shape [", batch, ", ", len, ", hidden], got ", grad_in.sizes());
   LSMINI_CHECK(vocab >= 0 && vocab < (int64_t{1} << 32), op, ": vocab must be in [0, 2^32), got ", vocab);
-  LSMINI_CHECK(batch * len < (int64_t{1} << 31), op, ": at most 2^31 - 1 tokens a call, got ", batch * len);
+  LSMINI_CHECK(!need_weight_grad || batch * len < (int64_t{1} << 31), op,
+               ": the token-table gradient takes at most 2^31 - 1 tokens a call, got ", batch * len);
   check_common_params(op, vocab, padding_idx, dropout_p);
   check_positions(op, step, len, max_positions);
   const PhiloxArgs philox = philox_args(rng, op);

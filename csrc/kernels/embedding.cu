@@ -18,7 +18,7 @@
  * sums are added into grad_weight (a zeroed table, or the parameter's existing gradient): rows of ids
  * that do not occur are never touched. The sorted array is cut into chunks
  * of kEmbeddingBwdChunk positions, one block each. A run that lies inside one chunk is summed in fp32
- * registers and written to its grad_weight row directly. A run that crosses chunk boundaries leaves
+ * registers and added to its grad_weight row directly. A run that crosses chunk boundaries leaves
  * fp32 pieces in a scratch buffer (each chunk has at most two: the run it starts with, if that began
  * earlier, and the run it ends with, if that continues), and a second kernel — one block per chunk
  * in which such a run starts — adds the pieces in a fixed order. Work per block is thus bounded by the
@@ -454,9 +454,9 @@ cudaError_t launch_embedding_bwd(T* grad_weight, void* scratch, const T* grad_ou
   auto* pos_in = reinterpret_cast<int32_t*>(base + sc.pos_in);
   auto* order = reinterpret_cast<int32_t*>(base + sc.pos_out);
   auto* partials = reinterpret_cast<float*>(base + sc.partials);
-  cudaError_t err = launch_dependent(embedding_bwd_keys_kernel<IdT>, dim3(static_cast<unsigned>((rows + kThreads - 1) /
-                                     kThreads)), dim3(kThreads), 0, stream, keys_in, pos_in, tokens, rows, vocab,
-                                     padding_idx);
+  const auto key_blocks = static_cast<unsigned>((rows + kThreads - 1) / kThreads);
+  cudaError_t err = launch_dependent(embedding_bwd_keys_kernel<IdT>, dim3(key_blocks), dim3(kThreads), 0, stream,
+                                     keys_in, pos_in, tokens, rows, vocab, padding_idx);
   if (err != cudaSuccess) return err;
   size_t sort_bytes = sc.sort_bytes;
   err = cub::DeviceRadixSort::SortPairs(base + sc.sort, sort_bytes, keys_in, keys, pos_in, order,
