@@ -612,6 +612,17 @@ def test_kernel_bad_input_errors():
         ext.embedding_fwd(tokens, weight.double(), pos.double(), 4.0, -1, 0, 0.0, (0, 0, 0, 0))
     with pytest.raises(RuntimeError, match=r"embedding_bwd: grad_out must have shape \[2, 5, hidden\]"):
         ext.embedding_bwd(grad[:1], tokens, 10, 5, True, True, 4.0, -1, 0, 0.0, (0, 0, 0, 0))
+    bwd = (10, 5, True, False, 4.0, -1, 0, 0.0, (0, 0, 0, 0))
+    with pytest.raises(RuntimeError, match=r"embedding_bwd: vocab must be in \[0, 2\^32\)"):
+        ext.embedding_bwd(grad, tokens, 1 << 32, *bwd[1:])
+    with pytest.raises(RuntimeError, match="weight_grad_into given with need_weight_grad false"):
+        ext.embedding_bwd(grad, tokens, 10, 5, False, True, *bwd[4:], torch.zeros_like(weight))
+    with pytest.raises(RuntimeError, match="weight_grad_into must be Float, got Half"):
+        ext.embedding_bwd(grad, tokens, *bwd, weight.half())
+    with pytest.raises(RuntimeError, match=r"weight_grad_into must be a contiguous \[10, 16\] tensor"):
+        ext.embedding_bwd(grad, tokens, *bwd, weight[:, :8])
+    with pytest.raises(RuntimeError, match=r"\(not contiguous\)"):
+        ext.embedding_bwd(grad, tokens, *bwd, torch.zeros(16, 10, device="cuda").t())
     with pytest.raises(RuntimeError, match=r"embedding_fwd: rng must be \(seed, offset, 0, 0\)"):
         ext.embedding_fwd(tokens, weight, pos, 4.0, -1, 0, 0.2, (1, 2, 0, 8))
     with pytest.raises(ValueError, match="weight is on cuda"):
